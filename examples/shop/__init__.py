@@ -1,0 +1,1 @@
+"""The example shop: orders charged through the outbox (used by ``outbox demo`` and the tests)."""

@@ -1,0 +1,277 @@
+"""The ``outbox`` console script. Each subcommand lives in the module that owns its concern;
+this file only parses flags, builds settings and turns our errors into one clear line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+import redis
+import sqlalchemy.exc
+
+from . import __version__, settings
+from .exceptions import ConfigError, OutboxError
+
+logger = logging.getLogger(__name__)
+
+EXIT_CONFIG = 2
+EXIT_UNAVAILABLE = 3
+
+Command = Callable[[argparse.Namespace, settings.Settings], int]
+
+
+def _connection_flags(parser: argparse.ArgumentParser, *, redis_url: bool = True) -> None:
+    parser.add_argument(
+        "--database-url", help="PostgreSQL URL, postgresql://… (default: $OUTBOX_DATABASE_URL)"
+    )
+    if redis_url:
+        parser.add_argument("--redis-url", help="Redis URL, redis://… (default: $OUTBOX_REDIS_URL)")
+        parser.add_argument(
+            "--namespace", help="prefix of the broker's Redis keys (default: $OUTBOX_NAMESPACE or outbox)"
+        )
+
+
+def stop_event_on_signals() -> threading.Event:
+    """SIGTERM/SIGINT set an event: the loops finish the batch in hand and exit 0."""
+    stop = threading.Event()
+
+    def handle(signum: int, _frame: Any) -> None:
+        logger.info("received %s, stopping after the work in hand", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+    return stop
+
+
+# -- migrate ---------------------------------------------------------------------------------------
+
+
+def cmd_migrate(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from .db import make_engine
+    from .migrate import upgrade
+
+    engine = make_engine(cfg.require_database_url())
+    try:
+        before, after = upgrade(engine)
+    finally:
+        engine.dispose()
+    if before == after:
+        print(f"outbox schema already at revision {after}; nothing to do")
+    else:
+        print(f"outbox schema migrated from {before or 'empty'} to revision {after}")
+    return 0
+
+
+# -- relay -----------------------------------------------------------------------------------------
+
+
+def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from relay import Relay
+
+    from . import transport
+    from .db import make_engine
+    from .migrate import check_schema
+
+    database_url = cfg.require_database_url()
+    redis_url = cfg.require_redis_url()
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            check_schema(conn)
+    finally:
+        engine.dispose()
+    client = transport.connect(redis_url, socket_connect_timeout=5)
+    try:
+        transport.ensure_safe(client, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
+    finally:
+        client.close()
+    relay = Relay(
+        database_url=database_url,
+        redis_url=redis_url,
+        namespace=cfg.namespace,
+        batch_size=args.batch_size or cfg.relay_batch_size,
+        poll_interval_seconds=cfg.poll_interval_seconds,
+    )
+    if args.once:
+        try:
+            total = relay.drain()
+        finally:
+            relay.close()
+        print(f"relay published {total} rows")
+        return 0
+    stop = stop_event_on_signals()
+    logger.info(
+        "relay started: namespace=%s batch_size=%s poll_interval=%ss",
+        cfg.namespace,
+        relay.batch_size,
+        cfg.poll_interval_seconds,
+    )
+    relay.run_forever(stop)
+    logger.info("relay stopped")
+    return 0
+
+
+# -- worker ----------------------------------------------------------------------------------------
+
+
+def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from . import transport
+    from .handlers import load_module
+    from .worker import run_worker, supervise
+
+    database_url = cfg.require_database_url()
+    redis_url = cfg.require_redis_url()
+    handlers = load_module(args.module)
+    if args.processes < 1 or args.threads < 1:
+        raise ConfigError("--processes and --threads must be at least 1")
+    client = transport.connect(redis_url, socket_connect_timeout=5)
+    try:
+        transport.ensure_safe(client, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
+    finally:
+        client.close()
+    stop = stop_event_on_signals()
+    if args.processes > 1:
+        child_argv = [
+            "worker",
+            args.module,
+            "--processes",
+            "1",
+            "--threads",
+            str(args.threads),
+            "--log-level",
+            args.log_level,
+        ]
+        if args.queues:
+            child_argv += ["--queues", *args.queues]
+        return supervise(child_argv, args.processes, stop)
+    return run_worker(
+        database_url=database_url,
+        redis_url=redis_url,
+        namespace=cfg.namespace,
+        handlers=handlers,
+        queues=args.queues,
+        threads=args.threads,
+        stop=stop,
+    )
+
+
+# -- the parser ------------------------------------------------------------------------------------
+
+#: Other modules add their subcommands here: (name, help, add_arguments, run).
+EXTRA_COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Command]] = []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outbox",
+        description=(
+            "Transactional outbox relay: rows written in your transaction are published to "
+            "Dramatiq on Redis, delivered at most once per claim, and reconciled when the "
+            "outcome is unknown. Settings come from OUTBOX_* environment variables; flags win."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"outbox {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity (default INFO)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser(
+        "migrate",
+        help="apply the packaged migrations (alembic upgrade head)",
+        description="Create or upgrade the outbox tables. Safe to run twice, and concurrently.",
+    )
+    _connection_flags(p, redis_url=False)
+    p.set_defaults(run=cmd_migrate)
+
+    p = sub.add_parser(
+        "relay",
+        help="publish committed pending rows to Redis",
+        description=(
+            "The relay sidecar: claims due pending rows in batches (SKIP LOCKED, so several "
+            "relays may run), publishes them to Dramatiq queues in one Redis pipeline per batch, "
+            "marks them dispatched. Wakes on NOTIFY, polls every OUTBOX_POLL_INTERVAL seconds as "
+            "a fallback. SIGTERM finishes the batch and exits 0. Refuses to start on a Redis "
+            "that may evict keys."
+        ),
+    )
+    _connection_flags(p)
+    p.add_argument("--once", action="store_true", help="drain what is due now, then exit")
+    p.add_argument("--batch-size", type=int, help="rows per batch (default $OUTBOX_RELAY_BATCH_SIZE or 1000)")
+    p.set_defaults(run=cmd_relay)
+
+    p = sub.add_parser(
+        "worker",
+        help="run the handlers of MODULE as Dramatiq workers",
+        description=(
+            "Dramatiq worker for the @outbox.handler functions declared in MODULE: one queue per "
+            "destination. Each message is claimed, handled, recorded and only then acked. "
+            "SIGTERM finishes the messages in hand."
+        ),
+    )
+    _connection_flags(p)
+    p.add_argument("module", help="importable module declaring the handlers, e.g. myapp.handlers")
+    p.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--threads", type=int, default=8, help="threads per process (default 8)")
+    p.add_argument("--queues", nargs="+", metavar="DESTINATION", help="only these destinations")
+    p.set_defaults(run=cmd_worker)
+
+    for name, help_text, add_arguments, run in EXTRA_COMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def _load_extra_commands() -> None:
+    if EXTRA_COMMANDS:
+        return
+    for module in ("reconciler.cli", "outbox.ops", "outbox.demo"):
+        try:
+            mod = __import__(module, fromlist=["COMMANDS"])
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        EXTRA_COMMANDS.extend(mod.COMMANDS)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _load_extra_commands()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .logs import configure
+
+    configure(args.log_level)
+    try:
+        overrides = {
+            "database_url": getattr(args, "database_url", None),
+            "redis_url": getattr(args, "redis_url", None),
+            "namespace": getattr(args, "namespace", None),
+        }
+        cfg = settings.from_env(**overrides)
+        return int(args.run(args, cfg))
+    except ConfigError as exc:
+        print(f"outbox: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as exc:
+        first = str(getattr(exc, "orig", exc)).strip().splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"outbox: cannot reach PostgreSQL: {first}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except redis.ConnectionError as exc:
+        print(f"outbox: cannot reach Redis: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except OutboxError as exc:
+        print(f"outbox: {exc}", file=sys.stderr)
+        return 1

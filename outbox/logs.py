@@ -1,0 +1,40 @@
+"""Log lines as ``time level logger message key=value…``, with the ``extra=`` fields appended.
+
+Values that look like secrets are redacted: payloads and idempotency keys never reach a log.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+_SECRET = re.compile(r"(authorization|idempotency[-_]key|password|secret|token|payload)", re.I)
+
+
+def redact_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {k: ("***" if _SECRET.search(k) else v) for k, v in headers.items()}
+
+
+class KeyValueFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        base = super().format(record)
+        extras = []
+        for name, value in record.__dict__.items():
+            if name in _STANDARD or name.startswith("_"):
+                continue
+            extras.append(f"{name}=***" if _SECRET.search(name) else f"{name}={value}")
+        return f"{base} {' '.join(extras)}" if extras else base
+
+
+def configure(level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(KeyValueFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # Dramatiq logs every consumer restart at INFO; ours are the lines that matter.
+    logging.getLogger("dramatiq").setLevel(max(logging.WARNING, root.level))
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(max(logging.WARNING, root.level))
+    logging.getLogger("apscheduler").setLevel(max(logging.WARNING, root.level))

@@ -1,0 +1,139 @@
+"""Outcome classification and retry policy: what a handler's result means for the row.
+
+Pure functions, no I/O: the consumer and the reconciler ask, the storage layer applies.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+
+from .exceptions import AmbiguousError, PermanentError, RetryableError
+from .handlers import Confirmed, Handler
+
+
+class Outcome(enum.StrEnum):
+    SENT = "sent"
+    RETRY = "retry"  # certainly not taken effect: pending again, or failed when exhausted
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+
+
+#: 4xx answers that do not mean "never": timeout, conflict, too early, too many requests.
+_NOT_PERMANENT_4XX = frozenset({408, 409, 425, 429})
+#: Answers where the provider says it did not process the request.
+_NOT_PROCESSED = frozenset({429, 503})
+
+_MAX_ERROR_CHARS = 500
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    error: str | None = None
+    http_status: int | None = None
+    ref: str | None = None
+    response: dict[str, Any] | None = None
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 1] + "…"
+
+
+def classify_status(status: int) -> Outcome:
+    if status in _NOT_PROCESSED:
+        return Outcome.RETRY
+    if 400 <= status < 500 and status not in _NOT_PERMANENT_4XX:
+        return Outcome.FAILED
+    return Outcome.UNKNOWN
+
+
+def classify_exception(exc: BaseException) -> tuple[Outcome, str, int | None]:
+    """Default classification of what a handler raised: (outcome, reason, http status)."""
+    name = type(exc).__name__
+    if isinstance(exc, PermanentError):
+        return Outcome.FAILED, _short(str(exc) or name), None
+    if isinstance(exc, RetryableError):
+        return Outcome.RETRY, _short(str(exc) or name), None
+    if isinstance(exc, AmbiguousError):
+        return Outcome.UNKNOWN, _short(str(exc) or name), None
+    if isinstance(exc, httpx.HTTPStatusError):
+        status = exc.response.status_code
+        return classify_status(status), f"HTTP {status} from {exc.request.url.host}", status
+    # The request certainly never reached the provider.
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return Outcome.RETRY, f"{name}: the request did not reach the provider", None
+    if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
+        return Outcome.UNKNOWN, f"{name}: no answer within the time limit", None
+    if isinstance(exc, httpx.TransportError):
+        return Outcome.UNKNOWN, f"{name}: the connection broke after the request was sent", None
+    if type(exc).__name__ == "TimeLimitExceeded":
+        return Outcome.UNKNOWN, "the handler hit its time limit", None
+    if isinstance(exc, ValueError) and "JSON" in type(exc).__name__ + str(exc):
+        return Outcome.UNKNOWN, _short(f"the provider's answer is not valid JSON ({exc})"), None
+    # A bug in the handler: it may have raised before or after the call.
+    return Outcome.UNKNOWN, _short(f"handler raised {name}: {exc}"), None
+
+
+def decide_result(result: object) -> Decision:
+    if isinstance(result, Confirmed):
+        return Decision(Outcome.SENT, ref=result.ref, response=result.response)
+    return Decision(
+        Outcome.UNKNOWN,
+        error=f"handler returned {type(result).__name__}, expected outbox.Confirmed; "
+        "the call may have taken effect",
+    )
+
+
+def decide_exception(handler: Handler, exc: BaseException) -> Decision:
+    override = handler.classify(exc) if handler.classify is not None else None
+    if override is not None:
+        outcome, reason, status = Outcome(override), _short(f"{type(exc).__name__}: {exc}"), None
+    else:
+        outcome, reason, status = classify_exception(exc)
+    return Decision(outcome, error=reason, http_status=status)
+
+
+@dataclass(frozen=True)
+class Next:
+    """Where a row goes after a decision: its state, and when it is due again."""
+
+    state: str
+    available_at: datetime | None
+    error: str | None
+
+
+def next_state(
+    handler: Handler,
+    decision: Decision,
+    *,
+    attempt: int,
+    deadline: datetime | None,
+    now: datetime,
+) -> Next:
+    outcome = decision.outcome
+    if outcome is Outcome.UNKNOWN and handler.idempotent:
+        # The provider deduplicates on our key: repeating the call cannot charge twice.
+        outcome = Outcome.RETRY
+    if outcome is Outcome.SENT:
+        return Next("sent", None, None)
+    if outcome is Outcome.FAILED:
+        return Next("failed", None, decision.error)
+    if outcome is Outcome.UNKNOWN:
+        return Next("unknown", now, decision.error)
+    return retry_or_fail(handler, attempt=attempt, deadline=deadline, now=now, error=decision.error)
+
+
+def retry_or_fail(
+    handler: Handler, *, attempt: int, deadline: datetime | None, now: datetime, error: str | None
+) -> Next:
+    if attempt >= handler.max_attempts:
+        return Next("failed", None, f"gave up after {attempt} attempts; last error: {error}")
+    due = now + timedelta(seconds=handler.backoff_seconds(attempt))
+    if deadline is not None and due >= deadline:
+        return Next("failed", None, f"deadline {deadline.isoformat()} reached; last error: {error}")
+    return Next("pending", due, error)

@@ -1,0 +1,163 @@
+"""Configuration from the environment, with command-line flags over it.
+
+Every timing carries its unit in its name and has a documented default and variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .exceptions import ConfigError
+
+DEFAULT_NAMESPACE = "outbox"
+DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_seconds(value: str, name: str) -> float:
+    """``"90"``, ``"90s"``, ``"15m"``, ``"12h"``, ``"7d"`` → seconds."""
+    match = _DURATION.match(value)
+    if not match:
+        raise ConfigError(f"{name}={value!r} is not a duration (examples: 30, 30s, 15m, 12h, 7d)")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def normalize_database_url(url: str) -> str:
+    """Accept the plain ``postgresql://`` form users have and select the psycopg 3 driver."""
+    url = url.strip()
+    for prefix in ("postgresql+psycopg://", "postgresql+psycopg_async://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    raise ConfigError(
+        f"database URL must start with postgresql:// or postgresql+psycopg:// (got {redact_url(url)!r})"
+    )
+
+
+def async_database_url(url: str) -> str:
+    return normalize_database_url(url).replace("postgresql+psycopg://", "postgresql+psycopg_async://", 1)
+
+
+def libpq_url(url: str) -> str:
+    """The URL as psycopg (without SQLAlchemy) wants it."""
+    return "postgresql://" + normalize_database_url(url)[len("postgresql+psycopg://") :]
+
+
+def redact_url(url: str) -> str:
+    """Hide the password of a URL before it reaches a log line or an error message."""
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the processes read from ``OUTBOX_*`` variables; see ``docs/configuration.md``."""
+
+    database_url: str | None = None
+    redis_url: str | None = None
+    #: Prefix of every Redis key the broker writes; must not be shared with caches or sessions.
+    namespace: str = DEFAULT_NAMESPACE
+    #: Relay: fallback poll when no NOTIFY arrives (NOTIFY is not durable).
+    poll_interval_seconds: float = 1.0
+    #: Relay: rows claimed and published per batch.
+    relay_batch_size: int = 1000
+    #: Reconciler: a `dispatched` row unclaimed for this long is re-queued.
+    redispatch_after_seconds: float = 300.0
+    #: Reconciler: `sent` and `cancelled` rows older than this are purged.
+    retention_seconds: float = 7 * 86400.0
+    #: Reconciler: cadence of every job.
+    reconcile_interval_seconds: float = 10.0
+    #: Reconciler: an `unknown` row older than this raises an alert.
+    unknown_alert_after_seconds: float = 3600.0
+    #: Write API: largest encoded payload accepted.
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    #: Start even when Redis may evict keys (never do this in production).
+    allow_evicting_redis: bool = False
+
+    def require_database_url(self) -> str:
+        if not self.database_url:
+            raise ConfigError(
+                "no database configured: set OUTBOX_DATABASE_URL (or pass --database-url), "
+                "e.g. postgresql://user:password@host:5432/dbname"
+            )
+        return normalize_database_url(self.database_url)
+
+    def require_redis_url(self) -> str:
+        if not self.redis_url:
+            raise ConfigError(
+                "no Redis configured: set OUTBOX_REDIS_URL (or pass --redis-url), e.g. redis://host:6379/0"
+            )
+        return self.redis_url
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+#: Environment variable → (field, parser). Read by `Settings.from_env` and by the compose test.
+ENVIRONMENT: dict[str, str] = {
+    "OUTBOX_DATABASE_URL": "database_url",
+    "OUTBOX_REDIS_URL": "redis_url",
+    "OUTBOX_NAMESPACE": "namespace",
+    "OUTBOX_POLL_INTERVAL": "poll_interval_seconds",
+    "OUTBOX_RELAY_BATCH_SIZE": "relay_batch_size",
+    "OUTBOX_REDISPATCH_AFTER": "redispatch_after_seconds",
+    "OUTBOX_RETENTION": "retention_seconds",
+    "OUTBOX_RECONCILE_INTERVAL": "reconcile_interval_seconds",
+    "OUTBOX_UNKNOWN_ALERT_AFTER": "unknown_alert_after_seconds",
+    "OUTBOX_MAX_PAYLOAD_BYTES": "max_payload_bytes",
+    "OUTBOX_ALLOW_EVICTING_REDIS": "allow_evicting_redis",
+}
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _parse(field: dataclasses.Field[Any], name: str, raw: str) -> Any:
+    if field.name.endswith("_seconds"):
+        seconds = parse_seconds(raw, name)
+        if seconds <= 0:
+            raise ConfigError(f"{name}={raw!r} must be greater than zero")
+        return seconds
+    if field.type in ("int", int):
+        try:
+            number = int(raw)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a whole number") from None
+        if number <= 0:
+            raise ConfigError(f"{name}={raw!r} must be greater than zero")
+        return number
+    if field.type in ("bool", bool):
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{name}={raw!r} is not a boolean (use true or false)")
+    return raw.strip() or None
+
+
+def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    """Read ``OUTBOX_*`` variables; keyword overrides (command-line flags) win when not None."""
+    environ = os.environ if environ is None else environ
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    values: dict[str, Any] = {}
+    for name, field_name in ENVIRONMENT.items():
+        raw = environ.get(name)
+        if raw is not None and raw != "":
+            values[field_name] = _parse(fields[field_name], name, raw)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    settings = Settings(**values)
+    if not _NAMESPACE_RE.match(settings.namespace):
+        raise ConfigError(
+            f"OUTBOX_NAMESPACE={settings.namespace!r} must be 1-64 characters of letters, "
+            "digits, '_', '.', '-'"
+        )
+    if settings.database_url:
+        normalize_database_url(settings.database_url)
+    return settings

@@ -1,0 +1,1 @@
+"""Test helpers for outbox: a local payment provider simulator."""

@@ -1,0 +1,768 @@
+"""A payment provider simulator: a real HTTP server on loopback for tests, benchmarks and demos.
+
+The simulator charges cards the way a real provider would, except that it can be told to
+misbehave: fail before or after charging, drop the connection after charging, hang after
+charging, or answer garbage. Every side effect is counted per idempotency key, so a test can
+assert "exactly one charge per key" and see precisely which keys were charged twice.
+
+HTTP interface::
+
+    POST /charges                       Idempotency-Key header required; JSON object body
+    GET  /charges?idempotency_key=K     the latest charge for K, or 404
+    GET  /_stats                        effect counters (see ``ProviderSimulator.stats``)
+    POST /_config                       update configuration; answers the whole config
+    POST /_reset                        forget charges and counters, restore the start config
+
+Command line::
+
+    python -m outbox.testing.provider --port 8099 --dedupe --ready-file /tmp/provider.url
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import signal
+import socket
+import socketserver
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Final, Literal, cast
+from urllib.parse import parse_qs, urlsplit
+
+__all__ = ["FAULT_MODES", "ProviderSimulator", "main"]
+
+logger = logging.getLogger(__name__)
+
+FaultMode = Literal["fail_before", "fail_after", "drop_after", "hang_after", "garbage"]
+FAULT_MODES: Final[tuple[FaultMode, ...]] = (
+    "fail_before",
+    "fail_after",
+    "drop_after",
+    "hang_after",
+    "garbage",
+)
+
+_LOOPBACK_HOSTS: Final = frozenset({"127.0.0.1", "localhost", "::1"})
+_GARBAGE_BODY: Final = b"not json{"
+# A request body larger than this is not a charge; refusing it keeps a buggy client from
+# making the simulator allocate unbounded memory.
+_MAX_BODY_BYTES: Final = 1 << 20
+# Bounded so that stop() returns even if a handler is stuck somewhere unexpected.
+_STOP_JOIN_SECONDS: Final = 5.0
+
+
+class _BadRequest(Exception):
+    """A client error that becomes a 400 answer naming the problem."""
+
+
+@dataclass
+class _Config:
+    dedupe: bool = False
+    latency_ms: float = 0.0
+    fail_before_rate: float = 0.0
+    fail_after_rate: float = 0.0
+    drop_after_rate: float = 0.0
+    hang_after_rate: float = 0.0
+    hang_seconds: float = 30.0
+    lookup_fail: bool = False
+    seed: int | None = None
+    fault_keys: dict[str, FaultMode] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["fault_keys"] = dict(self.fault_keys)
+        return out
+
+
+_CONFIG_FIELDS: Final = frozenset(f.name for f in fields(_Config))
+_RATE_FIELDS: Final = frozenset({"fail_before_rate", "fail_after_rate", "drop_after_rate", "hang_after_rate"})
+
+
+def _as_bool(name: str, value: object) -> bool:
+    # Strict: "false" or 0 silently meaning something would hide mistakes in test setup.
+    if not isinstance(value, bool):
+        raise ValueError(f"config field {name!r} must be a boolean, got {value!r}")
+    return value
+
+
+def _as_number(name: str, value: object) -> float:
+    # bool is an int subclass; True as a rate is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"config field {name!r} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"config field {name!r} must be a finite number >= 0, got {value!r}")
+    if name in _RATE_FIELDS and number > 1:
+        raise ValueError(f"config field {name!r} must be between 0 and 1, got {value!r}")
+    return number
+
+
+def _as_fault_keys(value: object) -> dict[str, FaultMode]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"config field 'fault_keys' must be an object, got {value!r}")
+    out: dict[str, FaultMode] = {}
+    for key, mode in value.items():
+        if not isinstance(key, str) or mode not in FAULT_MODES:
+            raise ValueError(
+                f"config field 'fault_keys' maps idempotency keys to one of "
+                f"{', '.join(FAULT_MODES)}; got {key!r}: {mode!r}"
+            )
+        out[key] = cast(FaultMode, mode)
+    return out
+
+
+def _apply_config(config: _Config, updates: Mapping[str, object]) -> _Config:
+    """Validate every field before changing anything, so a bad update has no partial effect."""
+    unknown = sorted(set(updates) - _CONFIG_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"unknown config field(s): {', '.join(unknown)}; "
+            f"known fields: {', '.join(sorted(_CONFIG_FIELDS))}"
+        )
+    new = replace(config, fault_keys=dict(config.fault_keys))
+    for name, value in updates.items():
+        if name in ("dedupe", "lookup_fail"):
+            setattr(new, name, _as_bool(name, value))
+        elif name == "seed":
+            # None reseeds from system randomness, like random.seed(None).
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"config field 'seed' must be an integer or null, got {value!r}")
+            new.seed = value
+        elif name == "fault_keys":
+            # Merged rather than replaced, so a test can arm faults one key at a time.
+            new.fault_keys.update(_as_fault_keys(value))
+        else:
+            setattr(new, name, _as_number(name, value))
+    return new
+
+
+@dataclass
+class _Outcome:
+    """What the handler must do once the state lock is released."""
+
+    status: int
+    body: dict[str, Any]
+    fault: FaultMode | None = None
+
+
+class _State:
+    """All mutable simulator state, behind one lock: handlers run on many threads."""
+
+    def __init__(self, baseline: _Config) -> None:
+        self._lock = threading.Lock()
+        self._baseline = baseline
+        self._rng = random.Random()
+        self._clear()
+
+    def _clear(self) -> None:
+        self._config = replace(self._baseline, fault_keys=dict(self._baseline.fault_keys))
+        self._rng.seed(self._baseline.seed)
+        self._next_id = 1
+        self._charges: dict[str, dict[str, Any]] = {}
+        self._effects: dict[str, int] = {}
+        self._requests = 0
+        self._deduplicated = 0
+        self._declined = 0
+        self._faults: dict[str, int] = dict.fromkeys(FAULT_MODES, 0)
+
+    def config(self) -> _Config:
+        with self._lock:
+            return replace(self._config, fault_keys=dict(self._config.fault_keys))
+
+    def configure(self, updates: Mapping[str, object]) -> dict[str, Any]:
+        with self._lock:
+            self._config = _apply_config(self._config, updates)
+            if "seed" in updates:
+                self._rng.seed(self._config.seed)
+            return self._config.as_dict()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._clear()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "effects": dict(self._effects),
+                "charges": sum(self._effects.values()),
+                "requests": self._requests,
+                "deduplicated": self._deduplicated,
+                "declined": self._declined,
+                "double_charged": sorted(k for k, n in self._effects.items() if n > 1),
+                "faults": dict(self._faults),
+            }
+
+    def count_request(self) -> None:
+        with self._lock:
+            self._requests += 1
+
+    def lookup(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            charge = self._charges.get(key)
+            return dict(charge) if charge is not None else None
+
+    def charge(self, key: str, body: Mapping[str, Any]) -> _Outcome:
+        with self._lock:
+            cfg = self._config
+            # A keyed fault wins over random ones so tests stay deterministic whatever the rates.
+            fault = cfg.fault_keys.pop(key, None)
+            if fault is None and self._rng.random() < cfg.fail_before_rate:
+                fault = "fail_before"
+            if fault == "fail_before":
+                self._faults["fail_before"] += 1
+                return _Outcome(503, {"error": "provider unavailable (simulated)"}, "fail_before")
+
+            if fault is None:
+                # One draw for all after-faults keeps each configured rate exact while
+                # their sum is <= 1.
+                draw = self._rng.random()
+                threshold = 0.0
+                after: tuple[tuple[FaultMode, float], ...] = (
+                    ("drop_after", cfg.drop_after_rate),
+                    ("hang_after", cfg.hang_after_rate),
+                    ("fail_after", cfg.fail_after_rate),
+                )
+                for mode, rate in after:
+                    threshold += rate
+                    if draw < threshold:
+                        fault = mode
+                        break
+            if fault is not None:
+                self._faults[fault] += 1
+
+            existing = self._charges.get(key)
+            if cfg.dedupe and existing is not None:
+                self._deduplicated += 1
+                return _Outcome(200, dict(existing), fault)
+
+            amount = body.get("amount_cents")
+            if isinstance(amount, int | float) and not isinstance(amount, bool) and amount < 0:
+                self._declined += 1
+                return _Outcome(402, {"error": "card declined"}, fault)
+
+            charge: dict[str, Any] = {
+                "id": f"ch_{self._next_id}",
+                "idempotency_key": key,
+                "amount_cents": amount,
+                "currency": body.get("currency"),
+                "status": "succeeded",
+            }
+            self._next_id += 1
+            self._charges[key] = charge
+            self._effects[key] = self._effects.get(key, 0) + 1
+            return _Outcome(200, dict(charge), fault)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    # Headers and body go out in separate writes; with Nagle on, delayed ACKs would add
+    # ~40 ms to every keep-alive response.
+    disable_nagle_algorithm = True
+    server_version = "outbox-provider-simulator"
+
+    @property
+    def _server(self) -> _Server:
+        return cast(_Server, self.server)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # One line per request would swamp benchmark output and slow the server down.
+        return
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            # Without Content-Length we cannot find the next request on this connection.
+            self.close_connection = True
+            raise _BadRequest("chunked request bodies are not supported; send Content-Length")
+        raw_length = self.headers.get("Content-Length", "0")
+        try:
+            length = int(raw_length)
+        except ValueError:
+            self.close_connection = True
+            raise _BadRequest(f"bad Content-Length {raw_length!r}") from None
+        if length < 0 or length > _MAX_BODY_BYTES:
+            self.close_connection = True
+            raise _BadRequest(f"Content-Length {length} out of range")
+        return self.rfile.read(length) if length else b""
+
+    def _read_json_object(self) -> dict[str, Any]:
+        raw = self._read_body()
+        try:
+            value = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise _BadRequest("request body is not valid JSON") from None
+        if not isinstance(value, dict):
+            raise _BadRequest("request body must be a JSON object")
+        return value
+
+    def _send(self, status: int, payload: bytes) -> None:
+        try:
+            self.send_response_only(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(payload)
+        except OSError:
+            # The client gave up (e.g. its read timeout fired during a hang); nothing to tell.
+            self.close_connection = True
+
+    def _send_json(self, status: int, body: Mapping[str, Any]) -> None:
+        self._send(status, json.dumps(body, separators=(",", ":")).encode())
+
+    def _drop(self) -> None:
+        # Simulates a response lost on the wire: the charge happened, the client never hears.
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.connection.close()
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep unless the server is stopping; True means the server is stopping."""
+        return seconds > 0 and self._server.stopping.wait(seconds)
+
+    def _dispatch(self, method: str) -> None:
+        path = urlsplit(self.path).path
+        routes = {
+            ("POST", "/charges"): self._post_charge,
+            ("GET", "/charges"): self._get_charge,
+            ("GET", "/_stats"): self._get_stats,
+            ("POST", "/_config"): self._post_config,
+            ("POST", "/_reset"): self._post_reset,
+        }
+        try:
+            route = routes.get((method, path))
+            if route is None:
+                # Drain any body so the keep-alive connection stays in sync.
+                self._read_body()
+                self._send_json(404, {"error": f"no route for {method} {path}"})
+                return
+            route()
+        except _BadRequest as exc:
+            self._send_json(400, {"error": str(exc)})
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_PATCH(self) -> None:
+        self._dispatch("PATCH")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    # -- routes -------------------------------------------------------------------------
+
+    def _post_charge(self) -> None:
+        state = self._server.state
+        state.count_request()
+        config = state.config()
+        if self._sleep(config.latency_ms / 1000):
+            self._drop()
+            return
+        body = self._read_json_object()
+        key = self.headers.get("Idempotency-Key", "").strip()
+        if not key:
+            raise _BadRequest("missing Idempotency-Key header")
+
+        outcome = state.charge(key, body)
+        if outcome.fault in (None, "fail_before"):
+            self._send_json(outcome.status, outcome.body)
+        elif outcome.fault == "fail_after":
+            self._send_json(500, {"error": "internal error after charging (simulated)"})
+        elif outcome.fault == "drop_after":
+            self._drop()
+        elif outcome.fault == "garbage":
+            self._send(200, _GARBAGE_BODY)
+        elif outcome.fault == "hang_after":
+            if self._sleep(state.config().hang_seconds):
+                self._drop()
+            else:
+                self._send_json(outcome.status, outcome.body)
+
+    def _get_charge(self) -> None:
+        self._read_body()
+        config = self._server.state.config()
+        if self._sleep(config.latency_ms / 1000):
+            self._drop()
+            return
+        if config.lookup_fail:
+            self._send_json(503, {"error": "lookup unavailable (simulated)"})
+            return
+        keys = parse_qs(urlsplit(self.path).query).get("idempotency_key")
+        if not keys or not keys[0]:
+            raise _BadRequest("missing idempotency_key query parameter")
+        charge = self._server.state.lookup(keys[0])
+        if charge is None:
+            self._send_json(404, {"error": "no such charge"})
+        else:
+            self._send_json(200, charge)
+
+    def _get_stats(self) -> None:
+        self._read_body()
+        self._send_json(200, self._server.state.stats())
+
+    def _post_config(self) -> None:
+        updates = self._read_json_object()
+        try:
+            config = self._server.state.configure(updates)
+        except ValueError as exc:
+            raise _BadRequest(str(exc)) from None
+        self._send_json(200, config)
+
+    def _post_reset(self) -> None:
+        self._read_body()
+        self._server.state.reset()
+        self._send_json(200, {"reset": True})
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # We join handler threads ourselves, with a bound, in close_all(); the stdlib join has none.
+    block_on_close = False
+    request_queue_size = 1024
+
+    def __init__(self, address: tuple[str, int], family: socket.AddressFamily, state: _State) -> None:
+        self.address_family = family
+        self.state = state
+        self.stopping = threading.Event()
+        self._tracked_lock = threading.Lock()
+        self._tracked_conns: set[socket.socket] = set()
+        self._tracked_threads: set[threading.Thread] = set()
+        super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind calls socket.getfqdn(), a reverse DNS lookup we do not need.
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name = str(host)
+        self.server_port = int(port)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        thread = threading.Thread(
+            target=self._run_request,
+            args=(request, client_address),
+            name=f"provider-sim-{client_address}",
+            daemon=True,
+        )
+        with self._tracked_lock:
+            self._tracked_conns.add(request)
+            self._tracked_threads.add(thread)
+        thread.start()
+
+    def _run_request(self, request: Any, client_address: Any) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            with self._tracked_lock:
+                self._tracked_conns.discard(request)
+                self._tracked_threads.discard(threading.current_thread())
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # The default prints a traceback to stderr; client disconnects are routine here.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):
+            logger.debug("client %s disconnected: %s", client_address, exc)
+        else:
+            logger.exception("provider simulator handler failed for %s", client_address)
+
+    def close_all(self) -> None:
+        """Wake sleeping handlers and cut idle keep-alive connections, then join handlers."""
+        self.stopping.set()
+        with self._tracked_lock:
+            conns = list(self._tracked_conns)
+            threads = list(self._tracked_threads)
+        for conn in conns:
+            # Unblocks handlers waiting in readline() for the next keep-alive request.
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in threads:
+            thread.join(_STOP_JOIN_SECONDS)
+            if thread.is_alive():
+                logger.warning("provider simulator handler %s did not stop", thread.name)
+
+
+def _resolve_loopback(host: str) -> tuple[str, socket.AddressFamily]:
+    if host not in _LOOPBACK_HOSTS:
+        raise ValueError(
+            f"the provider simulator only binds loopback (127.0.0.1, localhost, ::1), not {host!r}"
+        )
+    if host == "::1":
+        return host, socket.AF_INET6
+    # "localhost" may resolve to ::1 or 127.0.0.1 depending on the system; pin it.
+    return "127.0.0.1", socket.AF_INET
+
+
+class ProviderSimulator:
+    """A fake payment provider served over HTTP on loopback.
+
+    Use as a context manager::
+
+        with ProviderSimulator(dedupe=True) as provider:
+            httpx.post(f"{provider.url}/charges", json={...}, headers={"Idempotency-Key": k})
+            assert provider.stats()["double_charged"] == []
+
+    ``reset()`` (and ``POST /_reset``) restores the configuration given to the constructor.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, dedupe: bool = False) -> None:
+        self._host, self._family = _resolve_loopback(host)
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be between 0 and 65535, got {port}")
+        self._port = port
+        self._state = _State(_apply_config(_Config(), {"dedupe": dedupe}))
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def _with_config(cls, host: str, port: int, config: Mapping[str, object]) -> ProviderSimulator:
+        sim = cls(host, port)
+        sim._state = _State(_apply_config(_Config(), config))
+        return sim
+
+    def start(self) -> ProviderSimulator:
+        """Bind and serve in a daemon thread; returns self so ``start()`` can be chained."""
+        if self._server is not None:
+            raise RuntimeError("provider simulator already started")
+        server = _Server((self._host, self._port), self._family, self._state)
+        thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="provider-simulator",
+            daemon=True,
+        )
+        self._server, self._thread = server, thread
+        thread.start()
+        logger.debug("provider simulator listening on %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, cut open connections and release the port; safe to call twice."""
+        server, thread = self._server, self._thread
+        if server is None or thread is None:
+            return
+        self._server = self._thread = None
+        server.shutdown()
+        thread.join()
+        server.close_all()
+        server.server_close()
+        logger.debug("provider simulator stopped")
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:41234``; only known once started."""
+        if self._server is None:
+            raise RuntimeError("provider simulator is not running")
+        port = self._server.server_port
+        host = f"[{self._host}]" if self._family == socket.AF_INET6 else self._host
+        return f"http://{host}:{port}"
+
+    def stats(self) -> dict[str, Any]:
+        """Same as ``GET /_stats``.
+
+        Keys: ``effects`` (key -> charges made), ``charges`` (sum of effects), ``requests``
+        (``POST /charges`` received), ``deduplicated``, ``declined``, ``double_charged``
+        (sorted keys with more than one effect) and ``faults`` (mode -> times injected).
+        """
+        return self._state.stats()
+
+    def configure(self, **fields: Any) -> dict[str, Any]:
+        """Same as ``POST /_config``: update fields, return the whole config.
+
+        Raises ValueError naming an unknown or invalid field; nothing changes then.
+        """
+        return self._state.configure(fields)
+
+    def reset(self) -> None:
+        """Same as ``POST /_reset``: forget charges and counters, restore the start config."""
+        self._state.reset()
+
+    def __enter__(self) -> ProviderSimulator:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _write_ready_file(path: Path, url: str) -> None:
+    # Written under a temporary name and renamed, so a poller never reads a partial URL.
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(url)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m outbox.testing.provider",
+        description=(
+            "Run the payment provider simulator on 127.0.0.1 until SIGTERM or SIGINT. "
+            "It serves POST /charges (Idempotency-Key header required), "
+            "GET /charges?idempotency_key=K, GET /_stats, POST /_config and POST /_reset. "
+            "Every option below can also be changed at run time through POST /_config."
+        ),
+        epilog=(
+            "Prints 'provider listening on http://127.0.0.1:PORT' once ready. "
+            "Example: python -m outbox.testing.provider --dedupe --fail-after-rate 0.1 "
+            "--ready-file /tmp/provider.url"
+        ),
+    )
+    parser.add_argument(
+        "--port", type=int, default=0, help="TCP port to listen on (default: 0, any free port)"
+    )
+    parser.add_argument(
+        "--dedupe",
+        action="store_true",
+        help="honour Idempotency-Key: a repeated key returns the first charge, no new effect "
+        "(default: off, every request charges, like a provider without idempotency)",
+    )
+    parser.add_argument(
+        "--latency-ms",
+        type=_non_negative,
+        default=0.0,
+        metavar="MS",
+        help="delay before handling each charge and lookup, in milliseconds (default: 0)",
+    )
+    parser.add_argument(
+        "--fail-before-rate",
+        type=_rate,
+        default=0.0,
+        metavar="R",
+        help="fraction of charges answered 503 without charging (default: 0)",
+    )
+    parser.add_argument(
+        "--fail-after-rate",
+        type=_rate,
+        default=0.0,
+        metavar="R",
+        help="fraction of charges that charge, then answer 500 (default: 0)",
+    )
+    parser.add_argument(
+        "--drop-after-rate",
+        type=_rate,
+        default=0.0,
+        metavar="R",
+        help="fraction of charges that charge, then close the connection unanswered (default: 0)",
+    )
+    parser.add_argument(
+        "--hang-after-rate",
+        type=_rate,
+        default=0.0,
+        metavar="R",
+        help="fraction of charges that charge, then wait --hang-seconds before answering (default: 0)",
+    )
+    parser.add_argument(
+        "--hang-seconds",
+        type=_non_negative,
+        default=30.0,
+        metavar="S",
+        help="how long a hang_after fault waits (default: 30)",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed the fault RNG for a reproducible run")
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="once listening, atomically write the base URL (no newline) to PATH",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the process exit status."""
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    config: dict[str, object] = {
+        "dedupe": args.dedupe,
+        "latency_ms": args.latency_ms,
+        "fail_before_rate": args.fail_before_rate,
+        "fail_after_rate": args.fail_after_rate,
+        "drop_after_rate": args.drop_after_rate,
+        "hang_after_rate": args.hang_after_rate,
+        "hang_seconds": args.hang_seconds,
+        "seed": args.seed,
+    }
+    try:
+        sim = ProviderSimulator._with_config("127.0.0.1", args.port, config)
+    except ValueError as exc:
+        print(f"provider: {exc}", file=sys.stderr)
+        return 2
+    try:
+        sim.start()
+    except OSError as exc:
+        print(f"provider: cannot listen on 127.0.0.1:{args.port}: {exc}", file=sys.stderr)
+        return 1
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        if args.ready_file is not None:
+            _write_ready_file(args.ready_file, sim.url)
+        print(f"provider listening on {sim.url}", flush=True)
+        # A timed wait keeps the main thread returning to the interpreter, where signal
+        # handlers run.
+        while not stop.wait(0.5):
+            pass
+    finally:
+        sim.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

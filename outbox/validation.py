@@ -1,0 +1,97 @@
+"""Input rules of ``outbox.write``, checked before anything reaches the database.
+
+Raising here keeps the caller's transaction usable: no statement was sent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from datetime import datetime
+from typing import Any
+
+from .exceptions import InvalidMessage
+
+DESTINATION_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*$")
+MAX_KEY_STEP_CHARS = 255
+
+
+def _reject_non_finite(token: str) -> float:
+    raise InvalidMessage(f"payload contains {token}, which is not a JSON value")
+
+
+def _check_strict_json(value: Any, path: str) -> None:
+    """Only what JSON can carry: dict with str keys, list, str, int, finite float, bool, None.
+
+    ``json.dumps`` alone would accept tuples, NaN and int-like keys, and turn them into something
+    else than the caller wrote.
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidMessage(f"payload{path} is {value!r}; JSON has no NaN or Infinity")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidMessage(f"payload{path} has a non-string key {k!r}")
+            _check_strict_json(v, f"{path}[{k!r}]")
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_strict_json(v, f"{path}[{i}]")
+        return
+    raise InvalidMessage(
+        f"payload{path} is a {type(value).__name__}, which is not a JSON value "
+        "(convert datetimes, decimals, sets and UUIDs to strings or numbers first)"
+    )
+
+
+def encode_payload(payload: Any, max_payload_bytes: int) -> str:
+    if not isinstance(payload, dict):
+        raise InvalidMessage(f"payload must be a JSON object (a dict), not {type(payload).__name__}")
+    _check_strict_json(payload, "")
+    encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    if "\\u0000" in encoded:
+        raise InvalidMessage("payload contains a NUL character, which PostgreSQL jsonb rejects")
+    size = len(encoded.encode("utf-8"))
+    if size > max_payload_bytes:
+        raise InvalidMessage(
+            f"payload is {size} bytes encoded, over the limit of {max_payload_bytes} bytes; "
+            "store large documents elsewhere and put a reference in the payload"
+        )
+    return encoded
+
+
+def check_key_step(key: Any, step: Any) -> None:
+    for name, value in (("key", key), ("step", step)):
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidMessage(f"{name} must be a non-empty string, got {value!r}")
+        if "\x00" in value:
+            raise InvalidMessage(f"{name} contains a NUL character")
+    if len(key) + 1 + len(step) > MAX_KEY_STEP_CHARS:
+        raise InvalidMessage(
+            f"'key:step' is {len(key) + 1 + len(step)} characters, over {MAX_KEY_STEP_CHARS} "
+            "(it becomes the provider's Idempotency-Key)"
+        )
+
+
+def check_destination(destination: Any) -> None:
+    if not isinstance(destination, str) or not DESTINATION_RE.match(destination):
+        raise InvalidMessage(
+            f"destination {destination!r} must match [A-Za-z_][A-Za-z0-9._-]* (it names a broker queue)"
+        )
+
+
+def check_aware(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, datetime):
+        raise InvalidMessage(f"{name} must be a datetime, not {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidMessage(
+            f"{name} must be timezone-aware (e.g. datetime.now(timezone.utc)); a naive datetime "
+            "would be read in the database server's time zone"
+        )

