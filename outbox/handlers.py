@@ -109,7 +109,7 @@ class Handler:
         if clients is None:
             clients = _clients.by_destination = {}
         client = clients.get(self.destination)
-        if client is None:
+        if client is None or client.is_closed:
             client = clients[self.destination] = httpx.Client(timeout=self.timeouts())
             with _all_clients_lock:
                 _all_clients.append(client)

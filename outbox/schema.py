@@ -57,6 +57,8 @@ outbox_message = Table(
     Column("completed_at", DateTime(timezone=True), nullable=True),
     # Set when the row entered `unknown`; the alert threshold is measured from it.
     Column("unknown_since", DateTime(timezone=True), nullable=True),
+    # Set when the alert hook reported this row (failed, or unknown for too long); reset by replay.
+    Column("alerted_at", DateTime(timezone=True), nullable=True),
     Column("claim_token", UUID(as_uuid=True), nullable=True),
     Column("provider_ref", Text, nullable=True),
     Column("response", JSONB, nullable=True),

@@ -52,8 +52,12 @@ def libpq_url(url: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """Hide the password of a URL before it reaches a log line or an error message."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """Hide the password of a URL before it reaches a log line or an error message.
+
+    Both places libpq reads one from: ``user:password@`` and the ``password=`` query parameter.
+    """
+    url = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +119,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_ALLOW_EVICTING_REDIS": "allow_evicting_redis",
 }
 
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 
 
 def _parse(field: dataclasses.Field[Any], name: str, raw: str) -> Any:
@@ -153,9 +157,9 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
             values[field_name] = _parse(fields[field_name], name, raw)
     values.update({k: v for k, v in overrides.items() if v is not None})
     settings = Settings(**values)
-    if not _NAMESPACE_RE.match(settings.namespace):
+    if not isinstance(settings.namespace, str) or not _NAMESPACE_RE.match(settings.namespace):
         raise ConfigError(
-            f"OUTBOX_NAMESPACE={settings.namespace!r} must be 1-64 characters of letters, "
+            f"OUTBOX_NAMESPACE={settings.namespace or ''!r} must be 1-64 characters of letters, "
             "digits, '_', '.', '-'"
         )
     if settings.database_url:

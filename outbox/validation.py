@@ -13,12 +13,18 @@ from typing import Any
 
 from .exceptions import InvalidMessage
 
-DESTINATION_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*$")
+# \Z, not $: "$" also matches before a trailing newline.
+DESTINATION_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*\Z")
 MAX_KEY_STEP_CHARS = 255
 
 
 def _reject_non_finite(token: str) -> float:
     raise InvalidMessage(f"payload contains {token}, which is not a JSON value")
+
+
+def _check_text(value: str, where: str) -> None:
+    if "\x00" in value:
+        raise InvalidMessage(f"{where} contains a NUL character, which PostgreSQL jsonb rejects")
 
 
 def _check_strict_json(value: Any, path: str) -> None:
@@ -27,7 +33,10 @@ def _check_strict_json(value: Any, path: str) -> None:
     ``json.dumps`` alone would accept tuples, NaN and int-like keys, and turn them into something
     else than the caller wrote.
     """
-    if value is None or isinstance(value, (str, bool, int)):
+    if isinstance(value, str):
+        _check_text(value, f"payload{path}")
+        return
+    if value is None or isinstance(value, (bool, int)):
         return
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -37,6 +46,7 @@ def _check_strict_json(value: Any, path: str) -> None:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise InvalidMessage(f"payload{path} has a non-string key {k!r}")
+            _check_text(k, f"payload{path} key {k!r}")
             _check_strict_json(v, f"{path}[{k!r}]")
         return
     if isinstance(value, list):
@@ -52,11 +62,18 @@ def _check_strict_json(value: Any, path: str) -> None:
 def encode_payload(payload: Any, max_payload_bytes: int) -> str:
     if not isinstance(payload, dict):
         raise InvalidMessage(f"payload must be a JSON object (a dict), not {type(payload).__name__}")
-    _check_strict_json(payload, "")
+    try:
+        _check_strict_json(payload, "")
+    except RecursionError:
+        raise InvalidMessage("payload is nested too deeply (or contains itself)") from None
     encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    if "\\u0000" in encoded:
-        raise InvalidMessage("payload contains a NUL character, which PostgreSQL jsonb rejects")
-    size = len(encoded.encode("utf-8"))
+    try:
+        size = len(encoded.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidMessage(
+            f"payload contains {exc.object[exc.start : exc.end]!r}, a lone surrogate, which is not "
+            "valid Unicode"
+        ) from None
     if size > max_payload_bytes:
         raise InvalidMessage(
             f"payload is {size} bytes encoded, over the limit of {max_payload_bytes} bytes; "
@@ -71,6 +88,13 @@ def check_key_step(key: Any, step: Any) -> None:
             raise InvalidMessage(f"{name} must be a non-empty string, got {value!r}")
         if "\x00" in value:
             raise InvalidMessage(f"{name} contains a NUL character")
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidMessage(
+                    f"{name} contains a lone surrogate, which is not valid Unicode"
+                ) from None
     if len(key) + 1 + len(step) > MAX_KEY_STEP_CHARS:
         raise InvalidMessage(
             f"'key:step' is {len(key) + 1 + len(step)} characters, over {MAX_KEY_STEP_CHARS} "

@@ -19,7 +19,7 @@ from typing import Any
 
 import dramatiq
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.middleware import CurrentMessage, ShutdownNotifications, TimeLimit
+from dramatiq.middleware import CurrentMessage, TimeLimit
 
 from .consumer import Consumer
 from .exceptions import ConfigError
@@ -36,7 +36,7 @@ def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]
     broker = RedisBroker(
         url=redis_url,
         namespace=namespace,
-        middleware=[CurrentMessage(), TimeLimit(time_limit=backstop_ms), ShutdownNotifications()],
+        middleware=[CurrentMessage(), TimeLimit(time_limit=backstop_ms)],
     )
     return broker
 

@@ -5,6 +5,7 @@ The caller owns the transaction: nothing here commits, begins or rolls back.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from datetime import datetime
@@ -65,7 +66,10 @@ _checked_lock = threading.Lock()
 def _default_max_payload_bytes() -> int:
     global _max_payload_bytes
     if _max_payload_bytes is None:
-        _max_payload_bytes = _settings.from_env().max_payload_bytes
+        # Only this variable: the application's other OUTBOX_* settings (or its own database URL
+        # form) are none of write()'s business and must not make it raise.
+        raw = os.environ.get("OUTBOX_MAX_PAYLOAD_BYTES", "")
+        _max_payload_bytes = _settings.from_env({"OUTBOX_MAX_PAYLOAD_BYTES": raw}).max_payload_bytes
     return _max_payload_bytes
 
 

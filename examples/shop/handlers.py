@@ -20,12 +20,19 @@ def _time_limit() -> float:
     return float(os.environ.get("SHOP_TIME_LIMIT", "10"))
 
 
+def _lease_seconds() -> float | None:
+    # Tests and the demo shorten the lease so that a killed worker's row is taken over quickly.
+    raw = os.environ.get("SHOP_LEASE_SECONDS")
+    return float(raw) if raw else None
+
+
 @outbox.handler(
     "payments.charge",
     time_limit=_time_limit(),
     max_attempts=5,
     backoff=tuple(float(x) for x in os.environ.get("SHOP_BACKOFF", "1,5,30").split(",")),
     idempotent=os.environ.get("SHOP_IDEMPOTENT", "") == "1",
+    lease_seconds=_lease_seconds(),
 )
 def charge(d: Delivery) -> Confirmed:
     # The Idempotency-Key comes from the business operation, never from the attempt number.

@@ -38,6 +38,7 @@ def upgrade() -> None:
         sa.Column("lease_expires_at", tz, nullable=True),
         sa.Column("completed_at", tz, nullable=True),
         sa.Column("unknown_since", tz, nullable=True),
+        sa.Column("alerted_at", tz, nullable=True),
         sa.Column("claim_token", postgresql.UUID(as_uuid=True), nullable=True),
         sa.Column("provider_ref", sa.Text(), nullable=True),
         sa.Column("response", postgresql.JSONB(), nullable=True),

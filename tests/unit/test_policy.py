@@ -1,0 +1,191 @@
+"""Outcome classification: what each kind of provider answer means for the row.
+
+httpx.MockTransport stands in for the provider here only: these are classification rules, not
+delivery tests (those use the real simulator over loopback)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+
+import outbox
+from outbox.handlers import Handler, clear_registry
+from outbox.policy import Outcome, classify_exception, decide_exception, decide_result, next_state
+
+
+@pytest.fixture(autouse=True)
+def _registry():
+    clear_registry()
+    yield
+    clear_registry()
+
+
+def _status_error(status: int) -> httpx.HTTPStatusError:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json={"error": "x"})
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        response = client.post("http://provider.test/charges")
+    try:
+        response.raise_for_status()
+    except httpx.HTTPStatusError as exc:
+        return exc
+    raise AssertionError("no error raised")
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [
+        (400, Outcome.FAILED),
+        (401, Outcome.FAILED),
+        (402, Outcome.FAILED),
+        (404, Outcome.FAILED),
+        (422, Outcome.FAILED),
+        (408, Outcome.UNKNOWN),
+        (409, Outcome.UNKNOWN),
+        (425, Outcome.UNKNOWN),
+        (429, Outcome.RETRY),
+        (503, Outcome.RETRY),
+        (500, Outcome.UNKNOWN),
+        (502, Outcome.UNKNOWN),
+        (504, Outcome.UNKNOWN),
+    ],
+)
+def test_http_status_classification(status: int, outcome: Outcome) -> None:
+    got, reason, http_status = classify_exception(_status_error(status))
+    assert got is outcome
+    assert http_status == status
+    assert str(status) in reason
+
+
+def _raising(exc: Exception):
+    def answer(request: httpx.Request) -> httpx.Response:
+        raise exc
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("exc", "outcome"),
+    [
+        (httpx.ConnectError("refused"), Outcome.RETRY),
+        (httpx.ConnectTimeout("slow connect"), Outcome.RETRY),
+        (httpx.PoolTimeout("pool"), Outcome.RETRY),
+        (httpx.ReadTimeout("no answer"), Outcome.UNKNOWN),
+        (httpx.WriteTimeout("stuck"), Outcome.UNKNOWN),
+        (httpx.RemoteProtocolError("closed"), Outcome.UNKNOWN),
+        (httpx.ReadError("reset"), Outcome.UNKNOWN),
+    ],
+)
+def test_transport_errors(exc: Exception, outcome: Outcome) -> None:
+    with httpx.Client(transport=httpx.MockTransport(_raising(exc))) as client:
+        with pytest.raises(httpx.HTTPError) as info:
+            client.post("http://provider.test/charges")
+    assert classify_exception(info.value)[0] is outcome
+
+
+def test_handler_exceptions() -> None:
+    assert classify_exception(outbox.PermanentError("card declined"))[:2] == (
+        Outcome.FAILED,
+        "card declined",
+    )
+    assert classify_exception(outbox.RetryableError("later"))[0] is Outcome.RETRY
+    assert classify_exception(outbox.AmbiguousError("?"))[0] is Outcome.UNKNOWN
+    outcome, reason, _ = classify_exception(KeyError("id"))
+    assert outcome is Outcome.UNKNOWN and "KeyError" in reason
+
+
+def test_garbage_json_is_ambiguous() -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"not json{")
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as client:
+        response = client.post("http://provider.test/charges")
+    with pytest.raises(ValueError) as info:
+        response.json()
+    outcome, reason, _ = classify_exception(info.value)
+    assert outcome is Outcome.UNKNOWN and "JSON" in reason
+
+
+def _handler(**kw) -> Handler:
+    @outbox.handler("payments.charge", **kw)
+    def charge(d):  # pragma: no cover - never called
+        raise AssertionError
+
+    return charge
+
+
+def test_results() -> None:
+    assert decide_result(outbox.Confirmed(ref="ch_1")).outcome is Outcome.SENT
+    d = decide_result(None)
+    assert d.outcome is Outcome.UNKNOWN and "NoneType" in (d.error or "")
+    assert decide_result({"id": "ch_1"}).outcome is Outcome.UNKNOWN
+    with pytest.raises(TypeError):
+        outbox.Confirmed(ref="")
+
+
+def test_override_classification() -> None:
+    h = _handler(classify=lambda exc: "retry" if isinstance(exc, KeyError) else None)
+    assert decide_exception(h, KeyError("x")).outcome is Outcome.RETRY
+    assert decide_exception(h, ValueError("x")).outcome is Outcome.UNKNOWN
+
+
+def test_next_state_backoff_attempts_and_deadline() -> None:
+    h = _handler(max_attempts=3, backoff=(10, 60))
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    retry = decide_exception(h, httpx.ConnectError("refused"))
+    n1 = next_state(h, retry, attempt=1, deadline=None, now=now)
+    assert n1.state == "pending" and n1.available_at == now + timedelta(seconds=10)
+    n2 = next_state(h, retry, attempt=2, deadline=None, now=now)
+    assert n2.available_at == now + timedelta(seconds=60)
+    n3 = next_state(h, retry, attempt=3, deadline=None, now=now)
+    assert n3.state == "failed" and "3 attempts" in (n3.error or "")
+    late = next_state(h, retry, attempt=1, deadline=now + timedelta(seconds=5), now=now)
+    assert late.state == "failed" and "deadline" in (late.error or "")
+    ambiguous = decide_exception(h, httpx.ReadTimeout("x"))
+    assert next_state(h, ambiguous, attempt=1, deadline=None, now=now).state == "unknown"
+
+
+def test_idempotent_destination_retries_ambiguous_outcomes() -> None:
+    h = _handler(idempotent=True)
+    ambiguous = decide_exception(h, httpx.ReadTimeout("x"))
+    nxt = next_state(h, ambiguous, attempt=1, deadline=None, now=datetime.now(UTC))
+    assert nxt.state == "pending"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"time_limit": 30, "lease_seconds": 30}, "longer than time_limit"),
+        ({"time_limit": 0}, "time_limit must be > 0"),
+        ({"backoff": (10, 0)}, "backoff entry must be > 0"),
+        ({"backoff": ()}, "backoff entry must be > 0"),
+        ({"max_attempts": 0}, "max_attempts"),
+        ({"max_attempts": 10, "backoff": (3600,), "key_ttl": 7200}, "key_ttl"),
+    ],
+)
+def test_handler_configuration_errors(kwargs, message) -> None:
+    with pytest.raises(outbox.ConfigError, match=message):
+        _handler(**kwargs)
+
+
+def test_duplicate_destination_and_bad_name() -> None:
+    _handler()
+
+    with pytest.raises(outbox.ConfigError, match="already has a handler"):
+
+        @outbox.handler("payments.charge")
+        def other(d):  # pragma: no cover
+            raise AssertionError
+
+    with pytest.raises(outbox.ConfigError, match="must match"):
+        outbox.handler("9bad name")
+
+
+def test_lease_default_and_timeouts_inside_time_limit() -> None:
+    h = _handler(time_limit=20)
+    assert h.lease_seconds > h.time_limit
+    t = h.timeouts()
+    assert t.connect + t.write + t.read <= h.time_limit
