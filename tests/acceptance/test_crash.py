@@ -1,0 +1,173 @@
+"""SIGKILL a worker at each point of claim → call → record → ack and prove, with the provider's
+own counters, that every row was charged exactly once and ended terminal.
+
+The provider does NOT deduplicate: a second call would be a second charge. Dramatiq never
+redelivers a dead worker's messages in time here (its requeue waits on a 60 s heartbeat and a
+0.1% maintenance pass), so redelivery is simulated by publishing the same row again, which is
+exactly what the relay does after a crash between publish and commit."""
+
+from __future__ import annotations
+
+import random
+import time
+from datetime import UTC, datetime
+
+import pytest
+import redis
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import transport
+from relay import Relay
+
+from .support import Processes, kill, query, states, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def procs(clean, provider, tmp_path):
+    p = Processes(clean, provider.url, tmp_path)
+    yield p
+    p.stop_all()
+
+
+def write_orders(engine, n: int, start: int = 0) -> None:
+    with Session(engine) as s, s.begin():
+        for i in range(start, start + n):
+            outbox.write(
+                s,
+                key=f"order:{i}",
+                step="charge",
+                destination="payments.charge",
+                payload={"amount_cents": 1000 + i, "currency": "EUR"},
+            )
+
+
+def relay_once(services) -> int:
+    relay = Relay(database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace)
+    try:
+        return relay.drain()
+    finally:
+        relay.close()
+
+
+def redeliver(services, row_id: int) -> None:
+    """Publish the row's message once more, as a relay crash or a broker requeue would."""
+    client = redis.Redis.from_url(services.redis_url)
+    try:
+        transport.publish(
+            client, services.namespace, [transport.Publication(row_id, "payments.charge", datetime.now(UTC))]
+        )
+    finally:
+        client.close()
+
+
+def fence_rows(services, row_id: int) -> list[tuple]:
+    return query(services, "SELECT outcome FROM outbox_attempt WHERE message_id = %s ORDER BY id", (row_id,))
+
+
+def row_state(services, row_id: int) -> str:
+    return query(services, "SELECT state FROM outbox_message WHERE id = %s", (row_id,))[0][0]
+
+
+def test_killed_after_claim_before_call_is_claimed_again_and_charged_once(clean, engine, provider, procs):
+    write_orders(engine, 1)
+    relay_once(clean)
+    crashing = procs.worker(OUTBOX_FAILPOINTS="after_claim")
+    assert crashing.wait(30) == -9
+    assert row_state(clean, 1) == "in_flight"
+    assert provider.stats()["requests"] == 0
+
+    procs.relay()
+    procs.reconciler()
+    procs.worker()
+    wait_until(lambda: row_state(clean, 1) == "sent", 60, f"row not sent\n{procs.logs()}")
+    assert provider.stats()["effects"] == {"order:0:charge": 1}
+    outcomes = [o for (o,) in fence_rows(clean, 1)]
+    # The first claim's lease expired, the lookup found no charge, the second claim charged.
+    assert outcomes == ["lease_expired", "sent"]
+
+
+def test_killed_after_the_provider_answered_is_never_charged_twice(clean, engine, provider, procs):
+    write_orders(engine, 1)
+    relay_once(clean)
+    crashing = procs.worker(OUTBOX_FAILPOINTS="after_call")
+    assert crashing.wait(30) == -9
+    assert row_state(clean, 1) == "in_flight"
+    assert provider.stats()["effects"] == {"order:0:charge": 1}
+
+    # The redelivered message is an empty run: the row is held by the dead worker's claim.
+    worker = procs.worker()
+    redeliver(clean, 1)
+    wait_until(
+        lambda: redis.Redis.from_url(clean.redis_url).llen(f"{clean.namespace}:payments.charge") == 0,
+        20,
+        "redelivered message not consumed",
+    )
+    time.sleep(0.5)
+    assert row_state(clean, 1) in ("in_flight", "unknown")
+    assert len(fence_rows(clean, 1)) == 1
+    assert provider.stats()["effects"] == {"order:0:charge": 1}
+
+    # The lease expires, the row waits in unknown, and the lookup finds the charge.
+    procs.reconciler()
+    wait_until(lambda: row_state(clean, 1) == "sent", 60, f"row not sent\n{procs.logs()}")
+    assert worker.poll() is None
+    ref = query(clean, "SELECT provider_ref FROM outbox_message WHERE id = 1")[0][0]
+    assert ref == "ch_1"
+    assert provider.stats()["effects"] == {"order:0:charge": 1}
+    assert [o for (o,) in fence_rows(clean, 1)] == ["lease_expired"]
+
+
+def test_killed_after_record_before_ack_second_run_is_empty(clean, engine, provider, procs):
+    write_orders(engine, 1)
+    relay_once(clean)
+    crashing = procs.worker(OUTBOX_FAILPOINTS="after_record")
+    assert crashing.wait(30) == -9
+    assert row_state(clean, 1) == "sent"
+
+    procs.worker()
+    procs.reconciler()
+    redeliver(clean, 1)
+    wait_until(
+        lambda: redis.Redis.from_url(clean.redis_url).llen(f"{clean.namespace}:payments.charge") == 0,
+        20,
+        "redelivered message not consumed",
+    )
+    time.sleep(1.0)
+    assert row_state(clean, 1) == "sent"
+    assert [o for (o,) in fence_rows(clean, 1)] == ["sent"]
+    assert provider.stats()["effects"] == {"order:0:charge": 1}
+
+
+@pytest.mark.slow
+def test_workers_killed_every_half_second_charge_each_key_once(clean, engine, provider, procs):
+    n = 2000
+    write_orders(engine, n)
+    procs.relay()
+    procs.reconciler()
+    workers = [procs.worker(threads=4) for _ in range(4)]
+    rng = random.Random(42)
+    kills = 0
+    chaos_until = time.monotonic() + 20
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if time.monotonic() < chaos_until:
+            i = rng.randrange(len(workers))
+            kill(workers[i])
+            kills += 1
+            workers[i] = procs.worker(threads=4)
+            time.sleep(0.5)
+        else:
+            time.sleep(0.5)
+        s = states(clean)
+        if s.get("sent", 0) == n:
+            break
+    final = states(clean)
+    stats = provider.stats()
+    assert kills >= 10, "chaos did not run long enough to mean anything"
+    assert final == {"sent": n}, f"{final}\n{procs.logs()}"
+    assert stats["double_charged"] == []
+    assert stats["charges"] == n
+    assert len(stats["effects"]) == n
