@@ -56,12 +56,7 @@ def declare(broker: RedisBroker, consumer: Consumer, destinations: Sequence[str]
             return
         consumer.deliver(args[0], queue)
 
-    dramatiq.actor(
-        outbox_deliver,
-        actor_name=ACTOR_NAME,
-        queue_name=destinations[0],
-        broker=broker,
-    )
+    dramatiq.actor(actor_name=ACTOR_NAME, queue_name=destinations[0], broker=broker)(outbox_deliver)
     for destination in destinations:
         broker.declare_queue(destination)
 

@@ -1,0 +1,295 @@
+"""``outbox doctor``: every invariant of the contract, checked against the live services.
+
+Each check says ``ok`` or ``FAIL`` with what to do; a check that cannot run because an earlier
+one failed says ``skip`` (and the earlier failure already makes the exit status non-zero).
+Nothing here raises on an unreachable service: telling the operator is the whole point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import redis
+import sqlalchemy.exc
+from sqlalchemy import Connection, text
+
+from . import transport
+from .db import make_engine
+from .exceptions import ConfigError, NotMigrated, OutboxError
+from .handlers import Handler, load_module
+from .migrate import check_schema
+from .settings import Settings, redact_url
+
+OK = "ok"
+FAIL = "FAIL"
+SKIP = "skip"
+
+#: A sweeper that is this late is not merely busy: it is not running.
+LIVENESS_GRACE_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "ok": self.ok, "detail": self.detail}
+
+
+def _first_line(exc: BaseException) -> str:
+    message = str(getattr(exc, "orig", None) or exc).strip()
+    return message.splitlines()[0] if message else type(exc).__name__
+
+
+# -- database ----------------------------------------------------------------------------------------
+
+_LIVENESS = text(
+    """
+SELECT
+  count(*) FILTER (WHERE state = 'in_flight'
+                     AND lease_expires_at < now() - :grace * interval '1 second') AS stale_in_flight,
+  EXTRACT(EPOCH FROM now() - min(lease_expires_at) FILTER (WHERE state = 'in_flight'))
+      AS in_flight_overdue,
+  count(*) FILTER (WHERE state = 'dispatched'
+                     AND dispatched_at < now() - :redispatch * interval '1 second') AS stale_dispatched,
+  EXTRACT(EPOCH FROM now() - min(dispatched_at) FILTER (WHERE state = 'dispatched'))
+      AS dispatched_age,
+  count(*) FILTER (WHERE state = 'pending'
+                     AND available_at < now() - :grace * interval '1 second') AS stale_pending,
+  EXTRACT(EPOCH FROM now() - min(available_at) FILTER (WHERE state = 'pending')) AS pending_overdue
+FROM outbox_message
+WHERE state IN ('in_flight', 'dispatched', 'pending')
+"""
+)
+
+# Failed rows count: a replay would hand them to a deploy that cannot run them. Destinations with
+# only sent/cancelled rows are history, not work.
+_LIVE_DESTINATIONS = text(
+    "SELECT DISTINCT destination FROM outbox_message WHERE state NOT IN ('sent', 'cancelled') ORDER BY 1"
+)
+
+
+def _liveness_checks(conn: Connection, cfg: Settings) -> list[Check]:
+    row = conn.execute(
+        _LIVENESS,
+        {"grace": LIVENESS_GRACE_SECONDS, "redispatch": cfg.redispatch_after_seconds * 2},
+    ).one()
+    checks = []
+    if row.stale_in_flight:
+        checks.append(
+            Check(
+                "leases",
+                FAIL,
+                f"{row.stale_in_flight} in_flight row(s) past their lease by more than "
+                f"{LIVENESS_GRACE_SECONDS:g} s (oldest by {float(row.in_flight_overdue):.0f} s): the "
+                "reconciler is not running; start `outbox reconcile MODULE`",
+            )
+        )
+    else:
+        checks.append(Check("leases", OK, "no in_flight row is past its lease"))
+    limit = cfg.redispatch_after_seconds * 2
+    if row.stale_dispatched:
+        checks.append(
+            Check(
+                "dispatched",
+                FAIL,
+                f"{row.stale_dispatched} dispatched row(s) unclaimed for more than {limit:g} s "
+                f"(twice OUTBOX_REDISPATCH_AFTER; oldest {float(row.dispatched_age):.0f} s): no worker "
+                "consumes their queue and the reconciler does not re-queue them; start "
+                "`outbox worker MODULE` and `outbox reconcile MODULE`",
+            )
+        )
+    else:
+        checks.append(Check("dispatched", OK, f"no dispatched row waits longer than {limit:g} s"))
+    if row.stale_pending:
+        checks.append(
+            Check(
+                "relay",
+                FAIL,
+                f"{row.stale_pending} pending row(s) due for more than {LIVENESS_GRACE_SECONDS:g} s "
+                f"(oldest {float(row.pending_overdue):.0f} s): the relay is not running; start "
+                "`outbox relay`",
+            )
+        )
+    else:
+        checks.append(Check("relay", OK, f"no pending row is due for more than {LIVENESS_GRACE_SECONDS:g} s"))
+    return checks
+
+
+@contextlib.contextmanager
+def _database(cfg: Settings) -> Iterator[tuple[list[Check], Connection | None]]:
+    """Yield the database checks so far and a connection when the schema is usable."""
+    checks: list[Check] = []
+    try:
+        url = cfg.require_database_url()
+    except ConfigError as exc:
+        checks.append(Check("database", FAIL, str(exc)))
+        yield checks, None
+        return
+    shown = redact_url(cfg.database_url or url)
+    engine = make_engine(url, pool_pre_ping=False, connect_args={"connect_timeout": 5})
+    try:
+        try:
+            conn = engine.connect().execution_options(postgresql_readonly=True)
+        except (sqlalchemy.exc.DBAPIError, psycopg.Error) as exc:
+            checks.append(
+                Check(
+                    "database",
+                    FAIL,
+                    f"cannot reach PostgreSQL at {shown}: {_first_line(exc)}; check "
+                    "--database-url / OUTBOX_DATABASE_URL and that the server is up",
+                )
+            )
+            yield checks, None
+            return
+        with conn:
+            checks.append(Check("database", OK, f"reachable ({shown})"))
+            try:
+                check_schema(conn)
+            except NotMigrated as exc:
+                checks.append(Check("schema", FAIL, str(exc)))
+                yield checks, None
+                return
+            checks.append(Check("schema", OK, "at the migration head"))
+            yield checks, conn
+    finally:
+        engine.dispose()
+
+
+# -- Redis -------------------------------------------------------------------------------------------
+
+
+def _redis_checks(cfg: Settings) -> list[Check]:
+    try:
+        url = cfg.require_redis_url()
+    except ConfigError as exc:
+        return [
+            Check("redis", FAIL, str(exc)),
+            Check("eviction", SKIP, "Redis not checked"),
+            Check("namespace", SKIP, "Redis not checked"),
+        ]
+    client = transport.connect(url, socket_connect_timeout=5, socket_timeout=10)
+    try:
+        try:
+            client.ping()
+            memory = client.info("memory")
+        except redis.RedisError as exc:
+            return [
+                Check(
+                    "redis",
+                    FAIL,
+                    f"cannot reach Redis at {redact_url(url)}: {exc}; check --redis-url / OUTBOX_REDIS_URL",
+                ),
+                Check("eviction", SKIP, "Redis unreachable"),
+                Check("namespace", SKIP, "Redis unreachable"),
+            ]
+        checks = [Check("redis", OK, f"reachable ({redact_url(url)})")]
+        maxmemory = int(memory.get("maxmemory", 0) or 0)
+        policy = str(memory.get("maxmemory_policy", "noeviction"))
+        if maxmemory and policy.startswith("allkeys-"):
+            # Reported even with OUTBOX_ALLOW_EVICTING_REDIS: the override lets processes start,
+            # it does not make a queued job safe from eviction.
+            checks.append(
+                Check(
+                    "eviction",
+                    FAIL,
+                    f"maxmemory-policy is {policy} with maxmemory={maxmemory}: Redis may evict queued "
+                    "messages; set maxmemory-policy noeviction (or a volatile-* policy)",
+                )
+            )
+        elif maxmemory:
+            checks.append(Check("eviction", OK, f"maxmemory={maxmemory}, maxmemory-policy {policy}"))
+        else:
+            checks.append(Check("eviction", OK, f"maxmemory not set (policy {policy})"))
+        try:
+            # allow_evicting: the policy has its own line above; only the namespace problems remain.
+            problems = transport.check_broker_safety(client, cfg.namespace, allow_evicting=True)
+        except redis.RedisError as exc:
+            checks.append(Check("namespace", FAIL, f"cannot scan the namespace: {exc}"))
+        else:
+            if problems:
+                checks.append(Check("namespace", FAIL, "; ".join(problems)))
+            else:
+                checks.append(Check("namespace", OK, f"{cfg.namespace!r} holds only broker keys"))
+        return checks
+    finally:
+        client.close()
+
+
+# -- handlers ----------------------------------------------------------------------------------------
+
+
+def _handler_problems(h: Handler) -> list[str]:
+    """The declaration rules, again: a module may build `Handler` objects without `@handler`."""
+    problems = []
+    if h.time_limit >= h.lease_seconds:
+        problems.append(f"time_limit ({h.time_limit:g} s) is not below the lease ({h.lease_seconds:g} s)")
+    if not h.backoff or any(b <= 0 for b in h.backoff):
+        problems.append(f"every backoff entry must be > 0 s, got {h.backoff!r}")
+    elif h.total_backoff_seconds() >= h.key_ttl:
+        problems.append(
+            f"the backoffs add up to {h.total_backoff_seconds():g} s, not under key_ttl ({h.key_ttl:g} s)"
+        )
+    return [f"handler {h.destination}: {p}" for p in problems]
+
+
+def _module_checks(module: str, conn: Connection | None) -> list[Check]:
+    try:
+        handlers = load_module(module)
+    except OutboxError as exc:
+        return [
+            Check("handlers", FAIL, f"{module}: {exc}"),
+            Check("destinations", SKIP, "handler module not loaded"),
+        ]
+    except Exception as exc:  # the user's module may raise anything while importing
+        return [
+            Check("handlers", FAIL, f"importing {module} raised {type(exc).__name__}: {exc}"),
+            Check("destinations", SKIP, "handler module not loaded"),
+        ]
+    problems = [p for h in handlers.values() for p in _handler_problems(h)]
+    checks = [
+        Check("handlers", FAIL, "; ".join(problems))
+        if problems
+        else Check("handlers", OK, f"{module}: {len(handlers)} handler(s): {', '.join(sorted(handlers))}")
+    ]
+    if conn is None:
+        checks.append(Check("destinations", SKIP, "database not usable"))
+        return checks
+    live = [row[0] for row in conn.execute(_LIVE_DESTINATIONS)]
+    missing = [d for d in live if d not in handlers]
+    if missing:
+        checks.append(
+            Check(
+                "destinations",
+                FAIL,
+                f"rows wait for destination(s) with no handler in {module}: {', '.join(missing)}; "
+                "deploy their handlers (a worker fails such rows)",
+            )
+        )
+    else:
+        checks.append(Check("destinations", OK, "every destination with live rows has a handler"))
+    return checks
+
+
+def run_checks(cfg: Settings, module: str | None = None) -> list[Check]:
+    """All the checks, in the order an operator fixes them."""
+    with _database(cfg) as (checks, conn):
+        checks = list(checks)
+        checks += _redis_checks(cfg)
+        if module:
+            checks += _module_checks(module, conn)
+        if conn is not None:
+            checks += _liveness_checks(conn, cfg)
+        else:
+            checks += [Check(n, SKIP, "database not usable") for n in ("leases", "dispatched", "relay")]
+    return checks

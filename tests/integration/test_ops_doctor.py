@@ -1,0 +1,215 @@
+"""``outbox doctor`` against the live services: passes on a healthy deployment and names the
+broken invariant (and what to do) for each way a deployment can be broken."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import uuid
+from typing import Any
+
+import psycopg
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox.cli import main
+from outbox.settings import libpq_url
+
+HANDLERS = """
+import outbox
+
+@outbox.handler("payments.charge", time_limit=5, backoff=(1, 2))
+def charge(d):
+    return outbox.Confirmed(ref="x")
+"""
+
+
+def doctor(services, capsys, *extra: str, database_url: str | None = None) -> tuple[int, dict[str, Any]]:
+    """Run doctor with --json; returns the exit code and check name -> (status, detail)."""
+    code = main(
+        [
+            "doctor",
+            *extra,
+            "--database-url",
+            database_url or services.database_url,
+            "--redis-url",
+            services.redis_url,
+            "--namespace",
+            services.namespace,
+            "--json",
+        ]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is (code == 0)
+    return code, {c["name"]: (c["status"], c["detail"]) for c in data["checks"]}
+
+
+def handler_module(tmp_path, monkeypatch, source: str) -> str:
+    """A handler module with a name of its own, so no earlier import is reused."""
+    name = f"ops_doctor_handlers_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def write(engine, key: str, destination: str = "payments.charge") -> int:
+    with Session(engine) as s, s.begin():
+        return outbox.write(s, key=key, step="charge", destination=destination, payload={"n": 1}).id
+
+
+def sql(services, statement: str) -> None:
+    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
+        conn.execute(statement)
+
+
+def test_healthy_deployment_passes(clean, engine, capsys, tmp_path, monkeypatch):
+    write(engine, "order:1")  # due now: not late
+    module = handler_module(tmp_path, monkeypatch, HANDLERS)
+    code, checks = doctor(clean, capsys, module)
+    assert code == 0, checks
+    assert set(checks) == {
+        "database",
+        "schema",
+        "redis",
+        "eviction",
+        "namespace",
+        "handlers",
+        "destinations",
+        "leases",
+        "dispatched",
+        "relay",
+    }
+    assert all(status == "ok" for status, _ in checks.values())
+
+    # The human form: one line per check, then the verdict.
+    flags = ["--database-url", clean.database_url, "--redis-url", clean.redis_url]
+    assert main(["doctor", *flags, "--namespace", clean.namespace]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == ["ok"] * 8
+    assert lines[-1] == "all checks passed"
+
+
+def test_missing_schema_fails_and_says_to_migrate(clean, capsys):
+    name = f"outbox_ops_empty_{uuid.uuid4().hex[:8]}"
+    admin = libpq_url(clean.database_url)
+    base, _, query = clean.database_url.partition("?")
+    empty_url = base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        code, checks = doctor(clean, capsys, database_url=empty_url)
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    assert code == 1
+    assert checks["database"][0] == "ok"
+    status, detail = checks["schema"]
+    assert status == "FAIL" and "run `outbox migrate`" in detail
+    # The liveness queries would hit missing tables: they are skipped, not crashed.
+    assert checks["relay"][0] == "skip"
+
+
+def test_unreachable_database_is_reported_not_raised(clean, capsys):
+    code, checks = doctor(clean, capsys, database_url="postgresql://postgres@127.0.0.1:1/nothing")
+    assert code == 1
+    status, detail = checks["database"]
+    assert status == "FAIL" and "cannot reach PostgreSQL" in detail
+    assert checks["redis"][0] == "ok"
+
+
+def test_evicting_redis_fails(clean, capsys, redis_client):
+    original = redis_client.config_get("maxmemory*")
+    # Far above what the server uses, so that nothing is actually evicted while the policy is set.
+    limit = int(redis_client.info("memory")["used_memory"]) + 1024**3
+    try:
+        redis_client.config_set("maxmemory", limit)
+        redis_client.config_set("maxmemory-policy", "allkeys-lru")
+        code, checks = doctor(clean, capsys)
+    finally:
+        redis_client.config_set("maxmemory-policy", original["maxmemory-policy"])
+        redis_client.config_set("maxmemory", original["maxmemory"])
+    assert code == 1
+    status, detail = checks["eviction"]
+    assert status == "FAIL" and "allkeys-lru" in detail and "noeviction" in detail
+    assert checks["namespace"][0] == "ok"
+
+
+def test_foreign_key_in_namespace_fails(clean, capsys, redis_client):
+    redis_client.set(f"{clean.namespace}:session:abc", "cached page")
+    code, checks = doctor(clean, capsys)
+    assert code == 1
+    status, detail = checks["namespace"]
+    assert status == "FAIL" and f"{clean.namespace}:session:abc" in detail and "OUTBOX_NAMESPACE" in detail
+
+
+def test_bad_handler_declaration_is_reported_with_its_reason(clean, capsys, tmp_path, monkeypatch):
+    module = handler_module(
+        tmp_path,
+        monkeypatch,
+        """
+        import outbox
+
+        @outbox.handler("payments.charge", time_limit=30, lease_seconds=20)
+        def charge(d):
+            return None
+        """,
+    )
+    code, checks = doctor(clean, capsys, module)
+    assert code == 1
+    status, detail = checks["handlers"]
+    assert status == "FAIL" and "lease_seconds (20) must be longer than time_limit (30)" in detail
+    assert checks["destinations"][0] == "skip"
+
+
+def test_unimportable_module_fails(clean, capsys):
+    code, checks = doctor(clean, capsys, "no_such_module_for_ops_doctor")
+    assert code == 1
+    assert checks["handlers"][0] == "FAIL" and "cannot import" in checks["handlers"][1]
+
+
+def test_destination_without_handler_fails(clean, engine, capsys, tmp_path, monkeypatch):
+    write(engine, "order:1")
+    write(engine, "user:1", destination="mail.welcome")
+    write(engine, "user:2", destination="sms.old")
+    sql(
+        clean,
+        "UPDATE outbox_message SET state = 'cancelled', completed_at = now() WHERE destination = 'sms.old'",
+    )
+    module = handler_module(tmp_path, monkeypatch, HANDLERS)
+    code, checks = doctor(clean, capsys, module)
+    assert code == 1
+    status, detail = checks["destinations"]
+    assert status == "FAIL" and "mail.welcome" in detail
+    # Only terminal history left: a retired destination needs no handler.
+    assert "sms.old" not in detail
+
+
+def test_liveness_hints_name_the_process_that_is_not_running(clean, engine, capsys):
+    pending, in_flight, dispatched = (write(engine, f"order:{i}") for i in range(3))
+    sql(clean, f"UPDATE outbox_message SET available_at = now() - interval '5 minutes' WHERE id = {pending}")
+    sql(
+        clean,
+        "UPDATE outbox_message SET state = 'in_flight', claim_token = gen_random_uuid(), "
+        f"lease_expires_at = now() - interval '3 minutes' WHERE id = {in_flight}",
+    )
+    sql(
+        clean,
+        "UPDATE outbox_message SET state = 'dispatched', "
+        f"dispatched_at = now() - interval '30 minutes' WHERE id = {dispatched}",
+    )
+    code, checks = doctor(clean, capsys)
+    assert code == 1
+    assert checks["relay"][0] == "FAIL" and "the relay is not running" in checks["relay"][1]
+    assert checks["leases"][0] == "FAIL" and "the reconciler is not running" in checks["leases"][1]
+    assert checks["dispatched"][0] == "FAIL" and "1 dispatched row(s)" in checks["dispatched"][1]
+
+
+def test_a_lease_just_expired_is_not_yet_an_alarm(clean, engine, capsys):
+    row_id = write(engine, "order:1")
+    sql(
+        clean,
+        "UPDATE outbox_message SET state = 'in_flight', claim_token = gen_random_uuid(), "
+        f"lease_expires_at = now() - interval '30 seconds' WHERE id = {row_id}",
+    )
+    code, checks = doctor(clean, capsys)
+    assert code == 0 and checks["leases"][0] == "ok"
