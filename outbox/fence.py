@@ -50,6 +50,8 @@ WITH moved AS (
         completed_at = CASE WHEN %(state)s IN ('sent', 'failed') THEN now() END,
         unknown_since = CASE WHEN %(state)s = 'unknown' THEN COALESCE(unknown_since, now()) END,
         dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
+        -- A row alerted while unknown and then settled must be able to alert again (failed).
+        alerted_at = NULL,
         lease_expires_at = NULL
     WHERE id = %(id)s AND claim_token = %(token)s AND state IN ('in_flight', 'unknown')
     RETURNING id

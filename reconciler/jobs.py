@@ -1,0 +1,663 @@
+"""The reconciler's jobs. Each one is a function of a connection that returns a dict of counts.
+
+Every transition is one guarded statement: the row moves only if it is still in the state (and
+under the claim token, or dispatch time) the job read, so a consumer, an operator or another
+reconciler acting at the same moment wins cleanly and the job just counts the row as ``raced``.
+
+Connections are psycopg connections in autocommit mode: every statement is its own short
+transaction, and nothing is held open while a lookup talks to a provider. Only
+:func:`expire_leases` also works inside a caller's transaction (the caller commits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import psycopg
+import redis
+
+from outbox import policy, transport
+from outbox.handlers import Confirmed, Delivery, Handler
+from outbox.schema import NOTIFY_CHANNEL
+
+from .alerts import AlertHook, AlertRow, log_alert
+
+logger = logging.getLogger(__name__)
+
+LEASE_EXPIRED_ERROR = "lease expired: the worker died or overran its time limit"
+
+#: Rows looked up per run, oldest due first; the rest wait for the next run.
+DEFAULT_RESOLVE_BATCH = 100
+#: A run stops starting lookups after this long, so one slow provider cannot hold the job.
+DEFAULT_RESOLVE_BUDGET_SECONDS = 60.0
+#: Lookups of one destination that may fail in a row before the others of that destination
+#: are deferred for this run: a provider that is down answers every lookup the same way.
+LOOKUP_FAILURES_BEFORE_DEFERRING = 3
+#: An unknown row nobody can resolve automatically is looked at again after this long.
+HUMAN_RECHECK_SECONDS = 3600.0
+
+#: A `dispatched` row younger than this is not examined: its publication may not be visible
+#: everywhere yet, and it costs nothing to look again next run.
+DEFAULT_REDISPATCH_GRACE_SECONDS = 5.0
+DEFAULT_REDISPATCH_BATCH = 1000
+DEFAULT_REDISPATCH_MAX_BATCHES = 50
+
+#: `DELETE … LIMIT` batches: each one is a short transaction that holds few row locks.
+PURGE_BATCH = 1000
+DEFAULT_PURGE_MAX_BATCHES = 20
+
+DEFAULT_ALERT_BATCH = 100
+
+_MAX_ERROR_CHARS = 500
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 1] + "…"
+
+
+def _nonzero(counts: Counter[str]) -> dict[str, int]:
+    # Only what happened: an idle run reports {} rather than a row of zeros.
+    return {k: v for k, v in counts.items() if v}
+
+
+def _describe(exc: Exception) -> str:
+    # Never the full URL: query strings carry idempotency keys, and sometimes credentials.
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code} from {exc.request.url.host}"
+    if isinstance(exc, httpx.RequestError):
+        try:
+            return f"{type(exc).__name__} talking to {exc.request.url.host}"
+        except RuntimeError:  # raised by .request when the error carries no request
+            return type(exc).__name__
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _require_autocommit(conn: psycopg.Connection[Any], job: str) -> None:
+    # Inside a transaction, a lookup would hold row locks (and a snapshot) for the length of an
+    # HTTP call, and one failing statement would undo the batch's earlier transitions.
+    if not conn.autocommit:
+        raise ValueError(f"{job} needs a psycopg connection in autocommit mode")
+
+
+# -- 1. expire_leases -------------------------------------------------------------------------------
+
+# The claim token is kept: a late recording by the same claim is better evidence than a lookup
+# and may still settle the row (see outbox.fence). The fence row is closed in the same statement,
+# so an operator sees why the claim ended.
+_EXPIRE_LEASES = """
+WITH expired AS (
+    UPDATE outbox_message
+    SET state = 'unknown',
+        unknown_since = now(),
+        available_at = now(),
+        lease_expires_at = NULL,
+        last_error = %(error)s
+    WHERE state = 'in_flight' AND lease_expires_at < now()
+    RETURNING id, claim_token
+), fenced AS (
+    UPDATE outbox_attempt a
+    SET outcome = 'lease_expired', finished_at = now()
+    FROM expired e
+    WHERE a.claim_token = e.claim_token AND a.finished_at IS NULL
+    RETURNING a.id
+)
+SELECT (SELECT count(*) FROM expired), (SELECT count(*) FROM fenced)
+"""
+
+
+def expire_leases(conn: psycopg.Connection[Any]) -> int:
+    """Move every `in_flight` row whose lease has expired to `unknown`; returns how many moved.
+
+    One statement, so it is safe against a consumer recording at the same moment: whichever
+    commits first wins, and the other's guard no longer matches. Works on a plain autocommit
+    psycopg connection; on a connection inside a transaction the caller commits.
+    """
+    row = conn.execute(_EXPIRE_LEASES, {"error": LEASE_EXPIRED_ERROR}).fetchone()
+    return int(row[0]) if row else 0
+
+
+# -- 2. resolve_unknown -----------------------------------------------------------------------------
+
+_DUE_UNKNOWN = """
+SELECT id, key, step, destination, payload, attempts, deadline, claim_token
+FROM outbox_message
+WHERE state = 'unknown' AND available_at <= now()
+ORDER BY available_at, id
+LIMIT %(limit)s
+"""
+
+# Resolution of an unknown row by a lookup: sent, pending (retry) or failed. The history entry
+# names what the reconciler saw, never the payload.
+_SETTLE_UNKNOWN = """
+UPDATE outbox_message
+SET state = %(state)s,
+    provider_ref = COALESCE(%(ref)s, provider_ref),
+    response = COALESCE(CAST(%(response)s AS jsonb), response),
+    last_error = %(error)s,
+    available_at = COALESCE(%(available_at)s, available_at),
+    dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
+    completed_at = CASE WHEN %(state)s IN ('sent', 'failed') THEN now() END,
+    lease_expires_at = NULL,
+    unknown_since = NULL,
+    -- A row alerted while unknown is alerted again if it ends up failed.
+    alerted_at = NULL,
+    history = history || jsonb_build_array(jsonb_build_object(
+        'at', now(), 'by', 'reconciler', 'action', 'lookup',
+        'result', CAST(%(result)s AS text), 'state', CAST(%(state)s AS text),
+        'provider_ref', CAST(%(ref)s AS text)))
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+RETURNING id
+"""
+
+# The next lookup waits as long as the row has already waited (10 s to 1 h): a provider that is
+# down for hours is not asked every few seconds, a blip is retried quickly.
+_DEFER_UNKNOWN = """
+UPDATE outbox_message
+SET available_at = now() + LEAST(3600, GREATEST(10,
+        EXTRACT(EPOCH FROM now() - COALESCE(unknown_since, now())))) * interval '1 second',
+    last_error = COALESCE(%(error)s, last_error)
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+RETURNING id
+"""
+
+_PARK_UNKNOWN = """
+UPDATE outbox_message
+SET available_at = now() + %(seconds)s * interval '1 second',
+    last_error = %(error)s
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+RETURNING id
+"""
+
+
+class _LookupHandler(Handler):
+    """A destination's handler whose ``http_client()`` is one the reconciler owns.
+
+    The worker's clients are per thread and closed all at once by ``close_http_clients``; the
+    reconciler may share a process with a worker (tests, the demo), so it keeps clients of its
+    own and closes exactly those.
+    """
+
+    _owned_client: httpx.Client
+
+    def http_client(self) -> httpx.Client:
+        return self._owned_client
+
+
+class LookupClients:
+    """HTTP clients for lookups, one per destination, kept across runs and closed by ``close``."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, _LookupHandler] = {}
+        self._lock = threading.Lock()
+
+    def handler_for(self, handler: Handler) -> Handler:
+        with self._lock:
+            wrapped = self._handlers.get(handler.destination)
+            if wrapped is None or wrapped.fn is not handler.fn or wrapped._owned_client.is_closed:
+                fields = {f.name: getattr(handler, f.name) for f in dataclasses.fields(handler)}
+                wrapped = _LookupHandler(**fields)
+                wrapped._owned_client = httpx.Client(timeout=handler.timeouts())
+                old = self._handlers.get(handler.destination)
+                if old is not None:
+                    old._owned_client.close()
+                self._handlers[handler.destination] = wrapped
+            return wrapped
+
+    def close(self) -> None:
+        with self._lock:
+            handlers, self._handlers = list(self._handlers.values()), {}
+        for h in handlers:
+            h._owned_client.close()
+
+
+def _settle(
+    conn: psycopg.Connection[Any],
+    *,
+    row_id: int,
+    token: uuid.UUID | None,
+    state: str,
+    result: str,
+    error: str | None = None,
+    ref: str | None = None,
+    response: dict[str, Any] | None = None,
+    available_at: datetime | None = None,
+) -> bool:
+    moved = conn.execute(
+        _SETTLE_UNKNOWN,
+        {
+            "id": row_id,
+            "token": token,
+            "state": state,
+            "result": result,
+            "error": error,
+            "ref": ref,
+            "response": json.dumps(response) if response is not None else None,
+            "available_at": available_at,
+        },
+    ).fetchone()
+    return moved is not None
+
+
+def _settle_not_found(
+    conn: psycopg.Connection[Any],
+    handler: Handler,
+    *,
+    row_id: int,
+    token: uuid.UUID | None,
+    attempts: int,
+    deadline: datetime | None,
+    result: str,
+    error: str,
+) -> str | None:
+    """The call certainly did not take effect (or repeating it is harmless): retry or give up.
+    Returns the new state, or None when the row had moved meanwhile."""
+    nxt = policy.retry_or_fail(
+        handler, attempt=attempts, deadline=deadline, now=datetime.now(UTC), error=error
+    )
+    moved = _settle(
+        conn,
+        row_id=row_id,
+        token=token,
+        state=nxt.state,
+        result=result,
+        error=nxt.error,
+        available_at=nxt.available_at,
+    )
+    return nxt.state if moved else None
+
+
+def _park(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str) -> bool:
+    params = {"id": row_id, "token": token, "seconds": HUMAN_RECHECK_SECONDS, "error": error}
+    return conn.execute(_PARK_UNKNOWN, params).fetchone() is not None
+
+
+def _defer(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str | None) -> bool:
+    return conn.execute(_DEFER_UNKNOWN, {"id": row_id, "token": token, "error": error}).fetchone() is not None
+
+
+def resolve_unknown(
+    conn: psycopg.Connection[Any],
+    handlers: Mapping[str, Handler],
+    *,
+    module: str = "the handler module",
+    clients: LookupClients | None = None,
+    batch_size: int = DEFAULT_RESOLVE_BATCH,
+    time_budget_seconds: float = DEFAULT_RESOLVE_BUDGET_SECONDS,
+    stop: threading.Event | None = None,
+) -> dict[str, int]:
+    """Ask each due `unknown` row's provider, through the handler's lookup, whether the call
+    took effect, and settle the row accordingly.
+
+    Counts: ``sent`` (found), ``pending`` / ``failed`` (not found: retried, or out of attempts
+    or deadline), ``lookup_failed`` (the lookup raised; looked up again later), ``deferred``
+    (not looked up: its destination's lookups keep failing, or the time budget ran out),
+    ``interrupted`` (left due because ``stop`` was set: the process is shutting down),
+    ``needs_human`` (no lookup and not idempotent), ``no_handler`` (destination unknown to
+    ``module``), ``raced`` (the row moved while we looked; someone else settled it).
+    """
+    _require_autocommit(conn, "resolve_unknown")
+    own_clients = clients is None
+    lookup_clients = LookupClients() if clients is None else clients
+    counts: Counter[str] = Counter()
+    consecutive_failures: Counter[str] = Counter()
+    started = time.monotonic()
+    try:
+        rows = conn.execute(_DUE_UNKNOWN, {"limit": batch_size}).fetchall()
+        for row_id, key, step, destination, payload, attempts, deadline, token in rows:
+            if stop is not None and stop.is_set():
+                counts["interrupted"] += 1
+                continue
+            handler = handlers.get(destination)
+            if handler is None:
+                # Stays unknown: only this destination's own lookup (or a human) may conclude.
+                error = (
+                    f"no handler for destination {destination} in {module}: its outcome cannot be "
+                    f"looked up; deploy its handler, or check the provider and run "
+                    f"outbox resolve {row_id} --sent REF / --not-sent"
+                )
+                counts["no_handler" if _park(conn, row_id, token, error) else "raced"] += 1
+                continue
+            if handler.lookup_fn is None:
+                if handler.idempotent:
+                    # The provider deduplicates on our Idempotency-Key: calling again is safe.
+                    state = _settle_not_found(
+                        conn,
+                        handler,
+                        row_id=row_id,
+                        token=token,
+                        attempts=attempts,
+                        deadline=deadline,
+                        result="no_lookup_idempotent",
+                        error="outcome unknown; retried, the destination is idempotent",
+                    )
+                    counts[state or "raced"] += 1
+                    continue
+                error = (
+                    f"needs a human: {destination} has no lookup and is not idempotent; check the "
+                    f"provider, then run outbox resolve {row_id} --sent REF or --not-sent"
+                )
+                if _park(conn, row_id, token, error):
+                    counts["needs_human"] += 1
+                    logger.warning(
+                        "outbox %s:%s on %s needs a human: no lookup, not idempotent",
+                        key,
+                        step,
+                        destination,
+                        extra={"outbox_id": row_id, "key": key, "step": step, "destination": destination},
+                    )
+                else:
+                    counts["raced"] += 1
+                continue
+            out_of_time = time.monotonic() - started > time_budget_seconds
+            if out_of_time or consecutive_failures[destination] >= LOOKUP_FAILURES_BEFORE_DEFERRING:
+                # Pushed back rather than left due, or they would fill every next batch and starve
+                # the rows of healthy destinations behind them.
+                counts["deferred" if _defer(conn, row_id, token, None) else "raced"] += 1
+                continue
+
+            delivery = Delivery(
+                id=row_id,
+                key=key,
+                step=step,
+                destination=destination,
+                payload=payload,
+                attempt=attempts,
+                idempotency_key=f"{key}:{step}",
+                deadline=deadline,
+                handler=lookup_clients.handler_for(handler),
+            )
+            # No transaction is open here: the connection is in autocommit mode.
+            try:
+                found = handler.lookup_fn(delivery)
+                if found is not None and not isinstance(found, Confirmed):
+                    raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
+            except Exception as exc:
+                consecutive_failures[destination] += 1
+                error = _short(f"lookup failed: {_describe(exc)}")
+                counts["lookup_failed" if _defer(conn, row_id, token, error) else "raced"] += 1
+                logger.warning(
+                    "outbox %s:%s on %s: %s",
+                    key,
+                    step,
+                    destination,
+                    error,
+                    extra={"outbox_id": row_id, "destination": destination},
+                )
+                continue
+            consecutive_failures[destination] = 0
+            if found is not None:
+                moved = _settle(
+                    conn,
+                    row_id=row_id,
+                    token=token,
+                    state="sent",
+                    result="found",
+                    ref=found.ref,
+                    response=found.response,
+                )
+                counts["sent" if moved else "raced"] += 1
+            else:
+                state = _settle_not_found(
+                    conn,
+                    handler,
+                    row_id=row_id,
+                    token=token,
+                    attempts=attempts,
+                    deadline=deadline,
+                    result="not_found",
+                    # Why the call was ambiguous stays on its attempt row.
+                    error="lookup: the provider has no record of the call",
+                )
+                counts[state or "raced"] += 1
+    finally:
+        if own_clients:
+            lookup_clients.close()
+    return _nonzero(counts)
+
+
+# -- 3. redispatch ----------------------------------------------------------------------------------
+
+# Keyset pagination, so that rows left alone (a healthy backlog) are not read again and again.
+_DISPATCHED = """
+SELECT id, destination, dispatched_at,
+       dispatched_at < now() - %(stale)s * interval '1 second' AS stale
+FROM outbox_message
+WHERE state = 'dispatched'
+  AND dispatched_at < now() - %(grace)s * interval '1 second'
+  AND (CAST(%(after_at)s AS timestamptz) IS NULL
+       OR (dispatched_at, id) > (CAST(%(after_at)s AS timestamptz), CAST(%(after_id)s AS bigint)))
+ORDER BY dispatched_at, id
+LIMIT %(limit)s
+"""
+
+# One statement for the batch, each row guarded by its own state and dispatch time: a row that a
+# consumer claimed, or that was already re-queued and published again, does not match.
+_REQUEUE = """
+UPDATE outbox_message m
+SET state = 'pending', available_at = now(), dispatched_at = NULL
+FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(dispatched)s AS timestamptz[])) AS r(id, dispatched_at)
+WHERE m.id = r.id AND m.state = 'dispatched' AND m.dispatched_at = r.dispatched_at
+RETURNING m.id
+"""
+
+_FAIL_UNHANDLED = """
+UPDATE outbox_message m
+SET state = 'failed', completed_at = now(), last_error = %(error)s
+FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(dispatched)s AS timestamptz[])) AS r(id, dispatched_at)
+WHERE m.id = r.id AND m.state = 'dispatched' AND m.dispatched_at = r.dispatched_at
+RETURNING m.id
+"""
+
+
+def _requeue(conn: psycopg.Connection[Any], rows: list[tuple[int, datetime]]) -> int:
+    if not rows:
+        return 0
+    params = {"ids": [r[0] for r in rows], "dispatched": [r[1] for r in rows]}
+    return len(conn.execute(_REQUEUE, params).fetchall())
+
+
+def redispatch(
+    conn: psycopg.Connection[Any],
+    redis_client: redis.Redis,
+    handlers: Mapping[str, Handler],
+    *,
+    namespace: str,
+    redispatch_after_seconds: float,
+    module: str = "the handler module",
+    grace_seconds: float = DEFAULT_REDISPATCH_GRACE_SECONDS,
+    batch_size: int = DEFAULT_REDISPATCH_BATCH,
+    max_batches: int = DEFAULT_REDISPATCH_MAX_BATCHES,
+    stop: threading.Event | None = None,
+) -> dict[str, int]:
+    """Send `dispatched` rows whose message is lost back to `pending`, so the relay publishes
+    them again.
+
+    A row's message is looked up in Redis by its deterministic id. Missing (Redis flushed or
+    restarted, or the message dead-lettered) → re-queued now. Present but older than
+    ``redispatch_after_seconds`` (a dead worker's prefetched message) → re-queued too; a second
+    copy is harmless, the claim fences it. Present and younger → left alone: a long queue is not
+    a lost message. A row whose destination has no handler in ``module`` → `failed`.
+
+    Counts: ``missing``, ``stale``, ``waiting`` (left alone), ``unhandled``, ``raced``.
+    A Redis error raises: an unreachable Redis never means "the message is gone".
+    """
+    _require_autocommit(conn, "redispatch")
+    counts: Counter[str] = Counter()
+    after_at: datetime | None = None
+    after_id = 0
+    for _ in range(max_batches):
+        if stop is not None and stop.is_set():
+            break
+        rows = conn.execute(
+            _DISPATCHED,
+            {
+                "stale": float(redispatch_after_seconds),
+                "grace": float(grace_seconds),
+                "after_at": after_at,
+                "after_id": after_id,
+                "limit": batch_size,
+            },
+        ).fetchall()
+        if not rows:
+            break
+        after_at, after_id = rows[-1][2], rows[-1][0]
+
+        unhandled: dict[str, list[tuple[int, datetime]]] = defaultdict(list)
+        handled = []
+        for row_id, destination, dispatched_at, stale in rows:
+            if destination in handlers:
+                handled.append((row_id, destination, dispatched_at, stale))
+            else:
+                unhandled[destination].append((row_id, dispatched_at))
+        for destination, items in unhandled.items():
+            error = f"no handler for destination {destination} in {module}"
+            params = {"ids": [i[0] for i in items], "dispatched": [i[1] for i in items], "error": error}
+            moved = len(conn.execute(_FAIL_UNHANDLED, params).fetchall())
+            counts["unhandled"] += moved
+            counts["raced"] += len(items) - moved
+            if moved:
+                logger.error(
+                    "%s outbox rows failed: %s",
+                    moved,
+                    error,
+                    extra={"destination": destination, "failed": moved},
+                )
+
+        present = transport.messages_present(
+            redis_client,
+            namespace,
+            ((destination, transport.message_id(row_id, at)) for row_id, destination, at, _ in handled),
+        )
+        missing = [(r[0], r[2]) for r, p in zip(handled, present, strict=True) if not p]
+        stale = [(r[0], r[2]) for r, p in zip(handled, present, strict=True) if p and r[3]]
+        moved_missing = _requeue(conn, missing)
+        moved_stale = _requeue(conn, stale)
+        counts["missing"] += moved_missing
+        counts["stale"] += moved_stale
+        counts["waiting"] += len(handled) - len(missing) - len(stale)
+        counts["raced"] += len(missing) - moved_missing + len(stale) - moved_stale
+        if len(rows) < batch_size:
+            break
+    if counts["missing"] or counts["stale"]:
+        # The relay sleeps until NOTIFY or its poll interval; wake it for the re-queued rows.
+        conn.execute("SELECT pg_notify(%s, '')", (NOTIFY_CHANNEL,))
+    return _nonzero(counts)
+
+
+# -- 4. purge ---------------------------------------------------------------------------------------
+
+_PURGE = """
+DELETE FROM outbox_message
+WHERE id IN (
+    SELECT id FROM outbox_message
+    WHERE state IN ('sent', 'cancelled')
+      AND completed_at < now() - %(retention)s * interval '1 second'
+    ORDER BY completed_at
+    LIMIT %(limit)s
+)
+AND state IN ('sent', 'cancelled')
+"""
+
+
+def purge(
+    conn: psycopg.Connection[Any],
+    *,
+    retention_seconds: float,
+    max_batches: int = DEFAULT_PURGE_MAX_BATCHES,
+) -> dict[str, int]:
+    """Delete `sent` and `cancelled` rows completed more than ``retention_seconds`` ago (their
+    attempt rows cascade), at most ``max_batches`` batches of 1000 per run; `failed` rows stay
+    until a human replays them. Counts: ``purged``, ``batches`` (statements that deleted rows)."""
+    _require_autocommit(conn, "purge")
+    purged = batches = 0
+    for _ in range(max_batches):
+        deleted = conn.execute(_PURGE, {"retention": float(retention_seconds), "limit": PURGE_BATCH}).rowcount
+        if deleted <= 0:
+            break
+        batches += 1
+        purged += deleted
+        if deleted < PURGE_BATCH:
+            break
+    return {"purged": purged, "batches": batches} if purged else {}
+
+
+# -- 5. alerts --------------------------------------------------------------------------------------
+
+_ALERTABLE = """
+SELECT id, key, step, destination, state, last_error,
+       EXTRACT(EPOCH FROM now() - created_at) AS age,
+       EXTRACT(EPOCH FROM now() - unknown_since) AS unknown_for
+FROM outbox_message
+WHERE alerted_at IS NULL
+  AND (state = 'failed'
+       OR (state = 'unknown' AND unknown_since < now() - %(after)s * interval '1 second'))
+ORDER BY id
+LIMIT %(limit)s
+"""
+
+_MARK_ALERTED = """
+UPDATE outbox_message
+SET alerted_at = now()
+WHERE id = %(id)s AND state = %(state)s AND alerted_at IS NULL
+RETURNING id
+"""
+
+
+def send_alerts(
+    conn: psycopg.Connection[Any],
+    hook: AlertHook = log_alert,
+    *,
+    unknown_alert_after_seconds: float,
+    batch_size: int = DEFAULT_ALERT_BATCH,
+) -> dict[str, int]:
+    """Report each newly `failed` row, and each row `unknown` for longer than
+    ``unknown_alert_after_seconds``, once, through ``hook``; then mark it ``alerted_at``.
+
+    The hook runs before the mark: a crash in between repeats an alert rather than losing it.
+    A hook that raises leaves the row unmarked, so it is reported again next run.
+    Counts: ``alerts``, ``hook_errors``, ``raced``.
+    """
+    _require_autocommit(conn, "alerts")
+    counts: Counter[str] = Counter()
+    rows = conn.execute(
+        _ALERTABLE, {"after": float(unknown_alert_after_seconds), "limit": batch_size}
+    ).fetchall()
+    for row_id, key, step, destination, state, last_error, age, unknown_for in rows:
+        reason = last_error or "no reason recorded"
+        if state == "unknown":
+            reason = f"outcome unknown for {float(unknown_for):.0f} s: {reason}"
+        alert = AlertRow(
+            id=row_id,
+            key=key,
+            step=step,
+            destination=destination,
+            state=state,
+            reason=reason,
+            age=float(age),
+        )
+        try:
+            hook(alert)
+        except Exception:
+            counts["hook_errors"] += 1
+            logger.exception(
+                "alert hook failed for outbox row %s; it will be reported again",
+                row_id,
+                extra={"outbox_id": row_id, "destination": destination},
+            )
+            continue
+        marked = conn.execute(_MARK_ALERTED, {"id": row_id, "state": state}).fetchone()
+        counts["alerts" if marked is not None else "raced"] += 1
+    return _nonzero(counts)

@@ -1,0 +1,309 @@
+"""The ``Reconciler``: runs every job under its own advisory lock, once or on a schedule.
+
+Each job has a dedicated connection that holds both its session-level advisory lock and its
+statements: if that connection dies, the lock and the work stop together, so a reconciler can
+never keep acting after another one has taken the lock over. Only one reconciler acts per job
+at a time; the guarded statements make even an overlap harmless, the lock makes it rare and
+keeps two reconcilers from asking a provider the same question.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+import redis
+from apscheduler.events import EVENT_SCHEDULER_STARTED
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.schedulers import SchedulerNotRunningError
+from apscheduler.schedulers.blocking import BlockingScheduler
+from apscheduler.triggers.interval import IntervalTrigger
+
+from outbox import transport
+from outbox.db import connect_raw
+from outbox.handlers import Handler
+from outbox.settings import DEFAULT_NAMESPACE, Settings
+
+from . import jobs
+from .alerts import AlertHook, log_alert
+
+logger = logging.getLogger(__name__)
+
+#: First key of every reconciler advisory lock (``pg_locks.classid``): "ob" for outbox.
+LOCK_CLASS = 0x6F62
+
+JobFn = Callable[[psycopg.Connection[Any]], dict[str, int]]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A named job; ``lock_id`` is its second advisory lock key (``pg_locks.objid``)."""
+
+    name: str
+    lock_id: int
+    run: JobFn
+
+
+#: Job names in the order ``run_once`` runs them, with their lock ids. Leases expire before the
+#: lookups, so a row freed this run is resolved this run too.
+JOB_LOCK_IDS: dict[str, int] = {
+    "expire_leases": 1,
+    "resolve_unknown": 2,
+    "redispatch": 3,
+    "purge": 4,
+    "alerts": 5,
+}
+
+
+class Reconciler:
+    """Runs the reconciler jobs for the handlers of one deploy.
+
+    ``run_once()`` runs every job a single time and returns ``{job: counts}``; a job another
+    reconciler holds reports ``{"skipped": 1}``, one that raised reports ``{"error": 1}`` (and
+    is logged). ``run_forever(stop, interval_seconds)`` runs them on an APScheduler schedule.
+    """
+
+    def __init__(
+        self,
+        *,
+        database_url: str,
+        redis_url: str,
+        handlers: Mapping[str, Handler],
+        module: str,
+        namespace: str = DEFAULT_NAMESPACE,
+        redispatch_after_seconds: float = 300.0,
+        retention_seconds: float = 7 * 86400.0,
+        unknown_alert_after_seconds: float = 3600.0,
+        alert_hook: AlertHook = log_alert,
+        redispatch_grace_seconds: float = jobs.DEFAULT_REDISPATCH_GRACE_SECONDS,
+        name: str | None = None,
+    ) -> None:
+        self.database_url = database_url
+        self.redis_url = redis_url
+        self.handlers = dict(handlers)
+        self.module = module
+        self.namespace = namespace
+        self.redispatch_after_seconds = redispatch_after_seconds
+        self.retention_seconds = retention_seconds
+        self.unknown_alert_after_seconds = unknown_alert_after_seconds
+        self.alert_hook = alert_hook
+        self.redispatch_grace_seconds = redispatch_grace_seconds
+        #: Names this process in the log lines, so an operator sees which reconciler acted.
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self._lookup_clients = jobs.LookupClients()
+        self._redis: redis.Redis | None = None
+        self._redis_lock = threading.Lock()
+        self._conns: dict[str, psycopg.Connection[Any]] = {}
+        # Set on shutdown: long jobs stop between rows instead of holding the exit up.
+        self._stopping = threading.Event()
+        # Session-level advisory locks are re-entrant within a session: this keeps two threads
+        # of this reconciler from both "acquiring" the same job on its one connection.
+        self._running = {n: threading.Lock() for n in JOB_LOCK_IDS}
+        #: The jobs, by name, in the order ``run_once`` runs them.
+        self.jobs: dict[str, Job] = {
+            "expire_leases": Job("expire_leases", JOB_LOCK_IDS["expire_leases"], self._expire_leases),
+            "resolve_unknown": Job("resolve_unknown", JOB_LOCK_IDS["resolve_unknown"], self._resolve_unknown),
+            "redispatch": Job("redispatch", JOB_LOCK_IDS["redispatch"], self._redispatch),
+            "purge": Job("purge", JOB_LOCK_IDS["purge"], self._purge),
+            "alerts": Job("alerts", JOB_LOCK_IDS["alerts"], self._alerts),
+        }
+
+    @classmethod
+    def from_settings(
+        cls,
+        cfg: Settings,
+        *,
+        handlers: Mapping[str, Handler],
+        module: str,
+        alert_hook: AlertHook = log_alert,
+        name: str | None = None,
+    ) -> Reconciler:
+        """Raises ``ConfigError`` when the database or Redis URL is missing: the production
+        process never falls back to embedded servers."""
+        return cls(
+            database_url=cfg.require_database_url(),
+            redis_url=cfg.require_redis_url(),
+            handlers=handlers,
+            module=module,
+            namespace=cfg.namespace,
+            redispatch_after_seconds=cfg.redispatch_after_seconds,
+            retention_seconds=cfg.retention_seconds,
+            unknown_alert_after_seconds=cfg.unknown_alert_after_seconds,
+            alert_hook=alert_hook,
+            name=name,
+        )
+
+    # -- resources -----------------------------------------------------------------------------
+
+    def _conn(self, job: str) -> psycopg.Connection[Any]:
+        conn = self._conns.get(job)
+        if conn is None or conn.closed:
+            conn = self._conns[job] = connect_raw(
+                self.database_url, autocommit=True, application_name=f"outbox-reconcile-{job}"
+            )
+        return conn
+
+    def _drop(self, job: str) -> None:
+        conn = self._conns.pop(job, None)
+        if conn is not None and not conn.closed:
+            conn.close()
+
+    @property
+    def redis(self) -> redis.Redis:
+        with self._redis_lock:
+            if self._redis is None:
+                self._redis = transport.connect(self.redis_url, socket_timeout=10, socket_connect_timeout=5)
+            return self._redis
+
+    def close(self) -> None:
+        """Close every connection and client this reconciler opened. Call once jobs stopped."""
+        for job in list(self._conns):
+            self._drop(job)
+        with self._redis_lock:
+            if self._redis is not None:
+                self._redis.close()
+                self._redis = None
+        self._lookup_clients.close()
+
+    def __enter__(self) -> Reconciler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the jobs ------------------------------------------------------------------------------
+
+    def _expire_leases(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        expired = jobs.expire_leases(conn)
+        return {"expired": expired} if expired else {}
+
+    def _resolve_unknown(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return jobs.resolve_unknown(
+            conn, self.handlers, module=self.module, clients=self._lookup_clients, stop=self._stopping
+        )
+
+    def _redispatch(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return jobs.redispatch(
+            conn,
+            self.redis,
+            self.handlers,
+            namespace=self.namespace,
+            redispatch_after_seconds=self.redispatch_after_seconds,
+            module=self.module,
+            grace_seconds=self.redispatch_grace_seconds,
+            stop=self._stopping,
+        )
+
+    def _purge(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return jobs.purge(conn, retention_seconds=self.retention_seconds)
+
+    def _alerts(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return jobs.send_alerts(
+            conn, self.alert_hook, unknown_alert_after_seconds=self.unknown_alert_after_seconds
+        )
+
+    # -- running -------------------------------------------------------------------------------
+
+    def run_job(self, name: str) -> dict[str, int]:
+        """Run one job if this reconciler gets its lock; log and return its counts."""
+        job = self.jobs[name]
+        running = self._running.setdefault(name, threading.Lock())
+        counts: dict[str, int]
+        if not running.acquire(blocking=False):
+            counts = {"skipped": 1}
+        else:
+            try:
+                counts = self._locked(job)
+            except Exception as exc:
+                # A job that fails (database or Redis away) must not stop the others; its
+                # connection is dropped so that the next run starts from a fresh one.
+                self._drop(name)
+                counts = {"error": 1}
+                logger.error(
+                    "reconciler job %s failed: %s: %s",
+                    name,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=not isinstance(exc, psycopg.OperationalError | redis.ConnectionError),
+                    extra={"job": name, "reconciler": self.name, "error": type(exc).__name__},
+                )
+            finally:
+                running.release()
+        logger.info(
+            "reconciler %s: %s",
+            name,
+            " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "nothing to do",
+            extra={"job": name, "reconciler": self.name, **counts},
+        )
+        return counts
+
+    def _locked(self, job: Job) -> dict[str, int]:
+        conn = self._conn(job.name)
+        got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (LOCK_CLASS, job.lock_id)).fetchone()
+        if not (got and got[0]):
+            return {"skipped": 1}
+        try:
+            return job.run(conn)
+        finally:
+            if not conn.closed and not conn.broken:
+                conn.execute("SELECT pg_advisory_unlock(%s, %s)", (LOCK_CLASS, job.lock_id))
+
+    def run_once(self) -> dict[str, dict[str, int]]:
+        """Run every job once, in order; returns ``{job: counts}``."""
+        return {name: self.run_job(name) for name in self.jobs}
+
+    def run_forever(self, stop: threading.Event, *, interval_seconds: float) -> None:
+        """Run every job every ``interval_seconds`` until ``stop`` is set, then finish the jobs
+        in hand and return. A job still running when its next turn comes is not doubled
+        (``max_instances=1``) and missed turns collapse into one (``coalesce``)."""
+        scheduler = BlockingScheduler(
+            executors={"default": ThreadPoolExecutor(max_workers=len(self.jobs))},
+            timezone=UTC,
+        )
+        start = datetime.now(UTC)
+        for name in self.jobs:
+            scheduler.add_job(
+                self.run_job,
+                IntervalTrigger(seconds=interval_seconds, timezone=UTC),
+                args=[name],
+                id=name,
+                name=f"reconciler {name}",
+                coalesce=True,
+                max_instances=1,
+                misfire_grace_time=None,
+                next_run_time=start,
+            )
+
+        def shutdown_on_stop() -> None:
+            stop.wait()
+            self._stopping.set()
+            # wait=True: the jobs in hand finish before the process exits.
+            with contextlib.suppress(SchedulerNotRunningError):
+                scheduler.shutdown(wait=True)
+
+        watcher = threading.Thread(target=shutdown_on_stop, name="reconciler-stop", daemon=True)
+        # Started once the scheduler runs: a shutdown() before that would be refused and lost.
+        scheduler.add_listener(lambda _event: watcher.start(), EVENT_SCHEDULER_STARTED)
+        logger.info(
+            "reconciler started: module=%s interval=%ss jobs=%s",
+            self.module,
+            interval_seconds,
+            ",".join(self.jobs),
+            extra={"reconciler": self.name, "interval_seconds": interval_seconds},
+        )
+        try:
+            scheduler.start()
+        finally:
+            stop.set()
+            if watcher.ident is not None:
+                watcher.join()
+            self._stopping.clear()
+        logger.info("reconciler stopped", extra={"reconciler": self.name})
