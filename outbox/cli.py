@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -69,6 +70,18 @@ def cmd_migrate(args: argparse.Namespace, cfg: settings.Settings) -> int:
     return 0
 
 
+def _check_schema(database_url: str) -> None:
+    from .db import make_engine
+    from .migrate import check_schema
+
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            check_schema(conn)
+    finally:
+        engine.dispose()
+
+
 # -- relay -----------------------------------------------------------------------------------------
 
 
@@ -76,17 +89,12 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from relay import Relay
 
     from . import transport
-    from .db import make_engine
-    from .migrate import check_schema
 
     database_url = cfg.require_database_url()
     redis_url = cfg.require_redis_url()
-    engine = make_engine(database_url)
-    try:
-        with engine.connect() as conn:
-            check_schema(conn)
-    finally:
-        engine.dispose()
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    _check_schema(database_url)
     client = transport.connect(redis_url, socket_connect_timeout=5)
     try:
         transport.ensure_safe(client, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
@@ -128,9 +136,10 @@ def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
     database_url = cfg.require_database_url()
     redis_url = cfg.require_redis_url()
-    handlers = load_module(args.module)
     if args.processes < 1 or args.threads < 1:
         raise ConfigError("--processes and --threads must be at least 1")
+    _check_schema(database_url)
+    handlers = load_module(args.module)
     client = transport.connect(redis_url, socket_connect_timeout=5)
     try:
         transport.ensure_safe(client, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
@@ -150,6 +159,10 @@ def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
         ]
         if args.queues:
             child_argv += ["--queues", *args.queues]
+        # The children read the resolved settings from their environment, flags included.
+        os.environ.update(
+            OUTBOX_DATABASE_URL=database_url, OUTBOX_REDIS_URL=redis_url, OUTBOX_NAMESPACE=cfg.namespace
+        )
         return supervise(child_argv, args.processes, stop)
     return run_worker(
         database_url=database_url,

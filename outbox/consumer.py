@@ -9,7 +9,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,9 +41,18 @@ class Consumer:
     a database crash before the call starts) and one for records (asynchronous commit).
     """
 
-    def __init__(self, database_url: str, handlers: Mapping[str, Handler]) -> None:
+    def __init__(
+        self,
+        database_url: str,
+        handlers: Mapping[str, Handler],
+        *,
+        limit_call: Callable[[float], None] | None = None,
+    ) -> None:
         self.database_url = database_url
         self.handlers = dict(handlers)
+        # Set by the worker: arms a per-thread timer that interrupts a handler running past
+        # the given number of seconds (Dramatiq's TimeLimit), so the call ends inside the lease.
+        self._limit_call = limit_call
         self._local = threading.local()
         self._all: list[psycopg.Connection[Any]] = []
         self._all_lock = threading.Lock()
@@ -155,6 +164,8 @@ class Consumer:
             deadline=claimed.deadline,
             handler=handler,
         )
+        if self._limit_call is not None:
+            self._limit_call(handler.time_limit)
         try:
             return decide_result(handler(delivery))
         except Exception as exc:
@@ -164,6 +175,10 @@ class Consumer:
             if type(exc).__name__ in ("TimeLimitExceeded", "Shutdown"):
                 return decide_exception(handler, exc)
             raise
+        finally:
+            if self._limit_call is not None:
+                # Room for the record; the lease still bounds the whole run.
+                self._limit_call(handler.lease_seconds)
 
     def _record(
         self,

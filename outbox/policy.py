@@ -6,6 +6,8 @@ Pure functions, no I/O: the consumer and the reconciler ask, the storage layer a
 from __future__ import annotations
 
 import enum
+import json
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -14,6 +16,8 @@ import httpx
 
 from .exceptions import AmbiguousError, PermanentError, RetryableError
 from .handlers import Confirmed, Handler
+
+logger = logging.getLogger(__name__)
 
 
 class Outcome(enum.StrEnum):
@@ -81,7 +85,14 @@ def classify_exception(exc: BaseException) -> tuple[Outcome, str, int | None]:
 
 def decide_result(result: object) -> Decision:
     if isinstance(result, Confirmed):
-        return Decision(Outcome.SENT, ref=result.ref, response=result.response)
+        response = result.response
+        if response is not None:
+            try:
+                json.dumps(response, allow_nan=False)
+            except (TypeError, ValueError):
+                # The provider confirmed: the effect is real even if its summary cannot be kept.
+                response = {"unstorable_response": type(response).__name__}
+        return Decision(Outcome.SENT, ref=result.ref, response=response)
     return Decision(
         Outcome.UNKNOWN,
         error=f"handler returned {type(result).__name__}, expected outbox.Confirmed; "
@@ -89,12 +100,28 @@ def decide_result(result: object) -> Decision:
     )
 
 
+#: What a handler's ``classify=`` may answer; "sent" needs a provider reference, so only a
+#: returned ``Confirmed`` can mean sent.
+_OVERRIDABLE = {"retry": Outcome.RETRY, "failed": Outcome.FAILED, "unknown": Outcome.UNKNOWN}
+
+
 def decide_exception(handler: Handler, exc: BaseException) -> Decision:
-    override = handler.classify(exc) if handler.classify is not None else None
-    if override is not None:
-        outcome, reason, status = Outcome(override), _short(f"{type(exc).__name__}: {exc}"), None
-    else:
-        outcome, reason, status = classify_exception(exc)
+    outcome, reason, status = classify_exception(exc)
+    if handler.classify is not None:
+        try:
+            override = handler.classify(exc)
+        except Exception:
+            logger.exception("classify= of %s raised; using the default classification", handler.destination)
+            override = None
+        if override is not None and override not in _OVERRIDABLE:
+            logger.error(
+                "classify= of %s answered %r (expected retry, failed, unknown or None); "
+                "using the default classification",
+                handler.destination,
+                override,
+            )
+        elif override is not None:
+            outcome, reason = _OVERRIDABLE[override], _short(f"{type(exc).__name__}: {exc}")
     return Decision(outcome, error=reason, http_status=status)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,9 +32,14 @@ class Publication:
     dispatched_at: datetime
 
 
+def dispatch_micros(dispatched_at: datetime) -> int:
+    """The dispatch time as it appears in message ids (the relay computes it once per batch)."""
+    return int(dispatched_at.timestamp() * 1_000_000)
+
+
 def message_id(row_id: int, dispatched_at: datetime) -> str:
     """Deterministic per (row, dispatch), so the reconciler can ask Redis whether it still waits."""
-    return f"outbox-{row_id}-{int(dispatched_at.timestamp() * 1_000_000)}"
+    return f"outbox-{row_id}-{dispatch_micros(dispatched_at)}"
 
 
 def encode_message(row_id: int, destination: str, mid: str, timestamp_ms: int) -> bytes:
@@ -58,7 +62,7 @@ def queue_key(namespace: str, destination: str) -> str:
 
 
 def connect(url: str, **options: object) -> redis.Redis:
-    return redis.Redis.from_url(url, **options)  # type: ignore[arg-type]
+    return redis.Redis.from_url(url, **options)
 
 
 def publish(client: redis.Redis, namespace: str, publications: Sequence[Publication]) -> None:
@@ -67,23 +71,114 @@ def publish(client: redis.Redis, namespace: str, publications: Sequence[Publicat
     Raises a ``redis`` error if any command failed, so that the caller rolls back and the rows
     stay ``pending``.
     """
-    if not publications:
-        return
-    now_ms = int(time.time() * 1000)
-    by_queue: dict[str, tuple[dict[str, bytes], list[str]]] = defaultdict(lambda: ({}, []))
-    for p in publications:
-        mid = message_id(p.row_id, p.dispatched_at)
-        messages, ids = by_queue[p.destination]
-        messages[mid] = encode_message(p.row_id, p.destination, mid, now_ms)
-        ids.append(mid)
-    pipe = client.pipeline(transaction=False)
-    for destination, (messages, ids) in by_queue.items():
+    publish_rows(client, namespace, [(p.row_id, p.destination, p.dispatched_at) for p in publications])
+
+
+def publish_rows(client: redis.Redis, namespace: str, rows: Iterable[tuple[int, str, datetime]]) -> int:
+    """:func:`publish` for ``(row id, destination, dispatched_at)`` tuples as the claim query
+    returns them; returns how many messages were enqueued.
+
+    This is the relay's hot path. Going through redis-py's pipeline cost about 14 µs per row
+    (``json.dumps`` of a dict, then redis-py packing three arguments per row); here each row is
+    one f-string of Redis protocol, built from a per-destination template, and the whole batch
+    is sent as one buffer: about 2 µs per row. The bytes stored are exactly those of
+    :func:`encode_message` (the tests compare them).
+    """
+    payload, replies, count = _pack(namespace, rows, int(time.time() * 1000))
+    if count:
+        _send_packed(client, payload, replies)
+    return count
+
+
+class _Queue:
+    """One destination of a batch: its message template and the protocol text built so far."""
+
+    __slots__ = ("fields", "fixed", "head", "ids", "tail")
+
+    def __init__(self, destination: str, timestamp_ms: int) -> None:
+        # json.dumps escapes every non-ASCII character, so the message is pure ASCII and its
+        # length in characters is its length in bytes, as the protocol needs.
+        self.head = f'{{"queue_name":{json.dumps(destination)},"actor_name":{json.dumps(ACTOR_NAME)},"args":['
+        self.tail = f'","message_timestamp":{timestamp_ms}}}'
+        self.fixed = len(self.head) + len(_MSG_OPTIONS) + len(_MSG_ID) + len(self.tail)
+        self.fields: list[str] = []  # HSET field/value pairs, already in protocol form
+        self.ids: list[str] = []  # RPUSH elements, already in protocol form
+
+
+_MSG_OPTIONS = '],"kwargs":{},"options":{"redis_message_id":"'
+_MSG_ID = '"},"message_id":"'
+
+
+def _bulk(value: str) -> bytes:
+    raw = value.encode()
+    return b"$%d\r\n%s\r\n" % (len(raw), raw)
+
+
+def _pack(
+    namespace: str, rows: Iterable[tuple[int, str, datetime]], timestamp_ms: int
+) -> tuple[bytes, int, int]:
+    """The Redis protocol for ``HSET ns:dest.msgs id msg …`` + ``RPUSH ns:dest id …`` per
+    destination: (bytes to send, replies to read, messages)."""
+    queues: dict[str, _Queue] = {}
+    suffixes: dict[datetime, str] = {}
+    count = 0
+    for row_id, destination, dispatched_at in rows:
+        queue = queues.get(destination)
+        if queue is None:
+            queue = queues[destination] = _Queue(destination, timestamp_ms)
+        suffix = suffixes.get(dispatched_at)
+        if suffix is None:
+            # One claim statement stamps every row with the same now(): computed once per batch.
+            suffix = suffixes[dispatched_at] = f"-{dispatch_micros(dispatched_at)}"
+        rid = str(row_id)
+        mid = f"outbox-{rid}{suffix}"
+        field = f"${len(mid)}\r\n{mid}\r\n"
+        queue.fields.append(
+            f"{field}${queue.fixed + len(rid) + 2 * len(mid)}\r\n"
+            f"{queue.head}{rid}{_MSG_OPTIONS}{mid}{_MSG_ID}{mid}{queue.tail}\r\n"
+        )
+        queue.ids.append(field)
+        count += 1
+    parts: list[bytes] = []
+    for destination, queue in queues.items():
         key = queue_key(namespace, destination)
-        pipe.hset(f"{key}.msgs", mapping=messages)  # type: ignore[arg-type]
-        pipe.rpush(key, *ids)
-    for result in pipe.execute(raise_on_error=True):
-        if isinstance(result, Exception):  # pragma: no cover - raise_on_error raises first
-            raise result
+        n = len(queue.ids)
+        parts += (b"*%d\r\n$4\r\nHSET\r\n" % (2 + 2 * n), _bulk(f"{key}.msgs"))
+        parts.append("".join(queue.fields).encode("ascii"))
+        parts += (b"*%d\r\n$5\r\nRPUSH\r\n" % (2 + n), _bulk(key))
+        parts.append("".join(queue.ids).encode("ascii"))
+    return b"".join(parts), 2 * len(queues), count
+
+
+def _send_packed(client: redis.Redis, payload: bytes, replies: int) -> None:
+    """Send pre-packed commands on a pooled connection and read every reply, as redis-py's
+    pipeline does (same retry policy, connection dropped on a transport error); raises the
+    first error reply after reading them all, so the socket never desyncs."""
+    pool = client.connection_pool
+    try:
+        conn = pool.get_connection()
+    except TypeError:  # redis-py < 5.3 requires a command name, which its pools ignore
+        conn = pool.get_connection("HSET")
+
+    def send() -> redis.ResponseError | None:
+        conn.send_packed_command([payload])
+        first: redis.ResponseError | None = None
+        for _ in range(replies):
+            try:
+                conn.read_response()
+            except redis.ResponseError as exc:
+                first = first or exc
+        return first
+
+    try:
+        error = conn.retry.call_with_retry(send, lambda _exc: conn.disconnect())
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    if error is not None:
+        raise error
 
 
 def messages_present(
@@ -123,7 +218,7 @@ def check_broker_safety(client: redis.Redis, namespace: str, *, allow_evicting: 
         problems.append(
             f"Redis maxmemory-policy is {policy} with maxmemory={maxmemory}: it may evict queued "
             "messages; set maxmemory-policy noeviction (or volatile-*), or pass "
-            "--allow-evicting-redis / OUTBOX_ALLOW_EVICTING_REDIS=true if you accept delays"
+            "OUTBOX_ALLOW_EVICTING_REDIS=true if you accept delays"
         )
     if not namespace:
         problems.append("the broker namespace is empty; set OUTBOX_NAMESPACE")

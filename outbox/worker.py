@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import dramatiq
@@ -36,9 +36,19 @@ def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]
     broker = RedisBroker(
         url=redis_url,
         namespace=namespace,
-        middleware=[CurrentMessage(), TimeLimit(time_limit=backstop_ms)],
+        middleware=[CurrentMessage(), TimeLimit(time_limit=backstop_ms, interval=100)],
     )
     return broker
+
+
+def call_limiter(broker: RedisBroker) -> Callable[[float], None]:
+    """Re-arm Dramatiq's per-thread timer at ``seconds`` from now (the handler's time_limit)."""
+    limit = next(m for m in broker.middleware if isinstance(m, TimeLimit))
+
+    def arm(seconds: float) -> None:
+        limit.manager.add_timeout(threading.get_ident(), seconds * 1000)
+
+    return arm
 
 
 def declare(broker: RedisBroker, consumer: Consumer, destinations: Sequence[str]) -> None:
@@ -77,8 +87,10 @@ def run_worker(
     if unknown:
         raise ConfigError(f"--queues names destinations with no handler: {', '.join(unknown)}")
     broker = build_broker(redis_url, namespace, handlers)
-    consumer = Consumer(database_url, handlers)
+    consumer = Consumer(database_url, handlers, limit_call=call_limiter(broker))
     declare(broker, consumer, destinations)
+    # What Dramatiq's own CLI does once per process: starts TimeLimit's timer thread.
+    broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=threads)
     worker.start()
     logger.info(
@@ -100,14 +112,40 @@ def run_worker(
     return 0
 
 
+#: Options of the ``outbox`` command itself: they must come before the subcommand.
+_GLOBAL_OPTIONS = ("--log-level",)
+
+
+def _options_first(argv: Sequence[str]) -> list[str]:
+    """Move the top-level options (``--log-level X``) in front of the subcommand, where the
+    parser accepts them; ``outbox worker … --log-level INFO`` is a usage error."""
+    front: list[str] = []
+    rest: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        if args[i] in _GLOBAL_OPTIONS and i + 1 < len(args):
+            front += args[i : i + 2]
+            i += 2
+        elif args[i].split("=", 1)[0] in _GLOBAL_OPTIONS and "=" in args[i]:
+            front.append(args[i])
+            i += 1
+        else:
+            rest.append(args[i])
+            i += 1
+    return front + rest
+
+
 def supervise(argv: Sequence[str], processes: int, stop: threading.Event) -> int:
     """Run ``processes`` single-process workers as children; restart one that dies.
 
     SIGTERM/SIGINT are forwarded; the exit status is 0 when every child stopped cleanly.
     """
 
+    child_argv = _options_first(argv)
+
     def spawn() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-m", "outbox", *argv])
+        return subprocess.Popen([sys.executable, "-m", "outbox", *child_argv])
 
     children = [spawn() for _ in range(processes)]
     try:

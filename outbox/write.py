@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,6 @@ from sqlalchemy.orm import Session
 
 from . import settings as _settings
 from .exceptions import KeyConflict
-from .migrate import check_schema
 from .validation import check_aware, check_destination, check_key_step, encode_payload
 
 if TYPE_CHECKING:
@@ -53,13 +53,14 @@ _CANCEL = text(
     """
     UPDATE outbox_message
     SET state = 'cancelled', completed_at = now(), claim_token = NULL
-    WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched')
+    WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched') AND attempts = 0
     RETURNING id
     """
 )
 
 _max_payload_bytes: int | None = None
-_checked_schemas: set[str] = set()
+#: Engines whose database was found at the head revision (checked once each, not per write).
+_checked_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 _checked_lock = threading.Lock()
 
 
@@ -105,19 +106,20 @@ def _engine_of(target: Session | Connection) -> Engine:
 
 
 def _ensure_schema(target: Session | Connection) -> None:
-    """Check once per database that the tables exist at the head revision.
+    """Check once per engine that the tables exist at the head revision.
 
     A missing table would abort the caller's transaction; a read-only check does not, so a
     clear `NotMigrated` leaves the transaction usable.
     """
     engine = _engine_of(target)
-    url = engine.url.render_as_string(hide_password=True)
-    if url in _checked_schemas:
+    if engine in _checked_engines:
         return
+    from .migrate import check_schema  # imports Alembic: only when an engine is first seen
+
     connection = target.connection() if isinstance(target, Session) else target
     check_schema(connection)
     with _checked_lock:
-        _checked_schemas.add(url)
+        _checked_engines.add(engine)
 
 
 def _conclude(inserted: Any, existing: Any, key: str, step: str) -> Written:
@@ -159,8 +161,9 @@ def write(
 def cancel(target: Session | Connection, *, key: str, step: str) -> bool:
     """Cancel ``(key, step)`` if no consumer holds it; True when this call cancelled it.
 
-    Rows still `pending` (including a retry whose earlier attempts certainly did not take
-    effect) or `dispatched` can be cancelled; `in_flight`, `unknown` and terminal rows cannot.
+    Only a row no consumer ever claimed (`pending` or `dispatched`, no attempt yet) can be
+    cancelled: once a call was attempted, it may have taken effect (an idempotent destination
+    retries ambiguous calls), so cancelling it could hide a real charge.
     """
     check_key_step(key, step)
     _ensure_schema(target)
@@ -197,9 +200,11 @@ async def _ensure_schema_async(target: AsyncSession | AsyncConnection) -> None:
     from sqlalchemy.ext.asyncio import AsyncSession
 
     connection = await target.connection() if isinstance(target, AsyncSession) else target
-    url = connection.engine.url.render_as_string(hide_password=True)
-    if url in _checked_schemas:
+    engine = connection.engine.sync_engine
+    if engine in _checked_engines:
         return
+    from .migrate import check_schema
+
     await connection.run_sync(check_schema)
     with _checked_lock:
-        _checked_schemas.add(url)
+        _checked_engines.add(engine)

@@ -321,3 +321,92 @@ def test_worker_drops_malformed_messages_and_keeps_working(clean, engine, provid
     assert t.is_alive() is False
     assert row(clean, row_id)["state"] == "sent"
     assert provider.stats()["charges"] == 1
+
+
+def test_classify_override_cannot_claim_sent_and_bad_answers_fall_back(clean, engine, consumer):
+    answers = iter(["sent", RuntimeError("classifier bug"), "retry"])
+
+    def classify(exc: BaseException) -> str | None:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    @outbox.handler("payments.charge", time_limit=2, backoff=(1,), classify=classify)
+    def flaky(d):
+        raise KeyError("missing field")
+
+    rows = []
+    with Session(engine) as s, s.begin():
+        for i in range(3):
+            rows.append(
+                outbox.write(s, key=f"order:{i}", step="charge", destination="payments.charge", payload={}).id
+            )
+    c = consumer()
+    # "sent" is not a classification (only a Confirmed carries a reference): default applies.
+    assert c.deliver(rows[0], "payments.charge") is RunResult.UNKNOWN
+    # A classifier that raises: default applies too.
+    assert c.deliver(rows[1], "payments.charge") is RunResult.UNKNOWN
+    assert c.deliver(rows[2], "payments.charge") is RunResult.PENDING
+
+
+def test_unstorable_response_still_records_sent(clean, engine, consumer):
+    @outbox.handler("payments.charge", time_limit=2)
+    def odd(d):
+        return outbox.Confirmed(ref="ch_9", response={"at": datetime.now(UTC)})
+
+    (row_id,) = write_rows(engine)
+    assert consumer().deliver(row_id, "payments.charge") is RunResult.SENT
+    r = row(clean, row_id)
+    assert r["provider_ref"] == "ch_9" and r["response"] == {"unstorable_response": "dict"}
+
+
+def test_worker_interrupts_a_handler_past_its_time_limit(clean, engine):
+    @outbox.handler("payments.charge", time_limit=1, lease_seconds=30)
+    def spins(d):
+        while True:  # pure Python: Dramatiq's timer can interrupt it
+            pass
+
+    (row_id,) = write_rows(engine)
+    from relay import Relay
+
+    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
+    relay.drain()
+    relay.close()
+    stop = threading.Event()
+    t = threading.Thread(
+        target=run_worker,
+        kwargs=dict(
+            database_url=clean.database_url,
+            redis_url=clean.redis_url,
+            namespace=clean.namespace,
+            handlers=registry(),
+            queues=None,
+            threads=1,
+            stop=stop,
+        ),
+    )
+    started = time.monotonic()
+    t.start()
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and row(clean, row_id)["state"] != "unknown":
+            time.sleep(0.1)
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        t.join(30)
+    r = row(clean, row_id)
+    assert r["state"] == "unknown" and "time limit" in r["last_error"]
+    # Interrupted at its own time_limit, well before the 30 s lease.
+    assert elapsed < 10
+
+
+def test_cancel_only_before_any_claim(clean, engine, provider, consumer):
+    charge_handler(provider, max_attempts=3)
+    provider.configure(fail_before_rate=1.0)
+    (row_id,) = write_rows(engine)
+    assert consumer().deliver(row_id, "payments.charge") is RunResult.PENDING
+    with Session(engine) as s, s.begin():
+        assert outbox.cancel(s, key="order:0", step="charge") is False
+    assert row(clean, row_id)["state"] == "pending"
