@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -78,6 +79,7 @@ def embedded_redis(directory: str) -> Iterator[str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
     )
     url = f"redis://127.0.0.1:{port}/0"
     try:
@@ -90,6 +92,18 @@ def embedded_redis(directory: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills the server when the process that started it dies, even by
+    SIGKILL, so a killed demo or test run leaves no orphan redis-server behind."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout_seconds: float = 10) -> None:

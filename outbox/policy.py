@@ -151,7 +151,10 @@ def next_state(
     if outcome is Outcome.FAILED:
         return Next("failed", None, decision.error)
     if outcome is Outcome.UNKNOWN:
-        return Next("unknown", now, decision.error)
+        # The provider may still be executing the request we stopped waiting for: a lookup
+        # before it lands would find no record and the retry would charge twice. Wait one
+        # time_limit before the first lookup.
+        return Next("unknown", now + timedelta(seconds=handler.time_limit), decision.error)
     return retry_or_fail(handler, attempt=attempt, deadline=deadline, now=now, error=decision.error)
 
 

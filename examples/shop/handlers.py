@@ -1,7 +1,9 @@
 """Handlers of the example shop: charge a card through the payment provider, and find a charge.
 
 Run them with ``outbox worker examples.shop.handlers``. The provider's address comes from
-``SHOP_PROVIDER_URL`` (the demo and the tests start a simulator on 127.0.0.1).
+``SHOP_PROVIDER_URL`` (the demo and the tests start a simulator on 127.0.0.1). The destination
+is ``payments.charge`` unless ``SHOP_DESTINATION`` says otherwise: ``outbox demo`` uses a name of
+its own so that its rows can never reach the handlers of a real deployment sharing the database.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ def _lease_seconds() -> float | None:
     return float(raw) if raw else None
 
 
+#: Must match what examples/shop/app.py writes (it reads the same variable).
+DESTINATION = os.environ.get("SHOP_DESTINATION", "payments.charge")
+
+
 @outbox.handler(
-    "payments.charge",
+    DESTINATION,
     time_limit=_time_limit(),
     max_attempts=5,
     backoff=tuple(float(x) for x in os.environ.get("SHOP_BACKOFF", "1,5,30").split(",")),

@@ -1,0 +1,30 @@
+# One image for every process of the pipeline: outbox migrate | relay | worker | reconcile, the
+# provider simulator and the example shop (see docker-compose.yml).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Installed from a build directory that is removed afterwards: were the source tree the working
+# directory at run time, `python -m outbox` would import it instead of the installed package,
+# which is the one that carries the migrations (as outbox.migrations).
+WORKDIR /build
+COPY pyproject.toml README.md ./
+COPY migrations/ migrations/
+COPY outbox/ outbox/
+COPY relay/ relay/
+COPY reconciler/ reconciler/
+RUN pip install . && rm -rf /build
+
+# The examples are not part of the package: the handler modules are found through PYTHONPATH,
+# as an application's own would be.
+COPY examples/ /app/examples/
+ENV PYTHONPATH=/app
+WORKDIR /app
+
+RUN useradd --system --uid 10001 --no-create-home outbox
+USER outbox
+
+CMD ["outbox", "--help"]

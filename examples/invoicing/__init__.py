@@ -1,0 +1,1 @@
+"""An invoice → accounting export → notification chain, one outbox step feeding the next."""

@@ -1,0 +1,169 @@
+"""The processes of ``outbox demo``: started with their output in log files, killed for real,
+and never left behind.
+
+Each child gets a session of its own, so a Ctrl-C in the terminal reaches only the demo, which
+then stops its children in order instead of having them all die mid-sentence at once. On
+Linux each child also asks the kernel for SIGKILL when the demo dies, so even a SIGKILLed demo
+leaves no worker charging cards on its own. That request is tied to the thread that spawned the
+child, which is why every spawn happens on the demo's main thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _preexec() -> Callable[[], None] | None:
+    return _die_with_parent if sys.platform.startswith("linux") else None
+
+
+def free_port() -> int:
+    """A loopback port free right now (the provider binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    role: str
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+    started_at: float = field(default_factory=time.monotonic)
+    #: Set when the demo killed it on purpose, so its exit is not reported as a crash.
+    killed_on_purpose: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_contains(self, marker: str) -> bool:
+        try:
+            return marker in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Supervisor:
+    """Starts, kills and stops the demo's children; every child it started, it stops."""
+
+    def __init__(self, log_dir: Path, env: Mapping[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = dict(env)
+        self.children: list[Child] = []
+        self._count = 0
+
+    def start(self, role: str, argv: list[str], *, name: str | None = None) -> Child:
+        self._count += 1
+        name = name or role
+        log_path = self.log_dir / f"{self._count:02d}-{name}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, *argv],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                # Safe here: the demo spawns from its main thread only (see the module docstring).
+                preexec_fn=_preexec(),
+            )
+        child = Child(role, name, list(argv), log_path, proc)
+        self.children.append(child)
+        return child
+
+    def running(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.role == role and c.alive() and not c.killed_on_purpose]
+
+    def kill(self, child: Child) -> None:
+        """SIGKILL, the way an OOM kill or a lost node ends a process: no cleanup runs."""
+        child.killed_on_purpose = True
+        if child.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(5)
+
+    def crashed(self) -> list[Child]:
+        """Children that exited without the demo asking (a zero exit of a finite one is fine)."""
+        return [
+            c
+            for c in self.children
+            if not c.killed_on_purpose and c.proc.poll() is not None and c.proc.returncode != 0
+        ]
+
+    def stop(self, children: Iterable[Child], grace_seconds: float) -> None:
+        """SIGTERM, then SIGKILL whatever has not exited within the grace period."""
+        targets = [c for c in children if c.alive()]
+        for c in targets:
+            c.killed_on_purpose = True
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_seconds
+        for c in targets:
+            try:
+                c.proc.wait(max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(c.pid, signal.SIGKILL)
+                c.proc.wait()
+
+    def stop_all(self, grace_seconds: float = 5.0) -> None:
+        self.stop(self.children, grace_seconds)
+        # Reap everything, including children killed earlier, so none is left a zombie.
+        for c in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.proc.wait(1)
+
+
+def kill_leftovers(marker: str) -> list[int]:
+    """Last resort after a cleanup: SIGKILL our own descendants, and any process whose command
+    line mentions ``marker`` (the demo's directory). Returns the pids killed."""
+    killed: list[int] = []
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil comes with pgserver
+        return killed
+    me = psutil.Process()
+    candidates = {p.pid: p for p in me.children(recursive=True)}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if p.pid != me.pid and any(marker in part for part in (p.info["cmdline"] or ())):
+                candidates.setdefault(p.pid, p)
+    for pid, p in candidates.items():
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+            killed.append(pid)
+    if candidates:
+        psutil.wait_procs(list(candidates.values()), timeout=3)
+    return killed
