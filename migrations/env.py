@@ -9,10 +9,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, text
 
+from outbox.migrate import MIGRATION_LOCK_ID
 from outbox.schema import VERSION_TABLE, metadata
 from outbox.settings import normalize_database_url
-
-MIGRATION_LOCK_ID = 0x6F7574626F78  # "outbox"
 
 config = context.config
 

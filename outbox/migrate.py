@@ -33,9 +33,16 @@ def current_revision(connection: Connection) -> str | None:
     return context.get_current_revision()
 
 
+#: Transaction-level advisory lock serialising concurrent migrations (also taken in env.py).
+MIGRATION_LOCK_ID = 0x6F7574626F78  # "outbox"
+
+
 def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
     """Bring the schema to ``revision``; returns (before, after). Safe to run concurrently."""
     with engine.begin() as connection:
+        # Wait for a concurrent run before reading the revision, so that the run that waited
+        # reports that it found the schema already there, not that it migrated it from empty.
+        connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID})
         before = current_revision(connection)
         command.upgrade(alembic_config(connection), revision)
         after = current_revision(connection)

@@ -119,6 +119,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_ALLOW_EVICTING_REDIS": "allow_evicting_redis",
 }
 
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 
 
@@ -163,5 +164,15 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
             "digits, '_', '.', '-'"
         )
     if settings.database_url:
-        normalize_database_url(settings.database_url)
+        try:
+            normalize_database_url(settings.database_url)
+        except ConfigError as exc:
+            source = "--database-url" if overrides.get("database_url") else "OUTBOX_DATABASE_URL"
+            raise ConfigError(f"{source}: {exc}") from None
+    if settings.redis_url and not settings.redis_url.startswith(_REDIS_SCHEMES):
+        source = "--redis-url" if overrides.get("redis_url") else "OUTBOX_REDIS_URL"
+        raise ConfigError(
+            f"{source}: Redis URL must start with redis://, rediss:// or unix:// "
+            f"(got {redact_url(settings.redis_url)!r})"
+        )
     return settings

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -65,13 +67,16 @@ def _external_database(admin_url: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+def services() -> Iterator[Services]:
     from outbox.embedded import embedded_postgres, embedded_redis
 
     db_env = os.environ.get("OUTBOX_TEST_DATABASE_URL")
     redis_env = os.environ.get("OUTBOX_TEST_REDIS_URL")
     with contextlib.ExitStack() as stack:
-        directory = str(tmp_path_factory.mktemp("servers"))
+        # Not under pytest's basetemp: another pytest run resets its permissions, which kills
+        # pgserver's postgres (it runs as another user).
+        directory = tempfile.mkdtemp(prefix="outbox-test-servers-")
+        stack.callback(shutil.rmtree, directory, True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if db_env:
