@@ -78,10 +78,11 @@ def publish_rows(client: redis.Redis, namespace: str, rows: Iterable[tuple[int, 
     """:func:`publish` for ``(row id, destination, dispatched_at)`` tuples as the claim query
     returns them; returns how many messages were enqueued.
 
-    This is the relay's hot path. Going through redis-py's pipeline cost about 14 µs per row
-    (``json.dumps`` of a dict, then redis-py packing three arguments per row); here each row is
-    one f-string of Redis protocol, built from a per-destination template, and the whole batch
-    is sent as one buffer: about 2 µs per row. The bytes stored are exactly those of
+    This is the relay's hot path. Through redis-py's pipeline a 1,000-row batch cost 12-17 µs
+    per row on the bench machine (``json.dumps`` of a dict per row, then redis-py packing three
+    arguments per row), more than half of the relay's time; here each row is one f-string of
+    Redis protocol built from a per-destination template, and the batch is sent as one buffer:
+    about 2 µs per row, network and Redis included. The bytes stored are exactly those of
     :func:`encode_message` (the tests compare them).
     """
     payload, replies, count = _pack(namespace, rows, int(time.time() * 1000))
