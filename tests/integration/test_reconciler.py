@@ -291,6 +291,10 @@ def test_resolve_unknown_settles_found_not_found_and_exhausted_rows(clean, engin
     # Row 0: the provider charged, then the connection dropped: a real ambiguous outcome.
     provider.configure(fault_keys={"order:0:charge": "drop_after"})
     assert consumer().deliver(ids[0], DEST) is RunResult.UNKNOWN
+    # Its first lookup waits one time_limit (the provider may still be executing the call);
+    # pretend that time has passed.
+    assert get(db, ids[0])["available_at"] > datetime.now(UTC)
+    db.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (ids[0],))
     # Row 1: timed out before the provider processed it. Row 2: the same, on its last attempt.
     make_unknown(db, ids[1])
     make_unknown(db, ids[2])
