@@ -44,7 +44,7 @@ class Processes:
 
     def start(self, *args: str, **extra_env: str) -> subprocess.Popen[bytes]:
         self._count += 1
-        log = open(self.log_dir / f"{self._count:03d}-{args[0]}.log", "wb")  # noqa: SIM115
+        log = open(self.log_dir / f"{self._count:03d}-{args[0]}.log", "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "outbox", "--log-level", "INFO", *args],
             env=self.env(**extra_env),

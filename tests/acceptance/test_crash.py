@@ -45,7 +45,9 @@ def write_orders(engine, n: int, start: int = 0) -> None:
 
 
 def relay_once(services) -> int:
-    relay = Relay(database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace)
+    relay = Relay(
+        database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace
+    )
     try:
         return relay.drain()
     finally:

@@ -26,15 +26,29 @@ def test_write_relay_worker_sent(clean, engine, provider, monkeypatch):
     handlers = registry()
     with Session(engine) as s, s.begin():
         for i in range(20):
-            outbox.write(s, key=f"order:{i}", step="charge", destination="payments.charge",
-                         payload={"amount_cents": 100 + i, "currency": "EUR"})
+            outbox.write(
+                s,
+                key=f"order:{i}",
+                step="charge",
+                destination="payments.charge",
+                payload={"amount_cents": 100 + i, "currency": "EUR"},
+            )
     relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
     assert relay.drain() == 20
     relay.close()
     stop = threading.Event()
-    t = threading.Thread(target=run_worker, kwargs=dict(
-        database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace,
-        handlers=handlers, queues=None, threads=4, stop=stop))
+    t = threading.Thread(
+        target=run_worker,
+        kwargs=dict(
+            database_url=clean.database_url,
+            redis_url=clean.redis_url,
+            namespace=clean.namespace,
+            handlers=handlers,
+            queues=None,
+            threads=4,
+            stop=stop,
+        ),
+    )
     t.start()
     try:
         deadline = time.monotonic() + 20

@@ -95,9 +95,7 @@ def test_constructor_dedupe_survives_reset() -> None:
         assert sim.stats()["effects"] == {"k": 1}
 
 
-def test_lookup_finds_latest_charge_or_404(
-    provider: ProviderSimulator, client: httpx.Client
-) -> None:
+def test_lookup_finds_latest_charge_or_404(provider: ProviderSimulator, client: httpx.Client) -> None:
     charge(client, "order-1")
     latest = charge(client, "order-1").json()
 
