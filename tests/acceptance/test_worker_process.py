@@ -1,0 +1,65 @@
+"""`outbox worker` as a real process: several processes deliver, SIGTERM stops them all with 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from .support import Processes, query, wait_until
+from .test_crash import relay_once, write_orders
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def procs(clean, provider, tmp_path):
+    p = Processes(clean, provider.url, tmp_path)
+    yield p
+    p.stop_all()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_worker_processes_deliver_and_stop_cleanly_on_sigterm(clean, engine, provider, procs):
+    write_orders(engine, 40)
+    relay_once(clean)
+    worker = procs.start("worker", "examples.shop.handlers", "--processes", "2", "--threads", "2")
+    wait_until(lambda: len(_children(worker.pid)) == 2, 20, "the two worker processes did not start")
+    children = _children(worker.pid)
+    wait_until(
+        lambda: query(clean, "SELECT count(*) FROM outbox_message WHERE state = 'sent'")[0][0] == 40,
+        60,
+        f"rows not delivered\n{procs.logs()}",
+    )
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(30) == 0
+    for child in children:
+        assert not os.path.exists(f"/proc/{child}"), "a worker process outlived its supervisor"
+    assert provider.stats()["charges"] == 40
+
+
+def test_worker_without_urls_names_the_variable(clean, provider, procs, tmp_path):
+    proc = procs.start("worker", "examples.shop.handlers", OUTBOX_REDIS_URL="")
+    assert proc.wait(30) == 2
+    log = procs.logs()
+    assert "OUTBOX_REDIS_URL" in log and "Traceback" not in log
+
+
+def test_worker_with_unknown_module_says_so(clean, provider, procs):
+    proc = procs.start("worker", "no_such_module_anywhere")
+    assert proc.wait(30) == 2
+    assert "cannot import handler module 'no_such_module_anywhere'" in procs.logs()
