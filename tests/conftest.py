@@ -9,7 +9,6 @@ import os
 import shutil
 import sys
 import tempfile
-import uuid
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from sqlalchemy import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+
+from databases import fresh_database  # noqa: E402
 
 from outbox import handlers as _handlers  # noqa: E402
 from outbox.db import make_engine  # noqa: E402
@@ -51,21 +52,6 @@ class Services:
         return env
 
 
-@contextlib.contextmanager
-def _external_database(admin_url: str) -> Iterator[str]:
-    """A database of its own on a shared server, dropped at the end of the session."""
-    name = f"outbox_test_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    base, _, query = admin_url.partition("?")
-    url = base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
-    try:
-        yield url
-    finally:
-        with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 @pytest.fixture(scope="session")
 def services() -> Iterator[Services]:
     from outbox.embedded import embedded_postgres, embedded_redis
@@ -80,7 +66,7 @@ def services() -> Iterator[Services]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if db_env:
-                database_url = stack.enter_context(_external_database(db_env))
+                database_url = stack.enter_context(fresh_database(db_env))
             else:
                 database_url = stack.enter_context(embedded_postgres(directory))
             redis_url = redis_env or stack.enter_context(embedded_redis(directory))
@@ -95,6 +81,13 @@ def engine(services: Services) -> Iterator[Engine]:
     eng = make_engine(services.database_url)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture
+def empty_database_url(services: Services) -> Iterator[str]:
+    """A database with no outbox schema, on the same server; dropped after the test."""
+    with fresh_database(services.database_url, "outbox_empty") as url:
+        yield url
 
 
 @pytest.fixture

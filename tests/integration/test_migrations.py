@@ -3,10 +3,8 @@ resulting schema against outbox.schema.metadata; its constraints and its NOTIFY 
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from importlib import resources
 from typing import Any
@@ -17,6 +15,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from databases import fresh_database
 from psycopg import errors
 from sqlalchemy import Engine, inspect, text
 
@@ -29,25 +28,9 @@ from outbox.settings import libpq_url
 TABLES = {"outbox_message", "outbox_attempt"}
 
 
-@contextlib.contextmanager
-def fresh_database(url: str) -> Iterator[str]:
-    """An empty database on the same server as ``url``, dropped afterwards."""
-    name = f"outbox_mig_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(libpq_url(url), autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    base, _, query = url.partition("?")
-    fresh = base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
-    try:
-        yield fresh
-    finally:
-        with psycopg.connect(libpq_url(url), autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 @pytest.fixture
-def empty_url(services) -> Iterator[str]:
-    with fresh_database(services.database_url) as url:
-        yield url
+def empty_url(empty_database_url: str) -> str:
+    return empty_database_url
 
 
 @pytest.fixture(scope="module")

@@ -89,18 +89,8 @@ def test_healthy_deployment_passes(clean, engine, capsys, tmp_path, monkeypatch)
     assert lines[-1] == "all checks passed"
 
 
-def test_missing_schema_fails_and_says_to_migrate(clean, capsys):
-    name = f"outbox_ops_empty_{uuid.uuid4().hex[:8]}"
-    admin = libpq_url(clean.database_url)
-    base, _, query = clean.database_url.partition("?")
-    empty_url = base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        code, checks = doctor(clean, capsys, database_url=empty_url)
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+def test_missing_schema_fails_and_says_to_migrate(clean, capsys, empty_database_url):
+    code, checks = doctor(clean, capsys, database_url=empty_database_url)
     assert code == 1
     assert checks["database"][0] == "ok"
     status, detail = checks["schema"]

@@ -6,7 +6,6 @@ import contextlib
 import math
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
@@ -14,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from databases import fresh_database
 from psycopg.rows import dict_row
 from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.orm import Session
@@ -82,21 +82,6 @@ def count_statements(target: Session | Connection) -> Iterator[list[str]]:
         yield seen
     finally:
         event.remove(engine, "before_cursor_execute", record)
-
-
-@contextlib.contextmanager
-def fresh_database(url: str) -> Iterator[str]:
-    """An empty database on the same server, dropped afterwards."""
-    name = f"outbox_empty_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(libpq_url(url), autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    base, _, query = url.partition("?")
-    fresh = base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
-    try:
-        yield fresh
-    finally:
-        with psycopg.connect(libpq_url(url), autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 # -- write ---------------------------------------------------------------------------------------
@@ -276,7 +261,7 @@ def test_invalid_input_sends_nothing_and_leaves_the_transaction_usable(clean, op
 
 
 def test_not_migrated_database(services) -> None:
-    with fresh_database(services.database_url) as url:
+    with fresh_database(services.database_url, "outbox_empty") as url:
         engine = make_engine(url)
         try:
             for open_ in (session_tx, connection_tx):

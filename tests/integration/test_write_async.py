@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -154,12 +153,8 @@ async def test_cancel_async(clean, async_engine, open_tx, state, cancelled) -> N
 
 
 @pytest.mark.asyncio
-async def test_write_async_on_a_database_that_is_not_migrated(services) -> None:
-    name = f"outbox_empty_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    base, _, query = services.database_url.partition("?")
-    url = base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
+async def test_write_async_on_a_database_that_is_not_migrated(empty_database_url) -> None:
+    url = empty_database_url
     engine = create_async_engine(async_database_url(url))
     try:
         for open_ in (session_tx, connection_tx):
@@ -172,5 +167,3 @@ async def test_write_async_on_a_database_that_is_not_migrated(services) -> None:
                 await tx.commit()
     finally:
         await engine.dispose()
-        with psycopg.connect(libpq_url(services.database_url), autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
