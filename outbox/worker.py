@@ -7,7 +7,6 @@ returns, i.e. after the outcome was recorded.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -93,11 +92,6 @@ def run_worker(
     # What Dramatiq's own CLI does once per process: starts TimeLimit's timer thread.
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=threads)
-    # What exists now (modules, handlers, the broker) lives as long as the process: move it out
-    # of the cyclic collector's sight, so that the full collections that deliveries' garbage
-    # triggers no longer walk it (about 4% of a worker's instructions per delivery).
-    gc.collect()
-    gc.freeze()
     worker.start()
     logger.info(
         "outbox worker started: queues=%s threads=%s pid=%s",
