@@ -134,6 +134,8 @@ def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from .handlers import load_module
     from .worker import run_worker, supervise
 
+    # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
+    stop = stop_event_on_signals()
     database_url = cfg.require_database_url()
     redis_url = cfg.require_redis_url()
     if args.processes < 1 or args.threads < 1:
@@ -145,7 +147,6 @@ def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
         transport.ensure_safe(client, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     finally:
         client.close()
-    stop = stop_event_on_signals()
     if args.processes > 1:
         child_argv = [
             "worker",

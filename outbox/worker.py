@@ -166,4 +166,11 @@ def supervise(argv: Sequence[str], processes: int, stop: threading.Event) -> int
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
         codes = [child.wait() for child in children]
-    return 0 if all(c == 0 for c in codes) else 1
+    # -SIGTERM: the forwarded signal reached a child before Python had installed its handler,
+    # that is while it was still booting and held no message, so it stopped cleanly too.
+    failed = [
+        (c.pid, code) for c, code in zip(children, codes, strict=True) if code not in (0, -signal.SIGTERM)
+    ]
+    for pid, code in failed:
+        logger.error("worker process %s stopped with %s", pid, code, extra={"pid": pid, "exit_code": code})
+    return 1 if failed else 0

@@ -46,7 +46,7 @@ def test_worker_processes_deliver_and_stop_cleanly_on_sigterm(clean, engine, pro
         f"rows not delivered\n{procs.logs()}",
     )
     worker.send_signal(signal.SIGTERM)
-    assert worker.wait(30) == 0
+    assert worker.wait(30) == 0, procs.logs()
     for child in children:
         assert not os.path.exists(f"/proc/{child}"), "a worker process outlived its supervisor"
     assert provider.stats()["charges"] == 40
@@ -63,3 +63,14 @@ def test_worker_with_unknown_module_says_so(clean, provider, procs):
     proc = procs.start("worker", "no_such_module_anywhere")
     assert proc.wait(30) == 2
     assert "cannot import handler module 'no_such_module_anywhere'" in procs.logs()
+
+
+def test_sigterm_while_worker_processes_are_still_starting_exits_0(clean, provider, procs):
+    """A child that gets the forwarded SIGTERM before it took any message is a clean stop too."""
+    worker = procs.start("worker", "examples.shop.handlers", "--processes", "2", "--threads", "1")
+    wait_until(lambda: len(_children(worker.pid)) == 2, 20, "the two worker processes did not start")
+    children = _children(worker.pid)
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, procs.logs()
+    for child in children:
+        assert not os.path.exists(f"/proc/{child}"), "a worker process outlived its supervisor"
