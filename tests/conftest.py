@@ -5,6 +5,7 @@ per session. Each test starts from empty outbox tables and an empty Redis namesp
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import sys
@@ -50,6 +51,18 @@ class Services:
         env.pop("OUTBOX_FAILPOINTS", None)
         env.update(extra)
         return env
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """Tests that call ``outbox.cli.main`` in-process configure the root logger with a handler on
+    pytest's captured stderr; left in place it outlives that stream, and a library logging at
+    interpreter exit (pgserver's cleanup) then prints "Logging error"."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
