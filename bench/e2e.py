@@ -52,7 +52,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,10 +74,18 @@ if str(ROOT) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(ROOT))
 
 import outbox  # noqa: E402
-from outbox.migrate import upgrade  # noqa: E402
+from bench.common import (  # noqa: E402
+    checkpoint,
+    clear_namespace,
+    connect,
+    drop_database,
+    migrate,
+    recreate_database,
+    servers,
+    wait_for,
+)
 from outbox.settings import libpq_url, normalize_database_url  # noqa: E402
 
-MACHINE_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/test"
 MACHINE_REDIS_URL = "redis://127.0.0.1:6379/8"
 OUTBOX_DB = "bench_e2e_outbox"
 PROCRASTINATE_DB = "bench_e2e_procrastinate"
@@ -104,77 +111,6 @@ CREATE TABLE orders (
 INSERT_ORDER = text(
     "INSERT INTO orders (customer, amount_cents, currency) VALUES (:customer, :amount, 'EUR') RETURNING id"
 )
-
-
-# -- servers ---------------------------------------------------------------------------------------
-
-
-def _answers(url: str, default_port: int) -> bool:
-    parts = urlsplit(url)
-    if not parts.hostname or parts.hostname.startswith("/"):
-        return True
-    try:
-        socket.create_connection((parts.hostname, parts.port or default_port), 1).close()
-        return True
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def servers(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
-    database_url = args.database_url or os.environ.get("OUTBOX_DATABASE_URL")
-    redis_url = args.redis_url or os.environ.get("OUTBOX_REDIS_URL")
-    if not args.embedded:
-        if not database_url and _answers(MACHINE_DATABASE_URL, 5432):
-            database_url = MACHINE_DATABASE_URL
-        if not redis_url and _answers(MACHINE_REDIS_URL, 6379):
-            redis_url = MACHINE_REDIS_URL
-    if database_url and redis_url:
-        yield database_url, redis_url, "external"
-        return
-    from outbox.embedded import embedded_postgres, embedded_redis
-
-    with contextlib.ExitStack() as stack:
-        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-"))
-        database_url = database_url or stack.enter_context(embedded_postgres(directory))
-        redis_url = redis_url or stack.enter_context(embedded_redis(directory))
-        yield database_url, redis_url, "embedded"
-
-
-def with_database(url: str, name: str) -> str:
-    url = libpq_url(url)
-    base, _, query = url.partition("?")
-    return base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
-
-
-def recreate_database(admin_url: str, name: str) -> str:
-    with psycopg.connect(libpq_url(admin_url), autocommit=True, connect_timeout=10) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return with_database(admin_url, name)
-
-
-def drop_database(admin_url: str, name: str) -> None:
-    with psycopg.connect(libpq_url(admin_url), autocommit=True, connect_timeout=10) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def checkpoint(url: str) -> None:
-    with (
-        psycopg.connect(url, autocommit=True, connect_timeout=10) as conn,
-        contextlib.suppress(psycopg.Error),
-    ):
-        conn.execute("CHECKPOINT")  # superuser only; it only keeps a checkpoint out of the window
-
-
-def clear_namespace(redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url, socket_timeout=10)
-    try:
-        keys = list(client.scan_iter(match=f"{NAMESPACE}:*", count=1000))
-        for i in range(0, len(keys), 1000):
-            client.unlink(*keys[i : i + 1000])
-    finally:
-        client.close()
 
 
 # -- processes and CPU -----------------------------------------------------------------------------
@@ -274,15 +210,12 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
             proc.wait(10)
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+def start_logged(
+    cmd: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``cmd`` run from the repository root, its stdout and stderr written to ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def log_count(path: Path, needle: str) -> int:
@@ -299,9 +232,7 @@ def provider(kind: str, workdir: Path) -> Iterator[tuple[str, subprocess.Popen[b
         cmd = [sys.executable, str(ROOT / "bench" / "fast_provider.py"), "--ready-file", str(ready)]
     else:
         cmd = [sys.executable, "-m", "outbox.testing.provider", "--ready-file", str(ready)]
-    log = open(workdir / "provider.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    log.close()
+    proc = start_logged(cmd, workdir / "provider.log")
     try:
         url = wait_for(lambda: ready.exists() and ready.read_text(), 20, "the provider to listen")
         yield url, proc
@@ -323,7 +254,7 @@ def pg_counters(admin_url: str, database: str) -> tuple[int, int]:
     """Committed and rolled-back transactions of ``database`` so far, read from another database
     so that reading does not count. A backend flushes its counters at most once a second, and
     always when it exits: read this once the backends of interest have gone (`wait_no_backends`)."""
-    with psycopg.connect(libpq_url(admin_url), autocommit=True, connect_timeout=10) as conn:
+    with connect(admin_url) as conn:
         row = conn.execute(
             "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = %s", (database,)
         ).fetchone()
@@ -332,7 +263,7 @@ def pg_counters(admin_url: str, database: str) -> tuple[int, int]:
 
 
 def wait_no_backends(admin_url: str, database: str, timeout: float = 30) -> None:
-    with psycopg.connect(libpq_url(admin_url), autocommit=True, connect_timeout=10) as conn:
+    with connect(admin_url) as conn:
 
         def gone() -> bool:
             row = conn.execute(
@@ -498,24 +429,117 @@ def write_phase(
     result.write_statements = sum(int(i) for _k, _n, _c, i in done)
 
 
+# -- the delivery phase, both systems --------------------------------------------------------------
+
+
+def after_writes(url: str, table: str) -> None:
+    with connect(url) as conn:
+        conn.execute(f"VACUUM ANALYZE {table}")  # as autovacuum would after 20k inserts
+    checkpoint(url)
+
+
+class Phase:
+    """What both systems' delivery phases measure alike, on the bench database ``database``: the
+    commits and rollbacks (less the bench's own polls), CPU per process group, the first and last
+    confirmed delivery, the workers' client-side counts (``counts_dir``), the provider's stats.
+
+    ``env`` is the environment for the system's processes (provider URL, ``PYTHONPATH``, and
+    ``BENCH_COUNT_ROUND_TRIPS`` unless ``--no-count-round-trips``)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        result: Result,
+        admin_url: str,
+        database: str,
+        redis_url: str,
+        provider_url: str,
+        counts_dir: Path,
+    ) -> None:
+        self.args, self.result, self.admin_url, self.database = args, result, admin_url, database
+        self.provider_url, self.counts_dir = provider_url, counts_dir
+        counts_dir.mkdir()
+        self.env = dict(os.environ)
+        self.env.update(
+            BENCH_PROVIDER_URL=provider_url,
+            PYTHONPATH=os.pathsep.join([str(ROOT), self.env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        )
+        if args.count_round_trips:
+            self.env["BENCH_COUNT_ROUND_TRIPS"] = str(counts_dir)
+        provider_reset(provider_url)
+        self.meter = CpuMeter(database, redis_url)
+        wait_no_backends(admin_url, database)
+        self.commits0, self.rollbacks0 = pg_counters(admin_url, database)
+        self.polls = 0  # the bench's own statements on the bench database: each one a commit
+
+    def row(self, conn: psycopg.Connection[Any], sql: Any, params: Any = None) -> tuple[Any, ...]:
+        """One row of the bench's own query on the bench database, counted."""
+        self.polls += 1
+        row = conn.execute(sql, params).fetchone()
+        assert row is not None
+        return row
+
+    def start(self) -> None:
+        """The delivery phase starts now (CPU snapshot, wall clock)."""
+        self.before = self.meter.snapshot()
+        self.t0 = time.monotonic()
+
+    def wait_confirmed(
+        self,
+        conn: psycopg.Connection[Any],
+        processes: list[subprocess.Popen[bytes]],
+        exited: str,
+        counts_sql: str,
+        failed: str,
+        what: str,
+    ) -> None:
+        """Until ``counts_sql`` (confirmed, failed) counts N confirmed; then the phase ends (wall
+        clock, CPU snapshot). Fails as soon as one of ``processes`` exits or one row fails."""
+        workdir = self.counts_dir.parent
+
+        def done() -> bool:
+            if any(p.poll() is not None for p in processes):
+                raise RuntimeError(f"{exited}; see {workdir}")
+            confirmed, bad = self.row(conn, counts_sql)
+            if bad:
+                raise RuntimeError(f"{bad} {failed}; see {workdir}")
+            return bool(confirmed >= self.args.n)
+
+        wait_for(done, self.args.timeout, what, 0.2)
+        self.t1 = time.monotonic()
+        self.after = self.meter.snapshot()
+
+    def read_times(self, conn: psycopg.Connection[Any], span_sql: str) -> None:
+        """First and last confirmed delivery (``span_sql``) and the start of the phase, all on the
+        database's clock."""
+        first, last = self.row(conn, span_sql)
+        (wall_start,) = self.row(
+            conn, "SELECT now() - make_interval(secs => %s)", (time.monotonic() - self.t0,)
+        )
+        self.result.span_seconds = (last - first).total_seconds()
+        self.result.wall_seconds = self.t1 - self.t0
+        self.result.first_after = (first - wall_start).total_seconds()
+
+    def finish(self, cpu_overrides: dict[int, float]) -> None:
+        """Once the system's processes have stopped: commits, CPU, client counts, provider checks."""
+        result = self.result
+        wait_no_backends(self.admin_url, self.database)
+        commits1, rollbacks1 = pg_counters(self.admin_url, self.database)
+        result.cpu = CpuMeter.delta(self.before, self.after, overrides=cpu_overrides)
+        result.commits = commits1 - self.commits0 - self.polls
+        result.rollbacks = rollbacks1 - self.rollbacks0
+        for f in self.counts_dir.glob("*.json"):
+            for k, v in json.loads(f.read_text()).items():
+                result.client_counts[k] = result.client_counts.get(k, 0) + v
+        result.provider = provider_stats(self.provider_url)
+        p = result.provider
+        if p.get("requests") != result.n:
+            result.checks.append(f"provider saw {p.get('requests')} requests for {result.n} deliveries")
+        if p.get("distinct_keys", result.n) != result.n or p.get("keys_seen_more_than_once", 0):
+            result.checks.append(f"provider keys: {p}")
+
+
 # -- outbox ----------------------------------------------------------------------------------------
-
-
-def outbox_env(
-    args: argparse.Namespace, url: str, redis_url: str, provider_url: str, counts_dir: Path
-) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        OUTBOX_DATABASE_URL=url,
-        OUTBOX_REDIS_URL=redis_url,
-        OUTBOX_NAMESPACE=NAMESPACE,
-        OUTBOX_POLL_INTERVAL="1",
-        BENCH_PROVIDER_URL=provider_url,
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    if args.count_round_trips:
-        env["BENCH_COUNT_ROUND_TRIPS"] = str(counts_dir)
-    return env
 
 
 def run_outbox(
@@ -528,15 +552,9 @@ def run_outbox(
     profile: bool = False,
 ) -> Result:
     result = Result("outbox", args.n)
-    url = recreate_database(admin_url, OUTBOX_DB)
-    engine = create_engine(normalize_database_url(url))
-    try:
-        upgrade(engine)
-        with engine.begin() as conn:
-            conn.execute(text(ORDERS_DDL))
-    finally:
-        engine.dispose()
-    clear_namespace(redis_url)
+    url = libpq_url(recreate_database(admin_url, OUTBOX_DB))
+    migrate(url, ORDERS_DDL)
+    clear_namespace(redis_url, NAMESPACE)
     checkpoint(url)
 
     def enqueue(conn: Any, order_id: int) -> None:
@@ -549,40 +567,35 @@ def run_outbox(
         )
 
     write_phase(result, admin_url, url, OUTBOX_DB, redis_url, enqueue, args.writers)
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("VACUUM ANALYZE outbox_message")  # as autovacuum would after 20k inserts
-    checkpoint(url)
+    after_writes(url, "outbox_message")
 
-    counts_dir = workdir / f"counts-{tag}"
-    counts_dir.mkdir()
-    env = outbox_env(args, url, redis_url, provider_url, counts_dir)
+    phase = Phase(args, result, admin_url, OUTBOX_DB, redis_url, provider_url, workdir / f"counts-{tag}")
+    env = dict(
+        phase.env,
+        OUTBOX_DATABASE_URL=url,
+        OUTBOX_REDIS_URL=redis_url,
+        OUTBOX_NAMESPACE=NAMESPACE,
+        OUTBOX_POLL_INTERVAL="1",
+    )
     worker_log = workdir / f"worker-{tag}.log"
     relay_log = workdir / f"relay-{tag}.log"
-    provider_reset(provider_url)
-    meter = CpuMeter(OUTBOX_DB, redis_url)
-    wait_no_backends(admin_url, OUTBOX_DB)
-    commits0, rollbacks0 = pg_counters(admin_url, OUTBOX_DB)
-    polls = 0
-    with open(worker_log, "wb") as wl:
-        workers = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "outbox",
-                "--log-level",
-                args.log_level,
-                "worker",
-                "bench.e2e_handlers",
-                "--processes",
-                str(args.processes),
-                "--threads",
-                str(args.threads),
-            ],
-            env=env,
-            stdout=wl,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
+    workers = start_logged(
+        [
+            sys.executable,
+            "-m",
+            "outbox",
+            "--log-level",
+            args.log_level,
+            "worker",
+            "bench.e2e_handlers",
+            "--processes",
+            str(args.processes),
+            "--threads",
+            str(args.threads),
+        ],
+        worker_log,
+        env,
+    )
     relay: subprocess.Popen[bytes] | None = None
     spy: subprocess.Popen[bytes] | None = None
     try:
@@ -605,33 +618,23 @@ def run_outbox(
             raise RuntimeError(
                 f"outbox worker exited with {workers.returncode}:\n{worker_log.read_text()[-3000:]}"
             )
-        meter.fixed = {"workers": [workers.pid], "provider": [PROVIDER_PID[0]]}
+        phase.meter.fixed = {"workers": [workers.pid], "provider": [PROVIDER_PID[0]]}
         redis0 = redis_commandstats(redis_url)
-        before = meter.snapshot()
-        t0 = time.monotonic()
-        with open(relay_log, "wb") as rl:
-            relay = subprocess.Popen(
-                [sys.executable, "-m", "outbox", "--log-level", args.log_level, "relay"],
-                env=env,
-                stdout=rl,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
-        meter.fixed["relay"] = [relay.pid]
+        phase.start()
+        relay = start_logged(
+            [sys.executable, "-m", "outbox", "--log-level", args.log_level, "relay"], relay_log, env
+        )
+        phase.meter.fixed["relay"] = [relay.pid]
         # Its start-up (imports, schema check) is not delivery work, as for procrastinate's
         # workers: count its CPU from its first claim.
         relay_ready: dict[int, float] = {}
-        with psycopg.connect(url, autocommit=True) as probe:
+        with connect(url) as probe:
 
             def relay_started() -> bool:
-                nonlocal polls
-                polls += 1  # each probe is a committed transaction of the bench database
                 if relay.poll() is not None:  # type: ignore[union-attr]
                     raise RuntimeError(f"the relay exited:\n{relay_log.read_text()[-3000:]}")
-                row = probe.execute(
-                    "SELECT EXISTS (SELECT 1 FROM outbox_message WHERE state <> 'pending')"
-                ).fetchone()
-                return bool(row and row[0])
+                sql = "SELECT EXISTS (SELECT 1 FROM outbox_message WHERE state <> 'pending')"
+                return bool(phase.row(probe, sql)[0])
 
             wait_for(relay_started, 60, "the relay to start", 0.01)
         relay_ready[relay.pid] = _cpu(psutil.Process(relay.pid))
@@ -657,39 +660,25 @@ def run_outbox(
             )
             result.client_counts["profiled_pid"] = child.pid
             result.client_counts["profiled_cpu0"] = int(_cpu(child) * 1e6)
-        with psycopg.connect(url, autocommit=True) as poll:
-
-            def done() -> bool:
-                nonlocal polls
-                polls += 1
-                if workers.poll() is not None or relay.poll() is not None:  # type: ignore[union-attr]
-                    raise RuntimeError("a worker or the relay exited during the run; see " + str(workdir))
-                row = poll.execute(
-                    "SELECT count(*) FILTER (WHERE state = 'sent'), count(*) FILTER (WHERE state IN "
-                    "('failed', 'unknown')) FROM outbox_message"
-                ).fetchone()
-                assert row is not None
-                if row[1]:
-                    raise RuntimeError(f"{row[1]} rows failed or unknown; see {workdir}")
-                return row[0] >= args.n
-
-            wait_for(done, args.timeout, "every outbox row to be sent", 0.2)
-            t1 = time.monotonic()
-            after = meter.snapshot()
+        with connect(url) as poll:
+            phase.wait_confirmed(
+                poll,
+                [workers, relay],
+                "a worker or the relay exited during the run",
+                "SELECT count(*) FILTER (WHERE state = 'sent'), count(*) FILTER (WHERE state IN "
+                "('failed', 'unknown')) FROM outbox_message",
+                "rows failed or unknown",
+                "every outbox row to be sent",
+            )
             redis1 = redis_commandstats(redis_url)
             if profile:
                 child = psutil.Process(result.client_counts["profiled_pid"])
                 result.client_counts["profiled_cpu1"] = int(_cpu(child) * 1e6)
                 result.client_counts["profiled_deliveries"] = int(
-                    poll.execute("SELECT count(*) FROM outbox_message").fetchone()[0]  # type: ignore[index]
+                    phase.row(poll, "SELECT count(*) FROM outbox_message")[0]
                 )
-            first, last = poll.execute(
-                "SELECT min(completed_at), max(completed_at) FROM outbox_message"
-            ).fetchone()  # type: ignore[misc]
-            attempts = poll.execute("SELECT count(*) FROM outbox_attempt").fetchone()[0]  # type: ignore[index]
-            wall_start = poll.execute(
-                "SELECT now() - make_interval(secs => %s)", (time.monotonic() - t0,)
-            ).fetchone()[0]  # type: ignore[index]
+            (attempts,) = phase.row(poll, "SELECT count(*) FROM outbox_attempt")
+            phase.read_times(poll, "SELECT min(completed_at), max(completed_at) FROM outbox_message")
     finally:
         if spy is not None:
             spy.send_signal(signal.SIGINT)
@@ -698,31 +687,11 @@ def run_outbox(
         if relay is not None:
             stop_process(relay)
         stop_process(workers, 60)
-    wait_no_backends(admin_url, OUTBOX_DB)
-    commits1, rollbacks1 = pg_counters(admin_url, OUTBOX_DB)
-    result.span_seconds = (last - first).total_seconds()
-    result.wall_seconds = t1 - t0
-    result.first_after = (first - wall_start).total_seconds()
-    result.cpu = CpuMeter.delta(before, after, overrides=relay_ready)
-    result.commits = commits1 - commits0 - polls - 3 - int(profile)  # the poller's own SELECTs
-    result.rollbacks = rollbacks1 - rollbacks0
     result.redis_calls = {k: v - redis0.get(k, 0) for k, v in redis1.items() if v - redis0.get(k, 0)}
-    for f in counts_dir.glob("*.json"):
-        for k, v in json.loads(f.read_text()).items():
-            result.client_counts[k] = result.client_counts.get(k, 0) + v
-    result.provider = provider_stats(provider_url)
     if attempts != args.n:
         result.checks.append(f"{attempts} fence rows for {args.n} rows")
-    _check_provider(result)
+    phase.finish(relay_ready)
     return result
-
-
-def _check_provider(result: Result) -> None:
-    p = result.provider
-    if p.get("requests") != result.n:
-        result.checks.append(f"provider saw {p.get('requests')} requests for {result.n} deliveries")
-    if p.get("distinct_keys", result.n) != result.n or p.get("keys_seen_more_than_once", 0):
-        result.checks.append(f"provider keys: {p}")
 
 
 # -- procrastinate ---------------------------------------------------------------------------------
@@ -734,8 +703,8 @@ def run_procrastinate(
     from procrastinate.schema import SchemaManager
 
     result = Result("procrastinate", args.n)
-    url = recreate_database(admin_url, PROCRASTINATE_DB)
-    with psycopg.connect(url, autocommit=True) as conn:
+    url = libpq_url(recreate_database(admin_url, PROCRASTINATE_DB))
+    with connect(url) as conn:
         conn.execute(SchemaManager.get_schema())  # type: ignore[arg-type]
         conn.execute(ORDERS_DDL)
     checkpoint(url)
@@ -756,110 +725,65 @@ def run_procrastinate(
         )
 
     write_phase(result, admin_url, url, PROCRASTINATE_DB, redis_url, enqueue, args.writers)
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("VACUUM ANALYZE procrastinate_jobs")
-    checkpoint(url)
+    after_writes(url, "procrastinate_jobs")
 
-    counts_dir = workdir / f"pcounts-{tag}"
-    counts_dir.mkdir()
-    env = dict(os.environ)
-    env.update(
-        BENCH_PROCRASTINATE_DSN=url,
-        BENCH_PROVIDER_URL=provider_url,
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    phase = Phase(
+        args, result, admin_url, PROCRASTINATE_DB, redis_url, provider_url, workdir / f"pcounts-{tag}"
     )
-    if args.count_round_trips:
-        env["BENCH_COUNT_ROUND_TRIPS"] = str(counts_dir)
-    provider_reset(provider_url)
-    meter = CpuMeter(PROCRASTINATE_DB, redis_url)
-    wait_no_backends(admin_url, PROCRASTINATE_DB)
-    commits0, rollbacks0 = pg_counters(admin_url, PROCRASTINATE_DB)
-    polls = 0
-    before = meter.snapshot()
+    env = dict(phase.env, BENCH_PROCRASTINATE_DSN=url)
+    phase.start()
     logs = [workdir / f"procrastinate-{tag}-{i}.log" for i in range(args.processes)]
     workers: list[subprocess.Popen[bytes]] = []
     ready_cpu: dict[int, float] = {}
-    t0 = time.monotonic()
     try:
         for log_path in logs:
-            with open(log_path, "wb") as log:
-                workers.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "procrastinate",
-                            "--app=bench.e2e_procrastinate.app",
-                            f"--log-level={args.log_level.lower()}",
-                            "worker",
-                            "--queues=charges",
-                            f"--concurrency={args.threads}",
-                        ],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        cwd=ROOT,
-                    )
+            workers.append(
+                start_logged(
+                    [
+                        sys.executable,
+                        "-m",
+                        "procrastinate",
+                        "--app=bench.e2e_procrastinate.app",
+                        f"--log-level={args.log_level.lower()}",
+                        "worker",
+                        "--queues=charges",
+                        f"--concurrency={args.threads}",
+                    ],
+                    log_path,
+                    env,
                 )
-        meter.fixed = {"workers": [w.pid for w in workers], "provider": [PROVIDER_PID[0]]}
+            )
+        phase.meter.fixed = {"workers": [w.pid for w in workers], "provider": [PROVIDER_PID[0]]}
         # Start-up (imports, pool) is not delivery work: read the workers' CPU the moment they
         # have registered themselves (procrastinate_workers), and count from there (the outbox
         # workers are started before its window opens).
-        with psycopg.connect(url, autocommit=True) as poll:
+        with connect(url) as poll:
 
             def started() -> bool:
-                nonlocal polls
-                polls += 1
                 for w, log_path in zip(workers, logs, strict=True):
                     if w.poll() is not None:
                         raise RuntimeError(f"procrastinate worker exited:\n{log_path.read_text()[-3000:]}")
-                row = poll.execute("SELECT count(*) FROM procrastinate_workers").fetchone()
-                return bool(row and row[0] >= len(workers))
+                return bool(phase.row(poll, "SELECT count(*) FROM procrastinate_workers")[0] >= len(workers))
 
             wait_for(started, 60, "the procrastinate workers to start", 0.01)
             for w in workers:
                 ready_cpu[w.pid] = _cpu(psutil.Process(w.pid))
-
-            def done() -> bool:
-                nonlocal polls
-                polls += 1
-                for w in workers:
-                    if w.poll() is not None:
-                        raise RuntimeError(f"a procrastinate worker exited; see {workdir}")
-                row = poll.execute(
-                    "SELECT count(*) FILTER (WHERE status = 'succeeded'), count(*) FILTER (WHERE status "
-                    "IN ('failed', 'cancelled', 'aborted')) FROM procrastinate_jobs"
-                ).fetchone()
-                assert row is not None
-                if row[1]:
-                    raise RuntimeError(f"{row[1]} procrastinate jobs failed; see {workdir}")
-                return row[0] >= args.n
-
-            wait_for(done, args.timeout, "every procrastinate job to succeed", 0.2)
-            t1 = time.monotonic()
-            after = meter.snapshot()
-            first, last = poll.execute(
-                "SELECT min(at), max(at) FROM procrastinate_events WHERE type = 'succeeded'"
-            ).fetchone()  # type: ignore[misc]
-            wall_start = poll.execute(
-                "SELECT now() - make_interval(secs => %s)", (time.monotonic() - t0,)
-            ).fetchone()[0]  # type: ignore[index]
+            phase.wait_confirmed(
+                poll,
+                workers,
+                "a procrastinate worker exited",
+                "SELECT count(*) FILTER (WHERE status = 'succeeded'), count(*) FILTER (WHERE status "
+                "IN ('failed', 'cancelled', 'aborted')) FROM procrastinate_jobs",
+                "procrastinate jobs failed",
+                "every procrastinate job to succeed",
+            )
+            phase.read_times(
+                poll, "SELECT min(at), max(at) FROM procrastinate_events WHERE type = 'succeeded'"
+            )
     finally:
         for w in workers:
             stop_process(w, 60)
-    wait_no_backends(admin_url, PROCRASTINATE_DB)
-    commits1, rollbacks1 = pg_counters(admin_url, PROCRASTINATE_DB)
-    result.span_seconds = (last - first).total_seconds()
-    result.wall_seconds = t1 - t0
-    result.first_after = (first - wall_start).total_seconds()
-    result.cpu = CpuMeter.delta(before, after, overrides=ready_cpu)
-    result.commits = commits1 - commits0 - polls - 2  # the poller's own
-    for f in counts_dir.glob("*.json"):
-        for k, v in json.loads(f.read_text()).items():
-            result.client_counts[k] = result.client_counts.get(k, 0) + v
-    result.rollbacks = rollbacks1 - rollbacks0
-    result.provider = provider_stats(provider_url)
-    _check_provider(result)
+    phase.finish(ready_cpu)
     return result
 
 
@@ -1098,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     results: list[Result] = []
     with (
-        servers(args) as (admin_url, redis_url, where),
+        servers(args, MACHINE_REDIS_URL, "bench-e2e-") as (admin_url, redis_url, where),
         provider(args.provider, workdir) as (provider_url, pproc),
     ):
         PROVIDER_PID.append(pproc.pid)
@@ -1140,7 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in (OUTBOX_DB, PROCRASTINATE_DB):
                     with contextlib.suppress(psycopg.Error):
                         drop_database(admin_url, name)
-                clear_namespace(redis_url)
+                clear_namespace(redis_url, NAMESPACE)
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import psycopg
 import redis
@@ -41,12 +39,19 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(ROOT))
 
+from bench.common import (  # noqa: E402
+    MACHINE_DATABASE_URL,
+    checkpoint,
+    clear_namespace,
+    drop_database,
+    migrate,
+    recreate_database,
+    servers,
+    wait_for,
+)
 from outbox import settings  # noqa: E402
-from outbox.db import connect_raw, make_engine  # noqa: E402
-from outbox.migrate import upgrade  # noqa: E402
-from outbox.settings import libpq_url  # noqa: E402
+from outbox.db import connect_raw  # noqa: E402
 
-MACHINE_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/test"
 MACHINE_REDIS_URL = "redis://127.0.0.1:6379/14"
 BENCH_DATABASE = "bench_relay"
 NAMESPACE = "benchrelay"
@@ -60,77 +65,7 @@ TARGET_P50_MS = 5.0
 TARGET_P99_MS = 50.0
 
 
-# -- servers and data ------------------------------------------------------------------------------
-
-
-def _answers(url: str, default_port: int) -> bool:
-    parts = urlsplit(url)
-    if not parts.hostname or parts.hostname.startswith("/"):
-        return True  # a Unix socket URL: let the driver tell
-    try:
-        socket.create_connection((parts.hostname, parts.port or default_port), 1).close()
-        return True
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def servers(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
-    """(admin database URL, Redis URL, where they come from): flags, then OUTBOX_* variables,
-    then the machine's servers when they answer, else embedded ones started for this run."""
-    database_url = args.database_url or os.environ.get("OUTBOX_DATABASE_URL")
-    redis_url = args.redis_url or os.environ.get("OUTBOX_REDIS_URL")
-    if not args.embedded:
-        if not database_url and _answers(MACHINE_DATABASE_URL, 5432):
-            database_url = MACHINE_DATABASE_URL
-        if not redis_url and _answers(MACHINE_REDIS_URL, 6379):
-            redis_url = MACHINE_REDIS_URL
-    if database_url and redis_url:
-        yield database_url, redis_url, "external"
-        return
-    from outbox.embedded import embedded_postgres, embedded_redis
-
-    with contextlib.ExitStack() as stack:
-        import tempfile
-
-        directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-relay-"))
-        database_url = database_url or stack.enter_context(embedded_postgres(directory))
-        redis_url = redis_url or stack.enter_context(embedded_redis(directory))
-        yield database_url, redis_url, "embedded"
-
-
-def _with_database(url: str, name: str) -> str:
-    base, _, query = url.partition("?")
-    return base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
-
-
-def create_bench_database(admin_url: str) -> str:
-    """A database of the bench's own, recreated each run so that old bloat does not count."""
-    with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{BENCH_DATABASE}" WITH (FORCE)')
-        conn.execute(f'CREATE DATABASE "{BENCH_DATABASE}"')
-    url = _with_database(admin_url, BENCH_DATABASE)
-    engine = make_engine(url)
-    try:
-        upgrade(engine)
-    finally:
-        engine.dispose()
-    return url
-
-
-def drop_bench_database(admin_url: str) -> None:
-    with psycopg.connect(libpq_url(admin_url), autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{BENCH_DATABASE}" WITH (FORCE)')
-
-
-def clear_namespace(redis_url: str, namespace: str) -> None:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-        for i in range(0, len(keys), 1000):
-            client.unlink(*keys[i : i + 1000])
-    finally:
-        client.close()
+# -- data ------------------------------------------------------------------------------------------
 
 
 def fill(database_url: str, n: int) -> None:
@@ -148,8 +83,7 @@ def fill(database_url: str, n: int) -> None:
             {"n": n, "d": DESTINATIONS},
         )
         conn.execute("VACUUM ANALYZE outbox_message")
-        with contextlib.suppress(psycopg.Error):  # needs superuser; only reduces noise
-            conn.execute("CHECKPOINT")
+    checkpoint(database_url)
 
 
 def state_counts(database_url: str) -> dict[str, int]:
@@ -172,6 +106,16 @@ def queued(redis_url: str, namespace: str) -> int:
 def _ready_then_go() -> None:
     print("ready", flush=True)
     sys.stdin.readline()
+
+
+@contextlib.contextmanager
+def _connected_then_go(database_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """A connection opened (and used once) before the parent releases this child."""
+    with connect_raw(database_url) as conn:
+        conn.execute("SELECT 1")
+        conn.rollback()
+        _ready_then_go()
+        yield conn
 
 
 def child_drain(args: argparse.Namespace) -> None:
@@ -211,10 +155,7 @@ def child_claim(args: argparse.Namespace) -> None:
 
     cfg = settings.from_env()
     batch_size = args.batch_size or cfg.relay_batch_size
-    with connect_raw(args.database_url) as conn:
-        conn.execute("SELECT 1")
-        conn.rollback()
-        _ready_then_go()
+    with _connected_then_go(args.database_url) as conn:
         rows = 0
         start = time.monotonic()
         while True:
@@ -251,10 +192,7 @@ def child_send(args: argparse.Namespace) -> None:
 def child_writer(args: argparse.Namespace) -> None:
     """One row per committed transaction at a steady rate; prints (id, commit time) pairs."""
     sent: list[tuple[int, float]] = []
-    with connect_raw(args.database_url) as conn:
-        conn.execute("SELECT 1")
-        conn.rollback()
-        _ready_then_go()
+    with _connected_then_go(args.database_url) as conn:
         total = int(args.rate * args.seconds)
         start = time.monotonic()
         for i in range(total):
@@ -364,17 +302,16 @@ def _percentile(sorted_values: list[float], fraction: float) -> float:
 
 
 def _wait_listening(database_url: str, timeout_seconds: float = 30) -> None:
-    deadline = time.monotonic() + timeout_seconds
     with connect_raw(database_url, autocommit=True) as conn:
-        while time.monotonic() < deadline:
-            (listening,) = conn.execute(  # type: ignore[misc]
+
+        def listening() -> bool:
+            (count,) = conn.execute(  # type: ignore[misc]
                 "SELECT count(*) FROM pg_stat_activity "
                 "WHERE datname = current_database() AND query ILIKE 'LISTEN%%'"
             ).fetchone()
-            if listening:
-                return
-            time.sleep(0.05)
-    raise RuntimeError("the relay did not LISTEN within 30 s")
+            return bool(count)
+
+        wait_for(listening, timeout_seconds, "the relay to LISTEN")
 
 
 def measure_latency(db: str, rd: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -493,13 +430,15 @@ def main(argv: list[str] | None = None) -> int:
         children[args.mode](args)
         return 0
 
-    with servers(args) as (admin_url, redis_url, origin):
-        db = create_bench_database(admin_url)
+    with servers(args, MACHINE_REDIS_URL, "bench-relay-") as (admin_url, redis_url, origin):
+        # A database of the bench's own, recreated each run so that old bloat does not count.
+        db = recreate_database(admin_url, BENCH_DATABASE)
         try:
+            migrate(db)
             return run_bench(db, redis_url, origin, args)
         finally:
             clear_namespace(redis_url, NAMESPACE)
-            drop_bench_database(admin_url)
+            drop_database(admin_url, BENCH_DATABASE)
 
 
 def run_bench(db: str, rd: str, origin: str, args: argparse.Namespace) -> int:
