@@ -8,13 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psycopg
-
-from outbox.settings import libpq_url
+from helpers import sql
 
 HANDLERS = "examples.shop.handlers"
 
@@ -82,24 +79,8 @@ class Processes:
         )
 
 
-def wait_until(predicate: Callable[[], Any], timeout_seconds: float, message: str) -> Any:
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_seconds} s: {message}")
-        time.sleep(0.1)
-
-
-def query(services: Any, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    with psycopg.connect(libpq_url(services.database_url)) as conn:
-        return conn.execute(sql, params).fetchall()
-
-
 def states(services: Any) -> dict[str, int]:
-    return dict(query(services, "SELECT state, count(*) FROM outbox_message GROUP BY state"))
+    return dict(sql(services, "SELECT state, count(*) FROM outbox_message GROUP BY state"))
 
 
 def kill(proc: subprocess.Popen[bytes]) -> None:

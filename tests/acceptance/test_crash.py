@@ -14,13 +14,14 @@ from datetime import UTC, datetime
 
 import pytest
 import redis
+from helpers import sql, wait_for
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox import transport
 from relay import Relay
 
-from .support import Processes, kill, query, states, wait_until
+from .support import Processes, kill, states
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -66,11 +67,11 @@ def redeliver(services, row_id: int) -> None:
 
 
 def fence_rows(services, row_id: int) -> list[tuple]:
-    return query(services, "SELECT outcome FROM outbox_attempt WHERE message_id = %s ORDER BY id", (row_id,))
+    return sql(services, "SELECT outcome FROM outbox_attempt WHERE message_id = %s ORDER BY id", (row_id,))
 
 
 def row_state(services, row_id: int) -> str:
-    return query(services, "SELECT state FROM outbox_message WHERE id = %s", (row_id,))[0][0]
+    return sql(services, "SELECT state FROM outbox_message WHERE id = %s", (row_id,))[0][0]
 
 
 def test_killed_after_claim_before_call_is_claimed_again_and_charged_once(clean, engine, provider, procs):
@@ -84,7 +85,7 @@ def test_killed_after_claim_before_call_is_claimed_again_and_charged_once(clean,
     procs.relay()
     procs.reconciler()
     procs.worker()
-    wait_until(lambda: row_state(clean, 1) == "sent", 60, f"row not sent\n{procs.logs()}")
+    wait_for(lambda: row_state(clean, 1) == "sent", 60, f"the row to be sent\n{procs.logs()}")
     assert provider.stats()["effects"] == {"order:0:charge": 1}
     outcomes = [o for (o,) in fence_rows(clean, 1)]
     # The first claim's lease expired, the lookup found no charge, the second claim charged.
@@ -102,10 +103,10 @@ def test_killed_after_the_provider_answered_is_never_charged_twice(clean, engine
     # The redelivered message is an empty run: the row is held by the dead worker's claim.
     worker = procs.worker()
     redeliver(clean, 1)
-    wait_until(
+    wait_for(
         lambda: redis.Redis.from_url(clean.redis_url).llen(f"{clean.namespace}:payments.charge") == 0,
         20,
-        "redelivered message not consumed",
+        "the redelivered message to be consumed",
     )
     time.sleep(0.5)
     assert row_state(clean, 1) in ("in_flight", "unknown")
@@ -114,9 +115,9 @@ def test_killed_after_the_provider_answered_is_never_charged_twice(clean, engine
 
     # The lease expires, the row waits in unknown, and the lookup finds the charge.
     procs.reconciler()
-    wait_until(lambda: row_state(clean, 1) == "sent", 60, f"row not sent\n{procs.logs()}")
+    wait_for(lambda: row_state(clean, 1) == "sent", 60, f"the row to be sent\n{procs.logs()}")
     assert worker.poll() is None
-    ref = query(clean, "SELECT provider_ref FROM outbox_message WHERE id = 1")[0][0]
+    ref = sql(clean, "SELECT provider_ref FROM outbox_message WHERE id = 1")[0][0]
     assert ref == "ch_1"
     assert provider.stats()["effects"] == {"order:0:charge": 1}
     assert [o for (o,) in fence_rows(clean, 1)] == ["lease_expired"]
@@ -132,10 +133,10 @@ def test_killed_after_record_before_ack_second_run_is_empty(clean, engine, provi
     procs.worker()
     procs.reconciler()
     redeliver(clean, 1)
-    wait_until(
+    wait_for(
         lambda: redis.Redis.from_url(clean.redis_url).llen(f"{clean.namespace}:payments.charge") == 0,
         20,
-        "redelivered message not consumed",
+        "the redelivered message to be consumed",
     )
     time.sleep(1.0)
     assert row_state(clean, 1) == "sent"

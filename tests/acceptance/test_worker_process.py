@@ -6,8 +6,9 @@ import os
 import signal
 
 import pytest
+from helpers import sql, wait_for
 
-from .support import Processes, query, wait_until
+from .support import Processes
 from .test_crash import relay_once, write_orders
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,12 +39,12 @@ def test_worker_processes_deliver_and_stop_cleanly_on_sigterm(clean, engine, pro
     write_orders(engine, 40)
     relay_once(clean)
     worker = procs.start("worker", "examples.shop.handlers", "--processes", "2", "--threads", "2")
-    wait_until(lambda: len(_children(worker.pid)) == 2, 20, "the two worker processes did not start")
+    wait_for(lambda: len(_children(worker.pid)) == 2, 20, "the two worker processes to start")
     children = _children(worker.pid)
-    wait_until(
-        lambda: query(clean, "SELECT count(*) FROM outbox_message WHERE state = 'sent'")[0][0] == 40,
+    wait_for(
+        lambda: sql(clean, "SELECT count(*) FROM outbox_message WHERE state = 'sent'")[0][0] == 40,
         60,
-        f"rows not delivered\n{procs.logs()}",
+        f"the rows to be delivered\n{procs.logs()}",
     )
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(30) == 0, procs.logs()
@@ -68,7 +69,7 @@ def test_worker_with_unknown_module_says_so(clean, provider, procs):
 def test_sigterm_while_worker_processes_are_still_starting_exits_0(clean, provider, procs):
     """A child that gets the forwarded SIGTERM before it took any message is a clean stop too."""
     worker = procs.start("worker", "examples.shop.handlers", "--processes", "2", "--threads", "1")
-    wait_until(lambda: len(_children(worker.pid)) == 2, 20, "the two worker processes did not start")
+    wait_for(lambda: len(_children(worker.pid)) == 2, 20, "the two worker processes to start")
     children = _children(worker.pid)
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(30) == 0, procs.logs()

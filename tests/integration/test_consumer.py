@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+from helpers import worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
@@ -19,7 +20,6 @@ from outbox import fence, transport
 from outbox.consumer import Consumer, RunResult
 from outbox.handlers import registry
 from outbox.settings import libpq_url
-from outbox.worker import run_worker
 
 
 def charge_handler(provider, **options: Any):
@@ -286,37 +286,24 @@ def test_worker_drops_malformed_messages_and_keeps_working(clean, engine, provid
     client.hset(f"{key}.msgs", "bad-1", json.dumps(bad))
     client.hset(f"{key}.msgs", "bad-2", b"\xff not json at all")
     client.rpush(key, "bad-1", "bad-2")
-    stop = threading.Event()
-    t = threading.Thread(
-        target=run_worker,
-        kwargs=dict(
-            database_url=clean.database_url,
-            redis_url=clean.redis_url,
-            namespace=clean.namespace,
-            handlers=registry(),
-            queues=None,
-            threads=2,
-            stop=stop,
-        ),
-    )
-    t.start()
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and client.llen(key):
-            time.sleep(0.05)
-        assert client.llen(key) == 0, "the worker did not consume the malformed messages"
-        time.sleep(1.5)  # Dramatiq restarts a consumer one second after an undecodable message
-        from relay import Relay
+        with worker_thread(clean, threads=2) as t:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and client.llen(key):
+                time.sleep(0.05)
+            assert client.llen(key) == 0, "the worker did not consume the malformed messages"
+            time.sleep(1.5)  # Dramatiq restarts a consumer one second after an undecodable message
+            from relay import Relay
 
-        relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
-        relay.drain()
-        relay.close()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and row(clean, row_id)["state"] != "sent":
-            time.sleep(0.1)
+            relay = Relay(
+                database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace
+            )
+            relay.drain()
+            relay.close()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and row(clean, row_id)["state"] != "sent":
+                time.sleep(0.1)
     finally:
-        stop.set()
-        t.join(30)
         client.close()
     assert t.is_alive() is False
     assert row(clean, row_id)["state"] == "sent"
@@ -373,29 +360,12 @@ def test_worker_interrupts_a_handler_past_its_time_limit(clean, engine):
     relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
     relay.drain()
     relay.close()
-    stop = threading.Event()
-    t = threading.Thread(
-        target=run_worker,
-        kwargs=dict(
-            database_url=clean.database_url,
-            redis_url=clean.redis_url,
-            namespace=clean.namespace,
-            handlers=registry(),
-            queues=None,
-            threads=1,
-            stop=stop,
-        ),
-    )
     started = time.monotonic()
-    t.start()
-    try:
+    with worker_thread(clean, threads=1):
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and row(clean, row_id)["state"] != "unknown":
             time.sleep(0.1)
         elapsed = time.monotonic() - started
-    finally:
-        stop.set()
-        t.join(30)
     r = row(clean, row_id)
     assert r["state"] == "unknown" and "time limit" in r["last_error"]
     # Interrupted at its own time_limit, well before the 30 s lease.

@@ -37,7 +37,6 @@ import io
 import json
 import re
 import shlex
-import socket
 import threading
 import types
 import typing
@@ -51,6 +50,7 @@ import httpx
 import psycopg
 import pytest
 import redis
+from helpers import free_port
 from sqlalchemy import Engine, String, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -505,12 +505,6 @@ def charge_scenario(shop: Shop, charge: Handler, key: str) -> str:
     return ref
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def webhook_receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     received: list[dict[str, Any]] = []
@@ -714,7 +708,7 @@ def python_pages() -> list[str]:
 def test_python_blocks_run(page: str, clean: Any, engine: Engine, provider: Any, monkeypatch: Any) -> None:
     monkeypatch.setenv("PAYMENTS_API", provider.url)
     monkeypatch.setenv("SMTP_HOST", "127.0.0.1")
-    monkeypatch.setenv("SMTP_PORT", str(_free_port()))  # nothing listens there
+    monkeypatch.setenv("SMTP_PORT", str(free_port()))  # nothing listens there
     shop = Shop(clean, engine, provider)
     seeds: dict[str, Any] = {"engine": engine}
     with contextlib.ExitStack() as stack:

@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
@@ -27,12 +28,6 @@ PERSONAL = {"email": "alice@example.com", "amount_cents": 1000, "currency": "EUR
 def write(engine, key: str, *, destination: str = "payments.charge", step: str = "charge") -> int:
     with Session(engine) as s, s.begin():
         return outbox.write(s, key=key, step=step, destination=destination, payload=PERSONAL).id
-
-
-def sql(services, statement: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        cur = conn.execute(statement, params)
-        return cur.fetchall() if cur.description else []
 
 
 def force(services, row_id: int, assignments: str, params: tuple[Any, ...] = ()) -> None:

@@ -8,24 +8,18 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import psycopg
 import pytest
+from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox.audit import AuditReport, audit, parse_since
 from outbox.cli import main
-from outbox.settings import libpq_url
 
 
 def write(engine, key: str, destination: str = "payments.charge") -> int:
     with Session(engine) as s, s.begin():
         return outbox.write(s, key=key, step="charge", destination=destination, payload={"n": 1}).id
-
-
-def sql(services, statement: str, params: tuple[Any, ...] = ()) -> None:
-    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        conn.execute(statement, params)
 
 
 def settle(services, row_id: int, state: str, *outcomes: str, ref: str | None = None) -> None:

@@ -8,12 +8,11 @@ import textwrap
 import uuid
 from typing import Any
 
-import psycopg
+from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox.cli import main
-from outbox.settings import libpq_url
 
 HANDLERS = """
 import outbox
@@ -55,11 +54,6 @@ def handler_module(tmp_path, monkeypatch, source: str) -> str:
 def write(engine, key: str, destination: str = "payments.charge") -> int:
     with Session(engine) as s, s.begin():
         return outbox.write(s, key=key, step="charge", destination=destination, payload={"n": 1}).id
-
-
-def sql(services, statement: str) -> None:
-    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        conn.execute(statement)
 
 
 def test_healthy_deployment_passes(clean, engine, capsys, tmp_path, monkeypatch):

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import importlib
-import threading
 import time
 
 import psycopg
+from helpers import worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox.settings import libpq_url
-from outbox.worker import run_worker
 from relay import Relay
 
 
@@ -36,21 +35,7 @@ def test_write_relay_worker_sent(clean, engine, provider, monkeypatch):
     relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
     assert relay.drain() == 20
     relay.close()
-    stop = threading.Event()
-    t = threading.Thread(
-        target=run_worker,
-        kwargs=dict(
-            database_url=clean.database_url,
-            redis_url=clean.redis_url,
-            namespace=clean.namespace,
-            handlers=handlers,
-            queues=None,
-            threads=4,
-            stop=stop,
-        ),
-    )
-    t.start()
-    try:
+    with worker_thread(clean, threads=4, handlers=handlers):
         deadline = time.monotonic() + 20
         with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
             while time.monotonic() < deadline:
@@ -59,9 +44,6 @@ def test_write_relay_worker_sent(clean, engine, provider, monkeypatch):
                     break
                 time.sleep(0.1)
             rows = conn.execute("select state, count(*) from outbox_message group by 1").fetchall()
-    finally:
-        stop.set()
-        t.join(30)
     assert rows == [("sent", 20)]
     stats = provider.stats()
     assert stats["charges"] == 20 and stats["double_charged"] == []

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from helpers import worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
@@ -23,7 +24,6 @@ from outbox.consumer import Consumer, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.schema import NOTIFY_CHANNEL
 from outbox.settings import libpq_url
-from outbox.worker import run_worker
 from reconciler import AlertRow, Job, Reconciler
 from reconciler.jobs import (
     LEASE_EXPIRED_ERROR,
@@ -671,30 +671,13 @@ def test_redis_flushed_under_5000_dispatched_rows_loses_nothing_and_charges_once
     assert db.execute("SELECT state, count(*) FROM outbox_message GROUP BY 1").fetchall() == [("pending", n)]
     assert relay_all(clean) == n
 
-    stop = threading.Event()
-    worker = threading.Thread(
-        target=run_worker,
-        kwargs={
-            "database_url": clean.database_url,
-            "redis_url": clean.redis_url,
-            "namespace": clean.namespace,
-            "handlers": registry(),
-            "queues": None,
-            "threads": 8,
-            "stop": stop,
-        },
-    )
-    worker.start()
-    try:
+    with worker_thread(clean, threads=8):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             sent = db.execute("SELECT count(*) FROM outbox_message WHERE state = 'sent'").fetchone()[0]
             if sent == n:
                 break
             time.sleep(0.2)
-    finally:
-        stop.set()
-        worker.join(30)
     assert db.execute("SELECT state, count(*) FROM outbox_message GROUP BY 1").fetchall() == [("sent", n)]
     stats = provider.stats()
     assert stats["charges"] == n and stats["double_charged"] == []

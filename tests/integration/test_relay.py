@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import dramatiq
 import psycopg
 import pytest
 import redis
+from helpers import free_port, ids_by_state, published_row_ids, sql, wait_for
 
 from outbox import transport
 from outbox.embedded import embedded_redis
@@ -33,12 +33,6 @@ DEST = "relay.test"
 # -- helpers ---------------------------------------------------------------------------------------
 
 
-def sql(services: Any, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        cur = conn.execute(statement, params)
-        return cur.fetchall() if cur.description else []
-
-
 def insert_rows(
     services: Any, n: int, *, destination: str = DEST, due: str = "now()", tag: str = "r"
 ) -> None:
@@ -50,47 +44,6 @@ def insert_rows(
         "FROM generate_series(1, %(n)s) g",
         {"tag": tag, "dest": destination, "n": n},
     )
-
-
-def ids_by_state(services: Any) -> dict[str, set[int]]:
-    found: dict[str, set[int]] = {}
-    for row_id, state in sql(services, "SELECT id, state FROM outbox_message"):
-        found.setdefault(state, set()).add(row_id)
-    return found
-
-
-def published_row_ids(client: redis.Redis, namespace: str, destinations: list[str]) -> list[int]:
-    """Row ids of every message queued, decoded from the Dramatiq messages (duplicates kept)."""
-    row_ids: list[int] = []
-    for destination in destinations:
-        key = f"{namespace}:{destination}"
-        mids = client.lrange(key, 0, -1)
-        if not mids:
-            continue
-        bodies = client.hmget(f"{key}.msgs", mids)
-        for mid, body in zip(mids, bodies, strict=True):
-            assert body is not None, f"{mid!r} is queued but its message is missing"
-            message = json.loads(body)
-            assert message["message_id"] == mid.decode()
-            row_ids.append(message["args"][0])
-    return row_ids
-
-
-def wait_for(predicate: Callable[[], Any], timeout_seconds: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_seconds} s waiting for {what}")
-        time.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_cli(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -290,7 +243,7 @@ def test_a_raw_sql_insert_wakes_the_relay_through_notify(clean, redis_client, lo
             )
             conn.commit()
             committed = time.monotonic()
-        wait_for(lambda n=i + 1: redis_client.llen(key) == n, 5, f"message {i + 1} in Redis")
+        wait_for(lambda n=i + 1: redis_client.llen(key) == n, 5, f"message {i + 1} in Redis", every=0.02)
         delays.append(time.monotonic() - committed)
         time.sleep(0.3)
     assert max(delays) < 1.0, delays
@@ -424,3 +377,18 @@ def test_a_claimer_failing_in_a_parallel_drain_fails_the_drain_and_loses_nothing
         relay.close()
     assert ids_by_state(clean) == {"dispatched": set(range(1, 2101))}
     assert set(published_row_ids(redis_client, clean.namespace, ["good", "bad"])) == set(range(1, 2101))
+
+
+def test_claimers_come_from_the_flag_over_the_variable_and_must_be_positive(clean, loop_relays):
+    refused = run_cli(clean.env(), "relay", "--once", "--claimers", "0")
+    assert refused.returncode == 2
+    assert "--claimers must be at least 1, got 0" in refused.stderr and "Traceback" not in refused.stderr
+    bad_env = run_cli(clean.env(OUTBOX_RELAY_CLAIMERS="two"), "relay", "--once")
+    assert bad_env.returncode == 2 and "OUTBOX_RELAY_CLAIMERS='two' is not a whole number" in bad_env.stderr
+
+    for args, expected in (((), "claimers=1"), (("--claimers", "3"), "claimers=3")):
+        proc, log = loop_relays(clean.env(OUTBOX_RELAY_CLAIMERS="1"), *args)
+        wait_for(lambda log=log: "relay started" in log.read_text(), 30, "the relay to start")
+        assert expected in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

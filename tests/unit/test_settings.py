@@ -30,6 +30,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_NAMESPACE": ("shop-outbox.v1", "shop-outbox.v1", ["a b", "a:b", "x" * 65, " ", "ns/1"]),
     "OUTBOX_POLL_INTERVAL": ("2.5", 2.5, ["abc", "0", "-1", "1w", "s"]),
     "OUTBOX_RELAY_BATCH_SIZE": ("500", 500, ["abc", "0", "-5", "1.5", "1e3"]),
+    "OUTBOX_RELAY_CLAIMERS": ("4", 4, ["two", "0", "-1", "2.5"]),
     "OUTBOX_REDISPATCH_AFTER": ("15m", 900.0, ["fifteen", "0s", "15 minutes"]),
     "OUTBOX_RETENTION": ("30d", 2592000.0, ["7 days", "0d", "-7d"]),
     "OUTBOX_RECONCILE_INTERVAL": ("30s", 30.0, ["30sec", "0"]),

@@ -1,0 +1,97 @@
+"""Helpers shared by the test tiers: one-shot SQL, waiting on a condition, reading what the
+relay queued, a free port, and an in-process worker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import psycopg
+import redis
+
+from outbox.handlers import registry
+from outbox.settings import libpq_url
+from outbox.worker import run_worker
+
+
+def sql(services: Any, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+    """Run one statement on its own autocommit connection; its rows, or [] if it returns none."""
+    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
+        cur = conn.execute(statement, params)
+        return cur.fetchall() if cur.description else []
+
+
+def ids_by_state(services: Any) -> dict[str, set[int]]:
+    found: dict[str, set[int]] = {}
+    for row_id, state in sql(services, "SELECT id, state FROM outbox_message"):
+        found.setdefault(state, set()).add(row_id)
+    return found
+
+
+def published_row_ids(client: redis.Redis, namespace: str, destinations: Iterable[str]) -> list[int]:
+    """Row ids of every message queued, decoded from the Dramatiq messages (duplicates kept)."""
+    row_ids: list[int] = []
+    for destination in destinations:
+        key = f"{namespace}:{destination}"
+        mids = client.lrange(key, 0, -1)
+        if not mids:
+            continue
+        bodies = client.hmget(f"{key}.msgs", mids)
+        for mid, body in zip(mids, bodies, strict=True):
+            assert body is not None, f"{mid!r} is queued but its message is missing"
+            message = json.loads(body)
+            assert message["message_id"] == mid.decode()
+            row_ids.append(message["args"][0])
+    return row_ids
+
+
+def wait_for(predicate: Callable[[], Any], timeout_seconds: float, what: str, *, every: float = 0.05) -> Any:
+    """Poll ``predicate`` every ``every`` seconds until it returns something truthy, and return
+    that; past the timeout fail with "timed out after N s waiting for <what>"."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_seconds} s waiting for {what}")
+        time.sleep(every)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (at the time of asking)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def worker_thread(
+    services: Any, *, threads: int, handlers: Mapping[str, Any] | None = None
+) -> Iterator[threading.Thread]:
+    """A Dramatiq worker (``run_worker``) on every registered destination, in a thread for the
+    duration of the block; on exit it is told to stop and joined (30 s at most)."""
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=run_worker,
+        kwargs=dict(
+            database_url=services.database_url,
+            redis_url=services.redis_url,
+            namespace=services.namespace,
+            handlers=registry() if handlers is None else handlers,
+            queues=None,
+            threads=threads,
+            stop=stop,
+        ),
+    )
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop.set()
+        thread.join(30)
