@@ -94,6 +94,8 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     redis_url = cfg.require_redis_url()
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.claimers is not None and args.claimers < 1:
+        raise ConfigError(f"--claimers must be at least 1, got {args.claimers}")
     _check_schema(database_url)
     client = transport.connect(redis_url, socket_connect_timeout=5)
     try:
@@ -105,6 +107,7 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         redis_url=redis_url,
         namespace=cfg.namespace,
         batch_size=args.batch_size or cfg.relay_batch_size,
+        parallel=args.claimers or cfg.relay_claimers,
         poll_interval_seconds=cfg.poll_interval_seconds,
     )
     if args.once:
@@ -116,9 +119,10 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         return 0
     stop = stop_event_on_signals()
     logger.info(
-        "relay started: namespace=%s batch_size=%s poll_interval=%ss",
+        "relay started: namespace=%s batch_size=%s claimers=%s poll_interval=%ss",
         cfg.namespace,
         relay.batch_size,
+        relay.parallel,
         cfg.poll_interval_seconds,
     )
     relay.run_forever(stop)
@@ -223,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_flags(p)
     p.add_argument("--once", action="store_true", help="drain what is due now, then exit")
     p.add_argument("--batch-size", type=int, help="rows per batch (default $OUTBOX_RELAY_BATCH_SIZE or 1000)")
+    p.add_argument(
+        "--claimers",
+        type=int,
+        help="connections claiming batches at once during a backlog (default $OUTBOX_RELAY_CLAIMERS or 2)",
+    )
     p.set_defaults(run=cmd_relay)
 
     p = sub.add_parser(

@@ -72,6 +72,9 @@ class Settings:
     poll_interval_seconds: float = 1.0
     #: Relay: rows claimed and published per batch.
     relay_batch_size: int = 1000
+    #: Relay: connections claiming batches at once while there is a backlog (one waits on
+    #: PostgreSQL while another publishes); one when the relay is idle.
+    relay_claimers: int = 2
     #: Reconciler: a `dispatched` row unclaimed for this long is re-queued.
     redispatch_after_seconds: float = 300.0
     #: Reconciler: `sent` and `cancelled` rows older than this are purged.
@@ -111,6 +114,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_NAMESPACE": "namespace",
     "OUTBOX_POLL_INTERVAL": "poll_interval_seconds",
     "OUTBOX_RELAY_BATCH_SIZE": "relay_batch_size",
+    "OUTBOX_RELAY_CLAIMERS": "relay_claimers",
     "OUTBOX_REDISPATCH_AFTER": "redispatch_after_seconds",
     "OUTBOX_RETENTION": "retention_seconds",
     "OUTBOX_RECONCILE_INTERVAL": "reconcile_interval_seconds",

@@ -107,6 +107,8 @@ def run_worker(
         logger.info("outbox worker stopping: finishing messages in hand")
         worker.stop(timeout=int(max(h.lease_seconds for h in handlers.values()) * 1000))
         broker.close()
+        # Dramatiq's RedisBroker.close() leaves its pool's sockets for the garbage collector.
+        broker.client.connection_pool.disconnect()
         consumer.close()
         close_http_clients()
     return 0
