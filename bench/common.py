@@ -26,6 +26,7 @@ from sqlalchemy import text
 from outbox.db import make_engine
 from outbox.migrate import upgrade
 from outbox.settings import libpq_url
+from outbox.transport import delete_namespace
 
 MACHINE_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -122,9 +123,7 @@ def clear_namespace(redis_url: str, namespace: str) -> None:
     """Delete the keys under ``namespace:`` in the URL's database, and nothing else."""
     client = redis.Redis.from_url(redis_url, socket_timeout=10)
     try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-        for i in range(0, len(keys), 1000):
-            client.unlink(*keys[i : i + 1000])
+        delete_namespace(client, namespace)
     finally:
         client.close()
 

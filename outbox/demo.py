@@ -30,7 +30,7 @@ import httpx
 import redis
 from sqlalchemy import Engine, text
 
-from . import settings, states
+from . import settings, states, transport
 from .demo_display import Display, Progress, make_display
 from .demo_procs import Child, Supervisor, free_port, kill_leftovers
 from .demo_report import DemoAudit, RunScope, final_audit, floors, ops_audit, orders_written, state_counts
@@ -509,12 +509,9 @@ class Demo:
         """Delete the keys of the demo's namespace (and only those) on a Redis of yours."""
         client = redis.Redis.from_url(redis_url, socket_timeout=5)
         try:
-            keys = list(client.scan_iter(match=f"{self.opts.namespace}:*", count=1000))
-            for i in range(0, len(keys), 500):
-                client.delete(*keys[i : i + 500])
+            return transport.delete_namespace(client, self.opts.namespace)
         finally:
             client.close()
-        return len(keys)
 
     # -- processes ---------------------------------------------------------------------------------
 

@@ -233,6 +233,15 @@ def check_broker_safety(client: redis.Redis, namespace: str, *, allow_evicting: 
     return problems
 
 
+def delete_namespace(client: redis.Redis, namespace: str) -> int:
+    """Delete every key under ``namespace:`` in the client's database, and nothing else; for
+    tests, benchmarks and the demo, never for a namespace a deployment is using."""
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    for i in range(0, len(keys), 1000):
+        client.unlink(*keys[i : i + 1000])
+    return len(keys)
+
+
 def foreign_keys(client: redis.Redis, namespace: str, limit: int = 1000) -> list[str]:
     """Keys under ``namespace:`` of a type Dramatiq never writes (caches and sessions are
     strings); only the first ``limit`` keys are looked at, to stay cheap at start-up."""

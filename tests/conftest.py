@@ -29,6 +29,7 @@ from outbox import handlers as _handlers  # noqa: E402
 from outbox.db import make_engine  # noqa: E402
 from outbox.migrate import upgrade  # noqa: E402
 from outbox.settings import libpq_url  # noqa: E402
+from outbox.transport import delete_namespace  # noqa: E402
 
 NAMESPACE = "outboxtest"
 
@@ -116,9 +117,7 @@ def _clean(services: Services) -> None:
         conn.execute("DROP TABLE IF EXISTS orders")
     client = redis.Redis.from_url(services.redis_url)
     try:
-        keys = list(client.scan_iter(match=f"{services.namespace}:*", count=1000))
-        for i in range(0, len(keys), 500):
-            client.delete(*keys[i : i + 500])
+        delete_namespace(client, services.namespace)
     finally:
         client.close()
 
