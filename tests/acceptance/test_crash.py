@@ -92,7 +92,9 @@ def test_killed_after_claim_before_call_is_claimed_again_and_charged_once(clean,
     assert outcomes == ["lease_expired", "sent"]
 
 
-def test_killed_after_the_provider_answered_is_never_charged_twice(clean, engine, provider, procs):
+def test_killed_after_the_provider_answered_is_never_charged_twice(
+    clean, engine, provider, procs, redis_client
+):
     write_orders(engine, 1)
     relay_once(clean)
     crashing = procs.worker(OUTBOX_FAILPOINTS="after_call")
@@ -104,8 +106,8 @@ def test_killed_after_the_provider_answered_is_never_charged_twice(clean, engine
     worker = procs.worker()
     redeliver(clean, 1)
     wait_for(
-        lambda: redis.Redis.from_url(clean.redis_url).llen(f"{clean.namespace}:payments.charge") == 0,
-        20,
+        lambda: redis_client.llen(f"{clean.namespace}:payments.charge") == 0,
+        60,
         "the redelivered message to be consumed",
     )
     time.sleep(0.5)
@@ -123,7 +125,7 @@ def test_killed_after_the_provider_answered_is_never_charged_twice(clean, engine
     assert [o for (o,) in fence_rows(clean, 1)] == ["lease_expired"]
 
 
-def test_killed_after_record_before_ack_second_run_is_empty(clean, engine, provider, procs):
+def test_killed_after_record_before_ack_second_run_is_empty(clean, engine, provider, procs, redis_client):
     write_orders(engine, 1)
     relay_once(clean)
     crashing = procs.worker(OUTBOX_FAILPOINTS="after_record")
@@ -134,8 +136,8 @@ def test_killed_after_record_before_ack_second_run_is_empty(clean, engine, provi
     procs.reconciler()
     redeliver(clean, 1)
     wait_for(
-        lambda: redis.Redis.from_url(clean.redis_url).llen(f"{clean.namespace}:payments.charge") == 0,
-        20,
+        lambda: redis_client.llen(f"{clean.namespace}:payments.charge") == 0,
+        60,
         "the redelivered message to be consumed",
     )
     time.sleep(1.0)

@@ -314,7 +314,7 @@ def test_stop_interrupts_a_long_poll_in_process(clean):
     try:
         wait_for(lambda: listening_backends(clean) == 1, 10, "the relay to LISTEN")
         insert_rows(clean, 4)
-        wait_for(lambda: ids_by_state(clean).get("dispatched") == {1, 2, 3, 4}, 5, "the rows to go out")
+        wait_for(lambda: ids_by_state(clean).get("dispatched") == {1, 2, 3, 4}, 15, "the rows to go out")
     finally:
         stop.set()
         thread.join(5)
