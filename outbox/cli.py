@@ -71,15 +71,9 @@ def cmd_migrate(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
 
 def _check_schema(database_url: str) -> None:
-    from .db import make_engine
-    from .migrate import check_schema
+    from .migrate import check_database
 
-    engine = make_engine(database_url)
-    try:
-        with engine.connect() as conn:
-            check_schema(conn)
-    finally:
-        engine.dispose()
+    check_database(database_url)
 
 
 # -- relay -----------------------------------------------------------------------------------------

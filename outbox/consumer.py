@@ -153,17 +153,7 @@ class Consumer:
         return result
 
     def _call(self, handler: Handler, claimed: fence.Claimed) -> Decision:
-        delivery = Delivery(
-            id=claimed.id,
-            key=claimed.key,
-            step=claimed.step,
-            destination=claimed.destination,
-            payload=claimed.payload,
-            attempt=claimed.attempt,
-            idempotency_key=f"{claimed.key}:{claimed.step}",
-            deadline=claimed.deadline,
-            handler=handler,
-        )
+        delivery = delivery_for(claimed, handler)
         if self._limit_call is not None:
             self._limit_call(handler.time_limit)
         try:
@@ -211,3 +201,18 @@ class Consumer:
                     raise
                 time.sleep(0.2 * (attempt + 1))
         raise AssertionError("unreachable")
+
+
+def delivery_for(claimed: fence.Claimed, handler: Handler) -> Delivery:
+    """What the handler sees of a claimed row; the Idempotency-Key is the business key."""
+    return Delivery(
+        id=claimed.id,
+        key=claimed.key,
+        step=claimed.step,
+        destination=claimed.destination,
+        payload=claimed.payload,
+        attempt=claimed.attempt,
+        idempotency_key=f"{claimed.key}:{claimed.step}",
+        deadline=claimed.deadline,
+        handler=handler,
+    )

@@ -59,3 +59,16 @@ def check_schema(connection: Connection) -> None:
     head = head_revision()
     if current != head:
         raise NotMigrated(f"database is at revision {current}, this version needs {head}")
+
+
+def check_database(database_url: str) -> None:
+    """:func:`check_schema` on a short-lived connection of its own: the start-up check of the
+    long-running processes."""
+    from .db import make_engine
+
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            check_schema(conn)
+    finally:
+        engine.dispose()

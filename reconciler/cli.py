@@ -88,9 +88,8 @@ def _interval(args: argparse.Namespace, cfg: settings.Settings) -> float:
 
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from outbox.cli import stop_event_on_signals
-    from outbox.db import make_engine
     from outbox.handlers import load_module
-    from outbox.migrate import check_schema
+    from outbox.migrate import check_database
 
     from .scheduler import Reconciler
 
@@ -99,12 +98,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     cfg.require_redis_url()
     interval = _interval(args, cfg)
     hook = load_alert_hook(args.alert_hook or os.environ.get(ALERT_HOOK_ENV))
-    engine = make_engine(database_url)
-    try:
-        with engine.connect() as conn:
-            check_schema(conn)
-    finally:
-        engine.dispose()
+    check_database(database_url)
     handlers = load_module(args.module)
     reconciler = Reconciler.from_settings(cfg, handlers=handlers, module=args.module, alert_hook=hook)
     try:

@@ -17,7 +17,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from outbox import Delivery, fence
-from outbox.consumer import Consumer
+from outbox.consumer import Consumer, delivery_for
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.settings import libpq_url
 from outbox.testing.provider import ProviderSimulator
@@ -221,17 +221,7 @@ def claim(services, chain: Chain, step: str, key: str) -> Delivery:
         ).fetchone()
         claimed = fence.claim(conn, row_id=row_id, destination=handler.destination, lease_seconds=60)
     assert claimed is not None
-    return Delivery(
-        id=claimed.id,
-        key=claimed.key,
-        step=claimed.step,
-        destination=claimed.destination,
-        payload=claimed.payload,
-        attempt=claimed.attempt,
-        idempotency_key=f"{claimed.key}:{claimed.step}",
-        deadline=claimed.deadline,
-        handler=handler,
-    )
+    return delivery_for(claimed, handler)
 
 
 def expire_and_reconcile(services, chain: Chain) -> dict[str, int]:
