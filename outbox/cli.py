@@ -84,6 +84,8 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
     from . import transport
 
+    # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
+    stop = stop_event_on_signals()
     database_url = cfg.require_database_url()
     redis_url = cfg.require_redis_url()
     if args.batch_size is not None and args.batch_size < 1:
@@ -106,12 +108,12 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     )
     if args.once:
         try:
-            total = relay.drain()
+            total = relay.drain(stop)
         finally:
             relay.close()
-        print(f"relay published {total} rows")
+        stopped = "; stopped by a signal before the backlog was drained" if stop.is_set() else ""
+        print(f"relay published {total} rows{stopped}")
         return 0
-    stop = stop_event_on_signals()
     logger.info(
         "relay started: namespace=%s batch_size=%s claimers=%s poll_interval=%ss",
         cfg.namespace,

@@ -330,9 +330,10 @@ def test_redis_outage_keeps_rows_pending_and_the_relay_alive(clean, own_redis, r
     assert proc.wait(15) == 0, relays.stderr(proc)
 
 
-def test_sigterm_in_a_busy_loop_exits_0_with_no_row_half_done(clean, redis_client, relays):
+@pytest.mark.parametrize("mode", [(), ("--once",)], ids=["loop", "once"])
+def test_sigterm_in_a_busy_drain_exits_0_with_no_row_half_done(clean, redis_client, relays, mode):
     insert_rows(clean, 50_000)
-    proc = relays.start(clean.env(OUTBOX_POLL_INTERVAL="0.2"), "--batch-size", "20")
+    proc = relays.start(clean.env(OUTBOX_POLL_INTERVAL="0.2"), "--batch-size", "20", *mode)
     wait_for(
         lambda: queued(redis_client, clean.namespace) > 0 or proc.poll() is not None, 60, "a first batch"
     )
@@ -347,3 +348,8 @@ def test_sigterm_in_a_busy_loop_exits_0_with_no_row_half_done(clean, redis_clien
     assert len(published) == len(set(published)), "a graceful stop published a row twice"
     assert set(published) == states["dispatched"], "dispatched rows and queued messages differ"
     assert published_counts(relays.stderr(proc)) == len(states["dispatched"])
+    if mode:
+        assert relays.stdout(proc).strip() == (
+            f"relay published {len(states['dispatched'])} rows; "
+            "stopped by a signal before the backlog was drained"
+        )
