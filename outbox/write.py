@@ -53,7 +53,9 @@ _CANCEL = text(
     """
     UPDATE outbox_message
     SET state = 'cancelled', completed_at = now(), claim_token = NULL
-    WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched') AND attempts = 0
+    WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched')
+      -- Not `attempts = 0`: a replay resets attempts, but its earlier claims may have charged.
+      AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id)
     RETURNING id
     """
 )
@@ -161,7 +163,7 @@ def write(
 def cancel(target: Session | Connection, *, key: str, step: str) -> bool:
     """Cancel ``(key, step)`` if no consumer holds it; True when this call cancelled it.
 
-    Only a row no consumer ever claimed (`pending` or `dispatched`, no attempt yet) can be
+    Only a row no consumer ever claimed (`pending` or `dispatched`, no fence row) can be
     cancelled: once a call was attempted, it may have taken effect (an idempotent destination
     retries ambiguous calls), so cancelling it could hide a real charge.
     """

@@ -12,11 +12,11 @@ from typing import Any
 import psycopg
 import pytest
 import redis
-from helpers import worker_thread
+from helpers import sql, worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import fence, transport
+from outbox import fence, ops, transport
 from outbox.consumer import Consumer, RunResult
 from outbox.handlers import registry
 from outbox.settings import libpq_url
@@ -377,6 +377,18 @@ def test_cancel_only_before_any_claim(clean, engine, provider, consumer):
     provider.configure(fail_before_rate=1.0)
     (row_id,) = write_rows(engine)
     assert consumer().deliver(row_id, "payments.charge") is RunResult.PENDING
+    with Session(engine) as s, s.begin():
+        assert outbox.cancel(s, key="order:0", step="charge") is False
+    assert row(clean, row_id)["state"] == "pending"
+
+    # A replay resets attempts to 0, but the row was claimed before: still not cancellable.
+    for _ in range(2):
+        sql(clean, "UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+        consumer().deliver(row_id, "payments.charge")
+    assert row(clean, row_id)["state"] == "failed"
+    with Session(engine) as s, s.begin():
+        assert ops.replay(s.connection(), [row_id], by="test", reason="card updated")[0].done
+    assert row(clean, row_id)["state"] == "pending" and row(clean, row_id)["attempts"] == 0
     with Session(engine) as s, s.begin():
         assert outbox.cancel(s, key="order:0", step="charge") is False
     assert row(clean, row_id)["state"] == "pending"
