@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -453,15 +453,6 @@ WHERE m.id = r.id AND m.state = 'dispatched' AND m.dispatched_at = r.dispatched_
 RETURNING m.id
 """
 
-_FAIL_UNHANDLED = """
-UPDATE outbox_message m
-SET state = 'failed', completed_at = now(), last_error = %(error)s
-FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(dispatched)s AS timestamptz[])) AS r(id, dispatched_at)
-WHERE m.id = r.id AND m.state = 'dispatched' AND m.dispatched_at = r.dispatched_at
-RETURNING m.id
-"""
-
-
 def _requeue(conn: psycopg.Connection[Any], rows: list[tuple[int, datetime]]) -> int:
     if not rows:
         return 0
@@ -489,13 +480,17 @@ def redispatch(
     restarted, or the message dead-lettered) → re-queued now. Present but older than
     ``redispatch_after_seconds`` (a dead worker's prefetched message) → re-queued too; a second
     copy is harmless, the claim fences it. Present and younger → left alone: a long queue is not
-    a lost message. A row whose destination has no handler in ``module`` → `failed`.
+    a lost message. A row whose destination has no handler in ``module`` is treated the same and
+    only reported: during a rolling deploy it may belong to a newer (or older) version's workers,
+    and re-publishing calls no provider, while failing it would need a replay.
 
-    Counts: ``missing``, ``stale``, ``waiting`` (left alone), ``unhandled``, ``raced``.
+    Counts: ``missing``, ``stale``, ``waiting`` (left alone), ``raced``, and ``no_handler`` (rows
+    also counted above whose destination ``module`` does not declare).
     A Redis error raises: an unreachable Redis never means "the message is gone".
     """
     _require_autocommit(conn, "redispatch")
     counts: Counter[str] = Counter()
+    orphans: Counter[str] = Counter()
     after_at: datetime | None = None
     after_id = 0
     for _ in range(max_batches):
@@ -515,42 +510,32 @@ def redispatch(
             break
         after_at, after_id = rows[-1][2], rows[-1][0]
 
-        unhandled: dict[str, list[tuple[int, datetime]]] = defaultdict(list)
-        handled = []
-        for row_id, destination, dispatched_at, stale in rows:
-            if destination in handlers:
-                handled.append((row_id, destination, dispatched_at, stale))
-            else:
-                unhandled[destination].append((row_id, dispatched_at))
-        for destination, items in unhandled.items():
-            error = f"no handler for destination {destination} in {module}"
-            params = {"ids": [i[0] for i in items], "dispatched": [i[1] for i in items], "error": error}
-            moved = len(conn.execute(_FAIL_UNHANDLED, params).fetchall())
-            counts["unhandled"] += moved
-            counts["raced"] += len(items) - moved
-            if moved:
-                logger.error(
-                    "%s outbox rows failed: %s",
-                    moved,
-                    error,
-                    extra={"destination": destination, "failed": moved},
-                )
-
+        orphans.update(destination for _, destination, _, _ in rows if destination not in handlers)
         present = transport.messages_present(
             redis_client,
             namespace,
-            ((destination, transport.message_id(row_id, at)) for row_id, destination, at, _ in handled),
+            ((destination, transport.message_id(row_id, at)) for row_id, destination, at, _ in rows),
         )
-        missing = [(r[0], r[2]) for r, p in zip(handled, present, strict=True) if not p]
-        stale = [(r[0], r[2]) for r, p in zip(handled, present, strict=True) if p and r[3]]
+        missing = [(r[0], r[2]) for r, p in zip(rows, present, strict=True) if not p]
+        stale = [(r[0], r[2]) for r, p in zip(rows, present, strict=True) if p and r[3]]
         moved_missing = _requeue(conn, missing)
         moved_stale = _requeue(conn, stale)
         counts["missing"] += moved_missing
         counts["stale"] += moved_stale
-        counts["waiting"] += len(handled) - len(missing) - len(stale)
+        counts["waiting"] += len(rows) - len(missing) - len(stale)
         counts["raced"] += len(missing) - moved_missing + len(stale) - moved_stale
         if len(rows) < batch_size:
             break
+    for destination, count in sorted(orphans.items()):
+        counts["no_handler"] += count
+        logger.warning(
+            "%s dispatched outbox rows of destination %s: no handler in %s; deploy one (or a worker "
+            "for it) — they are re-published, never failed, by this reconciler",
+            count,
+            destination,
+            module,
+            extra={"destination": destination, "rows": count},
+        )
     if counts["missing"] or counts["stale"]:
         # The relay sleeps until NOTIFY or its poll interval; wake it for the re-queued rows.
         conn.execute("SELECT pg_notify(%s, '')", (NOTIFY_CHANNEL,))
