@@ -453,6 +453,7 @@ WHERE m.id = r.id AND m.state = 'dispatched' AND m.dispatched_at = r.dispatched_
 RETURNING m.id
 """
 
+
 def _requeue(conn: psycopg.Connection[Any], rows: list[tuple[int, datetime]]) -> int:
     if not rows:
         return 0
