@@ -93,11 +93,7 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if args.claimers is not None and args.claimers < 1:
         raise ConfigError(f"--claimers must be at least 1, got {args.claimers}")
     _check_schema(database_url)
-    client = transport.connect(redis_url, socket_connect_timeout=5)
-    try:
-        transport.ensure_safe(client, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
-    finally:
-        client.close()
+    transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     relay = Relay(
         database_url=database_url,
         redis_url=redis_url,
@@ -142,11 +138,7 @@ def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
         raise ConfigError("--processes and --threads must be at least 1")
     _check_schema(database_url)
     handlers = load_module(args.module)
-    client = transport.connect(redis_url, socket_connect_timeout=5)
-    try:
-        transport.ensure_safe(client, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
-    finally:
-        client.close()
+    transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     if args.processes > 1:
         child_argv = [
             "worker",

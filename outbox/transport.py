@@ -260,3 +260,13 @@ def ensure_safe(client: redis.Redis, namespace: str, *, allow_evicting: bool = F
     problems = check_broker_safety(client, namespace, allow_evicting=allow_evicting)
     if problems:
         raise UnsafeBroker("; ".join(problems))
+
+
+def check_at_start(url: str, namespace: str, *, allow_evicting: bool = False) -> None:
+    """The start-up check of every long-running process: :func:`ensure_safe` on a short-lived
+    connection."""
+    client = connect(url, socket_connect_timeout=5)
+    try:
+        ensure_safe(client, namespace, allow_evicting=allow_evicting)
+    finally:
+        client.close()

@@ -87,6 +87,7 @@ def _interval(args: argparse.Namespace, cfg: settings.Settings) -> float:
 
 
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from outbox import transport
     from outbox.cli import stop_event_on_signals
     from outbox.handlers import load_module
     from outbox.migrate import check_database
@@ -95,10 +96,13 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
     # Checked before anything else: a missing URL is one clear line, never an embedded server.
     database_url = cfg.require_database_url()
-    cfg.require_redis_url()
+    redis_url = cfg.require_redis_url()
     interval = _interval(args, cfg)
     hook = load_alert_hook(args.alert_hook or os.environ.get(ALERT_HOOK_ENV))
     check_database(database_url)
+    # An evicting Redis loses messages on its own; the redispatch job is the remedy, but the
+    # deployment is still wrong, and every process says so the same way.
+    transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     handlers = load_module(args.module)
     reconciler = Reconciler.from_settings(cfg, handlers=handlers, module=args.module, alert_hook=hook)
     try:

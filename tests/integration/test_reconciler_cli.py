@@ -13,10 +13,12 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+import redis
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox import fence
+from outbox.embedded import embedded_redis
 from outbox.exceptions import ConfigError
 from outbox.settings import libpq_url
 from reconciler.alerts import load_alert_hook, log_alert
@@ -190,3 +192,27 @@ def test_reconcile_loop_resolves_rows_and_stops_cleanly_on_sigterm(clean, engine
     assert "job=expire_leases" in text and "expired=1" in text
     assert "job=resolve_unknown" in text and "sent=1" in text
     assert "reconciler stopped" in text
+
+
+def test_reconcile_refuses_an_evicting_redis_unless_allowed(clean, tmp_path):
+    with embedded_redis(str(tmp_path)) as url:
+        client = redis.Redis.from_url(url)
+        try:
+            client.config_set("maxmemory", "10mb")
+            client.config_set("maxmemory-policy", "allkeys-lru")
+            refused = outbox_cmd(
+                "reconcile", "examples.shop.handlers", "--once", env=clean.env(OUTBOX_REDIS_URL=url)
+            )
+            assert refused.returncode == 1, refused.stderr
+            lines = [line for line in refused.stderr.splitlines() if line.strip()]
+            assert len(lines) == 1 and "maxmemory-policy" in lines[0], refused.stderr
+
+            allowed = outbox_cmd(
+                "reconcile",
+                "examples.shop.handlers",
+                "--once",
+                env=clean.env(OUTBOX_REDIS_URL=url, OUTBOX_ALLOW_EVICTING_REDIS="true"),
+            )
+            assert allowed.returncode == 0, allowed.stderr
+        finally:
+            client.close()
