@@ -246,7 +246,7 @@ def test_a_raw_sql_insert_wakes_the_relay_through_notify(clean, redis_client, lo
         wait_for(lambda n=i + 1: redis_client.llen(key) == n, 5, f"message {i + 1} in Redis", every=0.02)
         delays.append(time.monotonic() - committed)
         time.sleep(0.3)
-    assert max(delays) < 1.0, delays
+    assert max(delays) < 3.0, delays  # NOTIFY, not the 30 s poll
     assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
