@@ -542,6 +542,15 @@ class Phase:
 # -- outbox ----------------------------------------------------------------------------------------
 
 
+def _py_spy() -> str:
+    """py-spy beside this interpreter (a virtualenv not on PATH), else on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if found is None:
+        sys.exit('--profile needs py-spy: pip install -e ".[bench]"')
+    return found
+
+
 def run_outbox(
     args: argparse.Namespace,
     admin_url: str,
@@ -642,7 +651,7 @@ def run_outbox(
             child = next(p for p in _tree(workers.pid) if p.pid != workers.pid)
             spy = subprocess.Popen(
                 [
-                    "py-spy",
+                    _py_spy(),
                     "record",
                     "--pid",
                     str(child.pid),
