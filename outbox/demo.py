@@ -32,8 +32,9 @@ from sqlalchemy import Engine, text
 
 from . import settings, states, transport
 from .demo_display import Display, Progress, make_display
-from .demo_procs import Child, Supervisor, free_port, kill_leftovers
+from .demo_procs import Child, Supervisor, kill_leftovers
 from .demo_report import DemoAudit, RunScope, final_audit, floors, ops_audit, orders_written, state_counts
+from .embedded import embedded_postgres, embedded_redis, free_port
 from .exceptions import ConfigError
 
 DEFAULT_ORDERS = 300
@@ -229,8 +230,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _options(args: argparse.Namespace, cfg: settings.Settings) -> Options:
     namespace = args.namespace or DEMO_NAMESPACE
-    # The flag was validated with the settings; the default is checked the same way.
-    settings.from_env({}, namespace=namespace)
     return Options(
         orders=args.orders,
         rate=args.rate,
@@ -375,15 +374,14 @@ class Demo:
                 (reconciler, "reconciler started"),
             ]
         )
+        plan = ChaosPlan.for_run(opts.orders, opts.rate, opts.chaos)
         if opts.chaos:
-            plan = ChaosPlan.for_run(opts.orders, opts.rate, True)
             self.display.text(
                 f"chaos: a worker SIGKILLed every {WORKER_KILL_EVERY_SECONDS:g} s "
                 f"({len(plan.worker_kills)} times), the relay SIGKILLed at {plan.relay_kill:.1f} s, "
                 f"Redis flushed at {plan.redis_flush:.1f} s (counted from the first order)"
             )
         else:
-            plan = ChaosPlan.for_run(opts.orders, opts.rate, False)
             self.display.text("chaos: off")
 
         shop = sup.start(
@@ -411,8 +409,6 @@ class Demo:
     def _servers(self, stack: contextlib.ExitStack) -> tuple[str, str]:
         import logging
         import warnings
-
-        from .embedded import embedded_postgres, embedded_redis
 
         # pgserver narrates every step at INFO; the demo says what matters itself.
         logging.getLogger("pgserver").setLevel(logging.WARNING)
@@ -746,8 +742,7 @@ class Demo:
             else "off"
         )
         self.display.text(f"\nchaos: {chaos}; provider faults: {faults}")
-        if report is not None:
-            self.display.text("\n" + report.render())
+        self.display.text("\n" + report.render())
         self.display.text("")
         if result.ok:
             self.display.text(

@@ -11,45 +11,24 @@ child, which is why every spawn happens on the demo's main thread.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _preexec() -> Callable[[], None] | None:
-    return _die_with_parent if sys.platform.startswith("linux") else None
-
-
-def free_port() -> int:
-    """A loopback port free right now (the provider binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .embedded import die_with_parent
 
 
 @dataclass
 class Child:
     role: str
     name: str
-    argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes]
-    started_at: float = field(default_factory=time.monotonic)
     #: Set when the demo killed it on purpose, so its exit is not reported as a crash.
     killed_on_purpose: bool = False
 
@@ -96,9 +75,9 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 # Safe here: the demo spawns from its main thread only (see the module docstring).
-                preexec_fn=_preexec(),
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
-        child = Child(role, name, list(argv), log_path, proc)
+        child = Child(role, name, log_path, proc)
         self.children.append(child)
         return child
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 import httpx
 from sqlalchemy import Connection, text
 
 from . import states
+from .audit import AuditReport, audit
 
 #: Table names the demo accepts: quoted nowhere, so kept to plain identifiers.
 TABLE_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}\Z")
@@ -97,7 +97,7 @@ class DemoAudit:
     lookup_not_found: int = 0
     provider_faults: dict[str, int] = field(default_factory=dict)
     timed_out: bool = False
-    ops_report: Any = None
+    ops_report: AuditReport | None = None
 
     @property
     def not_terminal(self) -> int:
@@ -246,10 +246,6 @@ def final_audit(
     return result
 
 
-def ops_audit(conn: Connection, since: datetime) -> Any:
-    """``outbox.ops.audit`` over the run's time window, or None when it is not available."""
-    try:
-        from .ops import audit
-    except ImportError:  # pragma: no cover - ops ships with the package
-        return None
+def ops_audit(conn: Connection, since: datetime) -> AuditReport:
+    """``outbox audit`` over the run's time window."""
     return audit(conn, since=since)

