@@ -70,12 +70,6 @@ def cmd_migrate(args: argparse.Namespace, cfg: settings.Settings) -> int:
     return 0
 
 
-def _check_schema(database_url: str) -> None:
-    from .migrate import check_database
-
-    check_database(database_url)
-
-
 # -- relay -----------------------------------------------------------------------------------------
 
 
@@ -83,6 +77,7 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from relay import Relay
 
     from . import transport
+    from .migrate import check_database
 
     # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
     stop = stop_event_on_signals()
@@ -92,7 +87,7 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.claimers is not None and args.claimers < 1:
         raise ConfigError(f"--claimers must be at least 1, got {args.claimers}")
-    _check_schema(database_url)
+    check_database(database_url)
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     relay = Relay(
         database_url=database_url,
@@ -128,6 +123,7 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
 def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from . import transport
     from .handlers import load_module
+    from .migrate import check_database
     from .worker import run_worker, supervise
 
     # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
@@ -136,19 +132,20 @@ def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     redis_url = cfg.require_redis_url()
     if args.processes < 1 or args.threads < 1:
         raise ConfigError("--processes and --threads must be at least 1")
-    _check_schema(database_url)
+    check_database(database_url)
     handlers = load_module(args.module)
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     if args.processes > 1:
+        # --log-level is an option of `outbox` itself: it goes before the subcommand.
         child_argv = [
+            "--log-level",
+            args.log_level,
             "worker",
             args.module,
             "--processes",
             "1",
             "--threads",
             str(args.threads),
-            "--log-level",
-            args.log_level,
         ]
         if args.queues:
             child_argv += ["--queues", *args.queues]
@@ -262,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _load_extra_commands()
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .logs import configure
+    from .logs import configure, first_line
 
     configure(args.log_level)
     try:
@@ -277,8 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"outbox: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except (psycopg.OperationalError, sqlalchemy.exc.OperationalError) as exc:
-        first = str(getattr(exc, "orig", exc)).strip().splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"outbox: cannot reach PostgreSQL: {first}", file=sys.stderr)
+        print(f"outbox: cannot reach PostgreSQL: {first_line(exc)}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except redis.ConnectionError as exc:
         print(f"outbox: cannot reach Redis: {exc}", file=sys.stderr)

@@ -18,7 +18,7 @@ import psycopg
 from . import fence
 from .db import connect_raw
 from .failpoints import failpoint
-from .handlers import Delivery, Handler
+from .handlers import Delivery, Handler, idempotency_key
 from .policy import Decision, Outcome, decide_exception, decide_result, next_state
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class Consumer:
 
 
 def delivery_for(claimed: fence.Claimed, handler: Handler) -> Delivery:
-    """What the handler sees of a claimed row; the Idempotency-Key is the business key."""
+    """What the handler sees of a claimed row."""
     return Delivery(
         id=claimed.id,
         key=claimed.key,
@@ -212,7 +212,7 @@ def delivery_for(claimed: fence.Claimed, handler: Handler) -> Delivery:
         destination=claimed.destination,
         payload=claimed.payload,
         attempt=claimed.attempt,
-        idempotency_key=f"{claimed.key}:{claimed.step}",
+        idempotency_key=idempotency_key(claimed.key, claimed.step),
         deadline=claimed.deadline,
         handler=handler,
     )

@@ -22,6 +22,7 @@ from . import transport
 from .db import make_engine
 from .exceptions import ConfigError, NotMigrated, OutboxError
 from .handlers import Handler, load_module
+from .logs import first_line
 from .migrate import check_schema
 from .settings import Settings, redact_url
 
@@ -46,11 +47,6 @@ class Check:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status, "ok": self.ok, "detail": self.detail}
-
-
-def _first_line(exc: BaseException) -> str:
-    message = str(getattr(exc, "orig", None) or exc).strip()
-    return message.splitlines()[0] if message else type(exc).__name__
 
 
 # -- database ----------------------------------------------------------------------------------------
@@ -148,7 +144,7 @@ def _database(cfg: Settings) -> Iterator[tuple[list[Check], Connection | None]]:
                 Check(
                     "database",
                     FAIL,
-                    f"cannot reach PostgreSQL at {shown}: {_first_line(exc)}; check "
+                    f"cannot reach PostgreSQL at {shown}: {first_line(exc)}; check "
                     "--database-url / OUTBOX_DATABASE_URL and that the server is up",
                 )
             )

@@ -50,6 +50,12 @@ def close_http_clients() -> None:
         client.close()
 
 
+def idempotency_key(key: str, step: str) -> str:
+    """The ``Idempotency-Key`` of every call for ``(key, step)``: the business key, so that each
+    attempt, a lookup and a replay all name the same operation to the provider."""
+    return f"{key}:{step}"
+
+
 @dataclass(frozen=True)
 class Delivery:
     """One claimed outbox row, as a handler sees it."""

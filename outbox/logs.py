@@ -19,6 +19,13 @@ def _is_secret(name: str) -> bool:
     return _SECRET.search(name) is not None
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (a driver's own error for a wrapped one), for a
+    one-line report; the exception's type name when the message is empty."""
+    message = str(getattr(exc, "orig", None) or exc).strip()
+    return message.splitlines()[0] if message else type(exc).__name__
+
+
 def redact_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: ("***" if _is_secret(k) else v) for k, v in headers.items()}
 

@@ -114,40 +114,14 @@ def run_worker(
     return 0
 
 
-#: Options of the ``outbox`` command itself: they must come before the subcommand.
-_GLOBAL_OPTIONS = ("--log-level",)
-
-
-def _options_first(argv: Sequence[str]) -> list[str]:
-    """Move the top-level options (``--log-level X``) in front of the subcommand, where the
-    parser accepts them; ``outbox worker … --log-level INFO`` is a usage error."""
-    front: list[str] = []
-    rest: list[str] = []
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        if args[i] in _GLOBAL_OPTIONS and i + 1 < len(args):
-            front += args[i : i + 2]
-            i += 2
-        elif args[i].split("=", 1)[0] in _GLOBAL_OPTIONS and "=" in args[i]:
-            front.append(args[i])
-            i += 1
-        else:
-            rest.append(args[i])
-            i += 1
-    return front + rest
-
-
 def supervise(argv: Sequence[str], processes: int, stop: threading.Event) -> int:
     """Run ``processes`` single-process workers as children; restart one that dies.
 
     SIGTERM/SIGINT are forwarded; the exit status is 0 when every child stopped cleanly.
     """
 
-    child_argv = _options_first(argv)
-
     def spawn() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-m", "outbox", *child_argv])
+        return subprocess.Popen([sys.executable, "-m", "outbox", *argv])
 
     children = [spawn() for _ in range(processes)]
     try:

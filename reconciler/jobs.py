@@ -27,7 +27,7 @@ import psycopg
 import redis
 
 from outbox import policy, transport
-from outbox.handlers import Confirmed, Delivery, Handler
+from outbox.handlers import Confirmed, Delivery, Handler, idempotency_key
 from outbox.schema import NOTIFY_CHANNEL
 
 from .alerts import AlertHook, AlertRow, log_alert
@@ -375,7 +375,7 @@ def resolve_unknown(
                 destination=destination,
                 payload=payload,
                 attempt=attempts,
-                idempotency_key=f"{key}:{step}",
+                idempotency_key=idempotency_key(key, step),
                 deadline=deadline,
                 handler=lookup_clients.handler_for(handler),
             )

@@ -21,6 +21,7 @@ import redis
 
 from outbox import transport
 from outbox.db import connect_raw
+from outbox.logs import first_line
 from outbox.schema import NOTIFY_CHANNEL
 
 logger = logging.getLogger(__name__)
@@ -250,15 +251,10 @@ class Relay:
                         "relay cannot reach %s (%s: %s); rows stay pending, retrying with backoff",
                         "Redis" if isinstance(exc, redis.RedisError) else "PostgreSQL",
                         type(exc).__name__,
-                        _first_line(exc),
+                        first_line(exc),
                         extra={"error": type(exc).__name__},
                     )
                 self.close()
                 stop.wait(delay)
                 delay = min(delay * 2, _MAX_RECONNECT_DELAY_SECONDS)
         self.close()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -14,9 +13,11 @@ from typing import Any
 import psycopg
 import redis
 
+from outbox.embedded import free_port as free_port  # re-exported for the tests
 from outbox.handlers import registry
 from outbox.settings import libpq_url
 from outbox.worker import run_worker
+from relay import Relay
 
 
 def sql(services: Any, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
@@ -63,11 +64,15 @@ def wait_for(predicate: Callable[[], Any], timeout_seconds: float, what: str, *,
         time.sleep(every)
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on (at the time of asking)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def relay_once(services: Any) -> int:
+    """Publish every due row, as ``outbox relay --once`` would; how many went out."""
+    relay = Relay(
+        database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace
+    )
+    try:
+        return relay.drain()
+    finally:
+        relay.close()
 
 
 @contextlib.contextmanager

@@ -14,12 +14,11 @@ from datetime import UTC, datetime
 
 import pytest
 import redis
-from helpers import sql, wait_for
+from helpers import relay_once, sql, wait_for
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox import transport
-from relay import Relay
 
 from .support import Processes, kill, states
 
@@ -45,23 +44,11 @@ def write_orders(engine, n: int, start: int = 0) -> None:
             )
 
 
-def relay_once(services) -> int:
-    relay = Relay(
-        database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace
-    )
-    try:
-        return relay.drain()
-    finally:
-        relay.close()
-
-
 def redeliver(services, row_id: int) -> None:
     """Publish the row's message once more, as a relay crash or a broker requeue would."""
     client = redis.Redis.from_url(services.redis_url)
     try:
-        transport.publish(
-            client, services.namespace, [transport.Publication(row_id, "payments.charge", datetime.now(UTC))]
-        )
+        transport.publish_rows(client, services.namespace, [(row_id, "payments.charge", datetime.now(UTC))])
     finally:
         client.close()
 

@@ -6,10 +6,10 @@ import os
 import signal
 
 import pytest
-from helpers import sql, wait_for
+from helpers import relay_once, sql, wait_for
 
 from .support import Processes
-from .test_crash import relay_once, write_orders
+from .test_crash import write_orders
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import relay_once
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
@@ -242,11 +243,7 @@ def test_rerunning_a_step_after_a_crash_does_not_create_a_second_next_step(
 ):
     chain = deduplicating_chain
     start(engine, chain, "INV-7")
-    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
-    try:
-        relay.drain()
-    finally:
-        relay.close()
+    relay_once(clean)
     delivery = claim(clean, chain, "issue", "invoice:INV-7")
     handler = chain.handlers["invoicing.issue"]
 
@@ -269,11 +266,7 @@ def test_rerunning_a_step_after_a_crash_does_not_create_a_second_next_step(
 
 def test_a_crash_between_the_call_and_the_next_step_is_continued_by_the_lookup(clean, engine, chain):
     start(engine, chain, "INV-8")
-    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
-    try:
-        relay.drain()
-    finally:
-        relay.close()
+    relay_once(clean)
     delivery = claim(clean, chain, "issue", "invoice:INV-8")
     # The call reaches the provider and the worker dies before writing the next step.
     chain.module._call(delivery)

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from helpers import worker_thread
+from helpers import relay_once, worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
@@ -34,7 +34,6 @@ from reconciler.jobs import (
     send_alerts,
 )
 from reconciler.scheduler import JOB_LOCK_IDS, LOCK_CLASS
-from relay import Relay
 
 DEST = "payments.charge"
 MODULE = "tests.reconciler_handlers"
@@ -90,16 +89,6 @@ def write_rows(engine: Any, n: int, *, destination: str = DEST, start: int = 0, 
             ).id
             for i in range(start, start + n)
         ]
-
-
-def relay_all(services: Any) -> int:
-    relay = Relay(
-        database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace
-    )
-    try:
-        return relay.drain()
-    finally:
-        relay.close()
 
 
 def charge_at_provider(provider: Any, key: str) -> str:
@@ -248,7 +237,7 @@ def test_late_record_after_a_newer_claim_changes_nothing_on_the_row(clean, engin
     # The provider has no charge yet: the reconciler concludes "not taken effect" and retries.
     assert resolve_unknown(db, {DEST: handler}) == {"pending": 1}
     db.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
-    assert relay_all(clean) == 1
+    assert relay_once(clean) == 1
     second = fence.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert second is not None and second.attempt == 2
 
@@ -391,7 +380,7 @@ def test_redispatch_requeues_lost_and_stale_messages_and_leaves_a_waiting_one(
     declare_charge(provider)
     ids = write_rows(engine, 4)
     ids += write_rows(engine, 1, destination="ghost.dest", start=4)
-    assert relay_all(clean) == 5
+    assert relay_once(clean) == 5
     # Forget what the relay published; publish again exactly the messages this test wants.
     redis_client.delete(*redis_client.keys(f"{clean.namespace}:*"))
     ages = {ids[0]: 60, ids[1]: 600, ids[2]: 60, ids[3]: 0, ids[4]: 60}
@@ -404,9 +393,7 @@ def test_redispatch_requeues_lost_and_stale_messages_and_leaves_a_waiting_one(
     # Row 0: lost. Row 1: still there but unclaimed for 10 min. Row 2: waiting in a long queue.
     # Row 3: lost but dispatched just now (within the grace). Row 4: lost, and this module has no
     # handler for ghost.dest (a newer deploy's destination, say): re-queued like any other.
-    transport.publish(
-        redis_client, clean.namespace, [transport.Publication(r, DEST, at[r]) for r in (ids[1], ids[2])]
-    )
+    transport.publish_rows(redis_client, clean.namespace, [(r, DEST, at[r]) for r in (ids[1], ids[2])])
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as listener:
         listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
         counts = redispatch(
@@ -431,7 +418,7 @@ def test_redispatch_requeues_lost_and_stale_messages_and_leaves_a_waiting_one(
 
     # Republished by the relay, the requeued rows are fresh messages waiting in their queue; once
     # the grace is over, row 3's lost message is requeued like any other.
-    assert relay_all(clean) == 3
+    assert relay_once(clean) == 3
     again = redispatch(
         db, redis_client, registry(), namespace=clean.namespace, redispatch_after_seconds=300, grace_seconds=0
     )
@@ -445,7 +432,7 @@ def test_an_unreachable_redis_never_means_the_message_is_gone(
 ):
     declare_charge(provider)
     (row_id,) = write_rows(engine, 1)
-    assert relay_all(clean) == 1
+    assert relay_once(clean) == 1
     db.execute("UPDATE outbox_message SET dispatched_at = now() - interval '1 hour'")
     reconciler = reconcilers(redis_url="redis://127.0.0.1:1/11")
     with caplog.at_level(logging.ERROR, logger="reconciler"):
@@ -570,7 +557,7 @@ def test_two_reconcilers_at_once_act_once_per_job(clean, engine, db, provider, r
         charge_at_provider(provider, f"order:{i}:charge")
     # redispatch: 3 dispatched rows whose messages are gone.
     lost = write_rows(engine, 3, start=7)
-    assert relay_all(clean) == 3
+    assert relay_once(clean) == 3
     db.execute(
         "UPDATE outbox_message SET dispatched_at = now() - interval '1 minute' WHERE id = ANY(%s)", (lost,)
     )
@@ -662,14 +649,14 @@ def test_redis_flushed_under_5000_dispatched_rows_loses_nothing_and_charges_once
     n = 5000
     declare_charge(provider)
     write_rows(engine, n)
-    assert relay_all(clean) == n
+    assert relay_once(clean) == n
     redis_client.flushdb()
     # The flush happened a while after the dispatch: past the grace, well within redispatch_after.
     db.execute("UPDATE outbox_message SET dispatched_at = dispatched_at - interval '1 minute'")
 
     assert reconcilers().run_job("redispatch") == {"missing": n}
     assert db.execute("SELECT state, count(*) FROM outbox_message GROUP BY 1").fetchall() == [("pending", n)]
-    assert relay_all(clean) == n
+    assert relay_once(clean) == n
 
     with worker_thread(clean, threads=8):
         deadline = time.monotonic() + 60
@@ -693,7 +680,7 @@ def test_redis_flushed_under_5000_dispatched_rows_loses_nothing_and_charges_once
 def test_run_once_takes_an_expired_claim_through_to_sent(clean, engine, db, provider, reconcilers):
     declare_charge(provider)
     (row_id,) = write_rows(engine, 1)
-    assert relay_all(clean) == 1
+    assert relay_once(clean) == 1
     claimed = fence.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
     # The worker charged, then died before recording.

@@ -18,7 +18,7 @@ import dramatiq
 import psycopg
 import pytest
 import redis
-from helpers import free_port, ids_by_state, published_row_ids, sql, wait_for
+from helpers import free_port, ids_by_state, published_row_ids, relay_once, sql, wait_for
 
 from outbox import transport
 from outbox.embedded import embedded_redis
@@ -92,11 +92,7 @@ def listening_backends(services: Any) -> int:
 def test_messages_are_dramatiq_messages_named_after_the_dispatch(clean, redis_client):
     insert_rows(clean, 3, destination="payments.charge", tag="a")
     insert_rows(clean, 2, destination="mail.send", tag="b")
-    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
-    try:
-        assert relay.drain() == 5
-    finally:
-        relay.close()
+    assert relay_once(clean) == 5
 
     rows = sql(clean, "SELECT id, destination, dispatched_at FROM outbox_message ORDER BY id")
     assert len(rows) == 5
@@ -124,11 +120,7 @@ def test_any_destination_text_yields_valid_messages(clean, redis_client):
     """Rows written by plain SQL may name a destination the Python API would refuse."""
     odd = 'queue "é" \\ 日本'
     insert_rows(clean, 2, destination=odd)
-    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
-    try:
-        assert relay.drain() == 2
-    finally:
-        relay.close()
+    assert relay_once(clean) == 2
     (dispatched_at,) = {r[0] for r in sql(clean, "SELECT dispatched_at FROM outbox_message")}
     key = f"{clean.namespace}:{odd}"
     assert sorted(published_row_ids(redis_client, clean.namespace, [odd])) == [1, 2]
