@@ -9,12 +9,15 @@ with the confirmed sends, and lists what must never happen:
 
 "Confirmed" counts ``superseded:sent`` too: a late worker whose row had been taken over still
 got a confirmation from the provider, so that call took effect even though it lost the race to
-record it. Rows purged after retention take their attempts with them (``ON DELETE CASCADE``):
-the audit covers what the database still holds.
+record it. Rows purged after retention take their attempts with them (``ON DELETE CASCADE``),
+but the purge leaves each key in the key ledger with its counts (claims, confirmed claims,
+ambiguous history, final state, reference): the audit counts those purged keys too, for as long
+as the ledger keeps them (``OUTBOX_LEDGER_HORIZON``), and the same violations apply to them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -105,6 +108,87 @@ LIMIT :limit
 )
 
 
+# Purged keys, in scope by the time their row completed (the only time the ledger keeps).
+_LEDGER_SCOPE = """
+FROM outbox_key_ledger l
+WHERE CAST(:since AS timestamptz) IS NULL OR l.completed_at >= CAST(:since AS timestamptz)
+"""
+
+_LEDGER_BY_DESTINATION = text(
+    """
+SELECT l.destination, l.state,
+       count(*) AS keys,
+       COALESCE(sum(l.attempts), 0) AS attempts,
+       count(*) FILTER (WHERE l.attempts > 1) AS claimed_more_than_once,
+       count(*) FILTER (WHERE l.state = 'sent' AND COALESCE(l.provider_ref, '') = '') AS sent_without_ref,
+       count(*) FILTER (WHERE l.confirmed > 1) AS double_confirmed,
+       count(*) FILTER (WHERE l.confirmed >= 1 AND l.state <> 'sent') AS confirmed_not_sent,
+       count(*) FILTER (WHERE l.ambiguous) AS ambiguous
+"""
+    + _LEDGER_SCOPE
+    + "GROUP BY l.destination, l.state"
+)
+
+_LEDGER_VIOLATIONS = text(
+    """
+SELECT l.message_id AS id, l.key, l.step, l.destination, l.state, l.provider_ref,
+       l.confirmed, 0 AS superseded
+"""
+    + _LEDGER_SCOPE
+    + """
+  AND ((l.state = 'sent' AND COALESCE(l.provider_ref, '') = '')
+       OR l.confirmed > 1
+       OR (l.confirmed >= 1 AND l.state <> 'sent'))
+ORDER BY l.completed_at, l.key, l.step
+LIMIT :limit
+"""
+)
+
+
+@dataclass
+class LedgerAudit:
+    """One destination's purged keys, from the key ledger."""
+
+    states: dict[str, int] = field(default_factory=lambda: dict.fromkeys(states.TERMINAL, 0))
+    attempts: int = 0
+    claimed_more_than_once: int = 0
+    sent_without_ref: int = 0
+    double_confirmed: int = 0
+    confirmed_not_sent: int = 0
+    #: Keys whose history held an unknown outcome or an operator's resolution of one.
+    ambiguous: int = 0
+
+    @property
+    def keys(self) -> int:
+        return sum(self.states.values())
+
+    @property
+    def violations(self) -> int:
+        return self.sent_without_ref + self.double_confirmed + self.confirmed_not_sent
+
+    def add(self, other: LedgerAudit) -> None:
+        for s, n in other.states.items():
+            self.states[s] = self.states.get(s, 0) + n
+        self.attempts += other.attempts
+        self.claimed_more_than_once += other.claimed_more_than_once
+        self.sent_without_ref += other.sent_without_ref
+        self.double_confirmed += other.double_confirmed
+        self.confirmed_not_sent += other.confirmed_not_sent
+        self.ambiguous += other.ambiguous
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "keys": self.keys,
+            "by_state": dict(self.states),
+            "attempts": self.attempts,
+            "claimed_more_than_once": self.claimed_more_than_once,
+            "sent_without_provider_ref": self.sent_without_ref,
+            "confirmed_more_than_once": self.double_confirmed,
+            "confirmed_attempt_on_unsent_row": self.confirmed_not_sent,
+            "ambiguous": self.ambiguous,
+        }
+
+
 @dataclass
 class DestinationAudit:
     destination: str
@@ -117,6 +201,8 @@ class DestinationAudit:
     sent_without_ref: int = 0
     double_confirmed: int = 0
     confirmed_not_sent: int = 0
+    #: Keys whose rows were purged, still in the key ledger.
+    purged: LedgerAudit = field(default_factory=LedgerAudit)
 
     @property
     def messages(self) -> int:
@@ -132,7 +218,9 @@ class DestinationAudit:
 
     @property
     def violations(self) -> int:
-        return self.sent_without_ref + self.double_confirmed + self.confirmed_not_sent
+        return (
+            self.sent_without_ref + self.double_confirmed + self.confirmed_not_sent + self.purged.violations
+        )
 
     def add(self, other: DestinationAudit) -> None:
         for s, n in other.states.items():
@@ -143,6 +231,7 @@ class DestinationAudit:
         self.sent_without_ref += other.sent_without_ref
         self.double_confirmed += other.double_confirmed
         self.confirmed_not_sent += other.confirmed_not_sent
+        self.purged.add(other.purged)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,6 +245,7 @@ class DestinationAudit:
             "confirmed_more_than_once": self.double_confirmed,
             "confirmed_attempt_on_unsent_row": self.confirmed_not_sent,
             "not_terminal": self.not_terminal,
+            "purged_keys": self.purged.to_dict(),
         }
 
 
@@ -261,6 +351,37 @@ class AuditReport:
             )
         )
         lines.append("")
+        if self.totals.purged.keys:
+            lines.append("purged keys (key ledger):")
+            lines.append(
+                format_table(
+                    [
+                        "destination",
+                        *states.TERMINAL,
+                        "attempts",
+                        "claimed >1",
+                        "sent w/o ref",
+                        "confirmed >1",
+                        "confirmed, unsent",
+                        "ambiguous",
+                    ],
+                    [
+                        [
+                            d.destination,
+                            *(d.purged.states.get(s, 0) for s in states.TERMINAL),
+                            d.purged.attempts,
+                            d.purged.claimed_more_than_once,
+                            d.purged.sent_without_ref,
+                            d.purged.double_confirmed,
+                            d.purged.confirmed_not_sent,
+                            d.purged.ambiguous,
+                        ]
+                        for d in rows
+                        if d.purged.keys
+                    ],
+                )
+            )
+            lines.append("")
         multi = self.totals.claimed_more_than_once
         if multi:
             # Retries after a certain failure are normal; this list is where to look first when
@@ -361,11 +482,25 @@ def audit(connection: Connection, since: datetime | timedelta | str | None = Non
         ClaimExample(int(r.id), r.key, r.step, r.destination, r.state, int(r.claims))
         for r in connection.execute(_MULTI_CLAIMED, {**params, "limit": EXAMPLE_LIMIT})
     ]
+    for row in connection.execute(_LEDGER_BY_DESTINATION, params):
+        purged = destinations.setdefault(row.destination, DestinationAudit(row.destination)).purged
+        purged.states[row.state] = purged.states.get(row.state, 0) + int(row.keys)
+        purged.attempts += int(row.attempts)
+        purged.claimed_more_than_once += int(row.claimed_more_than_once)
+        purged.sent_without_ref += int(row.sent_without_ref)
+        purged.double_confirmed += int(row.double_confirmed)
+        purged.confirmed_not_sent += int(row.confirmed_not_sent)
+        purged.ambiguous += int(row.ambiguous)
     violations = [
         v
         for r in connection.execute(_VIOLATIONS, {**params, "limit": VIOLATION_LIST_LIMIT})
         for v in _violations_of(r)
     ]
+    violations += [
+        dataclasses.replace(v, detail=f"{v.detail} (row purged; from the key ledger)")
+        for r in connection.execute(_LEDGER_VIOLATIONS, {**params, "limit": VIOLATION_LIST_LIMIT})
+        for v in _violations_of(r)
+    ][: max(0, VIOLATION_LIST_LIMIT - len(violations))]
     return AuditReport(generated_at, moment, destinations, examples, violations)
 
 

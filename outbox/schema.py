@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -16,7 +17,9 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     Table,
     Text,
     UniqueConstraint,
@@ -131,3 +134,33 @@ outbox_attempt = Table(
     UniqueConstraint("claim_token", name="outbox_attempt_claim_token_key"),
 )
 Index("outbox_attempt_message_idx", outbox_attempt.c.message_id)
+
+# -- key ledger (issue 9 class 3, migration 0003) --------------------------------------------------
+# One compact row per purged (key, step), kept for OUTBOX_LEDGER_HORIZON after completed_at, so
+# that writing the key again answers as it did before the purge. The BEFORE INSERT trigger
+# `outbox_message_key_guard` (created by the migration) keeps live rows and ledger entries unique.
+
+outbox_key_ledger = Table(
+    "outbox_key_ledger",
+    metadata,
+    # The purged row's id: `write` answers `created=False` with it, `KeyConflict` names it.
+    Column("message_id", BigInteger, nullable=False),
+    Column("completed_at", DateTime(timezone=True), nullable=False),
+    # Fence rows (claims) the row had, and how many of them the provider confirmed.
+    Column("attempts", Integer, nullable=False),
+    Column("confirmed", Integer, nullable=False),
+    # An attempt ended unknown / lease_expired (or never recorded), or an operator resolved it
+    # out of `unknown`: the provider may hold an effect the fence rows do not prove.
+    Column("ambiguous", Boolean, nullable=False),
+    Column("key", Text, nullable=False),
+    Column("step", Text, nullable=False),
+    Column("destination", Text, nullable=False),
+    # sha256 of the jsonb's canonical text, computed by PostgreSQL (key order, whitespace ignored).
+    Column("payload_hash", LargeBinary, nullable=False),
+    Column("state", Text, nullable=False),
+    Column("provider_ref", Text, nullable=True),
+    PrimaryKeyConstraint("key", "step", name="outbox_key_ledger_pkey"),
+    CheckConstraint("state IN ('sent', 'failed', 'cancelled')", name="outbox_key_ledger_state_check"),
+)
+# The horizon drop deletes by age in batches along this index.
+Index("outbox_key_ledger_completed_idx", outbox_key_ledger.c.completed_at)

@@ -79,6 +79,9 @@ class Settings:
     redispatch_after_seconds: float = 300.0
     #: Reconciler: `sent` and `cancelled` rows older than this are purged.
     retention_seconds: float = 7 * 86400.0
+    #: Reconciler: a purged key stays in the key ledger this long after its row completed;
+    #: past it, writing the key again creates a new row (a new call).
+    ledger_horizon_seconds: float = 90 * 86400.0
     #: Reconciler: cadence of every job.
     reconcile_interval_seconds: float = 10.0
     #: Reconciler: an `unknown` row older than this raises an alert.
@@ -117,6 +120,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_RELAY_CLAIMERS": "relay_claimers",
     "OUTBOX_REDISPATCH_AFTER": "redispatch_after_seconds",
     "OUTBOX_RETENTION": "retention_seconds",
+    "OUTBOX_LEDGER_HORIZON": "ledger_horizon_seconds",
     "OUTBOX_RECONCILE_INTERVAL": "reconcile_interval_seconds",
     "OUTBOX_UNKNOWN_ALERT_AFTER": "unknown_alert_after_seconds",
     "OUTBOX_MAX_PAYLOAD_BYTES": "max_payload_bytes",
@@ -166,6 +170,13 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
         raise ConfigError(
             f"OUTBOX_NAMESPACE={settings.namespace or ''!r} must be 1-64 characters of letters, "
             "digits, '_', '.', '-'"
+        )
+    if settings.ledger_horizon_seconds < settings.retention_seconds:
+        # The ledger counts from the same completed_at as the retention: a shorter horizon would
+        # drop a key as soon as its row is purged.
+        raise ConfigError(
+            f"OUTBOX_LEDGER_HORIZON ({settings.ledger_horizon_seconds:g} s) must be at least "
+            f"OUTBOX_RETENTION ({settings.retention_seconds:g} s)"
         )
     if settings.database_url:
         try:

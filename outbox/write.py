@@ -41,11 +41,19 @@ _INSERT = text(
     """
 )
 
-# Compared in the database so that jsonb's normalisation (key order, whitespace) decides.
+# Compared in the database so that jsonb's normalisation (key order, whitespace) decides. A
+# purged key answers from the ledger, by the hash of the same canonical jsonb text the purge
+# stored. One statement, one snapshot: a purge commits the row's deletion and its ledger entry
+# together, so exactly one of the two branches finds the key.
 _EXISTING = text(
     """
-    SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb) AS same
-    FROM outbox_message WHERE key = :key AND step = :step
+    (SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb) AS same
+     FROM outbox_message WHERE key = :key AND step = :step)
+    UNION ALL
+    (SELECT message_id, destination = :destination
+            AND payload_hash = sha256(convert_to(CAST(CAST(:payload AS jsonb) AS text), 'UTF8'))
+     FROM outbox_key_ledger WHERE key = :key AND step = :step)
+    LIMIT 1
     """
 )
 
@@ -128,8 +136,8 @@ def _conclude(inserted: Any, existing: Any, key: str, step: str) -> Written:
     if inserted is not None:
         return Written(int(inserted), True)
     if existing is None:
-        # Inserted by nobody and conflicting with nobody: the other writer rolled back after
-        # our INSERT saw its row; under READ COMMITTED this cannot happen.
+        # Inserted by nobody and conflicting with nobody: the other writer rolled back after our
+        # INSERT saw its row, or the ledger horizon dropped the key between the two statements.
         raise KeyConflict(key, step, -1)
     if not existing.same:
         raise KeyConflict(key, step, int(existing.id))
@@ -150,7 +158,8 @@ def write(
     """Add the outbox row ``(key, step)`` to the caller's transaction; never commits.
 
     Writing the same ``(key, step)`` again with the same destination and payload returns the
-    existing id with ``created=False``; with a different one it raises :class:`KeyConflict`.
+    existing id with ``created=False``; with a different one it raises :class:`KeyConflict`. The
+    same holds for a key whose row was purged, while the key ledger keeps it (the horizon).
     Bad input raises :class:`InvalidMessage` before any statement is sent.
     """
     params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
@@ -165,7 +174,8 @@ def cancel(target: Session | Connection, *, key: str, step: str) -> bool:
 
     Only a row no consumer ever claimed (`pending` or `dispatched`, no fence row) can be
     cancelled: once a call was attempted, it may have taken effect (an idempotent destination
-    retries ambiguous calls), so cancelling it could hide a real charge.
+    retries ambiguous calls), so cancelling it could hide a real charge. A purged key (in the
+    ledger) is terminal: False.
     """
     check_key_step(key, step)
     _ensure_schema(target)

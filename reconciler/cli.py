@@ -30,13 +30,18 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
                    OUTBOX_REDISPATCH_AFTER (default 300 s) -> pending, so the relay publishes
                    them again; a message still waiting in a long queue is left alone. Rows for
                    a destination MODULE has no handler for -> failed.
-  purge            deletes sent/cancelled rows older than OUTBOX_RETENTION (default 7d).
+  purge            moves sent/cancelled rows older than OUTBOX_RETENTION (default 7d) into the
+                   key ledger (key, step, destination, payload hash, final state, provider ref,
+                   attempts) in the statement that deletes them, so writing the key again answers
+                   as before the purge; drops ledger entries older than OUTBOX_LEDGER_HORIZON
+                   (default 90d, at least the retention), in batches by age.
   alerts           reports each failed row, and each row unknown for longer than
                    OUTBOX_UNKNOWN_ALERT_AFTER (default 1h), once, through the alert hook
                    (default: an ERROR log line naming key, step, destination and reason).
 
 Environment: OUTBOX_DATABASE_URL, OUTBOX_REDIS_URL (both required), OUTBOX_NAMESPACE,
 OUTBOX_RECONCILE_INTERVAL (default 10 s), OUTBOX_REDISPATCH_AFTER, OUTBOX_RETENTION,
+OUTBOX_LEDGER_HORIZON (--ledger-horizon wins),
 OUTBOX_UNKNOWN_ALERT_AFTER, {ALERT_HOOK_ENV} (package.module:function; --alert-hook wins).
 Durations accept 30, 30s, 15m, 12h, 7d. SIGTERM/SIGINT finish the jobs in hand and exit 0.
 """
@@ -70,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run every job a single time, print the counts and exit (1 if a job failed)",
     )
     parser.add_argument(
+        "--ledger-horizon",
+        metavar="DURATION",
+        help="how long a purged key stays in the key ledger after its row completed, e.g. 90d; "
+        "past it, writing the key again makes a new call (default: $OUTBOX_LEDGER_HORIZON or 90d; "
+        "at least the retention)",
+    )
+    parser.add_argument(
         "--alert-hook",
         metavar="MODULE:FUNCTION",
         help=f"called with each reconciler.alerts.AlertRow to report (default: ${ALERT_HOOK_ENV}, "
@@ -86,6 +98,18 @@ def _interval(args: argparse.Namespace, cfg: settings.Settings) -> float:
     return seconds
 
 
+def _ledger_horizon(args: argparse.Namespace, cfg: settings.Settings) -> float:
+    if args.ledger_horizon is None:
+        return cfg.ledger_horizon_seconds
+    seconds = settings.parse_seconds(args.ledger_horizon, "--ledger-horizon")
+    if seconds < cfg.retention_seconds:
+        raise ConfigError(
+            f"--ledger-horizon {args.ledger_horizon!r} must be at least OUTBOX_RETENTION "
+            f"({cfg.retention_seconds:g} s): the ledger would forget keys as soon as they are purged"
+        )
+    return seconds
+
+
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from outbox import transport
     from outbox.cli import stop_event_on_signals
@@ -98,6 +122,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     database_url = cfg.require_database_url()
     redis_url = cfg.require_redis_url()
     interval = _interval(args, cfg)
+    cfg = cfg.replace(ledger_horizon_seconds=_ledger_horizon(args, cfg))
     hook = load_alert_hook(args.alert_hook or os.environ.get(ALERT_HOOK_ENV))
     check_database(database_url)
     # An evicting Redis loses messages on its own; the redispatch job is the remedy, but the

@@ -545,39 +545,112 @@ def redispatch(
 
 # -- 4. purge ---------------------------------------------------------------------------------------
 
+# The row moves into the key ledger in the statement that deletes it: no moment exists where the
+# key is in neither table (the insert guard would let a new row for it through). Its fence rows
+# are read here, in the statement's snapshot, before the cascade removes them.
 _PURGE = """
-DELETE FROM outbox_message
-WHERE id IN (
-    SELECT id FROM outbox_message
-    WHERE state IN ('sent', 'cancelled')
-      AND completed_at < now() - %(retention)s * interval '1 second'
+WITH gone AS (
+    DELETE FROM outbox_message
+    WHERE id IN (
+        SELECT id FROM outbox_message
+        WHERE state IN ('sent', 'cancelled')
+          AND completed_at < now() - %(retention)s * interval '1 second'
+        ORDER BY completed_at
+        LIMIT %(limit)s
+    )
+    AND state IN ('sent', 'cancelled')
+    RETURNING id, key, step, destination, payload, state, provider_ref, completed_at, history
+),
+ledgered AS (
+    INSERT INTO outbox_key_ledger AS l (
+        message_id, completed_at, attempts, confirmed, ambiguous,
+        key, step, destination, payload_hash, state, provider_ref)
+    SELECT g.id, g.completed_at, f.claims, f.confirmed,
+           f.ambiguous OR g.history @> '[{"action": "resolve", "from": "unknown"}]'::jsonb,
+           g.key, g.step, g.destination, sha256(convert_to(g.payload::text, 'UTF8')),
+           g.state, g.provider_ref
+    FROM gone g CROSS JOIN LATERAL (
+        SELECT count(*) AS claims,
+               count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,
+               -- A claim that never recorded an outcome is as unknown as one that said so.
+               COALESCE(bool_or(a.outcome IS NULL
+                                OR a.outcome IN ('unknown', 'lease_expired',
+                                                 'superseded:unknown', 'superseded:lease_expired')),
+                        false) AS ambiguous
+        FROM outbox_attempt a WHERE a.message_id = g.id
+    ) f
+    -- Only reachable when something bypassed the insert guard (triggers disabled, replication
+    -- role): keep the evidence of both rows rather than lose the older one.
+    ON CONFLICT (key, step) DO UPDATE SET
+        message_id = EXCLUDED.message_id, completed_at = EXCLUDED.completed_at,
+        attempts = l.attempts + EXCLUDED.attempts, confirmed = l.confirmed + EXCLUDED.confirmed,
+        ambiguous = l.ambiguous OR EXCLUDED.ambiguous, destination = EXCLUDED.destination,
+        payload_hash = EXCLUDED.payload_hash, state = EXCLUDED.state,
+        provider_ref = EXCLUDED.provider_ref
+    RETURNING 1
+)
+SELECT count(*) FROM ledgered
+"""
+
+# Batches along the completed_at index: each is a short transaction, and the drop keeps pace with
+# the purge (the job runs both) without one long DELETE holding locks or bloating at once.
+_DROP_LEDGER = """
+DELETE FROM outbox_key_ledger
+WHERE (key, step) IN (
+    SELECT key, step FROM outbox_key_ledger
+    WHERE completed_at < now() - %(horizon)s * interval '1 second'
     ORDER BY completed_at
     LIMIT %(limit)s
 )
-AND state IN ('sent', 'cancelled')
+AND completed_at < now() - %(horizon)s * interval '1 second'
 """
+
+#: Ledger entries dropped per statement (narrow rows: a larger batch than the purge's).
+LEDGER_DROP_BATCH = 5000
+
+
+def _batches(run: Any, max_batches: int, batch: int) -> tuple[int, int]:
+    total = batches = 0
+    for _ in range(max_batches):
+        done = run()
+        if done <= 0:
+            break
+        batches += 1
+        total += done
+        if done < batch:
+            break
+    return total, batches
 
 
 def purge(
     conn: psycopg.Connection[Any],
     *,
     retention_seconds: float,
+    ledger_horizon_seconds: float | None = None,
     max_batches: int = DEFAULT_PURGE_MAX_BATCHES,
 ) -> dict[str, int]:
-    """Delete `sent` and `cancelled` rows completed more than ``retention_seconds`` ago (their
-    attempt rows cascade), at most ``max_batches`` batches of 1000 per run; `failed` rows stay
-    until a human replays them. Counts: ``purged``, ``batches`` (statements that deleted rows)."""
+    """Move `sent` and `cancelled` rows completed more than ``retention_seconds`` ago into the key
+    ledger (their attempt rows cascade), at most ``max_batches`` batches of 1000 per run; `failed`
+    rows stay until a human replays them. Then drop ledger entries completed more than
+    ``ledger_horizon_seconds`` ago (None: keep them). Counts: ``purged``, ``batches`` (statements
+    that moved rows), ``ledger_dropped``."""
     _require_autocommit(conn, "purge")
-    purged = batches = 0
-    for _ in range(max_batches):
-        deleted = conn.execute(_PURGE, {"retention": float(retention_seconds), "limit": PURGE_BATCH}).rowcount
-        if deleted <= 0:
-            break
-        batches += 1
-        purged += deleted
-        if deleted < PURGE_BATCH:
-            break
-    return {"purged": purged, "batches": batches} if purged else {}
+    params = {"retention": float(retention_seconds), "limit": PURGE_BATCH}
+
+    def move() -> int:
+        row = conn.execute(_PURGE, params).fetchone()
+        return int(row[0]) if row else 0
+
+    purged, batches = _batches(move, max_batches, PURGE_BATCH)
+    counts = {"purged": purged, "batches": batches} if purged else {}
+    if ledger_horizon_seconds is not None:
+        drop = {"horizon": float(ledger_horizon_seconds), "limit": LEDGER_DROP_BATCH}
+        dropped, _ = _batches(
+            lambda: conn.execute(_DROP_LEDGER, drop).rowcount, max_batches, LEDGER_DROP_BATCH
+        )
+        if dropped:
+            counts["ledger_dropped"] = dropped
+    return counts
 
 
 # -- 5. alerts --------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ class Reconciler:
         namespace: str = DEFAULT_NAMESPACE,
         redispatch_after_seconds: float = 300.0,
         retention_seconds: float = 7 * 86400.0,
+        ledger_horizon_seconds: float = 90 * 86400.0,
         unknown_alert_after_seconds: float = 3600.0,
         alert_hook: AlertHook = log_alert,
         redispatch_grace_seconds: float = jobs.DEFAULT_REDISPATCH_GRACE_SECONDS,
@@ -93,6 +94,7 @@ class Reconciler:
         self.namespace = namespace
         self.redispatch_after_seconds = redispatch_after_seconds
         self.retention_seconds = retention_seconds
+        self.ledger_horizon_seconds = ledger_horizon_seconds
         self.unknown_alert_after_seconds = unknown_alert_after_seconds
         self.alert_hook = alert_hook
         self.redispatch_grace_seconds = redispatch_grace_seconds
@@ -136,6 +138,7 @@ class Reconciler:
             namespace=cfg.namespace,
             redispatch_after_seconds=cfg.redispatch_after_seconds,
             retention_seconds=cfg.retention_seconds,
+            ledger_horizon_seconds=cfg.ledger_horizon_seconds,
             unknown_alert_after_seconds=cfg.unknown_alert_after_seconds,
             alert_hook=alert_hook,
             name=name,
@@ -203,7 +206,11 @@ class Reconciler:
         )
 
     def _purge(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        return jobs.purge(conn, retention_seconds=self.retention_seconds)
+        return jobs.purge(
+            conn,
+            retention_seconds=self.retention_seconds,
+            ledger_horizon_seconds=self.ledger_horizon_seconds,
+        )
 
     def _alerts(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
         return jobs.send_alerts(

@@ -113,7 +113,7 @@ def redis_client(services: Services) -> Iterator[redis.Redis]:
 
 def _clean(services: Services) -> None:
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        conn.execute("TRUNCATE outbox_message, outbox_attempt RESTART IDENTITY CASCADE")
+        conn.execute("TRUNCATE outbox_message, outbox_attempt, outbox_key_ledger RESTART IDENTITY CASCADE")
         conn.execute("DROP TABLE IF EXISTS orders")
     client = redis.Redis.from_url(services.redis_url)
     try:

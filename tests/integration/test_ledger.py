@@ -1,0 +1,307 @@
+"""Issue 9 class 3: the key ledger. A `(key, step)` whose row was purged stays known for the
+ledger horizon: `write` answers as before the purge, plain SQL cannot insert it again, and a
+writer racing the purge (READ COMMITTED or REPEATABLE READ, the purge committing before, during
+or after the writer's snapshot) does not slip through. Two real connections each, ordered by
+what PostgreSQL reports (pg_stat_activity), never by sleeps."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import sql, wait_for
+from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox.settings import async_database_url, libpq_url
+from reconciler import jobs
+
+DESTINATION = "payments.charge"
+PAYLOAD = {"amount_cents": 1000, "currency": "EUR", "meta": {"a": 1, "b": [1, 2]}}
+RETENTION = 7 * 86400.0
+HORIZON = 90 * 86400.0
+
+
+def write_committed(engine: Engine, key: str, payload: dict[str, Any] | None = None) -> outbox.Written:
+    with Session(engine) as s, s.begin():
+        return outbox.write(s, key=key, step="charge", destination=DESTINATION, payload=payload or PAYLOAD)
+
+
+def make_sent(
+    services: Any, row_id: int, *, days_ago: float = 8, outcomes: tuple[str, ...] = ("sent",)
+) -> None:
+    """Settle a row `sent` long enough ago to be purged, with one fence row per outcome."""
+    for n, outcome in enumerate(outcomes, 1):
+        sql(
+            services,
+            "INSERT INTO outbox_attempt (message_id, attempt, claim_token, outcome, finished_at) "
+            "VALUES (%s, %s, gen_random_uuid(), %s, now())",
+            (row_id, n, outcome),
+        )
+    sql(
+        services,
+        "UPDATE outbox_message SET state = 'sent', provider_ref = %s, attempts = %s, "
+        "completed_at = now() - %s * interval '1 day' WHERE id = %s",
+        (f"ch_{row_id}", len(outcomes), days_ago, row_id),
+    )
+
+
+def purge(services: Any, **kwargs: Any) -> dict[str, int]:
+    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
+        return jobs.purge(conn, retention_seconds=RETENTION, ledger_horizon_seconds=HORIZON, **kwargs)
+
+
+def live_rows(services: Any, key: str) -> list[tuple[Any, ...]]:
+    return sql(services, "SELECT id, state FROM outbox_message WHERE key = %s AND step = 'charge'", (key,))
+
+
+def ledger(services: Any, key: str) -> dict[str, Any] | None:
+    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
+        cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+        return cur.execute(
+            "SELECT * FROM outbox_key_ledger WHERE key = %s AND step = 'charge'", (key,)
+        ).fetchone()
+
+
+# -- the answer after the purge ----------------------------------------------------------------------
+
+
+def test_write_of_a_purged_key_answers_as_before_the_purge(clean, engine) -> None:
+    original = write_committed(engine, "order:1")
+    make_sent(clean, original.id)
+    assert purge(clean)["purged"] == 1
+    assert live_rows(clean, "order:1") == []
+
+    again = write_committed(engine, "order:1")
+
+    assert again == outbox.Written(original.id, False)
+    assert live_rows(clean, "order:1") == []
+
+
+def test_payload_compared_by_its_jsonb_value_not_its_text(clean, engine) -> None:
+    original = write_committed(engine, "order:2")
+    make_sent(clean, original.id)
+    purge(clean)
+    # Same value, other key order: jsonb's canonical text (hence the hash) is the same.
+    reordered = {"meta": {"b": [1, 2], "a": 1}, "currency": "EUR", "amount_cents": 1000}
+    assert write_committed(engine, "order:2", reordered) == outbox.Written(original.id, False)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"payload": {**PAYLOAD, "amount_cents": 1001}}, {"destination": "payments.refund"}],
+    ids=["payload", "destination"],
+)
+def test_write_of_a_purged_key_with_other_content_conflicts(clean, engine, change) -> None:
+    original = write_committed(engine, "order:3")
+    make_sent(clean, original.id)
+    purge(clean)
+    args = {"key": "order:3", "step": "charge", "destination": DESTINATION, "payload": PAYLOAD, **change}
+    with Session(engine) as s, s.begin(), pytest.raises(outbox.KeyConflict) as raised:
+        outbox.write(s, **args)
+    assert raised.value.existing_id == original.id
+    assert live_rows(clean, "order:3") == []
+
+
+def test_cancel_of_a_purged_key_is_false(clean, engine) -> None:
+    original = write_committed(engine, "order:4")
+    make_sent(clean, original.id)
+    purge(clean)
+    with Session(engine) as s, s.begin():
+        assert outbox.cancel(s, key="order:4", step="charge") is False
+    assert ledger(clean, "order:4")["state"] == "sent"
+
+
+@pytest.mark.asyncio
+async def test_write_async_of_a_purged_key(clean, engine) -> None:
+    original = write_committed(engine, "order:5")
+    make_sent(clean, original.id)
+    purge(clean)
+    async_engine = create_async_engine(async_database_url(clean.database_url))
+    try:
+        async with AsyncSession(async_engine) as s, s.begin():
+            again = await outbox.write_async(
+                s, key="order:5", step="charge", destination=DESTINATION, payload=PAYLOAD
+            )
+            with pytest.raises(outbox.KeyConflict):
+                await outbox.write_async(
+                    s, key="order:5", step="charge", destination=DESTINATION, payload={"x": 1}
+                )
+    finally:
+        await async_engine.dispose()
+    assert again == outbox.Written(original.id, False)
+
+
+def test_plain_sql_insert_of_a_purged_key_inserts_nothing(clean, engine) -> None:
+    original = write_committed(engine, "order:6")
+    make_sent(clean, original.id)
+    purge(clean)
+    inserted = sql(
+        clean,
+        "INSERT INTO outbox_message (key, step, destination, payload) "
+        "VALUES ('order:6', 'charge', %s, %s::jsonb) RETURNING id",
+        (DESTINATION, json.dumps(PAYLOAD)),
+    )
+    assert inserted == []
+    assert live_rows(clean, "order:6") == []
+
+
+def test_ledger_entry_records_the_history(clean, engine) -> None:
+    plain = write_committed(engine, "order:7")
+    make_sent(clean, plain.id, outcomes=("retry", "sent"))
+    expired = write_committed(engine, "order:8")
+    make_sent(clean, expired.id, outcomes=("lease_expired",))
+    resolved = write_committed(engine, "order:9")
+    make_sent(clean, resolved.id, outcomes=("failed",))
+    sql(
+        clean,
+        """UPDATE outbox_message SET history = '[{"action": "resolve", "from": "unknown", "to": "sent"}]'
+           WHERE id = %s""",
+        (resolved.id,),
+    )
+    young = write_committed(engine, "order:10")
+    make_sent(clean, young.id, days_ago=1)
+
+    assert purge(clean) == {"purged": 3, "batches": 1}
+
+    entry = ledger(clean, "order:7")
+    assert entry is not None
+    assert entry["message_id"] == plain.id
+    assert (entry["state"], entry["provider_ref"], entry["destination"]) == (
+        "sent",
+        f"ch_{plain.id}",
+        DESTINATION,
+    )
+    assert (entry["attempts"], entry["confirmed"], entry["ambiguous"]) == (2, 1, False)
+    assert bytes(entry["payload_hash"]) == bytes(
+        sql(clean, "SELECT sha256(convert_to(%s::jsonb::text, 'UTF8'))", (json.dumps(PAYLOAD),))[0][0]
+    )
+    assert ledger(clean, "order:8")["ambiguous"] is True
+    assert ledger(clean, "order:9")["ambiguous"] is True
+    # Younger than the retention: still a live row, not in the ledger.
+    assert ledger(clean, "order:10") is None
+    assert live_rows(clean, "order:10") == [(young.id, "sent")]
+    # The fence rows went with their rows; the ledger carries their count.
+    assert sql(clean, "SELECT count(*) FROM outbox_attempt")[0][0] == 1
+
+
+def test_horizon_drops_old_ledger_entries_then_the_key_is_new(clean, engine) -> None:
+    old = write_committed(engine, "order:11")
+    make_sent(clean, old.id, days_ago=91)
+    kept = write_committed(engine, "order:12")
+    make_sent(clean, kept.id, days_ago=89)
+
+    assert purge(clean) == {"purged": 2, "batches": 1, "ledger_dropped": 1}
+
+    assert ledger(clean, "order:11") is None
+    assert ledger(clean, "order:12") is not None
+    assert write_committed(engine, "order:12") == outbox.Written(kept.id, False)
+    renewed = write_committed(engine, "order:11")
+    assert renewed.created and renewed.id != old.id
+
+
+# -- races with the purge: two real connections ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def connection(services: Any, name: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(libpq_url(services.database_url), application_name=name) as conn:
+        yield conn
+
+
+def waiting_on_lock(services: Any, name: str) -> bool:
+    rows = sql(
+        services,
+        "SELECT 1 FROM pg_stat_activity WHERE application_name = %s AND wait_event_type = 'Lock'",
+        (name,),
+    )
+    return bool(rows)
+
+
+ISOLATIONS = ["READ COMMITTED", "REPEATABLE READ"]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_purge_committed_before_the_writer_snapshot(clean, engine, isolation) -> None:
+    original = write_committed(engine, "race:1")
+    make_sent(clean, original.id)
+    purge(clean)
+    with engine.connect() as c:
+        c = c.execution_options(isolation_level=isolation)
+        with c.begin():
+            c.execute(text("SELECT 1"))
+            result = outbox.write(c, key="race:1", step="charge", destination=DESTINATION, payload=PAYLOAD)
+    assert result == outbox.Written(original.id, False)
+    assert live_rows(clean, "race:1") == []
+
+
+def test_purge_commits_after_a_repeatable_read_snapshot(clean, engine) -> None:
+    """The writer's snapshot still shows the row; the unique index no longer does."""
+    original = write_committed(engine, "race:2")
+    make_sent(clean, original.id)
+    with engine.connect() as c:
+        c = c.execution_options(isolation_level="REPEATABLE READ")
+        with c.begin():
+            c.execute(text("SELECT count(*) FROM outbox_message"))  # takes the snapshot
+            assert purge(clean)["purged"] == 1  # commits while the writer's snapshot is open
+            result = outbox.write(c, key="race:2", step="charge", destination=DESTINATION, payload=PAYLOAD)
+    assert result == outbox.Written(original.id, False)
+    assert live_rows(clean, "race:2") == []
+    assert ledger(clean, "race:2") is not None
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_purge_in_progress_while_the_writer_inserts(clean, engine, isolation) -> None:
+    """The purge has deleted the row but not committed; the writer inserts, then the purge
+    commits. Without the guard the writer waits on the purge's row lock and inserts after it."""
+    original = write_committed(engine, "race:3")
+    make_sent(clean, original.id)
+    name = f"ledger-writer-{isolation.replace(' ', '-').lower()}"
+    outcome: dict[str, Any] = {}
+
+    def writer() -> None:
+        from sqlalchemy import create_engine
+
+        from outbox.settings import normalize_database_url
+
+        eng = create_engine(
+            normalize_database_url(clean.database_url), connect_args={"application_name": name}
+        )
+        try:
+            with eng.connect() as c:
+                c = c.execution_options(isolation_level=isolation)
+                with c.begin():
+                    outcome["result"] = outbox.write(
+                        c, key="race:3", step="charge", destination=DESTINATION, payload=PAYLOAD
+                    )
+        except Exception as exc:
+            outcome["error"] = exc
+        finally:
+            eng.dispose()
+
+    with psycopg.connect(libpq_url(clean.database_url)) as purger:
+        moved = purger.execute(jobs._PURGE, {"retention": RETENTION, "limit": jobs.PURGE_BATCH})
+        assert moved.rowcount != 0
+        thread = threading.Thread(target=writer)
+        thread.start()
+        # Either the writer is done (it did not wait) or it waits on the purge's lock: both are
+        # decided before the purge commits.
+        wait_for(
+            lambda: "result" in outcome or "error" in outcome or waiting_on_lock(clean, name),
+            10,
+            "the writer to finish or to wait on the purge",
+        )
+        purger.commit()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["result"] == outbox.Written(original.id, False)
+    assert live_rows(clean, "race:3") == []
+    assert ledger(clean, "race:3") is not None
