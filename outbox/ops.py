@@ -212,6 +212,40 @@ class RowDetail:
         return "\n".join(lines)
 
 
+# A purged row's key: what the key ledger keeps of it (never the payload, only its hash).
+_SHOW_LEDGER = text(
+    """
+SELECT message_id AS id, key, step, destination, state, provider_ref, attempts,
+       confirmed AS confirmed_attempts, ambiguous, completed_at,
+       encode(payload_hash, 'hex') AS payload_sha256
+FROM outbox_key_ledger WHERE key = :key AND step = :step
+"""
+)
+
+
+@dataclass
+class LedgerDetail:
+    """``show KEY STEP`` of a key whose row was purged: its key-ledger entry."""
+
+    entry: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"purged": True, "ledger": dict(self.entry)}
+
+    def render(self) -> str:
+        width = max(len(k) for k in self.entry)
+        lines = [
+            f"row {self.entry['id']} was purged; the key ledger keeps its key until the horizon "
+            "(OUTBOX_LEDGER_HORIZON), so writing it again answers as before the purge.",
+            "Its attempts, history and payload are gone; the payload's SHA-256 is kept.",
+            "",
+        ]
+        lines += [
+            f"{k.ljust(width)}  {'-' if v is None else _cell(v, long=True)}" for k, v in self.entry.items()
+        ]
+        return "\n".join(lines)
+
+
 def show(
     connection: Connection,
     row_id: int | None = None,
@@ -219,8 +253,9 @@ def show(
     key: str | None = None,
     step: str | None = None,
     payload: bool = False,
-) -> RowDetail:
-    """One row by id (or by ``key`` and ``step``) with its fence rows and history.
+) -> RowDetail | LedgerDetail:
+    """One row by id (or by ``key`` and ``step``) with its fence rows and history; by key, a
+    purged row's key-ledger entry (:class:`LedgerDetail`).
 
     Raises :class:`NotFound` when there is no such row.
     """
@@ -229,6 +264,10 @@ def show(
         missing = f"no outbox row with id {row_id}"
     elif key is not None and step is not None:
         found = connection.execute(_SHOW_BY_KEY, {"key": key, "step": step}).mappings().first()
+        if found is None:
+            entry = connection.execute(_SHOW_LEDGER, {"key": key, "step": step}).mappings().first()
+            if entry is not None:
+                return LedgerDetail(dict(entry))
         missing = f"no outbox row with key {key!r} and step {step!r}"
     else:
         raise ConfigError("show needs an id, or a key and a step")
@@ -686,7 +725,9 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
         (outbox show order:42 charge): every column, every attempt (the fence rows: attempt,
         claim token, started/finished, outcome, HTTP status, error) and the operator history.
         The payload is replaced by its size and top-level keys, since it may hold personal data;
-        pass --payload to print it. Exit 1 when there is no such row.
+        pass --payload to print it. A key whose row was purged shows its key-ledger entry
+        (final state, provider ref, attempts, ambiguous history, payload hash) until the ledger
+        horizon. Exit 1 when there is no such row.
         """,
     )
     p.add_argument("target", metavar="ID|KEY", help="the row id, or its business key (then give STEP)")

@@ -305,3 +305,77 @@ def test_purge_in_progress_while_the_writer_inserts(clean, engine, isolation) ->
     assert outcome["result"] == outbox.Written(original.id, False)
     assert live_rows(clean, "race:3") == []
     assert ledger(clean, "race:3") is not None
+
+
+# -- operator commands -------------------------------------------------------------------------------
+
+
+def run_cli(services: Any, capsys: Any, *argv: str) -> tuple[int, str, str]:
+    from outbox.cli import main
+
+    code = main([*argv, "--database-url", services.database_url])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_show_of_a_purged_key_shows_its_ledger_entry(clean, engine, capsys) -> None:
+    original = write_committed(engine, "order:20")
+    make_sent(clean, original.id, outcomes=("lease_expired", "sent"))
+    purge(clean)
+
+    code, out, _ = run_cli(clean, capsys, "show", "order:20", "charge", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["purged"] is True
+    entry = data["ledger"]
+    assert (entry["id"], entry["state"], entry["provider_ref"]) == (original.id, "sent", f"ch_{original.id}")
+    assert (entry["attempts"], entry["confirmed_attempts"], entry["ambiguous"]) == (2, 1, True)
+    assert "amount_cents" not in out
+
+    code, out, _ = run_cli(clean, capsys, "show", "order:20", "charge")
+    assert code == 0 and "was purged" in out and f"ch_{original.id}" in out
+    # By id the purged row is gone (the ledger is indexed by key only).
+    code, _, err = run_cli(clean, capsys, "show", str(original.id))
+    assert code == 1 and f"no outbox row with id {original.id}" in err
+
+
+def test_audit_counts_purged_keys_and_fails_on_their_violations(clean, engine, capsys) -> None:
+    clean_key = write_committed(engine, "order:21")
+    make_sent(clean, clean_key.id, outcomes=("retry", "sent"))
+    ambiguous = write_committed(engine, "order:22")
+    make_sent(clean, ambiguous.id, outcomes=("lease_expired",))
+    purge(clean)
+
+    code, out, _ = run_cli(clean, capsys, "audit", "--json")
+    assert code == 0, out
+    purged = json.loads(out)["destinations"][DESTINATION]["purged_keys"]
+    assert purged["keys"] == 2 and purged["by_state"]["sent"] == 2
+    assert (purged["claimed_more_than_once"], purged["ambiguous"], purged["attempts"]) == (1, 1, 3)
+    assert purged["confirmed_more_than_once"] == 0
+
+    # A double charge found before the purge stays a finding after it.
+    double = write_committed(engine, "order:23")
+    make_sent(clean, double.id, outcomes=("sent", "superseded:sent"))
+    purge(clean)
+    code, out, _ = run_cli(clean, capsys, "audit", "--json")
+    assert code == 1
+    report = json.loads(out)
+    assert report["totals"]["purged_keys"]["confirmed_more_than_once"] == 1
+    assert [(v["id"], v["kind"]) for v in report["violations"]] == [(double.id, "confirmed_more_than_once")]
+    code, out, _ = run_cli(clean, capsys, "audit")
+    assert code == 1 and "purged keys (key ledger)" in out and "row purged" in out
+
+
+def test_horizon_setting_and_flag(clean, monkeypatch, capsys) -> None:
+    from outbox import settings
+    from outbox.cli import main
+    from outbox.exceptions import ConfigError
+
+    assert settings.from_env({}).ledger_horizon_seconds == 90 * 86400.0
+    assert settings.from_env({"OUTBOX_LEDGER_HORIZON": "30d"}).ledger_horizon_seconds == 30 * 86400.0
+    with pytest.raises(ConfigError, match="OUTBOX_LEDGER_HORIZON"):
+        settings.from_env({"OUTBOX_LEDGER_HORIZON": "1d"})  # shorter than the 7 d retention
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", clean.database_url)
+    monkeypatch.setenv("OUTBOX_REDIS_URL", clean.redis_url)
+    assert main(["reconcile", "no.such.module", "--ledger-horizon", "2d", "--once"]) == 2
+    assert "--ledger-horizon '2d' must be at least OUTBOX_RETENTION" in capsys.readouterr().err
