@@ -25,7 +25,7 @@ from outbox.migrate import alembic_config, check_schema, current_revision, head_
 from outbox.schema import NOTIFY_CHANNEL, VERSION_TABLE, metadata
 from outbox.settings import libpq_url
 
-TABLES = {"outbox_message", "outbox_attempt"}
+TABLES = {"outbox_message", "outbox_attempt", "outbox_key_ledger"}
 
 
 @pytest.fixture
@@ -200,6 +200,11 @@ def test_unique_key_step(migrated) -> None:
         conn.execute(insert, ("order:1", "charge"))
         conn.execute(insert, ("order:1", "refund"))
         conn.execute(insert, ("order:2", "charge"))
+        # The key guard (migration 0003) skips an insert of a key the statement sees, so a plain
+        # INSERT of a duplicate inserts nothing; the unique constraint still backs it up.
+        assert conn.execute(insert + " RETURNING id", ("order:1", "charge")).fetchall() == []
+        assert conn.execute("SELECT count(*) FROM outbox_message WHERE key = 'order:1'").fetchone() == (2,)
+        conn.execute("ALTER TABLE outbox_message DISABLE TRIGGER outbox_message_key_guard")
         with pytest.raises(errors.UniqueViolation) as info:
             conn.execute(insert, ("order:1", "charge"))
         assert info.value.diag.constraint_name == "outbox_message_key_step_key"

@@ -33,6 +33,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_RELAY_CLAIMERS": ("4", 4, ["two", "0", "-1", "2.5"]),
     "OUTBOX_REDISPATCH_AFTER": ("15m", 900.0, ["fifteen", "0s", "15 minutes"]),
     "OUTBOX_RETENTION": ("30d", 2592000.0, ["7 days", "0d", "-7d"]),
+    "OUTBOX_LEDGER_HORIZON": ("30d", 2592000.0, ["30 days", "0d", "-1d", "1d"]),
     "OUTBOX_RECONCILE_INTERVAL": ("30s", 30.0, ["30sec", "0"]),
     "OUTBOX_UNKNOWN_ALERT_AFTER": ("12h", 43200.0, ["12hours", "h"]),
     "OUTBOX_MAX_PAYLOAD_BYTES": ("65536", 65536, ["64k", "0", "-1"]),
