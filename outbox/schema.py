@@ -155,7 +155,8 @@ outbox_key_ledger = Table(
     Column("key", Text, nullable=False),
     Column("step", Text, nullable=False),
     Column("destination", Text, nullable=False),
-    # sha256 of the jsonb's canonical text, computed by PostgreSQL (key order, whitespace ignored).
+    # outbox_payload_digest(payload): SHA-256 of the jsonb's canonical text, numbers' trailing
+    # zeros trimmed, computed by PostgreSQL (key order, whitespace, 10 vs 10.0 do not matter).
     Column("payload_hash", LargeBinary, nullable=False),
     Column("state", Text, nullable=False),
     Column("provider_ref", Text, nullable=True),

@@ -51,7 +51,7 @@ _EXISTING = text(
      FROM outbox_message WHERE key = :key AND step = :step)
     UNION ALL
     (SELECT message_id, destination = :destination
-            AND payload_hash = sha256(convert_to(CAST(CAST(:payload AS jsonb) AS text), 'UTF8'))
+            AND payload_hash = outbox_payload_digest(CAST(:payload AS jsonb))
      FROM outbox_key_ledger WHERE key = :key AND step = :step)
     LIMIT 1
     """

@@ -567,7 +567,7 @@ ledgered AS (
         key, step, destination, payload_hash, state, provider_ref)
     SELECT g.id, g.completed_at, f.claims, f.confirmed,
            f.ambiguous OR g.history @> '[{"action": "resolve", "from": "unknown"}]'::jsonb,
-           g.key, g.step, g.destination, sha256(convert_to(g.payload::text, 'UTF8')),
+           g.key, g.step, g.destination, outbox_payload_digest(g.payload),
            g.state, g.provider_ref
     FROM gone g CROSS JOIN LATERAL (
         SELECT count(*) AS claims,

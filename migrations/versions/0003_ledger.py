@@ -26,6 +26,34 @@ depends_on = None
 # longer sees the deleted row, the snapshot still does. RETURN NULL (not an error) so that
 # `INSERT … ON CONFLICT DO NOTHING RETURNING id` answers "nothing inserted" without aborting the
 # caller's transaction.
+# jsonb equality compares numbers as numerics (10 = 10.0) but its text keeps their scale: the
+# ledger hashes a copy with every number's trailing zeros trimmed, so a key compared by hash after
+# the purge answers as the jsonb comparison did before it. Key order and whitespace are already
+# canonical in jsonb's text.
+NORMAL_FUNCTION = """
+CREATE OR REPLACE FUNCTION outbox_jsonb_normal(j jsonb) RETURNS jsonb
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT CASE jsonb_typeof(j)
+    WHEN 'number' THEN to_jsonb(trim_scale((j #>> '{}')::numeric))
+    WHEN 'object' THEN COALESCE(
+        (SELECT jsonb_object_agg(e.key, outbox_jsonb_normal(e.value)) FROM jsonb_each(j) AS e),
+        '{}'::jsonb)
+    WHEN 'array' THEN COALESCE(
+        (SELECT jsonb_agg(outbox_jsonb_normal(a.value) ORDER BY a.n)
+         FROM jsonb_array_elements(j) WITH ORDINALITY AS a(value, n)),
+        '[]'::jsonb)
+    ELSE j
+END
+$$
+"""
+
+DIGEST_FUNCTION = """
+CREATE OR REPLACE FUNCTION outbox_payload_digest(payload jsonb) RETURNS bytea
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+SELECT sha256(convert_to(outbox_jsonb_normal(payload)::text, 'UTF8'))
+$$
+"""
+
 GUARD_FUNCTION = """
 CREATE OR REPLACE FUNCTION outbox_message_key_guard() RETURNS trigger
 LANGUAGE plpgsql AS $$
@@ -61,6 +89,8 @@ def upgrade() -> None:
         sa.CheckConstraint("state IN ('sent', 'failed', 'cancelled')", name="outbox_key_ledger_state_check"),
     )
     op.create_index("outbox_key_ledger_completed_idx", "outbox_key_ledger", ["completed_at"])
+    op.execute(NORMAL_FUNCTION)
+    op.execute(DIGEST_FUNCTION)
     op.execute(GUARD_FUNCTION)
     op.execute(
         """
@@ -75,3 +105,5 @@ def downgrade() -> None:
     op.execute("DROP TRIGGER IF EXISTS outbox_message_key_guard ON outbox_message")
     op.execute("DROP FUNCTION IF EXISTS outbox_message_key_guard()")
     op.drop_table("outbox_key_ledger")
+    op.execute("DROP FUNCTION IF EXISTS outbox_payload_digest(jsonb)")
+    op.execute("DROP FUNCTION IF EXISTS outbox_jsonb_normal(jsonb)")

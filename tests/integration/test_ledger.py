@@ -94,6 +94,21 @@ def test_payload_compared_by_its_jsonb_value_not_its_text(clean, engine) -> None
     assert write_committed(engine, "order:2", reordered) == outbox.Written(original.id, False)
 
 
+def test_numbers_compared_by_value_as_before_the_purge(clean, engine) -> None:
+    payload = {"amount": 10, "rate": 1.5, "lines": [{"qty": 2}], "empty": {}, "none": []}
+    same_value = {"amount": 10.0, "rate": 1.50, "lines": [{"qty": 2.0}], "empty": {}, "none": []}
+    original = write_committed(engine, "order:2n", payload)
+    # Before the purge jsonb equality decides: 10 = 10.0.
+    assert write_committed(engine, "order:2n", same_value) == outbox.Written(original.id, False)
+    make_sent(clean, original.id)
+    purge(clean)
+    assert write_committed(engine, "order:2n", same_value) == outbox.Written(original.id, False)
+    with Session(engine) as s, s.begin(), pytest.raises(outbox.KeyConflict):
+        outbox.write(
+            s, key="order:2n", step="charge", destination=DESTINATION, payload={**payload, "amount": 10.5}
+        )
+
+
 @pytest.mark.parametrize(
     "change",
     [{"payload": {**PAYLOAD, "amount_cents": 1001}}, {"destination": "payments.refund"}],
@@ -181,7 +196,9 @@ def test_ledger_entry_records_the_history(clean, engine) -> None:
     )
     assert (entry["attempts"], entry["confirmed"], entry["ambiguous"]) == (2, 1, False)
     assert bytes(entry["payload_hash"]) == bytes(
-        sql(clean, "SELECT sha256(convert_to(%s::jsonb::text, 'UTF8'))", (json.dumps(PAYLOAD),))[0][0]
+        sql(clean, "SELECT sha256(convert_to(%s::jsonb::text, 'UTF8'))", (json.dumps(PAYLOAD, indent=1),))[0][
+            0
+        ]
     )
     assert ledger(clean, "order:8")["ambiguous"] is True
     assert ledger(clean, "order:9")["ambiguous"] is True
