@@ -131,3 +131,14 @@ outbox_attempt = Table(
     UniqueConstraint("claim_token", name="outbox_attempt_claim_token_key"),
 )
 Index("outbox_attempt_message_idx", outbox_attempt.c.message_id)
+
+# -- 0004_replay: how an ambiguous call was settled (issue 9 classes 4, 10; see outbox.outcomes) --
+outbox_attempt.append_column(Column("settled", Text, nullable=True))
+outbox_attempt.append_column(Column("settled_at", DateTime(timezone=True), nullable=True))
+outbox_attempt.append_constraint(
+    CheckConstraint(
+        "settled IS NULL OR (settled IN ('lookup_not_found', 'operator_not_sent', 'operator_forced', "
+        "'idempotent_retry') AND settled_at IS NOT NULL)",
+        name="outbox_attempt_settled_check",
+    )
+)
