@@ -412,3 +412,17 @@ def test_audit_finds_a_call_after_an_unsettled_ambiguous_one(clean, engine, db, 
     )
     code, out, _ = cli(clean, capsys, "audit")
     assert code == 1 and "called again after 1 call(s) that may have taken effect" in out
+
+
+def test_force_on_a_row_with_nothing_to_override_and_rows_failed_without_a_time(clean, engine, db, capsys):
+    forced, bulk = write(engine, "order:1"), [write(engine, f"order:{i}") for i in (2, 3)]
+    make_failed(db, forced)
+    for r in bulk:
+        # Failed by plain SQL, with no completed_at: still replayed by id, exactly once.
+        db.execute("UPDATE outbox_message SET state = 'failed', completed_at = NULL WHERE id = %s", (r,))
+    code, _, err = cli(clean, capsys, "replay", str(forced), "--force", "--reason", "re-run it")
+    assert code == 0, err
+    assert get(db, forced)["history"][-1]["overrode"] == []
+    code, _, err = cli(clean, capsys, "replay", *map(str, bulk), "--yes")
+    assert code == 0, err
+    assert [get(db, r)["state"] for r in bulk] == ["pending", "pending"]
