@@ -5,7 +5,11 @@ with the confirmed sends, and lists what must never happen:
 
 * a ``sent`` row without the provider's reference (nothing to reconcile the charge with);
 * more than one attempt recorded as confirmed for one message (the provider confirmed twice);
-* an attempt recorded as confirmed on a row that is not ``sent`` (an effect the database denies).
+* an attempt recorded as confirmed on a row that is not ``sent`` (an effect the database denies);
+* a call that may have taken effect (an ambiguous or confirmed outcome, ``outbox.outcomes``)
+  followed by a new call of the same row without a settlement in between (a lookup's "not
+  found", ``resolve --not-sent``), a forced replay, or an idempotent retry: the second call may
+  have charged again.
 
 "Confirmed" counts ``superseded:sent`` too: a late worker whose row had been taken over still
 got a confirmation from the provider, so that call took effect even though it lost the race to
@@ -26,7 +30,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from . import states
+from . import outcomes, states
 from .exceptions import ConfigError
 from .settings import parse_seconds
 
@@ -39,10 +43,17 @@ VIOLATION_LIST_LIMIT = 200
 SENT_WITHOUT_REF = "sent_without_provider_ref"
 DOUBLE_CONFIRMED = "confirmed_more_than_once"
 CONFIRMED_NOT_SENT = "confirmed_attempt_on_unsent_row"
+RECALLED_UNSETTLED = "called_again_after_an_unsettled_ambiguous_call"
+
+# A call that may have taken effect (ambiguous or confirmed) followed by a newer call of the same
+# row with nothing in between that made the new call safe: a lookup's "not found", an operator's
+# `resolve --not-sent`, a forced replay, or an idempotent destination (outbox.outcomes).
+_RECALLED = f"""EXISTS (SELECT 1 FROM outbox_attempt b
+           WHERE b.message_id = a.message_id AND {outcomes.recalled_without_settlement_sql("a", "b")})"""
 
 # A message is in scope when anything happened to it since T: written, settled, or claimed. A row
 # written last week and charged twice yesterday must show up in `--since 24h`.
-_SCOPE = """
+_SCOPE = f"""
 scope AS (
     SELECT m.id, m.key, m.step, m.destination, m.state, m.provider_ref
     FROM outbox_message m
@@ -56,7 +67,9 @@ fence AS (
     SELECT a.message_id,
            count(*) AS claims,
            count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,
-           count(*) FILTER (WHERE a.outcome = 'superseded:sent') AS superseded_confirmed
+           count(*) FILTER (WHERE a.outcome = 'superseded:sent') AS superseded_confirmed,
+           count(*) FILTER (WHERE {_RECALLED}) AS recalled,
+           count(*) FILTER (WHERE a.settled = '{outcomes.OPERATOR_FORCED}') AS forced
     FROM outbox_attempt a JOIN scope s ON s.id = a.message_id
     GROUP BY a.message_id
 )
@@ -74,7 +87,9 @@ SELECT s.destination, s.state,
        count(*) FILTER (WHERE s.state = 'sent' AND COALESCE(s.provider_ref, '') = '')
            AS sent_without_ref,
        count(*) FILTER (WHERE f.confirmed > 1) AS double_confirmed,
-       count(*) FILTER (WHERE f.confirmed >= 1 AND s.state <> 'sent') AS confirmed_not_sent
+       count(*) FILTER (WHERE f.confirmed >= 1 AND s.state <> 'sent') AS confirmed_not_sent,
+       count(*) FILTER (WHERE f.recalled > 0) AS recalled_unsettled,
+       count(*) FILTER (WHERE f.forced > 0) AS forced_replays
 FROM scope s LEFT JOIN fence f ON f.message_id = s.id
 GROUP BY s.destination, s.state
 """
@@ -97,11 +112,13 @@ _VIOLATIONS = text(
     + _SCOPE
     + """
 SELECT s.id, s.key, s.step, s.destination, s.state, s.provider_ref,
-       COALESCE(f.confirmed, 0) AS confirmed, COALESCE(f.superseded_confirmed, 0) AS superseded
+       COALESCE(f.confirmed, 0) AS confirmed, COALESCE(f.superseded_confirmed, 0) AS superseded,
+       COALESCE(f.recalled, 0) AS recalled
 FROM scope s LEFT JOIN fence f ON f.message_id = s.id
 WHERE (s.state = 'sent' AND COALESCE(s.provider_ref, '') = '')
    OR f.confirmed > 1
    OR (f.confirmed >= 1 AND s.state <> 'sent')
+   OR f.recalled > 0
 ORDER BY s.id
 LIMIT :limit
 """
@@ -132,7 +149,10 @@ SELECT l.destination, l.state,
 _LEDGER_VIOLATIONS = text(
     """
 SELECT l.message_id AS id, l.key, l.step, l.destination, l.state, l.provider_ref,
-       l.confirmed, 0 AS superseded
+       l.confirmed, 0 AS superseded,
+       -- Rows are purged only once sent or cancelled; a re-call after an unsettled ambiguous
+       -- call is reported while the row lives, and the ledger keeps only `ambiguous`.
+       0 AS recalled
 """
     + _LEDGER_SCOPE
     + """
@@ -203,6 +223,10 @@ class DestinationAudit:
     confirmed_not_sent: int = 0
     #: Keys whose rows were purged, still in the key ledger.
     purged: LedgerAudit = field(default_factory=LedgerAudit)
+    #: Rows called again after a call that may have taken effect, with no settlement between.
+    recalled_unsettled: int = 0
+    #: Rows an operator replayed with --force over such a call (an accepted risk, not a violation).
+    forced_replays: int = 0
 
     @property
     def messages(self) -> int:
@@ -219,7 +243,11 @@ class DestinationAudit:
     @property
     def violations(self) -> int:
         return (
-            self.sent_without_ref + self.double_confirmed + self.confirmed_not_sent + self.purged.violations
+            self.sent_without_ref
+            + self.double_confirmed
+            + self.confirmed_not_sent
+            + self.purged.violations
+            + self.recalled_unsettled
         )
 
     def add(self, other: DestinationAudit) -> None:
@@ -232,6 +260,8 @@ class DestinationAudit:
         self.double_confirmed += other.double_confirmed
         self.confirmed_not_sent += other.confirmed_not_sent
         self.purged.add(other.purged)
+        self.recalled_unsettled += other.recalled_unsettled
+        self.forced_replays += other.forced_replays
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -244,6 +274,8 @@ class DestinationAudit:
             "sent_without_provider_ref": self.sent_without_ref,
             "confirmed_more_than_once": self.double_confirmed,
             "confirmed_attempt_on_unsent_row": self.confirmed_not_sent,
+            RECALLED_UNSETTLED: self.recalled_unsettled,
+            "forced_replays": self.forced_replays,
             "not_terminal": self.not_terminal,
             "purged_keys": self.purged.to_dict(),
         }
@@ -392,10 +424,17 @@ class AuditReport:
         else:
             lines.append("keys claimed more than once: 0")
         lines.append("")
+        totals = self.totals
+        lines.append(
+            f"called again after an unsettled ambiguous call: {totals.recalled_unsettled}   "
+            f"forced replays (operator, with a reason): {totals.forced_replays}"
+        )
+        lines.append("")
         if self.ok:
             lines.append(
                 "OK: no violation: every sent row has a provider reference, no message was confirmed "
-                "twice, no confirmed call is missing from the rows"
+                "twice, no confirmed call is missing from the rows, no call followed an unsettled "
+                "ambiguous one"
             )
         else:
             lines.append(f"FAIL: {self.violation_count} violation(s):")
@@ -455,6 +494,12 @@ def _violations_of(row: Any) -> list[Violation]:
             f"an attempt was confirmed by the provider{superseded} but the row is {row.state}; "
             "check the provider and `outbox resolve`/settle it by hand",
         )
+    if row.recalled:
+        add(
+            RECALLED_UNSETTLED,
+            f"called again after {row.recalled} call(s) that may have taken effect, with no lookup "
+            "'not found' or `resolve --not-sent` in between: check the provider for two charges",
+        )
     return found
 
 
@@ -478,6 +523,8 @@ def audit(connection: Connection, since: datetime | timedelta | str | None = Non
         d.sent_without_ref += int(row.sent_without_ref)
         d.double_confirmed += int(row.double_confirmed)
         d.confirmed_not_sent += int(row.confirmed_not_sent)
+        d.recalled_unsettled += int(row.recalled_unsettled)
+        d.forced_replays += int(row.forced_replays)
     examples = [
         ClaimExample(int(r.id), r.key, r.step, r.destination, r.state, int(r.claims))
         for r in connection.execute(_MULTI_CLAIMED, {**params, "limit": EXAMPLE_LIMIT})

@@ -180,7 +180,10 @@ class Consumer:
     ) -> bool:
         # A failed record is not a lost outcome (the lease and the lookup recover it), but a
         # short database blip should not cost a lookup: try a few times within the lease.
-        outcome = decision.outcome.value if state != "failed" else "failed"
+        # An ambiguous call stays "unknown" on its fence row even when the row fails (an
+        # idempotent destination out of attempts): a later replay must see it (outbox.outcomes).
+        ambiguous = decision.outcome is Outcome.UNKNOWN
+        outcome = decision.outcome.value if state != "failed" or ambiguous else "failed"
         for attempt in range(3):
             try:
                 return fence.record(

@@ -61,7 +61,16 @@ SET finished_at = now(),
     outcome = CASE WHEN EXISTS (SELECT 1 FROM moved) THEN %(outcome)s
                    ELSE 'superseded:' || %(outcome)s END,
     http_status = %(http_status)s,
-    error = %(error)s
+    error = %(error)s,
+    -- An ambiguous call retried on an idempotent destination (outbox.outcomes): covered by the
+    -- provider's deduplication, which is not a settlement for a later replay.
+    -- A late record keeps what a lookup or an operator settled meanwhile.
+    settled = CASE WHEN %(outcome)s = 'unknown' AND %(state)s = 'pending'
+                        AND EXISTS (SELECT 1 FROM moved) AND settled IS NULL
+                   THEN 'idempotent_retry' ELSE settled END,
+    settled_at = CASE WHEN %(outcome)s = 'unknown' AND %(state)s = 'pending'
+                           AND EXISTS (SELECT 1 FROM moved) AND settled IS NULL
+                      THEN now() ELSE settled_at END
 WHERE claim_token = %(token)s
 RETURNING EXISTS (SELECT 1 FROM moved)
 """

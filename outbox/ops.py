@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import getpass
+import hashlib
 import json
 import os
 import sys
@@ -28,7 +29,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection, text
 
-from . import settings, states
+from . import outcomes, settings, states
 from .audit import AuditReport, audit, format_table, parse_since
 from .exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
 from .schema import NOTIFY_CHANNEL
@@ -38,11 +39,15 @@ __all__ = [
     "ActionResult",
     "AuditReport",
     "ListedRow",
+    "ReplayCandidate",
+    "ReplayPlan",
     "RowDetail",
     "RowList",
     "StatusReport",
     "audit",
+    "execute_replay",
     "list_rows",
+    "plan_replay",
     "replay",
     "replay_destination",
     "resolve",
@@ -406,13 +411,72 @@ SET state = 'pending', attempts = 0, available_at = now(),
 """
     + _HISTORY_ENTRY
 )
-_REPLAY_RETURNING = "RETURNING id, deadline IS NOT NULL AND deadline <= now() AS past_deadline"
-_REPLAY_ONE = text(
-    f"UPDATE outbox_message {_REPLAY_SET} WHERE id = :id AND state = 'failed' {_REPLAY_RETURNING}"
+
+# The replay rules (outbox.outcomes): a fence row that may have taken effect, or an operator's
+# `resolve --failed` out of unknown, refuses the replay unless the row is forced by name.
+_BLOCKING_ATTEMPT = (
+    f"SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql('a')}"
 )
-_REPLAY_DESTINATION = text(
-    f"UPDATE outbox_message {_REPLAY_SET} WHERE destination = :destination AND state = 'failed' "
-    f"{_REPLAY_RETURNING}"
+_REPLAYABLE = f"NOT EXISTS ({_BLOCKING_ATTEMPT}) AND NOT {outcomes.operator_failed_unknown_sql('m')}"
+_FAILED_OUT_OF_UNKNOWN = (
+    "an operator failed it out of unknown (resolve --failed): nobody knows whether its call took effect"
+)
+
+# What a replay would do to each row, and why it refuses: read to preview, never to act (the
+# acting statements re-check every rule themselves).
+_PLAN_COLUMNS = f"""
+SELECT m.id, m.key, m.step, m.destination, m.state, m.completed_at, m.last_error,
+       m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline,
+       ARRAY(
+           SELECT CASE
+               WHEN {outcomes.is_confirmed_sql("a")} THEN
+                   format('attempt %s was confirmed by the provider (outcome %s)', a.attempt, a.outcome)
+               WHEN a.outcome IS NULL THEN
+                   format('attempt %s never recorded an outcome: its call may have taken effect', a.attempt)
+               ELSE format('attempt %s ended %s: its call may have taken effect, and neither a lookup '
+                           'nor an operator (resolve --not-sent) settled it', a.attempt, a.outcome)
+           END
+           FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql("a")}
+           ORDER BY a.started_at, a.id
+       ) || CASE WHEN {outcomes.operator_failed_unknown_sql("m")}
+                 THEN ARRAY[CAST(:failed_out_of_unknown AS text)] ELSE ARRAY[]::text[] END AS refusals,
+       ARRAY(SELECT a.id FROM outbox_attempt a
+             WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql("a")} ORDER BY a.id) AS blockers
+FROM outbox_message m
+"""
+_PLAN_IDS = text(f"{_PLAN_COLUMNS} WHERE m.id = ANY(CAST(:ids AS bigint[])) ORDER BY m.id")
+_PLAN_DESTINATION = text(
+    f"{_PLAN_COLUMNS} WHERE m.destination = :destination AND m.state = 'failed' ORDER BY m.id"
+)
+
+# Acts on exactly the previewed rows: each one only if it is still failed with the failure the
+# preview saw (completed_at is set anew at every failure), and only if the rules still allow it.
+_REPLAY_PLANNED = text(
+    f"""
+UPDATE outbox_message m {_REPLAY_SET}
+FROM unnest(CAST(:ids AS bigint[]), CAST(:versions AS timestamptz[])) AS p(id, failed_at)
+WHERE m.id = p.id AND m.state = 'failed' AND m.completed_at IS NOT DISTINCT FROM p.failed_at
+  AND {_REPLAYABLE}
+RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
+"""
+)
+
+# One row, named by the operator with a reason: the fence rows the preview showed are marked as
+# forced over in the same statement. A blocker the operator did not see refuses the whole thing.
+_REPLAY_FORCED = text(
+    f"""
+WITH moved AS (
+    UPDATE outbox_message m {_REPLAY_SET}
+    WHERE m.id = :id AND m.state = 'failed'
+      AND m.completed_at IS NOT DISTINCT FROM CAST(:version AS timestamptz)
+      AND NOT EXISTS ({_BLOCKING_ATTEMPT} AND a.id <> ALL(CAST(:seen AS bigint[])))
+    RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
+), forced AS (
+    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_FORCED}', settled_at = now()
+    FROM moved WHERE a.message_id = moved.id AND a.id = ANY(CAST(:seen AS bigint[]))
+)
+SELECT id, past_deadline FROM moved
+"""
 )
 
 _RESOLVE_SENT = text(
@@ -424,15 +488,35 @@ SET state = 'sent', provider_ref = :ref, completed_at = now(), last_error = NULL
     + _HISTORY_ENTRY
     + " WHERE id = :id AND state = 'unknown' RETURNING id"
 )
-# attempts stay: the earlier call is known not to have taken effect, but it counted.
+# attempts stay: the earlier call is known not to have taken effect, but it counted. The row's
+# ambiguous fence rows are marked settled in the same statement (what lets a later replay through);
+# a call the provider confirmed is not "not sent", whatever anyone says, so it refuses.
 _RESOLVE_NOT_SENT = text(
-    """
-UPDATE outbox_message
-SET state = 'pending', available_at = now(), dispatched_at = NULL, completed_at = NULL,
-    unknown_since = NULL, lease_expires_at = NULL,
+    f"""
+WITH moved AS (
+    UPDATE outbox_message m
+    SET state = 'pending', available_at = now(), dispatched_at = NULL, completed_at = NULL,
+        unknown_since = NULL, lease_expires_at = NULL,
+    {_HISTORY_ENTRY}
+    WHERE m.id = :id AND m.state = 'unknown'
+      AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id
+                      AND {outcomes.is_confirmed_sql("a")}
+                      AND a.settled IS DISTINCT FROM '{outcomes.OPERATOR_FORCED}')
+    RETURNING m.id
+), settled AS (
+    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_NOT_SENT}', settled_at = now()
+    FROM moved WHERE a.message_id = moved.id AND {outcomes.unsettled_ambiguous_sql("a")}
+)
+SELECT id FROM moved
 """
-    + _HISTORY_ENTRY
-    + " WHERE id = :id AND state = 'unknown' RETURNING id"
+)
+_CONFIRMED_ATTEMPT = text(
+    f"""
+SELECT a.attempt, a.outcome FROM outbox_attempt a
+WHERE a.message_id = :id AND {outcomes.is_confirmed_sql("a")}
+  AND a.settled IS DISTINCT FROM '{outcomes.OPERATOR_FORCED}'
+ORDER BY a.id LIMIT 1
+"""
 )
 _RESOLVE_FAILED = text(
     """
@@ -484,6 +568,10 @@ def _refusal(connection: Connection, row_id: int, wanted: str, verb: str) -> Out
     return InvalidTransition(f"row {row_id} is {current}, only {wanted} rows can be {verb}")
 
 
+def _state(connection: Connection, row_id: int) -> str | None:
+    return connection.execute(_STATE_OF, {"id": row_id}).scalar_one_or_none()
+
+
 def _notify(connection: Connection) -> None:
     """Wake the relays; delivered when the caller commits (the insert trigger does the same)."""
     connection.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL})
@@ -498,36 +586,247 @@ def _replayed(row: Any) -> ActionResult:
     return ActionResult(int(row.id), True, f"row {row.id} replayed: failed -> pending", warnings)
 
 
-def replay(
-    connection: Connection, ids: Sequence[int], *, by: str | None = None, reason: str | None = None
+@dataclass(frozen=True)
+class ReplayCandidate:
+    """One row a replay was asked about, as the preview saw it."""
+
+    id: int
+    key: str
+    step: str
+    destination: str
+    state: str
+    #: When it failed: the version the acting statement requires (a row that failed again since
+    #: the preview is a different failure, not the one the operator looked at).
+    failed_at: datetime | None
+    last_error: str | None
+    past_deadline: bool
+    #: Why the replay rules refuse it (empty: replayable).
+    refusals: list[str]
+    #: Ids of the fence rows behind the refusals: what a --force replay marks as forced over.
+    blockers: list[int]
+
+    @property
+    def replayable(self) -> bool:
+        return self.state == states.FAILED and not self.refusals
+
+    def refusal(self) -> str:
+        if self.state != states.FAILED:
+            return f"row {self.id} is {self.state}, only failed rows can be replayed"
+        return (
+            f"row {self.id} refused: {'; '.join(self.refusals)}. Replaying it could charge twice; "
+            f"if the provider confirms it cannot: outbox replay {self.id} --force --reason WHY"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "key": self.key,
+            "step": self.step,
+            "destination": self.destination,
+            "state": self.state,
+            "failed_at": self.failed_at,
+            "last_error": self.last_error,
+            "replayable": self.replayable,
+            "refusals": self.refusals,
+        }
+
+
+@dataclass
+class ReplayPlan:
+    """What ``outbox replay`` will do: the rows it will replay, the rows it refuses and why.
+
+    :func:`execute_replay` acts on exactly ``to_replay`` (by id and failure), never on a fresh
+    query; ``fingerprint`` names that set so that a later run can check it acts on what was read.
+    """
+
+    destination: str | None
+    force: bool
+    rows: list[ReplayCandidate]
+    #: Requested ids with no row.
+    missing: list[int] = field(default_factory=list)
+
+    @property
+    def to_replay(self) -> list[ReplayCandidate]:
+        if self.force:
+            return [r for r in self.rows if r.state == states.FAILED]
+        return [r for r in self.rows if r.replayable]
+
+    @property
+    def refused(self) -> list[ReplayCandidate]:
+        chosen = {r.id for r in self.to_replay}
+        return [r for r in self.rows if r.id not in chosen]
+
+    @property
+    def fingerprint(self) -> str:
+        chosen = sorted(f"{r.id}@{r.failed_at.isoformat() if r.failed_at else '-'}" for r in self.to_replay)
+        return hashlib.sha256(" ".join(chosen).encode()).hexdigest()[:12]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "destination": self.destination,
+            "force": self.force,
+            "plan": self.fingerprint,
+            "to_replay": [r.to_dict() for r in self.to_replay],
+            "refused": [{**r.to_dict(), "reason": r.refusal()} for r in self.refused],
+            "missing": self.missing,
+        }
+
+    def render(self) -> str:
+        scope = f"destination {self.destination}" if self.destination else "the rows named"
+        lines = [
+            f"replay preview for {scope}: {len(self.to_replay)} row(s) to replay, "
+            f"{len(self.refused) + len(self.missing)} refused"
+        ]
+        if self.to_replay:
+            lines += ["", "will replay (failed -> pending, attempts reset):"]
+            lines.append(
+                _indent(
+                    format_table(
+                        ["id", "key", "step", "destination", "failed at", "last_error"],
+                        [
+                            [r.id, r.key, r.step, r.destination, _cell(r.failed_at), _short(r.last_error)]
+                            for r in self.to_replay
+                        ],
+                    )
+                )
+            )
+        if self.refused or self.missing:
+            lines += ["", "refused (left untouched):"]
+            lines += [f"  #{r.id} {r.key} {r.step}: {r.refusal()}" for r in self.refused]
+            lines += [f"  #{i}: no outbox row with id {i}" for i in self.missing]
+        lines += ["", f"plan {self.fingerprint}"]
+        return "\n".join(lines)
+
+
+def _candidate(row: Any) -> ReplayCandidate:
+    return ReplayCandidate(
+        id=int(row.id),
+        key=row.key,
+        step=row.step,
+        destination=row.destination,
+        state=row.state,
+        failed_at=row.completed_at,
+        last_error=row.last_error,
+        past_deadline=bool(row.past_deadline),
+        refusals=list(row.refusals),
+        blockers=[int(b) for b in row.blockers],
+    )
+
+
+def plan_replay(
+    connection: Connection,
+    ids: Sequence[int] = (),
+    *,
+    destination: str | None = None,
+    force: bool = False,
+) -> ReplayPlan:
+    """Preview a replay of ``ids``, or of every ``failed`` row of ``destination``; changes nothing.
+
+    The replay rules (:mod:`outbox.outcomes`): a row whose fence rows hold a confirmed call, or an
+    ambiguous one that no lookup's "not found" and no ``resolve --not-sent`` settled, or that an
+    operator failed out of ``unknown``, is refused, unless ``force``, which names exactly one row.
+    Raises :class:`NotFound` for a destination no row names (a typo must not read as "nothing to
+    replay") and :class:`ConfigError` for a force that is not about one row by id.
+    """
+    if bool(ids) == bool(destination):
+        raise ConfigError("replay takes row ids or --destination D, not both and not neither")
+    if force and (destination or len(set(ids)) != 1):
+        raise ConfigError(
+            "--force replays one row named by its id, never in bulk (not with --destination, not "
+            "with several ids): look at each such row with outbox show ID first"
+        )
+    params = {"failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN}
+    if destination:
+        _require_destination(connection, destination)
+        found = connection.execute(_PLAN_DESTINATION, {**params, "destination": destination}).all()
+        return ReplayPlan(destination, force, [_candidate(r) for r in found])
+    wanted = list(dict.fromkeys(ids))  # a repeated id is one request
+    found = connection.execute(_PLAN_IDS, {**params, "ids": wanted}).all()
+    by_id = {int(r.id): _candidate(r) for r in found}
+    return ReplayPlan(
+        None, force, [by_id[i] for i in wanted if i in by_id], [i for i in wanted if i not in by_id]
+    )
+
+
+def execute_replay(
+    connection: Connection, plan: ReplayPlan, *, by: str | None = None, reason: str | None = None
 ) -> list[ActionResult]:
-    """``failed`` → ``pending`` for each id, attempts reset; other rows are refused untouched."""
-    params = _history_params("replay", states.PENDING, by or default_actor(), reason)
-    results = []
-    for row_id in dict.fromkeys(ids):  # a repeated id is one request
-        row = connection.execute(_REPLAY_ONE, {**params, "id": row_id}).first()
-        if row is None:
-            refusal = _refusal(connection, row_id, "failed", "replayed")
-            results.append(ActionResult(row_id, False, str(refusal)))
-        else:
-            results.append(_replayed(row))
-    if any(r.done for r in results):
+    """Replay exactly the rows of ``plan.to_replay``: each is one guarded move that re-checks the
+    rules and the failure the preview saw, so a row that changed since is left alone and said so.
+    A forced replay needs a ``reason`` and is recorded as such (``forced``, what it overrode) in
+    the row's history, and its fence rows are marked ``operator_forced``."""
+    actor = by or default_actor()
+    results: dict[int, ActionResult] = {r.id: ActionResult(r.id, False, r.refusal()) for r in plan.refused}
+    results.update({i: ActionResult(i, False, f"no outbox row with id {i}") for i in plan.missing})
+    chosen = plan.to_replay
+    moved: dict[int, Any] = {}
+    if plan.force and chosen:
+        if not (reason and reason.strip()):
+            raise ConfigError("--force needs --reason: why replaying this row cannot charge twice")
+        [row] = chosen
+        params = _history_params("replay", states.PENDING, actor, reason, forced=True, overrode=row.refusals)
+        seen = connection.execute(
+            _REPLAY_FORCED, {**params, "id": row.id, "version": row.failed_at, "seen": row.blockers}
+        ).first()
+        if seen is not None:
+            moved[int(seen.id)] = seen
+    elif chosen:
+        params = _history_params("replay", states.PENDING, actor, reason)
+        for done in connection.execute(
+            _REPLAY_PLANNED,
+            {**params, "ids": [c.id for c in chosen], "versions": [c.failed_at for c in chosen]},
+        ):
+            moved[int(done.id)] = done
+    for c in chosen:
+        results[c.id] = _replayed(moved[c.id]) if c.id in moved else _changed(connection, c, plan.force)
+    if moved:
         _notify(connection)
-    return results
+    order = [r.id for r in plan.rows] + plan.missing
+    return [results[i] for i in order]
+
+
+def _changed(connection: Connection, planned: ReplayCandidate, force: bool) -> ActionResult:
+    """Why a previewed row did not move: read only to explain, the guarded UPDATE decided."""
+    params = {"failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN, "ids": [planned.id]}
+    now = connection.execute(_PLAN_IDS, params).first()
+    if now is None:
+        return ActionResult(planned.id, False, f"no outbox row with id {planned.id}")
+    current = _candidate(now)
+    if current.state != states.FAILED:
+        message = f"row {planned.id} is now {current.state}: it changed since the preview, left alone"
+    elif current.failed_at != planned.failed_at:
+        message = f"row {planned.id} failed again since the preview: left alone, preview it again"
+    elif force:
+        message = (
+            f"row {planned.id} gained a reason to refuse since the preview "
+            f"({'; '.join(current.refusals)}): left alone, look at it again"
+        )
+    else:
+        message = current.refusal()
+    return ActionResult(planned.id, False, message)
+
+
+def replay(
+    connection: Connection,
+    ids: Sequence[int],
+    *,
+    by: str | None = None,
+    reason: str | None = None,
+    force: bool = False,
+) -> list[ActionResult]:
+    """``failed`` → ``pending`` for each id, attempts reset; other rows, and rows the replay
+    rules refuse, are left untouched (see :func:`plan_replay`). ``force`` (one id, with a
+    ``reason``) replays a row the rules refuse."""
+    return execute_replay(connection, plan_replay(connection, ids, force=force), by=by, reason=reason)
 
 
 def replay_destination(
     connection: Connection, destination: str, *, by: str | None = None, reason: str | None = None
 ) -> list[ActionResult]:
-    """Replay every ``failed`` row of ``destination``. Raises :class:`NotFound` for a destination
-    no row names (a typo must not read as "nothing to replay")."""
-    _require_destination(connection, destination)
-    params = _history_params("replay", states.PENDING, by or default_actor(), reason)
-    rows = connection.execute(_REPLAY_DESTINATION, {**params, "destination": destination}).all()
-    results = sorted((_replayed(r) for r in rows), key=lambda r: r.id)
-    if results:
-        _notify(connection)
-    return results
+    """Replay every ``failed`` row of ``destination`` the replay rules allow; the others are
+    returned refused. Raises :class:`NotFound` for a destination no row names."""
+    plan = plan_replay(connection, destination=destination)
+    return execute_replay(connection, plan, by=by, reason=reason)
 
 
 def resolve(
@@ -541,8 +840,10 @@ def resolve(
     reason: str | None = None,
 ) -> ActionResult:
     """Settle an ``unknown`` row by hand, exactly one of: the provider has it (``sent_ref``), it
-    certainly has not (``not_sent``: back to pending, attempts kept), or give up
-    (``failed_reason``). Raises :class:`InvalidTransition` (or :class:`NotFound`) and changes
+    certainly has not (``not_sent``: back to pending, attempts kept, its ambiguous fence rows
+    marked settled, which is what lets a later replay through; refused when a fence row holds a
+    call the provider confirmed), or give up (``failed_reason``: a later replay is refused unless
+    forced). Raises :class:`InvalidTransition` (or :class:`NotFound`) and changes
     nothing when the row is not ``unknown``."""
     chosen = [sent_ref is not None, not_sent, failed_reason is not None]
     if sum(chosen) != 1:
@@ -569,6 +870,16 @@ def resolve(
             "error": failed_reason,
         }
     if connection.execute(statement, {**params, "id": row_id}).first() is None:
+        confirmed = (
+            connection.execute(_CONFIRMED_ATTEMPT, {"id": row_id}).first()
+            if statement is _RESOLVE_NOT_SENT and _state(connection, row_id) == states.UNKNOWN
+            else None
+        )
+        if confirmed is not None:
+            raise InvalidTransition(
+                f"row {row_id}: attempt {confirmed.attempt} was confirmed by the provider (outcome "
+                f"{confirmed.outcome}), so it is not 'not sent'; find its reference and use --sent REF"
+            )
         raise _refusal(connection, row_id, "unknown", "resolved")
     if to_state == states.PENDING:
         _notify(connection)
@@ -809,14 +1120,48 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
         attempts are kept, and who/when/why is appended to the row's history. The relay is woken
         with NOTIFY.
 
-        outbox replay 41 42 --reason "card updated"     replay these rows
-        outbox replay --destination payments.charge     replay every failed row of a destination
+        Replay rules: a failed row is also refused, with the reason, when a call for it may have
+        taken effect, i.e. one of its attempts (fence rows) ended
+          - confirmed by the provider (sent, superseded:sent), or
+          - ambiguous (unknown, lease_expired, superseded:unknown, no outcome recorded, any
+            outcome other than retry/failed/released) and was not settled since, by the
+            reconciler's lookup finding no record (within the destination's key_ttl) or by
+            `outbox resolve ID --not-sent`;
+        or when an operator failed it out of unknown (`outbox resolve ID --failed`). Such a row
+        is replayed only by naming it alone with --force and --reason (never in bulk), after you
+        checked with the provider that a new call cannot charge twice; the force and what it
+        overrode are recorded in the row's history.
 
-        Exit 1 if any requested row was refused or does not exist (the others are replayed).
+        Bulk replays (--destination, or several ids) print a preview first: what will be
+        replayed, what is refused and why, and a plan fingerprint. Nothing changes without
+        --yes; with --yes the rows previewed in that run, and only they, are replayed, each
+        only if it is still the same failure and the rules still allow it. --plan PLAN (with
+        --yes) acts only if the preview still matches the one you reviewed.
+
+        outbox replay 42 --reason "card updated"                  replay one row
+        outbox replay 41 42 43                                    preview these rows
+        outbox replay --destination payments.charge               preview a destination
+        outbox replay --destination payments.charge --yes --plan 3f2a9c0d1e4b
+        outbox replay 42 --force --reason "provider: no charge for order:42 (ticket 981)"
+
+        Exit 0 after a preview without --yes (nothing changed) and when everything asked for was
+        replayed; 1 if any row was refused, changed since the preview, or does not exist (the
+        others are replayed), or if --plan no longer matches (nothing changed).
         """,
     )
     p.add_argument("ids", nargs="*", metavar="ID", help="row ids to replay")
-    p.add_argument("--destination", help="replay every failed row of this destination instead")
+    p.add_argument("--destination", help="replay every failed row of this destination instead (previewed)")
+    p.add_argument("--yes", action="store_true", help="act on the previewed rows (bulk replays)")
+    p.add_argument(
+        "--plan",
+        metavar="PLAN",
+        help="with --yes: act only if the preview's plan fingerprint is still PLAN",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replay one row the replay rules refuse (one ID, with --reason; never in bulk)",
+    )
     _by_and_reason(p)
     _add_database_url(p)
     _add_json(p)
@@ -826,31 +1171,57 @@ def _replay_run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if bool(args.ids) == bool(args.destination):
         raise ConfigError("replay takes row ids or --destination D, not both and not neither")
     ids = [_parse_id(raw, "replay takes row ids") for raw in args.ids]
-    with _connection(cfg, write=True) as conn:
-        if args.destination:
-            results = replay_destination(conn, args.destination, by=args.by, reason=args.reason)
-        else:
-            results = replay(conn, ids, by=args.by, reason=args.reason)
+    if args.force and (args.destination or len(set(ids)) != 1):
+        raise ConfigError("--force replays one row named by its id, never in bulk (not with --destination)")
+    if args.force and not (args.reason and args.reason.strip()):
+        raise ConfigError("--force needs --reason: why replaying this row cannot charge twice")
+    if args.plan and not args.yes:
+        raise ConfigError("--plan checks the preview before acting: give it with --yes")
+    bulk = bool(args.destination) or len(set(ids)) > 1
+    act = args.yes or not bulk
+    with _connection(cfg, write=act) as conn:
+        plan = plan_replay(conn, ids, destination=args.destination, force=args.force)
+        stale = bool(args.plan) and args.plan != plan.fingerprint
+        results = [] if not act or stale else execute_replay(conn, plan, by=args.by, reason=args.reason)
     refused = [r for r in results if not r.done]
     replayed = len(results) - len(refused)
+    named = ["--destination", args.destination] if args.destination else [str(i) for i in ids]
+    again = " ".join(["outbox replay", *named])
     if args.json:
         _print_json(
             {
                 "destination": args.destination,
+                "preview": plan.to_dict() if bulk else None,
+                "acted": act and not stale,
                 "replayed": replayed,
                 "refused": len(refused),
                 "results": [r.to_dict() for r in results],
             }
         )
     else:
-        for r in results:
-            if r.done:
-                _out(r.message + "".join(f" (warning: {w})" for w in r.warnings))
-            else:
-                _err(r.message)
-        if args.destination:
-            _out(f"replayed {replayed} failed row(s) of {args.destination}")
-    return 1 if refused else 0
+        if bulk:
+            _out(plan.render())
+        if not act:
+            _out(
+                f"\nnothing changed: this is a preview. To replay exactly these "
+                f"{len(plan.to_replay)} row(s): {again} --yes --plan {plan.fingerprint}"
+            )
+        elif stale:
+            _err(
+                f"nothing changed: the rows changed since your preview (plan {args.plan}, now "
+                f"{plan.fingerprint}); review the preview above and run again"
+            )
+        else:
+            if bulk:
+                _out("")
+            for r in results:
+                if r.done:
+                    _out(r.message + "".join(f" (warning: {w})" for w in r.warnings))
+                else:
+                    _err(r.message)
+            if args.destination:
+                _out(f"replayed {replayed} failed row(s) of {args.destination}")
+    return 1 if refused or stale else 0
 
 
 # resolve

@@ -165,3 +165,14 @@ outbox_key_ledger = Table(
 )
 # The horizon drop deletes by age in batches along this index.
 Index("outbox_key_ledger_completed_idx", outbox_key_ledger.c.completed_at)
+
+# -- 0004_replay: how an ambiguous call was settled (issue 9 classes 4, 10; see outbox.outcomes) --
+outbox_attempt.append_column(Column("settled", Text, nullable=True))
+outbox_attempt.append_column(Column("settled_at", DateTime(timezone=True), nullable=True))
+outbox_attempt.append_constraint(
+    CheckConstraint(
+        "settled IS NULL OR (settled IN ('lookup_not_found', 'operator_not_sent', 'operator_forced', "
+        "'idempotent_retry') AND settled_at IS NOT NULL)",
+        name="outbox_attempt_settled_check",
+    )
+)

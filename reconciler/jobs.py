@@ -26,7 +26,7 @@ import httpx
 import psycopg
 import redis
 
-from outbox import policy, transport
+from outbox import outcomes, policy, transport
 from outbox.handlers import Confirmed, Delivery, Handler, idempotency_key
 from outbox.schema import NOTIFY_CHANNEL
 
@@ -136,9 +136,33 @@ ORDER BY available_at, id
 LIMIT %(limit)s
 """
 
+# A call of this row that the provider may hold and may have forgotten by now.
+_CALL_OLDER_THAN_KEY_TTL = f"""
+SELECT 1 FROM outbox_attempt a
+WHERE a.message_id = outbox_message.id AND {outcomes.may_have_taken_effect_sql("a")}
+  AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second'
+"""
+
+# Parks a row whose lookup said "not found" when a call is older than key_ttl; a new reason is
+# alerted again (alerted_at cleared), the same one only once.
+_PARK_PAST_KEY_TTL = f"""
+UPDATE outbox_message
+SET available_at = now() + %(seconds)s * interval '1 second',
+    alerted_at = CASE WHEN last_error IS DISTINCT FROM %(error)s THEN NULL ELSE alerted_at END,
+    last_error = %(error)s
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+  AND EXISTS ({_CALL_OLDER_THAN_KEY_TTL})
+RETURNING id
+"""
+
 # Resolution of an unknown row by a lookup: sent, pending (retry) or failed. The history entry
-# names what the reconciler saw, never the payload.
-_SETTLE_UNKNOWN = """
+# names what the reconciler saw, never the payload. A "not found" (or an idempotent retry) marks
+# the row's ambiguous fence rows in the same statement (outbox.outcomes), and only while every
+# call that may have taken effect is younger than the destination's key_ttl (database clock):
+# past it, the provider may have forgotten the call, and the row does not move.
+_SETTLE_UNKNOWN = f"""
+WITH moved AS (
 UPDATE outbox_message
 SET state = %(state)s,
     provider_ref = COALESCE(%(ref)s, provider_ref),
@@ -157,7 +181,15 @@ SET state = %(state)s,
         'provider_ref', CAST(%(ref)s AS text)))
 WHERE id = %(id)s AND state = 'unknown'
   AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+  AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({_CALL_OLDER_THAN_KEY_TTL}))
 RETURNING id
+), settled AS (
+    UPDATE outbox_attempt a SET settled = %(settled)s, settled_at = now()
+    FROM moved
+    WHERE a.message_id = moved.id AND CAST(%(settled)s AS text) IS NOT NULL
+      AND {outcomes.unsettled_ambiguous_sql("a")}
+)
+SELECT id FROM moved
 """
 
 # The next lookup waits as long as the row has already waited (10 s to 1 h): a provider that is
@@ -234,10 +266,14 @@ def _settle(
     ref: str | None = None,
     response: dict[str, Any] | None = None,
     available_at: datetime | None = None,
+    settled: str | None = None,
+    key_ttl: float | None = None,
 ) -> bool:
     moved = conn.execute(
         _SETTLE_UNKNOWN,
         {
+            "settled": settled,
+            "key_ttl": key_ttl,
             "id": row_id,
             "token": token,
             "state": state,
@@ -261,9 +297,16 @@ def _settle_not_found(
     deadline: datetime | None,
     result: str,
     error: str,
+    settled: str,
 ) -> str | None:
-    """The call certainly did not take effect (or repeating it is harmless): retry or give up.
-    Returns the new state, or None when the row had moved meanwhile."""
+    """The call certainly did not take effect (or repeating it is harmless): retry or give up,
+    marking the row's ambiguous fence rows ``settled`` in the same statement.
+
+    Only while every call that may have taken effect is younger than ``handler.key_ttl``
+    (database clock): past it, "not found" may mean the provider forgot the call, and a retry
+    may charge twice, so the row stays ``unknown``, parked for a human with the reason (and
+    alerted once). Returns the new state, ``past_key_ttl`` when parked, or None when the row had
+    moved meanwhile."""
     nxt = policy.retry_or_fail(
         handler, attempt=attempts, deadline=deadline, now=datetime.now(UTC), error=error
     )
@@ -275,8 +318,33 @@ def _settle_not_found(
         result=result,
         error=nxt.error,
         available_at=nxt.available_at,
+        settled=settled,
+        key_ttl=handler.key_ttl,
     )
-    return nxt.state if moved else None
+    if moved:
+        return nxt.state
+    reason = (
+        f"needs a human: a call is older than key_ttl ({handler.key_ttl:g} s), so the provider may "
+        f"have forgotten it and 'not found' proves nothing; a retry could charge twice. Check the "
+        f"provider's records, then run outbox resolve {row_id} --sent REF or --not-sent"
+    )
+    params = {
+        "id": row_id,
+        "token": token,
+        "seconds": HUMAN_RECHECK_SECONDS,
+        "error": reason,
+        "key_ttl": handler.key_ttl,
+    }
+    if conn.execute(_PARK_PAST_KEY_TTL, params).fetchone() is None:
+        return None
+    logger.warning(
+        "outbox row %s on %s needs a human: %s after key_ttl, not retried",
+        row_id,
+        handler.destination,
+        result,
+        extra={"outbox_id": row_id, "destination": handler.destination},
+    )
+    return "past_key_ttl"
 
 
 def _park(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str) -> bool:
@@ -305,7 +373,9 @@ def resolve_unknown(
     or deadline), ``lookup_failed`` (the lookup raised; looked up again later), ``deferred``
     (not looked up: its destination's lookups keep failing, or the time budget ran out),
     ``interrupted`` (left due because ``stop`` was set: the process is shutting down),
-    ``needs_human`` (no lookup and not idempotent), ``no_handler`` (destination unknown to
+    ``needs_human`` (no lookup and not idempotent), ``past_key_ttl`` (not found, or idempotent
+    without a lookup, but a call is older than the destination's ``key_ttl``: parked for a human,
+    never retried automatically), ``no_handler`` (destination unknown to
     ``module``), ``raced`` (the row moved while we looked; someone else settled it).
     """
     _require_autocommit(conn, "resolve_unknown")
@@ -342,6 +412,7 @@ def resolve_unknown(
                         deadline=deadline,
                         result="no_lookup_idempotent",
                         error="outcome unknown; retried, the destination is idempotent",
+                        settled=outcomes.IDEMPOTENT_RETRY,
                     )
                     counts[state or "raced"] += 1
                     continue
@@ -420,6 +491,7 @@ def resolve_unknown(
                     result="not_found",
                     # Why the call was ambiguous stays on its attempt row.
                     error="lookup: the provider has no record of the call",
+                    settled=outcomes.LOOKUP_NOT_FOUND,
                 )
                 counts[state or "raced"] += 1
     finally:

@@ -293,7 +293,7 @@ def test_replay_refuses_rows_that_are_not_failed_and_leaves_them_untouched(clean
     make_unknown(clean, unknown)
     before_sent, before_unknown = snapshot(clean, sent), snapshot(clean, unknown)
 
-    code, out, err = run(clean, capsys, "replay", str(failed), str(sent), str(unknown), "999")
+    code, out, err = run(clean, capsys, "replay", str(failed), str(sent), str(unknown), "999", "--yes")
     assert code == 1
     assert f"row {failed} replayed" in out
     assert f"row {sent} is sent, only failed rows can be replayed" in err
@@ -341,14 +341,14 @@ def test_replay_a_whole_destination(clean, engine, capsys):
     make_sent(clean, ok)
 
     code, out, _ = run(
-        clean, capsys, "replay", "--destination", "payments.charge", "--reason", "provider fixed"
+        clean, capsys, "replay", "--destination", "payments.charge", "--reason", "provider fixed", "--yes"
     )
     assert code == 0
     assert "replayed 3 failed row(s) of payments.charge" in out
     assert [row(clean, i)["state"] for i in charges] == ["pending"] * 3
     assert row(clean, mail)["state"] == "failed" and row(clean, ok)["state"] == "sent"
 
-    code, out, _ = run(clean, capsys, "replay", "--destination", "payments.charge", "--json")
+    code, out, _ = run(clean, capsys, "replay", "--destination", "payments.charge", "--json", "--yes")
     assert code == 0 and json.loads(out)["replayed"] == 0
 
     code, _, err = run(clean, capsys, "replay", "--destination", "nope")
