@@ -644,7 +644,9 @@ def purge(
     purged, batches = _batches(move, max_batches, PURGE_BATCH)
     counts = {"purged": purged, "batches": batches} if purged else {}
     if ledger_horizon_seconds is not None:
-        drop = {"horizon": float(ledger_horizon_seconds), "limit": LEDGER_DROP_BATCH}
+        # Never shorter than the retention: an entry must outlive the row it stands for.
+        horizon = max(float(ledger_horizon_seconds), float(retention_seconds))
+        drop = {"horizon": horizon, "limit": LEDGER_DROP_BATCH}
         dropped, _ = _batches(
             lambda: conn.execute(_DROP_LEDGER, drop).rowcount, max_batches, LEDGER_DROP_BATCH
         )

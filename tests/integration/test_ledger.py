@@ -392,6 +392,8 @@ def test_horizon_setting_and_flag(clean, monkeypatch, capsys) -> None:
     assert settings.from_env({"OUTBOX_LEDGER_HORIZON": "30d"}).ledger_horizon_seconds == 30 * 86400.0
     with pytest.raises(ConfigError, match="OUTBOX_LEDGER_HORIZON"):
         settings.from_env({"OUTBOX_LEDGER_HORIZON": "1d"})  # shorter than the 7 d retention
+    # A long retention without a horizon of its own moves the default horizon up, not an error.
+    assert settings.from_env({"OUTBOX_RETENTION": "180d"}).ledger_horizon_seconds == 180 * 86400.0
     monkeypatch.setenv("OUTBOX_DATABASE_URL", clean.database_url)
     monkeypatch.setenv("OUTBOX_REDIS_URL", clean.redis_url)
     assert main(["reconcile", "no.such.module", "--ledger-horizon", "2d", "--once"]) == 2
