@@ -165,6 +165,10 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
         if raw is not None and raw != "":
             values[field_name] = _parse(fields[field_name], name, raw)
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if "ledger_horizon_seconds" not in values and "retention_seconds" in values:
+        # A deployment that already keeps rows longer than the default horizon keeps working:
+        # the ledger then starts where the rows end.
+        values["ledger_horizon_seconds"] = max(Settings.ledger_horizon_seconds, values["retention_seconds"])
     settings = Settings(**values)
     if not isinstance(settings.namespace, str) or not _NAMESPACE_RE.match(settings.namespace):
         raise ConfigError(

@@ -620,6 +620,11 @@ def redispatch(
 # The row moves into the key ledger in the statement that deletes it: no moment exists where the
 # key is in neither table (the insert guard would let a new row for it through). Its fence rows
 # are read here, in the statement's snapshot, before the cascade removes them.
+#
+# A transaction whose snapshot predates a row's insertion sees neither the row nor its ledger
+# entry, so the guard cannot stop it from inserting the key again; such a snapshot is older than
+# the row's completed_at. Rows completed after the oldest open client transaction began wait for
+# it to end. (Sessions of other roles show no xact_start without pg_read_all_stats.)
 _PURGE = """
 WITH gone AS (
     DELETE FROM outbox_message
@@ -627,6 +632,11 @@ WITH gone AS (
         SELECT id FROM outbox_message
         WHERE state IN ('sent', 'cancelled')
           AND completed_at < now() - %(retention)s * interval '1 second'
+          AND completed_at < COALESCE(
+              (SELECT min(xact_start) FROM pg_stat_activity
+               WHERE datname = current_database() AND backend_type = 'client backend'
+                 AND pid <> pg_backend_pid()),
+              'infinity')
         ORDER BY completed_at
         LIMIT %(limit)s
     )
@@ -716,7 +726,9 @@ def purge(
     purged, batches = _batches(move, max_batches, PURGE_BATCH)
     counts = {"purged": purged, "batches": batches} if purged else {}
     if ledger_horizon_seconds is not None:
-        drop = {"horizon": float(ledger_horizon_seconds), "limit": LEDGER_DROP_BATCH}
+        # Never shorter than the retention: an entry must outlive the row it stands for.
+        horizon = max(float(ledger_horizon_seconds), float(retention_seconds))
+        drop = {"horizon": horizon, "limit": LEDGER_DROP_BATCH}
         dropped, _ = _batches(
             lambda: conn.execute(_DROP_LEDGER, drop).rowcount, max_batches, LEDGER_DROP_BATCH
         )

@@ -54,8 +54,9 @@ def make_sent(
 
 
 def purge(services: Any, **kwargs: Any) -> dict[str, int]:
+    kwargs = {"retention_seconds": RETENTION, "ledger_horizon_seconds": HORIZON, **kwargs}
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        return jobs.purge(conn, retention_seconds=RETENTION, ledger_horizon_seconds=HORIZON, **kwargs)
+        return jobs.purge(conn, **kwargs)
 
 
 def live_rows(services: Any, key: str) -> list[tuple[Any, ...]]:
@@ -274,6 +275,22 @@ def test_purge_commits_after_a_repeatable_read_snapshot(clean, engine) -> None:
     assert ledger(clean, "race:2") is not None
 
 
+def test_a_snapshot_older_than_the_row_holds_its_purge_back(clean, engine) -> None:
+    """A REPEATABLE READ snapshot taken before the row was even written sees neither the row nor
+    its ledger entry: the purge waits for that transaction instead."""
+    with engine.connect() as c:
+        c = c.execution_options(isolation_level="REPEATABLE READ")
+        with c.begin():
+            c.execute(text("SELECT 1"))  # the snapshot, before the row exists
+            original = write_committed(engine, "race:4")
+            make_sent(clean, original.id, days_ago=0)
+            # Completed after the writer's transaction began: not purged while it is open.
+            assert purge(clean, retention_seconds=0.0) == {}
+            assert live_rows(clean, "race:4") == [(original.id, "sent")]
+    assert purge(clean, retention_seconds=0.0)["purged"] == 1
+    assert write_committed(engine, "race:4") == outbox.Written(original.id, False)
+
+
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_purge_in_progress_while_the_writer_inserts(clean, engine, isolation) -> None:
     """The purge has deleted the row but not committed; the writer inserts, then the purge
@@ -392,6 +409,8 @@ def test_horizon_setting_and_flag(clean, monkeypatch, capsys) -> None:
     assert settings.from_env({"OUTBOX_LEDGER_HORIZON": "30d"}).ledger_horizon_seconds == 30 * 86400.0
     with pytest.raises(ConfigError, match="OUTBOX_LEDGER_HORIZON"):
         settings.from_env({"OUTBOX_LEDGER_HORIZON": "1d"})  # shorter than the 7 d retention
+    # A long retention without a horizon of its own moves the default horizon up, not an error.
+    assert settings.from_env({"OUTBOX_RETENTION": "180d"}).ledger_horizon_seconds == 180 * 86400.0
     monkeypatch.setenv("OUTBOX_DATABASE_URL", clean.database_url)
     monkeypatch.setenv("OUTBOX_REDIS_URL", clean.redis_url)
     assert main(["reconcile", "no.such.module", "--ledger-horizon", "2d", "--once"]) == 2
