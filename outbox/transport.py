@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import redis
@@ -70,16 +71,60 @@ def publish_rows(client: redis.Redis, namespace: str, rows: Iterable[tuple[int, 
     about 2 µs per row, network and Redis included. The bytes stored are exactly those of
     :func:`encode_message` (the tests compare them).
     """
-    payload, replies, count = _pack(namespace, rows, int(time.time() * 1000))
-    if count:
-        _send_packed(client, payload, replies)
-    return count
+    published = publish_batch(client, namespace, rows)
+    if published.failed:
+        raise next(iter(published.failed.values()))
+    return published.count
+
+
+@dataclass
+class Published:
+    """What :func:`publish_batch` did: messages enqueued, and the destinations whose commands
+    Redis refused (with its error), none of whose messages stay in Redis."""
+
+    count: int = 0
+    failed: dict[str, redis.ResponseError] = field(default_factory=dict)
+
+
+def publish_batch(
+    client: redis.Redis, namespace: str, rows: Iterable[tuple[int, str, datetime]]
+) -> Published:
+    """:func:`publish_rows`, destination by destination: a destination whose key Redis refuses
+    (WRONGTYPE on a key somebody else created, say) is reported in ``failed`` instead of failing
+    the batch, so that the caller still marks the other destinations' rows dispatched. What the
+    refused destination's half-done commands left (its hash entries when only the RPUSH failed,
+    its list entries when only the HSET did) is removed, best effort, before returning. A
+    connection error still raises: then nothing is known about any destination."""
+    payload, replies, count, queues = _pack(namespace, rows, int(time.time() * 1000))
+    if not count:
+        return Published()
+    errors = _send_packed(client, payload, replies)
+    failed: dict[str, redis.ResponseError] = {}
+    for i, (destination, queue) in enumerate(queues.items()):
+        error = errors[2 * i] or errors[2 * i + 1]
+        if error is not None:
+            failed[destination] = error
+            count -= len(queue.ids)
+    if failed:
+        _remove_partial(client, namespace, {d: queues[d].mids for d in failed})
+    return Published(count, failed)
+
+
+def _remove_partial(client: redis.Redis, namespace: str, mids: dict[str, list[str]]) -> None:
+    pipe = client.pipeline(transaction=False)
+    for destination, ids in mids.items():
+        key = queue_key(namespace, destination)
+        pipe.hdel(f"{key}.msgs", *ids)
+        for mid in ids:
+            pipe.lrem(key, 1, mid)
+    # The key Redis refused refuses these too; the others' results do not matter either.
+    pipe.execute(raise_on_error=False)
 
 
 class _Queue:
     """One destination of a batch: its message template and the protocol text built so far."""
 
-    __slots__ = ("fields", "fixed", "head", "ids", "tail")
+    __slots__ = ("fields", "fixed", "head", "ids", "mids", "tail")
 
     def __init__(self, destination: str, timestamp_ms: int) -> None:
         # json.dumps escapes every non-ASCII character, so the message is pure ASCII and its
@@ -89,6 +134,7 @@ class _Queue:
         self.fixed = len(self.head) + len(_MSG_OPTIONS) + len(_MSG_ID) + len(self.tail)
         self.fields: list[str] = []  # HSET field/value pairs, already in protocol form
         self.ids: list[str] = []  # RPUSH elements, already in protocol form
+        self.mids: list[str] = []  # the same ids, plain: to clean up after a refused command
 
 
 _MSG_OPTIONS = '],"kwargs":{},"options":{"redis_message_id":"'
@@ -102,9 +148,9 @@ def _bulk(value: str) -> bytes:
 
 def _pack(
     namespace: str, rows: Iterable[tuple[int, str, datetime]], timestamp_ms: int
-) -> tuple[bytes, int, int]:
+) -> tuple[bytes, int, int, dict[str, _Queue]]:
     """The Redis protocol for ``HSET ns:dest.msgs id msg …`` + ``RPUSH ns:dest id …`` per
-    destination: (bytes to send, replies to read, messages)."""
+    destination: (bytes to send, replies to read, messages, the queues in command order)."""
     queues: dict[str, _Queue] = {}
     suffixes: dict[datetime, str] = {}
     count = 0
@@ -124,6 +170,7 @@ def _pack(
             f"{queue.head}{rid}{_MSG_OPTIONS}{mid}{_MSG_ID}{mid}{queue.tail}\r\n"
         )
         queue.ids.append(field)
+        queue.mids.append(mid)
         count += 1
     parts: list[bytes] = []
     for destination, queue in queues.items():
@@ -133,38 +180,41 @@ def _pack(
         parts.append("".join(queue.fields).encode("ascii"))
         parts += (b"*%d\r\n$5\r\nRPUSH\r\n" % (2 + n), _bulk(key))
         parts.append("".join(queue.ids).encode("ascii"))
-    return b"".join(parts), 2 * len(queues), count
+    return b"".join(parts), 2 * len(queues), count, queues
 
 
-def _send_packed(client: redis.Redis, payload: bytes, replies: int) -> None:
+def _send_packed(client: redis.Redis, payload: bytes, replies: int) -> list[redis.ResponseError | None]:
     """Send pre-packed commands on a pooled connection and read every reply, as redis-py's
-    pipeline does (same retry policy, connection dropped on a transport error); raises the
-    first error reply after reading them all, so the socket never desyncs."""
+    pipeline does (same retry policy, connection dropped on a transport error); returns each
+    reply's error (None: it succeeded), read to the last one so that the socket never desyncs."""
     pool = client.connection_pool
     try:
         conn = pool.get_connection()
     except TypeError:  # redis-py < 5.3 requires a command name, which its pools ignore
         conn = pool.get_connection("HSET")
 
-    def send() -> redis.ResponseError | None:
+    def send() -> list[redis.ResponseError | None]:
         conn.send_packed_command([payload])
-        first: redis.ResponseError | None = None
+        errors: list[redis.ResponseError | None] = []
         for _ in range(replies):
             try:
                 conn.read_response()
             except redis.ResponseError as exc:
-                first = first or exc
-        return first
+                errors.append(exc)
+            else:
+                errors.append(None)
+        return errors
 
     try:
-        error = conn.retry.call_with_retry(send, lambda _exc: conn.disconnect())
+        result: list[redis.ResponseError | None] = conn.retry.call_with_retry(
+            send, lambda _exc: conn.disconnect()
+        )
     except BaseException:
         conn.disconnect()
         raise
     finally:
         pool.release(conn)
-    if error is not None:
-        raise error
+    return result
 
 
 def messages_present(
