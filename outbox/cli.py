@@ -162,6 +162,7 @@ def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
         queues=args.queues,
         threads=args.threads,
         stop=stop,
+        heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
     )
 
 

@@ -232,6 +232,75 @@ def messages_present(
     return [bool(x) for x in pipe.execute()]
 
 
+#: Queue entries a whereabouts check reads at most per destination and run; past it, a message
+#: not seen yet is taken to be waiting (never re-published on a guess).
+MAX_QUEUE_SCAN = 100_000
+_SCAN_CHUNK = 1000
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def broker_workers(client: redis.Redis, namespace: str) -> list[str]:
+    """Dramatiq's worker ids in ``ns:__heartbeats__``: every broker that ever fetched, until
+    Dramatiq's maintenance forgets a dead one, which it does only once its ack sets are gone."""
+    members: list[bytes] = client.zrange(f"{namespace}:__heartbeats__", 0, -1)  # type: ignore[assignment]
+    return [_text(w) for w in members]
+
+
+def fetched_ids(
+    client: redis.Redis, namespace: str, destinations: Iterable[str], workers: list[str]
+) -> dict[str, set[str]]:
+    """Per destination, the message ids a worker fetched and has not acked: the members of
+    Dramatiq's ack sets ``ns:__acks__.<worker>.<queue>`` (a fetch moves an id from the queue
+    list to its worker's ack set; an ack or nack removes it and the message)."""
+    names = list(destinations)
+    pipe = client.pipeline(transaction=False)
+    for d in names:
+        for w in workers:
+            pipe.smembers(f"{namespace}:__acks__.{w}.{d}")
+    replies = iter(pipe.execute()) if names and workers else iter(())
+    return {d: {_text(m) for w in workers for m in next(replies)} for d in names}
+
+
+def queued_ids(
+    client: redis.Redis, namespace: str, destination: str, wanted: set[str], max_scan: int = MAX_QUEUE_SCAN
+) -> tuple[set[str], bool]:
+    """Which of ``wanted`` wait in the destination's queue list: (found, whether the whole list
+    was read). Read from the head, where the oldest messages are, and stops as soon as all are
+    found, so a check of a healthy backlog's oldest messages reads about as many entries as it
+    asks about."""
+    key = queue_key(namespace, destination)
+    found: set[str] = set()
+    start = 0
+    while start < max_scan:
+        chunk = client.lrange(key, start, start + _SCAN_CHUNK - 1)
+        found.update(m for m in (_text(x) for x in chunk) if m in wanted)
+        if len(found) == len(wanted) or len(chunk) < _SCAN_CHUNK:
+            return found, len(chunk) < _SCAN_CHUNK or len(found) == len(wanted)
+        start += _SCAN_CHUNK
+    return found, False
+
+
+def remove_messages(
+    client: redis.Redis, namespace: str, destination: str, mids: list[str], workers: list[str]
+) -> None:
+    """Take messages out of Redis for good, atomically (MULTI): the body first, so that neither
+    Dramatiq's dead-worker maintenance nor a worker's requeue puts the id back (both check the
+    body exists), then the id from the queue list and from every worker's ack set."""
+    if not mids:
+        return
+    key = queue_key(namespace, destination)
+    pipe = client.pipeline(transaction=True)
+    pipe.hdel(f"{key}.msgs", *mids)
+    for mid in mids:
+        pipe.lrem(key, 0, mid)
+    for w in workers:
+        pipe.srem(f"{namespace}:__acks__.{w}.{destination}", *mids)
+    pipe.execute()
+
+
 def queue_lengths(client: redis.Redis, namespace: str, destinations: Iterable[str]) -> dict[str, int]:
     names = list(destinations)
     pipe = client.pipeline(transaction=False)

@@ -474,19 +474,27 @@ def redispatch(
     max_batches: int = DEFAULT_REDISPATCH_MAX_BATCHES,
     stop: threading.Event | None = None,
 ) -> dict[str, int]:
-    """Send `dispatched` rows whose message is lost back to `pending`, so the relay publishes
-    them again.
+    """Send `dispatched` rows whose message is gone, or whose message's fate cannot be known,
+    back to `pending`, so the relay publishes them again; a re-publication replaces the old
+    message, it never adds a copy.
 
-    A row's message is looked up in Redis by its deterministic id. Missing (Redis flushed or
-    restarted, or the message dead-lettered) → re-queued now. Present but older than
-    ``redispatch_after_seconds`` (a dead worker's prefetched message) → re-queued too; a second
-    copy is harmless, the claim fences it. Present and younger → left alone: a long queue is not
-    a lost message. A row whose destination has no handler in ``module`` is treated the same and
-    only reported: during a rolling deploy it may belong to a newer (or older) version's workers,
-    and re-publishing calls no provider, while failing it would need a replay.
+    Where a row's message is, from Dramatiq's Redis layout (its id is deterministic):
 
-    Counts: ``missing``, ``stale``, ``waiting`` (left alone), ``raced``, and ``no_handler`` (rows
-    also counted above whose destination ``module`` does not declare).
+    - no body in ``Q.msgs`` → gone (Redis flushed or restarted, dead-lettered): re-queued now
+      (``missing``);
+    - its id in the queue list ``Q`` → waiting: left alone whatever its age (``waiting``); a
+      long queue, or a queue no worker consumes, is not a lost message, and the "no consumer"
+      alert (:func:`no_consumer`) is what tells a human about the latter;
+    - its body there but its id not in the list: a worker fetched it (it is in that worker's
+      ack set) and neither ran nor acked it, or only the body survived. Younger than
+      ``redispatch_after_seconds`` → left alone (``waiting``); older → unknowable (the worker
+      died, or is stuck): the message is removed from Redis (body, list, ack sets) and then the
+      row is re-queued (``unacked``).
+
+    A row whose destination has no handler in ``module`` is treated the same and only reported
+    (``no_handler``): during a rolling deploy it may belong to a newer (or older) version's
+    workers, and re-publishing calls no provider, while failing it would need a replay.
+    Counts: ``missing``, ``unacked``, ``waiting``, ``raced``, ``no_handler``.
     A Redis error raises: an unreachable Redis never means "the message is gone".
     """
     _require_autocommit(conn, "redispatch")
@@ -494,6 +502,7 @@ def redispatch(
     orphans: Counter[str] = Counter()
     after_at: datetime | None = None
     after_id = 0
+    workers: list[str] | None = None
     for _ in range(max_batches):
         if stop is not None and stop.is_set():
             break
@@ -512,32 +521,54 @@ def redispatch(
         after_at, after_id = rows[-1][2], rows[-1][0]
 
         orphans.update(destination for _, destination, _, _ in rows if destination not in handlers)
+        mids = [transport.message_id(row_id, at) for row_id, _, at, _ in rows]
         present = transport.messages_present(
-            redis_client,
-            namespace,
-            ((destination, transport.message_id(row_id, at)) for row_id, destination, at, _ in rows),
+            redis_client, namespace, ((r[1], mid) for r, mid in zip(rows, mids, strict=True))
         )
         missing = [(r[0], r[2]) for r, p in zip(rows, present, strict=True) if not p]
-        stale = [(r[0], r[2]) for r, p in zip(rows, present, strict=True) if p and r[3]]
+        # Old enough to ask where its message is: is it still in its queue list?
+        old: dict[str, list[tuple[int, datetime, str]]] = {}
+        for r, mid, p in zip(rows, mids, present, strict=True):
+            if p and r[3]:
+                old.setdefault(r[1], []).append((r[0], r[2], mid))
+        unacked: list[tuple[int, datetime]] = []
+        if old:
+            if workers is None:
+                workers = transport.broker_workers(redis_client, namespace)
+            fetched = transport.fetched_ids(redis_client, namespace, old, workers)
+            for destination, candidates in old.items():
+                not_fetched = {mid for _, _, mid in candidates if mid not in fetched[destination]}
+                queued, certain = (
+                    transport.queued_ids(redis_client, namespace, destination, not_fetched)
+                    if not_fetched
+                    else (set(), True)
+                )
+                gone = [
+                    c for c in candidates if c[2] not in queued and (c[2] in fetched[destination] or certain)
+                ]
+                transport.remove_messages(
+                    redis_client, namespace, destination, [mid for _, _, mid in gone], workers
+                )
+                unacked += [(row_id, at) for row_id, at, _ in gone]
         moved_missing = _requeue(conn, missing)
-        moved_stale = _requeue(conn, stale)
+        moved_unacked = _requeue(conn, unacked)
         counts["missing"] += moved_missing
-        counts["stale"] += moved_stale
-        counts["waiting"] += len(rows) - len(missing) - len(stale)
-        counts["raced"] += len(missing) - moved_missing + len(stale) - moved_stale
+        counts["unacked"] += moved_unacked
+        counts["waiting"] += len(rows) - len(missing) - len(unacked)
+        counts["raced"] += len(missing) - moved_missing + len(unacked) - moved_unacked
         if len(rows) < batch_size:
             break
     for destination, count in sorted(orphans.items()):
         counts["no_handler"] += count
         logger.warning(
             "%s dispatched outbox rows of destination %s: no handler in %s; deploy one (or a worker "
-            "for it) — they are re-published, never failed, by this reconciler",
+            "for it) — they wait in their queue, never failed by this reconciler",
             count,
             destination,
             module,
             extra={"destination": destination, "rows": count},
         )
-    if counts["missing"] or counts["stale"]:
+    if counts["missing"] or counts["unacked"]:
         # The relay sleeps until NOTIFY or its poll interval; wake it for the re-queued rows.
         conn.execute("SELECT pg_notify(%s, '')", (NOTIFY_CHANNEL,))
     return _nonzero(counts)
