@@ -247,7 +247,8 @@ def test_a_message_fetched_by_a_worker_that_died_is_replaced_not_copied(clean, e
     # Older: unknowable. Removed from Redis (body and ack set), then the rows are re-queued.
     counts = redispatch(db, redis_client, registry(), redispatch_after_seconds=0.001, **args)
     assert counts == {"unacked": 2, "waiting": 1}
-    assert sorted(state for state, _ in dispatched_at(db, ids).values()) == ["dispatched", "pending", "pending"]
+    after = sorted(state for state, _ in dispatched_at(db, ids).values())
+    assert after == ["dispatched", "pending", "pending"]
     assert copies(redis_client, ns, DEST) == (1, 1)
     assert not any(redis_client.smembers(k) for k in redis_client.scan_iter(f"{ns}:__acks__.*"))
     assert relay_once(clean) == 2
