@@ -788,7 +788,9 @@ def _status_arguments(p: argparse.ArgumentParser) -> None:
         Counts of outbox rows by destination and state, the unknown and failed counts, the total,
         and the oldest pending age: how long the longest-waiting *due* pending row has been due
         (rows waiting out a retry backoff are not late). A growing oldest pending age means no
-        relay is publishing. Read-only.
+        relay is publishing. Then one line per destination with rows waiting (pending or
+        dispatched) and no live worker serving its queue, from the workers' heartbeats:
+        "no consumer for D since T, K rows waiting" (JSON: no_consumer). Read-only.
         """,
     )
     _add_database_url(p)

@@ -631,6 +631,9 @@ def test_two_reconcilers_at_once_act_once_per_job(clean, engine, db, provider, r
         "redispatch": {"missing": 3},
         "purge": {"purged": 5, "batches": 1},
         "alerts": {"alerts": 2},
+        # No worker heartbeat in this test: its waiting rows' destination has no consumer (one
+        # destination, alerted only after OUTBOX_NO_CONSUMER_CYCLES runs).
+        "no_consumer": {"no_consumer": 1},
     }
     # No row moved twice: one fence closing per expired claim, one lookup entry per resolved row,
     # one alert per failed row.
