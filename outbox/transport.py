@@ -242,49 +242,78 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def broker_workers(client: redis.Redis, namespace: str) -> list[str]:
-    """Dramatiq's worker ids in ``ns:__heartbeats__``: every broker that ever fetched, until
-    Dramatiq's maintenance forgets a dead one, which it does only once its ack sets are gone."""
-    members: list[bytes] = client.zrange(f"{namespace}:__heartbeats__", 0, -1)  # type: ignore[assignment]
-    return [_text(w) for w in members]
+#: Dramatiq's ``DEFAULT_HEARTBEAT_TIMEOUT``: a worker whose last Redis command is older than this
+#: is dead to Dramatiq too (its maintenance then gives the worker's fetched messages back).
+DRAMATIQ_HEARTBEAT_TIMEOUT_MS = 60_000
+
+
+def broker_workers(client: redis.Redis, namespace: str) -> dict[str, bool]:
+    """Dramatiq's worker ids in ``ns:__heartbeats__``, each with whether it is alive: every
+    broker that ever fetched stays there until Dramatiq's maintenance forgets a dead one, which
+    it does only once its ack sets are gone. The score is the worker's clock at its last command
+    (a consumer polls every second or so while it can take work); it is compared with Redis's
+    clock, a skew far below the 60 s timeout."""
+    members: list[tuple[bytes, float]] = client.zrange(  # type: ignore[assignment]
+        f"{namespace}:__heartbeats__", 0, -1, withscores=True
+    )
+    seconds, micros = client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    return {_text(w): now_ms - score < DRAMATIQ_HEARTBEAT_TIMEOUT_MS for w, score in members}
 
 
 def fetched_ids(
-    client: redis.Redis, namespace: str, destinations: Iterable[str], workers: list[str]
-) -> dict[str, set[str]]:
-    """Per destination, the message ids a worker fetched and has not acked: the members of
-    Dramatiq's ack sets ``ns:__acks__.<worker>.<queue>`` (a fetch moves an id from the queue
-    list to its worker's ack set; an ack or nack removes it and the message)."""
-    names = list(destinations)
+    client: redis.Redis, namespace: str, destinations: Iterable[str], workers: Iterable[str]
+) -> dict[str, dict[str, str]]:
+    """Per destination, the message ids a worker fetched and has not acked, each with that
+    worker: the members of Dramatiq's ack sets ``ns:__acks__.<worker>.<queue>`` (a fetch moves
+    an id from the queue list to its worker's ack set; an ack or nack removes it and the
+    message)."""
+    names, ids = list(destinations), list(workers)
     pipe = client.pipeline(transaction=False)
     for d in names:
-        for w in workers:
+        for w in ids:
             pipe.smembers(f"{namespace}:__acks__.{w}.{d}")
-    replies = iter(pipe.execute()) if names and workers else iter(())
-    return {d: {_text(m) for w in workers for m in next(replies)} for d in names}
+    replies = iter(pipe.execute()) if names and ids else iter(())
+    found: dict[str, dict[str, str]] = {d: {} for d in names}
+    for d in names:
+        for w in ids:
+            found[d].update((_text(m), w) for m in next(replies))
+    return found
 
 
 def queued_ids(
     client: redis.Redis, namespace: str, destination: str, wanted: set[str], max_scan: int = MAX_QUEUE_SCAN
-) -> tuple[set[str], bool]:
-    """Which of ``wanted`` wait in the destination's queue list: (found, whether the whole list
-    was read). Read from the head, where the oldest messages are, and stops as soon as all are
-    found, so a check of a healthy backlog's oldest messages reads about as many entries as it
-    asks about."""
+) -> tuple[set[str], set[str]]:
+    """Which of ``wanted`` wait in the destination's queue list: (found, certainly absent).
+    Read from the head, where the oldest messages are, stopping as soon as all are found, so a
+    check of a healthy backlog's oldest messages reads about as many entries as it asks about.
+    The chunks are not one snapshot (workers pop the head meanwhile), so an id not seen is only
+    called absent once LPOS, which is atomic, says so too; past ``max_scan`` entries, the rest
+    are neither."""
     key = queue_key(namespace, destination)
     found: set[str] = set()
     start = 0
     while start < max_scan:
         chunk = client.lrange(key, start, start + _SCAN_CHUNK - 1)
         found.update(m for m in (_text(x) for x in chunk) if m in wanted)
-        if len(found) == len(wanted) or len(chunk) < _SCAN_CHUNK:
-            return found, len(chunk) < _SCAN_CHUNK or len(found) == len(wanted)
+        if len(found) == len(wanted):
+            return found, set()
+        if len(chunk) < _SCAN_CHUNK:
+            break
         start += _SCAN_CHUNK
-    return found, False
+    else:
+        return found, set()
+    unseen = sorted(wanted - found)
+    pipe = client.pipeline(transaction=False)
+    for mid in unseen:
+        pipe.lpos(key, mid)
+    positions = pipe.execute()
+    found.update(mid for mid, pos in zip(unseen, positions, strict=True) if pos is not None)
+    return found, {mid for mid, pos in zip(unseen, positions, strict=True) if pos is None}
 
 
 def remove_messages(
-    client: redis.Redis, namespace: str, destination: str, mids: list[str], workers: list[str]
+    client: redis.Redis, namespace: str, destination: str, mids: list[str], workers: Iterable[str]
 ) -> None:
     """Take messages out of Redis for good, atomically (MULTI): the body first, so that neither
     Dramatiq's dead-worker maintenance nor a worker's requeue puts the id back (both check the

@@ -486,10 +486,11 @@ def redispatch(
       long queue, or a queue no worker consumes, is not a lost message, and the "no consumer"
       alert (:func:`no_consumer`) is what tells a human about the latter;
     - its body there but its id not in the list: a worker fetched it (it is in that worker's
-      ack set) and neither ran nor acked it, or only the body survived. Younger than
-      ``redispatch_after_seconds`` → left alone (``waiting``); older → unknowable (the worker
-      died, or is stuck): the message is removed from Redis (body, list, ack sets) and then the
-      row is re-queued (``unacked``).
+      ack set) and has not acked it, or only the body survived. Fetched by a live worker
+      (Dramatiq heartbeat within 60 s), or younger than ``redispatch_after_seconds`` → left
+      alone (``waiting``). Older, and fetched by a dead worker or by none → unknowable: the
+      message is removed from Redis (body, list, ack sets) and then the row is re-queued
+      (``unacked``).
 
     A row whose destination has no handler in ``module`` is treated the same and only reported
     (``no_handler``): during a rolling deploy it may belong to a newer (or older) version's
@@ -502,7 +503,7 @@ def redispatch(
     orphans: Counter[str] = Counter()
     after_at: datetime | None = None
     after_id = 0
-    workers: list[str] | None = None
+    workers: dict[str, bool] | None = None
     for _ in range(max_batches):
         if stop is not None and stop.is_set():
             break
@@ -537,14 +538,18 @@ def redispatch(
                 workers = transport.broker_workers(redis_client, namespace)
             fetched = transport.fetched_ids(redis_client, namespace, old, workers)
             for destination, candidates in old.items():
-                not_fetched = {mid for _, _, mid in candidates if mid not in fetched[destination]}
-                queued, certain = (
-                    transport.queued_ids(redis_client, namespace, destination, not_fetched)
+                held = fetched[destination]
+                # Fetched by a live worker: it will run it (its claim fences a duplicate anyway).
+                not_fetched = {mid for _, _, mid in candidates if mid not in held}
+                absent = (
+                    transport.queued_ids(redis_client, namespace, destination, not_fetched)[1]
                     if not_fetched
-                    else (set(), True)
+                    else set()
                 )
                 gone = [
-                    c for c in candidates if c[2] not in queued and (c[2] in fetched[destination] or certain)
+                    c
+                    for c in candidates
+                    if (c[2] in held and not workers.get(held[c[2]], False)) or c[2] in absent
                 ]
                 transport.remove_messages(
                     redis_client, namespace, destination, [mid for _, _, mid in gone], workers

@@ -241,9 +241,14 @@ def test_a_message_fetched_by_a_worker_that_died_is_replaced_not_copied(clean, e
     finally:
         broker.client.connection_pool.disconnect()
     assert len(fetched) == 2 and copies(redis_client, ns, DEST) == (1, 3)
-    # Younger than OUTBOX_REDISPATCH_AFTER: the worker may still run them; left alone.
+    # Younger than OUTBOX_REDISPATCH_AFTER, or held by a live worker: it may still run them.
     args = dict(namespace=ns, grace_seconds=0)
     assert redispatch(db, redis_client, registry(), redispatch_after_seconds=3600, **args) == {"waiting": 3}
+    assert redispatch(db, redis_client, registry(), redispatch_after_seconds=0.001, **args) == {"waiting": 3}
+    # The worker dies: no Redis command for two minutes, as Dramatiq's heartbeats record it.
+    heartbeats = f"{ns}:__heartbeats__"
+    seconds, _ = redis_client.time()
+    redis_client.zadd(heartbeats, {broker.broker_id: (seconds - 120) * 1000})
     # Older: unknowable. Removed from Redis (body and ack set), then the rows are re-queued.
     counts = redispatch(db, redis_client, registry(), redispatch_after_seconds=0.001, **args)
     assert counts == {"unacked": 2, "waiting": 1}
