@@ -162,6 +162,7 @@ def cmd_worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
         queues=args.queues,
         threads=args.threads,
         stop=stop,
+        heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
     )
 
 
@@ -225,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Dramatiq worker for the @outbox.handler functions declared in MODULE: one queue per "
             "destination. Each message is claimed, handled, recorded and only then acked. "
-            "SIGTERM finishes the messages in hand."
+            "Each process records a heartbeat (queues served, its clock) in the database every "
+            "OUTBOX_HEARTBEAT_INTERVAL (default 5 s), read by `outbox status`, `outbox doctor` "
+            "and the reconciler's no-consumer alert. SIGTERM finishes the messages in hand."
         ),
     )
     _connection_flags(p)

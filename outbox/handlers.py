@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from .exceptions import ConfigError
-from .validation import DESTINATION_RE
+from .validation import destination_problem
 
 DEFAULT_TIME_LIMIT_SECONDS = 30.0
 DEFAULT_MAX_ATTEMPTS = 5
@@ -144,8 +144,9 @@ def handler(
     ``idempotent=True`` says the provider deduplicates on our Idempotency-Key, which makes an
     ambiguous outcome safe to retry. The total of the backoffs must stay under ``key_ttl``.
     """
-    if not isinstance(destination, str) or not DESTINATION_RE.match(destination):
-        raise ConfigError(f"handler destination {destination!r} must match [A-Za-z_][A-Za-z0-9._-]*")
+    problem = destination_problem(destination)
+    if problem is not None:
+        raise ConfigError(f"handler {problem}")
     if not time_limit or time_limit <= 0:
         raise ConfigError(f"handler {destination}: time_limit must be > 0 seconds, got {time_limit!r}")
     if not isinstance(max_attempts, int) or max_attempts < 1:

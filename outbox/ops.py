@@ -18,6 +18,7 @@ import getpass
 import hashlib
 import json
 import os
+import shlex
 import sys
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
@@ -29,15 +30,17 @@ from uuid import UUID
 
 from sqlalchemy import Connection, text
 
-from . import outcomes, settings, states
+from . import heartbeat, outcomes, settings, states
 from .audit import AuditReport, audit, format_table, parse_since
 from .exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
+from .heartbeat import NoConsumer
 from .schema import NOTIFY_CHANNEL
 
 __all__ = [
     "COMMANDS",
     "ActionResult",
     "AuditReport",
+    "CancelPlan",
     "ListedRow",
     "ReplayCandidate",
     "ReplayPlan",
@@ -45,6 +48,7 @@ __all__ = [
     "RowList",
     "StatusReport",
     "audit",
+    "cancel_rows",
     "execute_replay",
     "list_rows",
     "plan_replay",
@@ -80,6 +84,8 @@ class StatusReport:
     counts: dict[str, dict[str, int]]
     #: destination → seconds the oldest due `pending` row has waited (None: none due).
     oldest_pending_age: dict[str, float | None]
+    #: Destinations with rows waiting and no live worker heartbeat serving their queue.
+    no_consumer: list[NoConsumer] = field(default_factory=list)
 
     def totals(self) -> dict[str, int]:
         return {s: sum(c[s] for c in self.counts.values()) for s in states.ALL}
@@ -106,6 +112,7 @@ class StatusReport:
             "failed": totals[states.FAILED],
             "total": self.total,
             "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
+            "no_consumer": [n.to_dict() for n in self.no_consumer],
         }
 
     def render(self) -> str:
@@ -124,11 +131,13 @@ class StatusReport:
             f"unknown: {totals[states.UNKNOWN]}   failed: {totals[states.FAILED]}   total: {self.total}   "
             f"oldest due pending row: {_age(self.oldest_pending_age_seconds) or 'none'}"
         )
-        return f"{table}\n\n{summary}"
+        gaps = "".join(f"\n{n.describe()}" for n in self.no_consumer)
+        return f"{table}\n\n{summary}{gaps}"
 
 
 def status(connection: Connection) -> StatusReport:
-    """Counts by destination and state and the age of the oldest due pending row."""
+    """Counts by destination and state, the age of the oldest due pending row, and the
+    destinations no live worker consumes (from the heartbeats in the database)."""
     generated_at = connection.execute(text("SELECT now()")).scalar_one()
     counts: dict[str, dict[str, int]] = {}
     ages: dict[str, float | None] = {}
@@ -138,7 +147,8 @@ def status(connection: Connection) -> StatusReport:
             ages[row.destination] = _seconds(row.oldest_pending_age)
     for d in counts:
         ages.setdefault(d, None)
-    return StatusReport(generated_at, counts, ages)
+    gaps = heartbeat.no_consumer(connection.execute(text(heartbeat.NO_CONSUMER_SQL)))
+    return StatusReport(generated_at, counts, ages, gaps)
 
 
 # -- show --------------------------------------------------------------------------------------------
@@ -886,6 +896,126 @@ def resolve(
     return ActionResult(row_id, True, f"row {row_id} resolved: unknown -> {to_state}")
 
 
+# -- cancel ------------------------------------------------------------------------------------------
+
+# The guard of outbox.cancel (outbox/write.py): only a row no consumer ever claimed. Once a call
+# was attempted it may have taken effect, and cancelling would hide a real charge.
+_CANCELLABLE = """state IN ('pending', 'dispatched')
+    AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id)"""
+
+_CANCEL_CANDIDATES = text(
+    f"""
+SELECT id, key, step, state, ({_CANCELLABLE}) AS cancellable
+FROM outbox_message
+WHERE destination = :destination AND state IN ('pending', 'dispatched', 'in_flight', 'unknown')
+  AND (CAST(:max_id AS bigint) IS NULL OR id <= CAST(:max_id AS bigint))
+ORDER BY id
+"""
+)
+
+_CANCEL_ROWS = text(
+    """
+UPDATE outbox_message
+SET state = 'cancelled', completed_at = now(), claim_token = NULL, last_error = :error,
+"""
+    + _HISTORY_ENTRY
+    + f" WHERE id = ANY(:ids) AND {_CANCELLABLE} RETURNING id"
+)
+
+
+@dataclass
+class CancelPlan:
+    """What ``outbox cancel`` did, or would do: rows cancelled (or to cancel) and rows refused."""
+
+    destination: str | None
+    applied: bool
+    #: (id, key, step, state before) of each row cancelled, or to be cancelled when not applied.
+    rows: list[tuple[int, str, str, str]]
+    #: (id, why) of each row that cannot be cancelled.
+    refused: list[tuple[int, str]]
+    #: The highest id previewed: ``--yes --max-id`` acts on no row written after the preview.
+    max_id: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "destination": self.destination,
+            "applied": self.applied,
+            "cancelled" if self.applied else "to_cancel": [
+                {"id": i, "key": k, "step": st, "state": state} for i, k, st, state in self.rows
+            ],
+            "refused": [{"id": i, "why": why} for i, why in self.refused],
+            "max_id": self.max_id,
+        }
+
+
+def _why_not_cancellable(state: str | None, row_id: int) -> str:
+    if state is None:
+        return f"no outbox row with id {row_id}"
+    if state in ("pending", "dispatched"):
+        return (
+            f"row {row_id} is {state} but was claimed before (it has fence rows): "
+            "a call may have taken effect"
+        )
+    return f"row {row_id} is {state}: only rows never claimed can be cancelled"
+
+
+def cancel_rows(
+    connection: Connection,
+    ids: Sequence[int] = (),
+    *,
+    destination: str | None = None,
+    reason: str,
+    by: str | None = None,
+    apply: bool = True,
+    max_id: int | None = None,
+) -> CancelPlan:
+    """Cancel rows no consumer ever claimed (the guard of :func:`outbox.cancel`), by id or every
+    such row of ``destination`` (with ids no higher than ``max_id`` when given). With
+    ``apply=False`` nothing changes: the plan says what would be cancelled and what is refused.
+    Each row moves in one guarded UPDATE; a row claimed since the preview is refused."""
+    if not reason or not reason.strip():
+        raise ConfigError("cancel needs --reason: why these rows will never be sent")
+    if bool(ids) == (destination is not None):
+        raise ConfigError("cancel takes row ids or --destination D, not both and not neither")
+    rows: list[tuple[int, str, str, str]] = []
+    refused: list[tuple[int, str]] = []
+    if destination is not None:
+        _require_destination(connection, destination)
+        for r in connection.execute(_CANCEL_CANDIDATES, {"destination": destination, "max_id": max_id}):
+            if r.cancellable:
+                rows.append((int(r.id), r.key, r.step, r.state))
+            else:
+                refused.append((int(r.id), _why_not_cancellable(r.state, int(r.id))))
+        wanted = [r[0] for r in rows]
+    else:
+        wanted = list(dict.fromkeys(ids))
+        if not apply:
+            raise ConfigError("a preview is for --destination; rows named by id are cancelled directly")
+        # Read only to report what each row was; the guarded UPDATE below decides.
+        found = connection.execute(
+            text("SELECT id, key, step, state FROM outbox_message WHERE id = ANY(:ids)"), {"ids": wanted}
+        )
+        rows = [(int(r.id), r.key, r.step, r.state) for r in found]
+    top = max([r[0] for r in rows] + [i for i, _ in refused], default=max_id) if destination else None
+    if not apply:
+        return CancelPlan(destination, False, rows, refused, top)
+    params = {
+        **_history_params("cancel", states.CANCELLED, by or default_actor(), reason),
+        "error": f"cancelled by an operator: {reason}",
+        "ids": wanted,
+    }
+    done = {int(r[0]) for r in connection.execute(_CANCEL_ROWS, params)}
+    details = {r[0]: r for r in rows}
+    cancelled: list[tuple[int, str, str, str]] = []
+    for row_id in wanted:
+        if row_id in done:
+            cancelled.append(details[row_id])
+        else:
+            state = connection.execute(_STATE_OF, {"id": row_id}).scalar_one_or_none()
+            refused.append((row_id, _why_not_cancellable(state, row_id)))
+    return CancelPlan(destination, True, cancelled, sorted(refused), top)
+
+
 # -- formatting helpers ------------------------------------------------------------------------------
 
 
@@ -1008,7 +1138,9 @@ def _status_arguments(p: argparse.ArgumentParser) -> None:
         Counts of outbox rows by destination and state, the unknown and failed counts, the total,
         and the oldest pending age: how long the longest-waiting *due* pending row has been due
         (rows waiting out a retry backoff are not late). A growing oldest pending age means no
-        relay is publishing. Read-only.
+        relay is publishing. Then one line per destination with rows waiting (pending or
+        dispatched) and no live worker serving its queue, from the workers' heartbeats:
+        "no consumer for D since T, K rows waiting" (JSON: no_consumer). Read-only.
         """,
     )
     _add_database_url(p)
@@ -1272,6 +1404,81 @@ def _resolve_run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     return 0
 
 
+# cancel
+
+
+def _cancel_arguments(p: argparse.ArgumentParser) -> None:
+    _describe(
+        p,
+        """
+        Cancel rows that will never be sent, e.g. those of a destination no worker serves (a typo:
+        `outbox status` and `outbox doctor` say "no consumer for D since T, K rows waiting"). Only
+        rows no consumer ever claimed move: pending or dispatched and without a fence row, the
+        rule of outbox.cancel(). A row that was claimed may have been charged: it is refused
+        (resolve or let it settle instead). Each row is one guarded UPDATE; the reason and who
+        did it are appended to its history, and the reason is its last_error.
+
+        outbox cancel 41 42 --reason "duplicate order"          cancel these rows now
+        outbox cancel --destination paymnets.charge --reason "typo in the release of 2 May"
+                                                                  preview: what would be
+                                                                  cancelled, what is refused
+        outbox cancel --destination paymnets.charge --reason "…" --yes --max-id 1234
+                                                                  act on the previewed rows (no
+                                                                  row written after the preview)
+
+        The messages of cancelled rows stay in Redis until a worker of that queue runs them (an
+        empty run); for a typo destination, delete its keys (namespace:D and namespace:D.msgs).
+        Exit 1 if any requested row was refused or does not exist (the others are cancelled).
+        """,
+    )
+    p.add_argument("ids", nargs="*", metavar="ID", help="row ids to cancel")
+    p.add_argument("--destination", help="every never-claimed row of this destination instead (preview)")
+    p.add_argument("--yes", action="store_true", help="with --destination: cancel, not only preview")
+    p.add_argument(
+        "--max-id",
+        type=int,
+        metavar="N",
+        help="with --destination: only rows with an id up to N (the preview prints it)",
+    )
+    _by_and_reason(p)
+    _add_database_url(p)
+    _add_json(p)
+
+
+def _cancel_run(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    ids = [_parse_id(raw, "cancel takes row ids") for raw in args.ids]
+    if (args.yes or args.max_id is not None) and not args.destination:
+        raise ConfigError("--yes and --max-id go with --destination; rows named by id are cancelled directly")
+    preview = bool(args.destination) and not args.yes
+    with _connection(cfg, write=not preview) as conn:
+        plan = cancel_rows(
+            conn,
+            ids,
+            destination=args.destination,
+            reason=args.reason or "",
+            by=args.by,
+            apply=not preview,
+            max_id=args.max_id,
+        )
+    if args.json:
+        _print_json(plan.to_dict())
+    else:
+        verb = "cancelled" if plan.applied else "would cancel"
+        _out(f"{verb} {len(plan.rows)} row(s){f' of {plan.destination}' if plan.destination else ''}")
+        for row_id, key, step, state in plan.rows[:20]:
+            _out(f"  {row_id}  {key} {step}  ({state})")
+        if len(plan.rows) > 20:
+            _out(f"  … and {len(plan.rows) - 20} more")
+        for _row_id, why in plan.refused:
+            (_out if preview else _err)(f"refused: {why}")
+        if preview and plan.rows:
+            _out(
+                f"to cancel them: outbox cancel --destination {plan.destination} --reason "
+                f"{shlex.quote(args.reason)} --yes --max-id {plan.max_id}"
+            )
+    return 1 if plan.applied and plan.refused else 0
+
+
 # doctor
 
 
@@ -1295,8 +1502,13 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
                         reconciler is not running)
           dispatched    no dispatched row older than twice OUTBOX_REDISPATCH_AFTER
           relay         no pending row due for more than a minute (else the relay is not running)
+          consumers     every destination with rows waiting (pending, dispatched) has a live worker
+                        serving its queue, from the workers' heartbeats in the database; else
+                        "no consumer for D since T, K rows waiting"
+          clocks        each live process's clock against the database's (from its heartbeat);
+                        WARN past OUTBOX_CLOCK_SKEW_WARN (default 2 s)
 
-        Exit 0 only when every check is ok, 1 otherwise.
+        Exit 0 only when every check is ok (or WARN), 1 otherwise.
         """,
     )
     p.add_argument(
@@ -1405,6 +1617,12 @@ COMMANDS: list[
         "settle an unknown row: resolve ID --sent REF | --not-sent | --failed REASON",
         _resolve_arguments,
         _resolve_run,
+    ),
+    (
+        "cancel",
+        "cancel never-claimed rows: cancel ID… or --destination D (preview, then --yes)",
+        _cancel_arguments,
+        _cancel_run,
     ),
     (
         "doctor",

@@ -25,7 +25,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, DOUBLE_PRECISION, JSONB, UUID
 
 from . import states
 
@@ -175,4 +175,38 @@ outbox_attempt.append_constraint(
         "'idempotent_retry') AND settled_at IS NOT NULL)",
         name="outbox_attempt_settled_check",
     )
+)
+
+# -- transport (issue 9 classes 6, 7; migration 0005) ----------------------------------------------
+
+#: One row per running outbox process (workers beat; see ``outbox.heartbeat``): what it serves,
+#: when the database last heard from it, and its own clock at that moment (skew = the difference).
+outbox_process = Table(
+    "outbox_process",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("kind", Text, nullable=False),
+    Column("hostname", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("queues", ARRAY(Text), nullable=False, server_default=text("'{}'")),
+    Column("interval_seconds", DOUBLE_PRECISION, nullable=False),
+    # Database clock, both.
+    Column("started_at", DateTime(timezone=True), nullable=False),
+    Column("last_seen_at", DateTime(timezone=True), nullable=False),
+    # The process's own clock when it sent its last beat.
+    Column("process_clock", DateTime(timezone=True), nullable=False),
+    Column("stopped_at", DateTime(timezone=True), nullable=True),
+)
+
+#: One row per destination with rows waiting and no live process serving its queue, kept by the
+#: reconciler's ``no_consumer`` job: the episode starts at ``since`` and ends (row deleted) when a
+#: consumer appears or nothing waits any more; ``alerted_at`` makes the alert once per episode.
+outbox_no_consumer = Table(
+    "outbox_no_consumer",
+    metadata,
+    Column("destination", Text, primary_key=True),
+    Column("since", DateTime(timezone=True), nullable=False),
+    Column("cycles", Integer, nullable=False),
+    Column("rows_waiting", BigInteger, nullable=False),
+    Column("alerted_at", DateTime(timezone=True), nullable=True),
 )

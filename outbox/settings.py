@@ -90,6 +90,14 @@ class Settings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: Start even when Redis may evict keys (never do this in production).
     allow_evicting_redis: bool = False
+    # -- transport (issue 9 class 7) --
+    #: Worker: seconds between two heartbeats recorded in the database.
+    heartbeat_interval_seconds: float = 5.0
+    #: Reconciler: cycles a destination goes with rows waiting and no live consumer before it
+    #: is alerted (once per episode).
+    no_consumer_cycles: int = 3
+    #: Doctor: a process whose clock differs from the database's by more than this is warned.
+    clock_skew_warn_seconds: float = 2.0
 
     def require_database_url(self) -> str:
         if not self.database_url:
@@ -125,6 +133,9 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_UNKNOWN_ALERT_AFTER": "unknown_alert_after_seconds",
     "OUTBOX_MAX_PAYLOAD_BYTES": "max_payload_bytes",
     "OUTBOX_ALLOW_EVICTING_REDIS": "allow_evicting_redis",
+    "OUTBOX_HEARTBEAT_INTERVAL": "heartbeat_interval_seconds",
+    "OUTBOX_NO_CONSUMER_CYCLES": "no_consumer_cycles",
+    "OUTBOX_CLOCK_SKEW_WARN": "clock_skew_warn_seconds",
 }
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

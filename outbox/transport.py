@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import redis
@@ -70,16 +71,60 @@ def publish_rows(client: redis.Redis, namespace: str, rows: Iterable[tuple[int, 
     about 2 µs per row, network and Redis included. The bytes stored are exactly those of
     :func:`encode_message` (the tests compare them).
     """
-    payload, replies, count = _pack(namespace, rows, int(time.time() * 1000))
-    if count:
-        _send_packed(client, payload, replies)
-    return count
+    published = publish_batch(client, namespace, rows)
+    if published.failed:
+        raise next(iter(published.failed.values()))
+    return published.count
+
+
+@dataclass
+class Published:
+    """What :func:`publish_batch` did: messages enqueued, and the destinations whose commands
+    Redis refused (with its error), none of whose messages stay in Redis."""
+
+    count: int = 0
+    failed: dict[str, redis.ResponseError] = field(default_factory=dict)
+
+
+def publish_batch(
+    client: redis.Redis, namespace: str, rows: Iterable[tuple[int, str, datetime]]
+) -> Published:
+    """:func:`publish_rows`, destination by destination: a destination whose key Redis refuses
+    (WRONGTYPE on a key somebody else created, say) is reported in ``failed`` instead of failing
+    the batch, so that the caller still marks the other destinations' rows dispatched. What the
+    refused destination's half-done commands left (its hash entries when only the RPUSH failed,
+    its list entries when only the HSET did) is removed, best effort, before returning. A
+    connection error still raises: then nothing is known about any destination."""
+    payload, replies, count, queues = _pack(namespace, rows, int(time.time() * 1000))
+    if not count:
+        return Published()
+    errors = _send_packed(client, payload, replies)
+    failed: dict[str, redis.ResponseError] = {}
+    for i, (destination, queue) in enumerate(queues.items()):
+        error = errors[2 * i] or errors[2 * i + 1]
+        if error is not None:
+            failed[destination] = error
+            count -= len(queue.ids)
+    if failed:
+        _remove_partial(client, namespace, {d: queues[d].mids for d in failed})
+    return Published(count, failed)
+
+
+def _remove_partial(client: redis.Redis, namespace: str, mids: dict[str, list[str]]) -> None:
+    pipe = client.pipeline(transaction=False)
+    for destination, ids in mids.items():
+        key = queue_key(namespace, destination)
+        pipe.hdel(f"{key}.msgs", *ids)
+        for mid in ids:
+            pipe.lrem(key, 1, mid)
+    # The key Redis refused refuses these too; the others' results do not matter either.
+    pipe.execute(raise_on_error=False)
 
 
 class _Queue:
     """One destination of a batch: its message template and the protocol text built so far."""
 
-    __slots__ = ("fields", "fixed", "head", "ids", "tail")
+    __slots__ = ("fields", "fixed", "head", "ids", "mids", "tail")
 
     def __init__(self, destination: str, timestamp_ms: int) -> None:
         # json.dumps escapes every non-ASCII character, so the message is pure ASCII and its
@@ -89,6 +134,7 @@ class _Queue:
         self.fixed = len(self.head) + len(_MSG_OPTIONS) + len(_MSG_ID) + len(self.tail)
         self.fields: list[str] = []  # HSET field/value pairs, already in protocol form
         self.ids: list[str] = []  # RPUSH elements, already in protocol form
+        self.mids: list[str] = []  # the same ids, plain: to clean up after a refused command
 
 
 _MSG_OPTIONS = '],"kwargs":{},"options":{"redis_message_id":"'
@@ -102,9 +148,9 @@ def _bulk(value: str) -> bytes:
 
 def _pack(
     namespace: str, rows: Iterable[tuple[int, str, datetime]], timestamp_ms: int
-) -> tuple[bytes, int, int]:
+) -> tuple[bytes, int, int, dict[str, _Queue]]:
     """The Redis protocol for ``HSET ns:dest.msgs id msg …`` + ``RPUSH ns:dest id …`` per
-    destination: (bytes to send, replies to read, messages)."""
+    destination: (bytes to send, replies to read, messages, the queues in command order)."""
     queues: dict[str, _Queue] = {}
     suffixes: dict[datetime, str] = {}
     count = 0
@@ -124,6 +170,7 @@ def _pack(
             f"{queue.head}{rid}{_MSG_OPTIONS}{mid}{_MSG_ID}{mid}{queue.tail}\r\n"
         )
         queue.ids.append(field)
+        queue.mids.append(mid)
         count += 1
     parts: list[bytes] = []
     for destination, queue in queues.items():
@@ -133,38 +180,41 @@ def _pack(
         parts.append("".join(queue.fields).encode("ascii"))
         parts += (b"*%d\r\n$5\r\nRPUSH\r\n" % (2 + n), _bulk(key))
         parts.append("".join(queue.ids).encode("ascii"))
-    return b"".join(parts), 2 * len(queues), count
+    return b"".join(parts), 2 * len(queues), count, queues
 
 
-def _send_packed(client: redis.Redis, payload: bytes, replies: int) -> None:
+def _send_packed(client: redis.Redis, payload: bytes, replies: int) -> list[redis.ResponseError | None]:
     """Send pre-packed commands on a pooled connection and read every reply, as redis-py's
-    pipeline does (same retry policy, connection dropped on a transport error); raises the
-    first error reply after reading them all, so the socket never desyncs."""
+    pipeline does (same retry policy, connection dropped on a transport error); returns each
+    reply's error (None: it succeeded), read to the last one so that the socket never desyncs."""
     pool = client.connection_pool
     try:
         conn = pool.get_connection()
     except TypeError:  # redis-py < 5.3 requires a command name, which its pools ignore
         conn = pool.get_connection("HSET")
 
-    def send() -> redis.ResponseError | None:
+    def send() -> list[redis.ResponseError | None]:
         conn.send_packed_command([payload])
-        first: redis.ResponseError | None = None
+        errors: list[redis.ResponseError | None] = []
         for _ in range(replies):
             try:
                 conn.read_response()
             except redis.ResponseError as exc:
-                first = first or exc
-        return first
+                errors.append(exc)
+            else:
+                errors.append(None)
+        return errors
 
     try:
-        error = conn.retry.call_with_retry(send, lambda _exc: conn.disconnect())
+        result: list[redis.ResponseError | None] = conn.retry.call_with_retry(
+            send, lambda _exc: conn.disconnect()
+        )
     except BaseException:
         conn.disconnect()
         raise
     finally:
         pool.release(conn)
-    if error is not None:
-        raise error
+    return result
 
 
 def messages_present(
@@ -180,6 +230,104 @@ def messages_present(
     if not count:
         return []
     return [bool(x) for x in pipe.execute()]
+
+
+#: Queue entries a whereabouts check reads at most per destination and run; past it, a message
+#: not seen yet is taken to be waiting (never re-published on a guess).
+MAX_QUEUE_SCAN = 100_000
+_SCAN_CHUNK = 1000
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+#: Dramatiq's ``DEFAULT_HEARTBEAT_TIMEOUT``: a worker whose last Redis command is older than this
+#: is dead to Dramatiq too (its maintenance then gives the worker's fetched messages back).
+DRAMATIQ_HEARTBEAT_TIMEOUT_MS = 60_000
+
+
+def broker_workers(client: redis.Redis, namespace: str) -> dict[str, bool]:
+    """Dramatiq's worker ids in ``ns:__heartbeats__``, each with whether it is alive: every
+    broker that ever fetched stays there until Dramatiq's maintenance forgets a dead one, which
+    it does only once its ack sets are gone. The score is the worker's clock at its last command
+    (a consumer polls every second or so while it can take work); it is compared with Redis's
+    clock, a skew far below the 60 s timeout."""
+    members: list[tuple[bytes, float]] = client.zrange(  # type: ignore[assignment]
+        f"{namespace}:__heartbeats__", 0, -1, withscores=True
+    )
+    seconds, micros = client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    return {_text(w): now_ms - score < DRAMATIQ_HEARTBEAT_TIMEOUT_MS for w, score in members}
+
+
+def fetched_ids(
+    client: redis.Redis, namespace: str, destinations: Iterable[str], workers: Iterable[str]
+) -> dict[str, dict[str, str]]:
+    """Per destination, the message ids a worker fetched and has not acked, each with that
+    worker: the members of Dramatiq's ack sets ``ns:__acks__.<worker>.<queue>`` (a fetch moves
+    an id from the queue list to its worker's ack set; an ack or nack removes it and the
+    message)."""
+    names, ids = list(destinations), list(workers)
+    pipe = client.pipeline(transaction=False)
+    for d in names:
+        for w in ids:
+            pipe.smembers(f"{namespace}:__acks__.{w}.{d}")
+    replies = iter(pipe.execute()) if names and ids else iter(())
+    found: dict[str, dict[str, str]] = {d: {} for d in names}
+    for d in names:
+        for w in ids:
+            found[d].update((_text(m), w) for m in next(replies))
+    return found
+
+
+def queued_ids(
+    client: redis.Redis, namespace: str, destination: str, wanted: set[str], max_scan: int = MAX_QUEUE_SCAN
+) -> tuple[set[str], set[str]]:
+    """Which of ``wanted`` wait in the destination's queue list: (found, certainly absent).
+    Read from the head, where the oldest messages are, stopping as soon as all are found, so a
+    check of a healthy backlog's oldest messages reads about as many entries as it asks about.
+    The chunks are not one snapshot (workers pop the head meanwhile), so an id not seen is only
+    called absent once LPOS, which is atomic, says so too; past ``max_scan`` entries, the rest
+    are neither."""
+    key = queue_key(namespace, destination)
+    found: set[str] = set()
+    start = 0
+    while start < max_scan:
+        chunk = client.lrange(key, start, start + _SCAN_CHUNK - 1)
+        found.update(m for m in (_text(x) for x in chunk) if m in wanted)
+        if len(found) == len(wanted):
+            return found, set()
+        if len(chunk) < _SCAN_CHUNK:
+            break
+        start += _SCAN_CHUNK
+    else:
+        return found, set()
+    unseen = sorted(wanted - found)
+    pipe = client.pipeline(transaction=False)
+    for mid in unseen:
+        pipe.lpos(key, mid)
+    positions = pipe.execute()
+    found.update(mid for mid, pos in zip(unseen, positions, strict=True) if pos is not None)
+    return found, {mid for mid, pos in zip(unseen, positions, strict=True) if pos is None}
+
+
+def remove_messages(
+    client: redis.Redis, namespace: str, destination: str, mids: list[str], workers: Iterable[str]
+) -> None:
+    """Take messages out of Redis for good, atomically (MULTI): the body first, so that neither
+    Dramatiq's dead-worker maintenance nor a worker's requeue puts the id back (both check the
+    body exists), then the id from the queue list and from every worker's ack set."""
+    if not mids:
+        return
+    key = queue_key(namespace, destination)
+    pipe = client.pipeline(transaction=True)
+    pipe.hdel(f"{key}.msgs", *mids)
+    for mid in mids:
+        pipe.lrem(key, 0, mid)
+    for w in workers:
+        pipe.srem(f"{namespace}:__acks__.{w}.{destination}", *mids)
+    pipe.execute()
 
 
 def queue_lengths(client: redis.Redis, namespace: str, destinations: Iterable[str]) -> dict[str, int]:

@@ -102,11 +102,59 @@ def check_key_step(key: Any, step: Any) -> None:
         )
 
 
-def check_destination(destination: Any) -> None:
+# Dramatiq's Redis broker derives every key of a queue Q from "<namespace>:Q" (see
+# dramatiq/brokers/redis/dispatch.lua and dramatiq/common.py): the list "Q", the message hash
+# "Q.msgs", the delay queue "Q.DQ" (+ ".msgs"), the dead-letter zset "Q.XQ" (+ ".msgs"), the
+# fetched-message sets "__acks__.<worker>.Q" and the zset "__heartbeats__". A destination whose
+# own keys are one of those of another destination, or that Dramatiq reads as a derived name,
+# is refused. Matching is exact, as Dramatiq's (case-sensitive suffixes).
+_BROKER_SUFFIXES: tuple[tuple[str, str], ...] = (
+    (
+        ".DQ",
+        "Dramatiq reads a queue name ending in .DQ as the delay queue of the name before it: a "
+        "worker never consumes it as a queue of its own",
+    ),
+    (
+        ".XQ",
+        "Dramatiq reads a queue name ending in .XQ as the dead-letter queue of the name before it: "
+        "a worker never consumes it, and its list collides with that queue's dead-letter set "
+        "(WRONGTYPE)",
+    ),
+    (
+        ".msgs",
+        "Dramatiq keeps the messages of queue Q in the Redis hash Q.msgs: this queue's list would "
+        "be the message hash of the destination named without .msgs (WRONGTYPE for both)",
+    ),
+)
+_BROKER_PREFIXES: tuple[tuple[str, str], ...] = (
+    (
+        "__acks__",
+        "Dramatiq keeps each worker's fetched messages in the Redis sets __acks__.<worker>.<queue>",
+    ),
+    ("__heartbeats__", "Dramatiq keeps its workers' heartbeats in the Redis sorted set __heartbeats__"),
+)
+
+
+def destination_problem(destination: Any) -> str | None:
+    """Why ``destination`` cannot name a broker queue, or None when it can.
+
+    The one rule behind ``outbox.write`` (InvalidMessage) and ``@outbox.handler`` (ConfigError).
+    """
     if not isinstance(destination, str) or not DESTINATION_RE.match(destination):
-        raise InvalidMessage(
-            f"destination {destination!r} must match [A-Za-z_][A-Za-z0-9._-]* (it names a broker queue)"
-        )
+        return f"destination {destination!r} must match [A-Za-z_][A-Za-z0-9._-]* (it names a broker queue)"
+    for suffix, why in _BROKER_SUFFIXES:
+        if destination.endswith(suffix):
+            return f"destination {destination!r} must not end in {suffix!r}: {why}"
+    for prefix, why in _BROKER_PREFIXES:
+        if destination.startswith(prefix):
+            return f"destination {destination!r} must not start with {prefix!r}: {why}"
+    return None
+
+
+def check_destination(destination: Any) -> None:
+    problem = destination_problem(destination)
+    if problem is not None:
+        raise InvalidMessage(problem)
 
 
 def check_aware(name: str, value: Any) -> None:

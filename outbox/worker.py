@@ -24,6 +24,7 @@ from dramatiq.middleware import CurrentMessage, TimeLimit
 from .consumer import Consumer
 from .exceptions import ConfigError
 from .handlers import Handler, close_http_clients
+from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_SECONDS, Heartbeat
 from .transport import ACTOR_NAME
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,10 @@ def run_worker(
     queues: Sequence[str] | None,
     threads: int,
     stop: threading.Event,
+    heartbeat_interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
 ) -> int:
-    """Run one worker process until ``stop`` is set; finishes the messages in hand."""
+    """Run one worker process until ``stop`` is set; finishes the messages in hand. While it
+    runs, its heartbeat (queues served, clock) is recorded in the database."""
     destinations = list(queues or sorted(handlers))
     unknown = [q for q in destinations if q not in handlers]
     if unknown:
@@ -93,6 +96,7 @@ def run_worker(
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=threads)
     worker.start()
+    heartbeat = start_heartbeat(database_url, destinations, heartbeat_interval_seconds)
     logger.info(
         "outbox worker started: queues=%s threads=%s pid=%s",
         ",".join(destinations),
@@ -106,12 +110,18 @@ def run_worker(
     finally:
         logger.info("outbox worker stopping: finishing messages in hand")
         worker.stop(timeout=int(max(h.lease_seconds for h in handlers.values()) * 1000))
+        heartbeat.stop()
         broker.close()
         # Dramatiq's RedisBroker.close() leaves its pool's sockets for the garbage collector.
         broker.client.connection_pool.disconnect()
         consumer.close()
         close_http_clients()
     return 0
+
+
+def start_heartbeat(database_url: str, queues: Sequence[str], interval_seconds: float) -> Heartbeat:
+    """The worker's heartbeat thread: "no consumer" alerts and the clock-skew check read it."""
+    return Heartbeat(database_url, kind="worker", queues=queues, interval_seconds=interval_seconds).start()
 
 
 def supervise(argv: Sequence[str], processes: int, stop: threading.Event) -> int:

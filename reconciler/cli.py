@@ -26,10 +26,12 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
                    exhausted); lookup error -> stays unknown, asked again later. Without a
                    lookup: idempotent destinations are retried, others wait for a human
                    (outbox resolve).
-  redispatch       dispatched rows whose Redis message is gone, or unclaimed for longer than
-                   OUTBOX_REDISPATCH_AFTER (default 300 s) -> pending, so the relay publishes
-                   them again; a message still waiting in a long queue is left alone. Rows for
-                   a destination MODULE has no handler for -> failed.
+  redispatch       dispatched rows whose Redis message is gone -> pending, so the relay
+                   publishes them again; a message a worker fetched and left unacked for longer
+                   than OUTBOX_REDISPATCH_AFTER (default 300 s) is removed from Redis first, so
+                   the new one replaces it. A message still waiting in its queue is never
+                   re-published, whatever its age. Rows for a destination MODULE has no handler
+                   for are treated alike, and logged.
   purge            moves sent/cancelled rows older than OUTBOX_RETENTION (default 7d) into the
                    key ledger (key, step, destination, payload hash, final state, provider ref,
                    attempts) in the statement that deletes them, so writing the key again answers
@@ -38,11 +40,15 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
   alerts           reports each failed row, and each row unknown for longer than
                    OUTBOX_UNKNOWN_ALERT_AFTER (default 1h), once, through the alert hook
                    (default: an ERROR log line naming key, step, destination and reason).
+  no_consumer      destinations with rows waiting and no live worker heartbeat serving their
+                   queue for OUTBOX_NO_CONSUMER_CYCLES (default 3) runs: reported once per
+                   episode through the alert hook ("no consumer for D since T, K rows
+                   waiting"); also deletes heartbeats older than a day.
 
 Environment: OUTBOX_DATABASE_URL, OUTBOX_REDIS_URL (both required), OUTBOX_NAMESPACE,
 OUTBOX_RECONCILE_INTERVAL (default 10 s), OUTBOX_REDISPATCH_AFTER, OUTBOX_RETENTION,
-OUTBOX_LEDGER_HORIZON (--ledger-horizon wins),
-OUTBOX_UNKNOWN_ALERT_AFTER, {ALERT_HOOK_ENV} (package.module:function; --alert-hook wins).
+OUTBOX_LEDGER_HORIZON (--ledger-horizon wins), OUTBOX_UNKNOWN_ALERT_AFTER,
+OUTBOX_NO_CONSUMER_CYCLES, {ALERT_HOOK_ENV} (package.module:function; --alert-hook wins).
 Durations accept 30, 30s, 15m, 12h, 7d. SIGTERM/SIGINT finish the jobs in hand and exit 0.
 """
 

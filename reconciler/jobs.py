@@ -26,7 +26,7 @@ import httpx
 import psycopg
 import redis
 
-from outbox import outcomes, policy, transport
+from outbox import heartbeat, outcomes, policy, transport
 from outbox.handlers import Confirmed, Delivery, Handler, idempotency_key
 from outbox.schema import NOTIFY_CHANNEL
 
@@ -546,19 +546,28 @@ def redispatch(
     max_batches: int = DEFAULT_REDISPATCH_MAX_BATCHES,
     stop: threading.Event | None = None,
 ) -> dict[str, int]:
-    """Send `dispatched` rows whose message is lost back to `pending`, so the relay publishes
-    them again.
+    """Send `dispatched` rows whose message is gone, or whose message's fate cannot be known,
+    back to `pending`, so the relay publishes them again; a re-publication replaces the old
+    message, it never adds a copy.
 
-    A row's message is looked up in Redis by its deterministic id. Missing (Redis flushed or
-    restarted, or the message dead-lettered) → re-queued now. Present but older than
-    ``redispatch_after_seconds`` (a dead worker's prefetched message) → re-queued too; a second
-    copy is harmless, the claim fences it. Present and younger → left alone: a long queue is not
-    a lost message. A row whose destination has no handler in ``module`` is treated the same and
-    only reported: during a rolling deploy it may belong to a newer (or older) version's workers,
-    and re-publishing calls no provider, while failing it would need a replay.
+    Where a row's message is, from Dramatiq's Redis layout (its id is deterministic):
 
-    Counts: ``missing``, ``stale``, ``waiting`` (left alone), ``raced``, and ``no_handler`` (rows
-    also counted above whose destination ``module`` does not declare).
+    - no body in ``Q.msgs`` → gone (Redis flushed or restarted, dead-lettered): re-queued now
+      (``missing``);
+    - its id in the queue list ``Q`` → waiting: left alone whatever its age (``waiting``); a
+      long queue, or a queue no worker consumes, is not a lost message, and the "no consumer"
+      alert (:func:`no_consumer`) is what tells a human about the latter;
+    - its body there but its id not in the list: a worker fetched it (it is in that worker's
+      ack set) and has not acked it, or only the body survived. Fetched by a live worker
+      (Dramatiq heartbeat within 60 s), or younger than ``redispatch_after_seconds`` → left
+      alone (``waiting``). Older, and fetched by a dead worker or by none → unknowable: the
+      message is removed from Redis (body, list, ack sets) and then the row is re-queued
+      (``unacked``).
+
+    A row whose destination has no handler in ``module`` is treated the same and only reported
+    (``no_handler``): during a rolling deploy it may belong to a newer (or older) version's
+    workers, and re-publishing calls no provider, while failing it would need a replay.
+    Counts: ``missing``, ``unacked``, ``waiting``, ``raced``, ``no_handler``.
     A Redis error raises: an unreachable Redis never means "the message is gone".
     """
     _require_autocommit(conn, "redispatch")
@@ -566,6 +575,7 @@ def redispatch(
     orphans: Counter[str] = Counter()
     after_at: datetime | None = None
     after_id = 0
+    workers: dict[str, bool] | None = None
     for _ in range(max_batches):
         if stop is not None and stop.is_set():
             break
@@ -584,32 +594,58 @@ def redispatch(
         after_at, after_id = rows[-1][2], rows[-1][0]
 
         orphans.update(destination for _, destination, _, _ in rows if destination not in handlers)
+        mids = [transport.message_id(row_id, at) for row_id, _, at, _ in rows]
         present = transport.messages_present(
-            redis_client,
-            namespace,
-            ((destination, transport.message_id(row_id, at)) for row_id, destination, at, _ in rows),
+            redis_client, namespace, ((r[1], mid) for r, mid in zip(rows, mids, strict=True))
         )
         missing = [(r[0], r[2]) for r, p in zip(rows, present, strict=True) if not p]
-        stale = [(r[0], r[2]) for r, p in zip(rows, present, strict=True) if p and r[3]]
+        # Old enough to ask where its message is: is it still in its queue list?
+        old: dict[str, list[tuple[int, datetime, str]]] = {}
+        for r, mid, p in zip(rows, mids, present, strict=True):
+            if p and r[3]:
+                old.setdefault(r[1], []).append((r[0], r[2], mid))
+        unacked: list[tuple[int, datetime]] = []
+        if old:
+            if workers is None:
+                workers = transport.broker_workers(redis_client, namespace)
+            fetched = transport.fetched_ids(redis_client, namespace, old, workers)
+            for destination, candidates in old.items():
+                held = fetched[destination]
+                # Fetched by a live worker: it will run it (its claim fences a duplicate anyway).
+                not_fetched = {mid for _, _, mid in candidates if mid not in held}
+                absent = (
+                    transport.queued_ids(redis_client, namespace, destination, not_fetched)[1]
+                    if not_fetched
+                    else set()
+                )
+                gone = [
+                    c
+                    for c in candidates
+                    if (c[2] in held and not workers.get(held[c[2]], False)) or c[2] in absent
+                ]
+                transport.remove_messages(
+                    redis_client, namespace, destination, [mid for _, _, mid in gone], workers
+                )
+                unacked += [(row_id, at) for row_id, at, _ in gone]
         moved_missing = _requeue(conn, missing)
-        moved_stale = _requeue(conn, stale)
+        moved_unacked = _requeue(conn, unacked)
         counts["missing"] += moved_missing
-        counts["stale"] += moved_stale
-        counts["waiting"] += len(rows) - len(missing) - len(stale)
-        counts["raced"] += len(missing) - moved_missing + len(stale) - moved_stale
+        counts["unacked"] += moved_unacked
+        counts["waiting"] += len(rows) - len(missing) - len(unacked)
+        counts["raced"] += len(missing) - moved_missing + len(unacked) - moved_unacked
         if len(rows) < batch_size:
             break
     for destination, count in sorted(orphans.items()):
         counts["no_handler"] += count
         logger.warning(
             "%s dispatched outbox rows of destination %s: no handler in %s; deploy one (or a worker "
-            "for it) — they are re-published, never failed, by this reconciler",
+            "for it) — they wait in their queue, never failed by this reconciler",
             count,
             destination,
             module,
             extra={"destination": destination, "rows": count},
         )
-    if counts["missing"] or counts["stale"]:
+    if counts["missing"] or counts["unacked"]:
         # The relay sleeps until NOTIFY or its poll interval; wake it for the re-queued rows.
         conn.execute("SELECT pg_notify(%s, '')", (NOTIFY_CHANNEL,))
     return _nonzero(counts)
@@ -803,4 +839,100 @@ def send_alerts(
             continue
         marked = conn.execute(_MARK_ALERTED, {"id": row_id, "state": state}).fetchone()
         counts["alerts" if marked is not None else "raced"] += 1
+    return _nonzero(counts)
+
+
+# -- 6. no_consumer ---------------------------------------------------------------------------------
+
+# One episode row per destination without a consumer: inserted at the first cycle, counted up at
+# each next one; `since` is kept from the first cycle.
+_EPISODE = """
+INSERT INTO outbox_no_consumer AS e (destination, since, cycles, rows_waiting)
+VALUES (%(destination)s, %(since)s, 1, %(rows)s)
+ON CONFLICT (destination) DO UPDATE
+SET cycles = e.cycles + 1, rows_waiting = EXCLUDED.rows_waiting
+RETURNING cycles, alerted_at
+"""
+
+# A consumer appeared, or nothing waits any more: the episode is over, the next one alerts again.
+_END_EPISODES = """
+DELETE FROM outbox_no_consumer WHERE destination <> ALL(%(destinations)s) RETURNING destination
+"""
+
+_MARK_EPISODE_ALERTED = """
+UPDATE outbox_no_consumer SET alerted_at = now()
+WHERE destination = %(destination)s AND alerted_at IS NULL
+RETURNING destination
+"""
+
+_FIRST_ROW = (
+    "SELECT key, step, state, EXTRACT(EPOCH FROM now() - created_at) FROM outbox_message WHERE id = %s"
+)
+
+_PURGE_HEARTBEATS = """
+DELETE FROM outbox_process WHERE last_seen_at < now() - %(retention)s * interval '1 second'
+"""
+
+
+def no_consumer(
+    conn: psycopg.Connection[Any],
+    hook: AlertHook = log_alert,
+    *,
+    cycles_before_alert: int = heartbeat.DEFAULT_NO_CONSUMER_CYCLES,
+) -> dict[str, int]:
+    """Find destinations with rows waiting (`pending` or `dispatched`) and no live worker
+    heartbeat serving their queue; alert each once per episode, after ``cycles_before_alert``
+    runs in a row (a worker restarting during a deploy is not an episode). The alert goes to
+    ``hook`` as an :class:`AlertRow` with state ``no_consumer``, naming the oldest waiting row
+    and saying "no consumer for D since T, K rows waiting". Also deletes the heartbeats of
+    processes not heard from for a day.
+
+    Counts: ``no_consumer`` (destinations), ``alerts``, ``hook_errors``, ``ended`` (episodes
+    over: a consumer appeared or nothing waits), ``heartbeats_purged``.
+    """
+    _require_autocommit(conn, "no_consumer")
+    counts: Counter[str] = Counter()
+    counts["heartbeats_purged"] = conn.execute(
+        _PURGE_HEARTBEATS, {"retention": heartbeat.HEARTBEAT_RETENTION_SECONDS}
+    ).rowcount
+    found = heartbeat.no_consumer(conn.execute(heartbeat.NO_CONSUMER_SQL).fetchall())
+    for ended in conn.execute(_END_EPISODES, {"destinations": [f.destination for f in found]}).fetchall():
+        counts["ended"] += 1
+        logger.info(
+            "destination %s has a consumer again, or nothing waits for one",
+            ended[0],
+            extra={"destination": ended[0]},
+        )
+    for gap in found:
+        counts["no_consumer"] += 1
+        row = conn.execute(
+            _EPISODE, {"destination": gap.destination, "since": gap.since, "rows": gap.rows_waiting}
+        ).fetchone()
+        if row is None or row[0] < cycles_before_alert or row[1] is not None:
+            continue
+        first = conn.execute(_FIRST_ROW, (gap.first_id,)).fetchone()
+        if first is None:
+            continue  # gone since the count: the next cycle sees the destination afresh
+        alert = AlertRow(
+            id=gap.first_id,
+            key=first[0],
+            step=first[1],
+            destination=gap.destination,
+            state="no_consumer",
+            reason=f"{gap.describe()}; start a worker serving it, or cancel the rows "
+            f"(outbox cancel --destination {gap.destination} --reason …)",
+            age=float(first[3]),
+        )
+        try:
+            hook(alert)
+        except Exception:
+            counts["hook_errors"] += 1
+            logger.exception(
+                "alert hook failed for destination %s; it will be reported again",
+                gap.destination,
+                extra={"destination": gap.destination},
+            )
+            continue
+        if conn.execute(_MARK_EPISODE_ALERTED, {"destination": gap.destination}).fetchone() is not None:
+            counts["alerts"] += 1
     return _nonzero(counts)

@@ -30,6 +30,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from outbox import transport
 from outbox.db import connect_raw
 from outbox.handlers import Handler
+from outbox.heartbeat import DEFAULT_NO_CONSUMER_CYCLES
 from outbox.settings import DEFAULT_NAMESPACE, Settings
 
 from . import jobs
@@ -60,6 +61,8 @@ JOB_LOCK_IDS: dict[str, int] = {
     "redispatch": 3,
     "purge": 4,
     "alerts": 5,
+    # Not 6: a distinctive id, so that another job added beside it cannot share its lock.
+    "no_consumer": 47,
 }
 
 
@@ -86,6 +89,7 @@ class Reconciler:
         alert_hook: AlertHook = log_alert,
         redispatch_grace_seconds: float = jobs.DEFAULT_REDISPATCH_GRACE_SECONDS,
         name: str | None = None,
+        no_consumer_cycles: int = DEFAULT_NO_CONSUMER_CYCLES,
     ) -> None:
         self.database_url = database_url
         self.redis_url = redis_url
@@ -98,6 +102,7 @@ class Reconciler:
         self.unknown_alert_after_seconds = unknown_alert_after_seconds
         self.alert_hook = alert_hook
         self.redispatch_grace_seconds = redispatch_grace_seconds
+        self.no_consumer_cycles = no_consumer_cycles
         #: Names this process in the log lines, so an operator sees which reconciler acted.
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self._lookup_clients = jobs.LookupClients()
@@ -116,6 +121,7 @@ class Reconciler:
             "redispatch": Job("redispatch", JOB_LOCK_IDS["redispatch"], self._redispatch),
             "purge": Job("purge", JOB_LOCK_IDS["purge"], self._purge),
             "alerts": Job("alerts", JOB_LOCK_IDS["alerts"], self._alerts),
+            "no_consumer": Job("no_consumer", JOB_LOCK_IDS["no_consumer"], self._no_consumer),
         }
 
     @classmethod
@@ -142,6 +148,7 @@ class Reconciler:
             unknown_alert_after_seconds=cfg.unknown_alert_after_seconds,
             alert_hook=alert_hook,
             name=name,
+            no_consumer_cycles=cfg.no_consumer_cycles,
         )
 
     # -- resources -----------------------------------------------------------------------------
@@ -216,6 +223,9 @@ class Reconciler:
         return jobs.send_alerts(
             conn, self.alert_hook, unknown_alert_after_seconds=self.unknown_alert_after_seconds
         )
+
+    def _no_consumer(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return jobs.no_consumer(conn, self.alert_hook, cycles_before_alert=self.no_consumer_cycles)
 
     # -- running -------------------------------------------------------------------------------
 

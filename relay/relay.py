@@ -48,6 +48,21 @@ WHERE id = ANY(ARRAY(
 RETURNING id, destination, dispatched_at
 """
 
+# Rows of a destination whose publication Redis refused go back to `pending`, due again after
+# this long: left due, they would come first in every batch and, a batch of them, starve the
+# other destinations' rows behind them. One statement, in the claim's transaction.
+_UNCLAIM_SQL = """
+UPDATE outbox_message
+SET state = 'pending', dispatched_at = NULL,
+    available_at = now() + %(retry_after)s * interval '1 second'
+WHERE id = ANY(%(ids)s) AND state = 'dispatched'
+"""
+
+#: Seconds before the rows of a destination Redis refused are tried again.
+PUBLISH_RETRY_SECONDS = 10.0
+#: One ERROR line per refused destination per this many seconds, however many batches fail.
+PUBLISH_ERROR_LOG_SECONDS = 60.0
+
 _MAX_RECONNECT_DELAY_SECONDS = 10.0
 _STOP_CHECK_SECONDS = 0.25
 
@@ -56,6 +71,40 @@ _STOP_CHECK_SECONDS = 0.25
 class BatchResult:
     published: int = 0
     by_destination: Counter[str] = field(default_factory=Counter)
+    #: Rows left `pending` because Redis refused their destination's commands, by destination.
+    refused: Counter[str] = field(default_factory=Counter)
+
+
+class _RefusalLog:
+    """Rate-limits the ERROR line of a destination whose publication keeps failing; shared by a
+    relay and its helper claimers."""
+
+    def __init__(self, every_seconds: float = PUBLISH_ERROR_LOG_SECONDS) -> None:
+        self.every_seconds = every_seconds
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._quiet: Counter[str] = Counter()
+
+    def report(self, destination: str, rows: int, error: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(destination)
+            if last is not None and now - last < self.every_seconds:
+                self._quiet[destination] += rows
+                return
+            self._last[destination] = now
+            quiet = self._quiet.pop(destination, 0)
+        logger.error(
+            "relay cannot publish to destination %s (%s: %s); its %s row(s) stay pending and are "
+            "tried again in %g s, the other destinations are published%s",
+            destination,
+            type(error).__name__,
+            first_line(error),
+            rows,
+            PUBLISH_RETRY_SECONDS,
+            f" ({quiet} more row(s) refused since the last report)" if quiet else "",
+            extra={"destination": destination, "rows": rows, "error": type(error).__name__},
+        )
 
 
 class Relay:
@@ -80,6 +129,7 @@ class Relay:
         self._listen: psycopg.Connection[Any] | None = None
         self._redis: redis.Redis | None = None
         self._helpers: list[Relay] = []
+        self._refusals = _RefusalLog()
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -118,14 +168,22 @@ class Relay:
                 rows = conn.execute(CLAIM_SQL, {"limit": self.batch_size}).fetchall()
                 # Inside the transaction: if the publish raises, the claim rolls back and the
                 # rows stay pending.
-                transport.publish_rows(self.redis, self.namespace, rows)
+                published = transport.publish_batch(self.redis, self.namespace, rows)
+                if published.failed:
+                    # Only the refused destinations' rows: the others were published and are
+                    # marked dispatched by this same commit.
+                    refused = [r[0] for r in rows if r[1] in published.failed]
+                    conn.execute(_UNCLAIM_SQL, {"ids": refused, "retry_after": PUBLISH_RETRY_SECONDS})
         except psycopg.OperationalError:
             # Closed rather than dropped, so that no half-dead connection lingers until GC.
             conn.close()
             self._conn = None
             raise
-        result.published = len(rows)
-        result.by_destination.update(r[1] for r in rows)
+        result.published = published.count
+        result.by_destination.update(r[1] for r in rows if r[1] not in published.failed)
+        result.refused.update(r[1] for r in rows if r[1] in published.failed)
+        for destination, error in published.failed.items():
+            self._refusals.report(destination, result.refused[destination], error)
         return result
 
     def drain(self, stop: threading.Event | None = None) -> int:
@@ -139,14 +197,16 @@ class Relay:
         SKIP LOCKED keeps their batches disjoint. A wake-up for a few rows stays one batch on
         this thread, so latency is not affected.
         """
-        published = self._publish_batch()
-        if published < self.batch_size or (stop is not None and stop.is_set()):
+        published, claimed = self._publish_batch()
+        if claimed < self.batch_size or (stop is not None and stop.is_set()):
             return published
         if self.parallel == 1:
             return published + self._drain_alone(stop)
         return published + self._drain_together(stop)
 
-    def _publish_batch(self) -> int:
+    def _publish_batch(self) -> tuple[int, int]:
+        """(rows published, rows claimed): a full claim means more may be due, even when some
+        of its rows were refused."""
         result = self.run_once()
         if result.published:
             logger.info(
@@ -154,14 +214,14 @@ class Relay:
                 result.published,
                 extra={"published": result.published, "by_destination": dict(result.by_destination)},
             )
-        return result.published
+        return result.published, result.published + sum(result.refused.values())
 
     def _drain_alone(self, stop: threading.Event | None) -> int:
         total = 0
         while True:
-            published = self._publish_batch()
+            published, claimed = self._publish_batch()
             total += published
-            if published < self.batch_size or (stop is not None and stop.is_set()):
+            if claimed < self.batch_size or (stop is not None and stop.is_set()):
                 return total
 
     def _drain_together(self, stop: threading.Event | None) -> int:
@@ -175,6 +235,7 @@ class Relay:
                     parallel=1,
                 )
             )
+            self._helpers[-1]._refusals = self._refusals
         totals: list[int] = []
         errors: list[BaseException] = []
 

@@ -26,6 +26,7 @@ from outbox.schema import NOTIFY_CHANNEL, VERSION_TABLE, metadata
 from outbox.settings import libpq_url
 
 TABLES = {"outbox_message", "outbox_attempt", "outbox_key_ledger"}
+TABLES |= {"outbox_process", "outbox_no_consumer"}  # 0005_transport
 
 
 @pytest.fixture

@@ -8,11 +8,12 @@ import textwrap
 import uuid
 from typing import Any
 
-from helpers import sql
+from helpers import sql, wait_for
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox.cli import main
+from outbox.heartbeat import Heartbeat
 
 HANDLERS = """
 import outbox
@@ -59,6 +60,17 @@ def write(engine, key: str, destination: str = "payments.charge") -> int:
 def test_healthy_deployment_passes(clean, engine, capsys, tmp_path, monkeypatch):
     write(engine, "order:1")  # due now: not late
     module = handler_module(tmp_path, monkeypatch, HANDLERS)
+    sql(clean, "TRUNCATE outbox_process")
+    # A worker serving the row's destination records its heartbeat (issue 9 class 7).
+    beat = Heartbeat(clean.database_url, kind="worker", queues=["payments.charge"]).start()
+    try:
+        wait_for(lambda: sql(clean, "SELECT 1 FROM outbox_process"), 10, "the first heartbeat")
+        _healthy(clean, capsys, module)
+    finally:
+        beat.stop()
+
+
+def _healthy(clean, capsys, module):
     code, checks = doctor(clean, capsys, module)
     assert code == 0, checks
     assert set(checks) == {
@@ -72,6 +84,8 @@ def test_healthy_deployment_passes(clean, engine, capsys, tmp_path, monkeypatch)
         "leases",
         "dispatched",
         "relay",
+        "consumers",
+        "clocks",
     }
     assert all(status == "ok" for status, _ in checks.values())
 

@@ -38,6 +38,9 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_UNKNOWN_ALERT_AFTER": ("12h", 43200.0, ["12hours", "h"]),
     "OUTBOX_MAX_PAYLOAD_BYTES": ("65536", 65536, ["64k", "0", "-1"]),
     "OUTBOX_ALLOW_EVICTING_REDIS": ("true", True, ["maybe", "2"]),
+    "OUTBOX_HEARTBEAT_INTERVAL": ("10s", 10.0, ["often", "0"]),
+    "OUTBOX_NO_CONSUMER_CYCLES": ("5", 5, ["three", "0", "1.5"]),
+    "OUTBOX_CLOCK_SKEW_WARN": ("500ms", 0.5, ["2 seconds", "0"]),
 }
 
 

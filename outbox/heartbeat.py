@@ -1,0 +1,242 @@
+"""Process heartbeats in the database, and what they tell: which destinations no live process
+consumes, and how far each process's clock is from the database's.
+
+A worker beats every ``OUTBOX_HEARTBEAT_INTERVAL`` seconds (default 5) on a thread and a
+connection of its own: one upsert that records the queues it serves, the database clock
+(``last_seen_at``) and its own clock at that moment (``process_clock``). Skew is
+``process_clock - last_seen_at``; the process's clock is read just before the statement is sent,
+so the estimate is low by the one-way latency to the database (well under the 2 s that
+``outbox doctor`` warns at). A clean stop marks the row ``stopped_at``; a killed process's row
+goes stale. Operator commands read all of it from the database alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+
+from .db import connect_raw
+from .logs import first_line
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEARTBEAT_INTERVAL_SECONDS = 5.0
+#: A process is live while it was heard from within ``LIVE_INTERVALS`` of its own interval plus
+#: ``LIVE_SLACK_SECONDS``: one late beat (a GC pause, a slow commit) does not make it dead.
+LIVE_INTERVALS = 3
+LIVE_SLACK_SECONDS = 5
+#: Rows of processes not heard from for this long are deleted by the reconciler.
+HEARTBEAT_RETENTION_SECONDS = 86400
+DEFAULT_CLOCK_SKEW_WARN_SECONDS = 2.0
+#: Reconciler cycles a destination must go without a consumer before it is alerted.
+DEFAULT_NO_CONSUMER_CYCLES = 3
+
+#: SQL condition on ``outbox_process``: the process is running and was heard from recently
+#: (its own interval is stored on the row, so every reader judges it alike).
+LIVE = (
+    "stopped_at IS NULL AND last_seen_at > now() - "
+    f"(interval_seconds * {LIVE_INTERVALS} + {LIVE_SLACK_SECONDS}) * interval '1 second'"
+)
+
+_BEAT = """
+INSERT INTO outbox_process AS p
+    (id, kind, hostname, pid, queues, interval_seconds, started_at, last_seen_at, process_clock)
+VALUES (%(id)s, %(kind)s, %(hostname)s, %(pid)s, %(queues)s, %(interval)s,
+        clock_timestamp(), clock_timestamp(), %(clock)s)
+ON CONFLICT (id) DO UPDATE
+SET last_seen_at = clock_timestamp(), process_clock = EXCLUDED.process_clock,
+    queues = EXCLUDED.queues, interval_seconds = EXCLUDED.interval_seconds, stopped_at = NULL
+"""
+
+_STOP = """
+UPDATE outbox_process
+SET stopped_at = clock_timestamp(), last_seen_at = clock_timestamp(), process_clock = %(clock)s
+WHERE id = %(id)s
+"""
+
+# Rows waiting (pending or dispatched) per destination that no live worker serves. `since` is
+# when a worker serving it was last heard from, else when its oldest waiting row was written.
+NO_CONSUMER_SQL = f"""
+WITH waiting AS (
+    SELECT destination, count(*) AS n, min(created_at) AS oldest, min(id) AS first_id
+    FROM outbox_message
+    WHERE state IN ('pending', 'dispatched')
+    GROUP BY destination
+), served AS (
+    SELECT q AS destination, bool_or({LIVE}) AS live,
+           max(COALESCE(stopped_at, last_seen_at)) AS last_seen
+    FROM outbox_process, unnest(queues) AS q
+    WHERE kind = 'worker'
+    GROUP BY q
+)
+SELECT w.destination, w.n, COALESCE(s.last_seen, w.oldest) AS since, w.first_id
+FROM waiting w LEFT JOIN served s ON s.destination = w.destination
+WHERE s.live IS NOT TRUE
+ORDER BY w.destination
+"""
+
+LIVE_PROCESSES_SQL = f"""
+SELECT id, kind, hostname, pid, queues, started_at, last_seen_at,
+       EXTRACT(EPOCH FROM process_clock - last_seen_at) AS skew_seconds
+FROM outbox_process
+WHERE {LIVE}
+ORDER BY kind, hostname, pid
+"""
+
+
+@dataclass(frozen=True)
+class NoConsumer:
+    """A destination with rows waiting and no live process consuming its queue."""
+
+    destination: str
+    rows_waiting: int
+    #: Since when (database clock): the last beat of a worker serving it, else its oldest row.
+    since: datetime
+    #: Its oldest waiting row (for alerts, which name a row).
+    first_id: int
+
+    def describe(self) -> str:
+        at = self.since.astimezone(UTC).isoformat(sep=" ", timespec="seconds")
+        return f"no consumer for {self.destination} since {at}, {self.rows_waiting} rows waiting"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "destination": self.destination,
+            "rows_waiting": self.rows_waiting,
+            "since": self.since.isoformat(),
+            "message": self.describe(),
+        }
+
+
+@dataclass(frozen=True)
+class LiveProcess:
+    id: uuid.UUID
+    kind: str
+    hostname: str
+    pid: int
+    queues: list[str]
+    started_at: datetime
+    last_seen_at: datetime
+    #: The process's clock minus the database's, at its last beat.
+    skew_seconds: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.hostname}:{self.pid}"
+
+
+def no_consumer(rows: Any) -> list[NoConsumer]:
+    """:data:`NO_CONSUMER_SQL`'s rows (psycopg or SQLAlchemy) as :class:`NoConsumer`."""
+    return [NoConsumer(str(r[0]), int(r[1]), r[2], int(r[3])) for r in rows]
+
+
+def live_processes(rows: Any) -> list[LiveProcess]:
+    """:data:`LIVE_PROCESSES_SQL`'s rows as :class:`LiveProcess`."""
+    return [
+        LiveProcess(r[0], str(r[1]), str(r[2]), int(r[3]), list(r[4] or []), r[5], r[6], float(r[7]))
+        for r in rows
+    ]
+
+
+class Heartbeat:
+    """Beats for one process on a daemon thread until :meth:`stop`."""
+
+    def __init__(
+        self,
+        database_url: str,
+        *,
+        kind: str,
+        queues: Sequence[str] = (),
+        interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.database_url = database_url
+        self.id = uuid.uuid4()
+        self.kind = kind
+        self.queues = list(queues)
+        self.interval_seconds = float(interval_seconds)
+        #: The process's clock; a parameter so that a test can give a process a skewed one.
+        self.clock = clock
+        self._conn: psycopg.Connection[Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect_raw(
+                self.database_url, autocommit=True, application_name=f"outbox-{self.kind}"
+            )
+        return self._conn
+
+    def beat(self) -> None:
+        """One beat; raises psycopg errors (the thread logs them)."""
+        self._connection().execute(
+            _BEAT,
+            {
+                "id": self.id,
+                "kind": self.kind,
+                "hostname": socket.gethostname(),
+                "pid": os.getpid(),
+                "queues": self.queues,
+                "interval": self.interval_seconds,
+                "clock": self.clock(),
+            },
+        )
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.beat()
+                if self._failing:
+                    logger.warning("heartbeat recorded again", extra={"process_id": str(self.id)})
+                self._failing = False
+            except psycopg.Error as exc:
+                if not self._failing:
+                    # Once per outage: the consumer's own connections report the rest.
+                    logger.warning(
+                        "cannot record the heartbeat (%s: %s); retrying every %g s",
+                        type(exc).__name__,
+                        first_line(exc),
+                        self.interval_seconds,
+                        extra={"process_id": str(self.id), "error": type(exc).__name__},
+                    )
+                self._failing = True
+                self._close()
+            if self._stop.wait(self.interval_seconds):
+                return
+
+    def start(self) -> Heartbeat:
+        self._thread = threading.Thread(target=self._run, name=f"outbox-heartbeat-{self.kind}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop beating and mark the process stopped, so that nobody waits for it to go stale."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        try:
+            self._connection().execute(_STOP, {"id": self.id, "clock": self.clock()})
+        except psycopg.Error as exc:
+            logger.warning(
+                "cannot mark the process stopped (%s); it goes stale instead",
+                type(exc).__name__,
+                extra={"process_id": str(self.id)},
+            )
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            self._conn.close()
+        self._conn = None
