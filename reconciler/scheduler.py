@@ -29,6 +29,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from outbox import transport
 from outbox.db import connect_raw
+from outbox.failover import FailoverGuard
 from outbox.handlers import Handler
 from outbox.settings import DEFAULT_NAMESPACE, Settings
 
@@ -85,8 +86,11 @@ class Reconciler:
         alert_hook: AlertHook = log_alert,
         redispatch_grace_seconds: float = jobs.DEFAULT_REDISPATCH_GRACE_SECONDS,
         name: str | None = None,
+        failover_guard: FailoverGuard | None = None,
     ) -> None:
         self.database_url = database_url
+        #: While it says ``halted`` (the database is on another history), no job runs.
+        self.failover_guard = failover_guard
         self.redis_url = redis_url
         self.handlers = dict(handlers)
         self.module = module
@@ -187,7 +191,12 @@ class Reconciler:
 
     def _resolve_unknown(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
         return jobs.resolve_unknown(
-            conn, self.handlers, module=self.module, clients=self._lookup_clients, stop=self._stopping
+            conn,
+            self.handlers,
+            module=self.module,
+            clients=self._lookup_clients,
+            stop=self._stopping,
+            alert=self.alert_hook,
         )
 
     def _redispatch(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
@@ -217,7 +226,9 @@ class Reconciler:
         job = self.jobs[name]
         running = self._running.setdefault(name, threading.Lock())
         counts: dict[str, int]
-        if not running.acquire(blocking=False):
+        if self.failover_guard is not None and self.failover_guard.halted:
+            counts = {"halted_by_failover": 1}
+        elif not running.acquire(blocking=False):
             counts = {"skipped": 1}
         else:
             try:

@@ -25,7 +25,7 @@ from outbox.migrate import alembic_config, check_schema, current_revision, head_
 from outbox.schema import NOTIFY_CHANNEL, VERSION_TABLE, metadata
 from outbox.settings import libpq_url
 
-TABLES = {"outbox_message", "outbox_attempt"}
+TABLES = {"outbox_message", "outbox_attempt", "outbox_db_identity"}
 
 
 @pytest.fixture
