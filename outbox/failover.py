@@ -238,7 +238,7 @@ class FailoverGuard:
             logger.warning(
                 "failover check failed (%s); keeping the previous verdict",
                 type(exc).__name__,
-                extra={"process": self.process},
+                extra={"outbox_process": self.process},
             )
             return self.halted
         first = self.last is None
@@ -248,7 +248,11 @@ class FailoverGuard:
                 logger.error(
                     "%s",
                     verdict.message,
-                    extra={"process": self.process, "failover": True, "current": verdict.current.describe()},
+                    extra={
+                        "outbox_process": self.process,
+                        "failover": True,
+                        "current": verdict.current.describe(),
+                    },
                 )
             self._halted_checks += 1
             self.halted = True
@@ -257,10 +261,10 @@ class FailoverGuard:
                 logger.warning(
                     "database identity accepted by an operator (%s): resuming",
                     verdict.current.describe(),
-                    extra={"process": self.process},
+                    extra={"outbox_process": self.process},
                 )
             elif first and verdict.unavailable:
-                logger.error("%s", verdict.message, extra={"process": self.process})
+                logger.error("%s", verdict.message, extra={"outbox_process": self.process})
             self.halted = False
             self._halted_checks = 0
         return self.halted

@@ -28,7 +28,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection, text
 
-from . import settings, states
+from . import sanitize, settings, states
 from .audit import AuditReport, audit, format_table, parse_since
 from .exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
 from .schema import NOTIFY_CHANNEL
@@ -512,6 +512,8 @@ def resolve(
     if sent_ref is not None:
         if not sent_ref.strip():
             raise ConfigError("--sent needs the provider's reference, e.g. --sent ch_123")
+        # Stored by the same rules as a reference the worker records (outbox.sanitize).
+        sent_ref = sanitize.clean_ref(sent_ref)
         statement, to_state = _RESOLVE_SENT, states.SENT
         params = {
             **_history_params("resolve", to_state, actor, reason, provider_ref=sent_ref),
