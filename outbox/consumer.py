@@ -73,6 +73,8 @@ class Consumer:
             setattr(self._local, name, conn)
             with self._all_lock:
                 self._all.append(conn)
+            if name == "claim_conn" and self.failover_guard is not None:
+                self.failover_guard.check_now()
         return conn
 
     def _drop(self, name: str) -> None:
@@ -88,10 +90,18 @@ class Consumer:
         for conn in conns:
             conn.close()
 
+    def _halted(self) -> bool:
+        if self.failover_guard is None:
+            return False
+        # Opening the claim connection (after a drop: perhaps to a new server) re-checks the
+        # database identity first; otherwise this is an attribute read.
+        self._conn("claim_conn")
+        return self.failover_guard.halted
+
     # -- the run -------------------------------------------------------------------------------
 
     def deliver(self, row_id: int, destination: str) -> RunResult:
-        if self.failover_guard is not None and self.failover_guard.halted:
+        if self._halted():
             # Nothing claimed, nothing written: the row stays `dispatched`, and the reconciler
             # re-queues it once an operator accepted the new database history.
             logger.warning(

@@ -222,9 +222,19 @@ class FailoverGuard:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._halted_checks = 0
+        self._lock = threading.Lock()
 
     def check_now(self) -> bool:
-        """One check; returns ``halted``. An unreachable database keeps the previous verdict."""
+        """One check; returns ``halted``. An unreachable database keeps the previous verdict.
+
+        Called by the periodic thread, and by the processes each time they open a new database
+        connection: a failover breaks every connection, so the first claim or batch after it
+        runs on a checked server rather than waiting for the next period.
+        """
+        with self._lock:
+            return self._check_locked()
+
+    def _check_locked(self) -> bool:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = connect_raw(

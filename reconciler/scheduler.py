@@ -153,6 +153,9 @@ class Reconciler:
             conn = self._conns[job] = connect_raw(
                 self.database_url, autocommit=True, application_name=f"outbox-reconcile-{job}"
             )
+            if self.failover_guard is not None:
+                # A new connection may be to a new server: check before a job acts on it.
+                self.failover_guard.check_now()
         return conn
 
     def _drop(self, job: str) -> None:
@@ -258,6 +261,8 @@ class Reconciler:
 
     def _locked(self, job: Job) -> dict[str, int]:
         conn = self._conn(job.name)
+        if self.failover_guard is not None and self.failover_guard.halted:
+            return {"halted_by_failover": 1}
         got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (LOCK_CLASS, job.lock_id)).fetchone()
         if not (got and got[0]):
             return {"skipped": 1}

@@ -91,6 +91,9 @@ class Relay:
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = connect_raw(self.database_url)
+            if self.failover_guard is not None:
+                # A new connection may be to a new server: check before the first batch on it.
+                self.failover_guard.check_now()
         return self._conn
 
     @property
@@ -116,9 +119,9 @@ class Relay:
     def run_once(self) -> BatchResult:
         """Claim, publish and commit one batch; returns what was published."""
         result = BatchResult()
+        conn = self.conn
         if self.failover_guard is not None and self.failover_guard.halted:
             return result
-        conn = self.conn
         try:
             with conn.transaction():
                 rows = conn.execute(CLAIM_SQL, {"limit": self.batch_size}).fetchall()

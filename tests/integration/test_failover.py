@@ -134,3 +134,35 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
     finally:
         consumer.close()
         close_http_clients()
+
+
+def test_a_new_connection_is_checked_before_its_first_claim_or_batch(
+    clean: Any, engine: Any, guard: FailoverGuard
+) -> None:
+    ids = write(engine, 1)
+    assert guard.check_now() is False
+    # A failover breaks every connection; the periodic check (an hour away here) is not awaited.
+    sql(clean, "UPDATE outbox_db_identity SET timeline = timeline + 1")
+    relay = Relay(
+        database_url=clean.database_url,
+        redis_url=clean.redis_url,
+        namespace=clean.namespace,
+        failover_guard=guard,
+    )
+    try:
+        assert relay.drain() == 0
+    finally:
+        relay.close()
+    assert guard.halted
+    sql(
+        clean,
+        "UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() WHERE id = %s",
+        (ids[0],),
+    )
+    consumer = Consumer(clean.database_url, registry(), failover_guard=guard)
+    try:
+        assert consumer.deliver(ids[0], DEST) is RunResult.HALTED
+    finally:
+        consumer.close()
+        close_http_clients()
+    assert sql(clean, "SELECT state, attempts FROM outbox_message") == [("dispatched", 0)]
