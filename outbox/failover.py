@@ -37,8 +37,6 @@ from .exceptions import ConfigError
 
 logger = logging.getLogger(__name__)
 
-CHECK_INTERVAL_ENV = "OUTBOX_FAILOVER_CHECK_INTERVAL"
-DEFAULT_CHECK_INTERVAL_SECONDS = 30.0
 #: While halted, the alert is repeated this often (in checks), so a missed page is not the end.
 _REMIND_EVERY_CHECKS = 10
 
@@ -300,16 +298,9 @@ class FailoverGuard:
 
 
 def _interval_from_env() -> float:
-    raw = os.environ.get(CHECK_INTERVAL_ENV, "").strip()
-    if not raw:
-        return DEFAULT_CHECK_INTERVAL_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{CHECK_INTERVAL_ENV} must be a number of seconds, got {raw!r}") from None
-    if not value > 0:
-        raise ConfigError(f"{CHECK_INTERVAL_ENV} must be > 0 seconds, got {raw!r}")
-    return value
+    from .settings import from_env
+
+    return from_env().failover_check_interval_seconds
 
 
 # -- the `outbox failover` command -------------------------------------------------------------------

@@ -87,6 +87,9 @@ class Settings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: Start even when Redis may evict keys (never do this in production).
     allow_evicting_redis: bool = False
+    #: Relay, worker, reconciler: how often the database identity is compared with the recorded
+    #: one (failover detection, outbox.failover); also at start and on every new connection.
+    failover_check_interval_seconds: float = 30.0
 
     def require_database_url(self) -> str:
         if not self.database_url:
@@ -121,6 +124,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_UNKNOWN_ALERT_AFTER": "unknown_alert_after_seconds",
     "OUTBOX_MAX_PAYLOAD_BYTES": "max_payload_bytes",
     "OUTBOX_ALLOW_EVICTING_REDIS": "allow_evicting_redis",
+    "OUTBOX_FAILOVER_CHECK_INTERVAL": "failover_check_interval_seconds",
 }
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

@@ -37,6 +37,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_UNKNOWN_ALERT_AFTER": ("12h", 43200.0, ["12hours", "h"]),
     "OUTBOX_MAX_PAYLOAD_BYTES": ("65536", 65536, ["64k", "0", "-1"]),
     "OUTBOX_ALLOW_EVICTING_REDIS": ("true", True, ["maybe", "2"]),
+    "OUTBOX_FAILOVER_CHECK_INTERVAL": ("1m", 60.0, ["often", "0"]),
 }
 
 
