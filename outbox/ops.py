@@ -526,6 +526,8 @@ def resolve(
         assert failed_reason is not None
         if not failed_reason.strip():
             raise ConfigError("--failed needs a reason the next reader can act on")
+        # Stored as last_error: the same rules as every stored error text (no card number).
+        failed_reason = sanitize.clean_text(failed_reason, max_chars=2000)
         statement, to_state = _RESOLVE_FAILED, states.FAILED
         params = {
             **_history_params("resolve", to_state, actor, reason, error=failed_reason),

@@ -306,3 +306,17 @@ def test_an_old_unknown_row_with_a_non_ascii_key_waits_for_a_human_without_looku
     r = row(db, legacy)
     assert r["state"] == "unknown" and "Idempotency-Key" in r["last_error"]
     assert db.execute("SELECT now() + interval '30 minutes' < %s", (r["available_at"],)).fetchone() == (True,)
+
+
+def test_resolve_stores_what_it_is_given_by_the_same_rules(engine: Any, db: Any) -> None:
+    from outbox import ops
+
+    declare_poisoned(None)
+    sent, failed = write(engine, "order:1"), write(engine, "order:2")
+    make_unknown(db, sent)
+    make_unknown(db, failed)
+    with engine.begin() as conn:
+        ops.resolve(conn, sent, sent_ref="ch_1\x00", by="test")
+        ops.resolve(conn, failed, failed_reason=f"refunded card {PAN} by hand", by="test")
+    assert row(db, sent)["provider_ref"] == "ch_1\ufffd"
+    assert row(db, failed)["last_error"] == "refunded card [card ****4242] by hand"
