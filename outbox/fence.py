@@ -145,6 +145,9 @@ def record(
     except psycopg.DataError as exc:
         # Autocommit: the refused statement changed nothing; the second one stores no summary.
         params["response"] = sanitize.encode_response({"unstorable_response": type(exc).__name__})
+        # A database whose encoding is not UTF-8 refuses some characters: ASCII always fits.
+        if ref is not None and not str(params["ref"]).isascii():
+            params["ref"] = str(params["ref"]).encode("ascii", "backslashreplace").decode()
         params["error"] = sanitize.clean_optional_text(
             error.encode("ascii", "replace").decode() if error else None
         )

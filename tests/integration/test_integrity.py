@@ -320,3 +320,35 @@ def test_resolve_stores_what_it_is_given_by_the_same_rules(engine: Any, db: Any)
         ops.resolve(conn, failed, failed_reason=f"refunded card {PAN} by hand", by="test")
     assert row(db, sent)["provider_ref"] == "ch_1\ufffd"
     assert row(db, failed)["last_error"] == "refunded card [card ****4242] by hand"
+
+
+def test_a_summary_the_database_still_refuses_is_dropped_not_the_charge(
+    engine: Any, db: Any, provider: Any, consumer: Any
+) -> None:
+    declare_poisoned(provider)
+    row_id = write(engine, "order:1")
+    # Stands for whatever a database may refuse that the sanitiser did not foresee (an encoding
+    # other than UTF-8, a size limit): only the full summary is refused.
+    db.execute(
+        """
+        CREATE OR REPLACE FUNCTION outbox_test_refuse() RETURNS trigger AS $$
+        BEGIN
+          IF NEW.response ? 'status' THEN
+            RAISE EXCEPTION 'summary refused by a test trigger' USING ERRCODE = 'data_exception';
+          END IF;
+          RETURN NEW;
+        END $$ LANGUAGE plpgsql
+        """
+    )
+    db.execute(
+        "CREATE TRIGGER outbox_test_refuse BEFORE UPDATE ON outbox_message "
+        "FOR EACH ROW EXECUTE FUNCTION outbox_test_refuse()"
+    )
+    try:
+        assert consumer().deliver(row_id, DEST) is RunResult.SENT
+    finally:
+        db.execute("DROP TRIGGER outbox_test_refuse ON outbox_message")
+        db.execute("DROP FUNCTION outbox_test_refuse()")
+    r = row(db, row_id)
+    assert (r["state"], r["provider_ref"]) == ("sent", "ch_1")
+    assert r["response"] == {"unstorable_response": "DataException"}  # the database's error class
