@@ -18,6 +18,7 @@ import sqlalchemy.exc
 
 from . import __version__, settings
 from .exceptions import ConfigError, OutboxError
+from .failover import FailoverGuard
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,9 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         raise ConfigError(f"--claimers must be at least 1, got {args.claimers}")
     check_database(database_url)
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
+    # Checked now and every OUTBOX_FAILOVER_CHECK_INTERVAL s: on another database history the
+    # relay publishes nothing until `outbox failover --accept` (outbox.failover).
+    guard = FailoverGuard(database_url, process="relay").start()
     relay = Relay(
         database_url=database_url,
         redis_url=redis_url,
@@ -96,12 +100,17 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         batch_size=args.batch_size or cfg.relay_batch_size,
         parallel=args.claimers or cfg.relay_claimers,
         poll_interval_seconds=cfg.poll_interval_seconds,
+        failover_guard=guard,
     )
     if args.once:
         try:
             total = relay.drain(stop)
         finally:
             relay.close()
+            guard.stop()
+        if guard.halted:
+            print("relay published nothing: the database identity changed (see `outbox failover`)")
+            return 1
         stopped = "; stopped by a signal before the backlog was drained" if stop.is_set() else ""
         print(f"relay published {total} rows{stopped}")
         return 0
@@ -112,7 +121,10 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         relay.parallel,
         cfg.poll_interval_seconds,
     )
-    relay.run_forever(stop)
+    try:
+        relay.run_forever(stop)
+    finally:
+        guard.stop()
     logger.info("relay stopped")
     return 0
 
@@ -248,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_extra_commands() -> None:
     if EXTRA_COMMANDS:
         return
-    for module in ("reconciler.cli", "outbox.ops", "outbox.demo"):
+    for module in ("reconciler.cli", "outbox.ops", "outbox.failover", "outbox.demo"):
         try:
             mod = __import__(module, fromlist=["COMMANDS"])
         except ModuleNotFoundError as exc:

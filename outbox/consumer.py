@@ -17,9 +17,11 @@ import psycopg
 
 from . import fence
 from .db import connect_raw
+from .failover import FailoverGuard
 from .failpoints import failpoint
 from .handlers import Delivery, Handler, idempotency_key
 from .policy import Decision, Outcome, decide_exception, decide_result, next_state
+from .validation import header_safe
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class RunResult(enum.StrEnum):
     UNKNOWN = "unknown"
     SUPERSEDED = "superseded"  # a newer claim owns the row; our recording only went to the fence
     UNHANDLED = "unhandled"
+    HALTED = "halted"  # not claimed: the database is on another history (outbox.failover)
 
 
 class Consumer:
@@ -47,8 +50,11 @@ class Consumer:
         handlers: Mapping[str, Handler],
         *,
         limit_call: Callable[[float], None] | None = None,
+        failover_guard: FailoverGuard | None = None,
     ) -> None:
         self.database_url = database_url
+        #: Read before every claim (an attribute, no I/O); set by the worker.
+        self.failover_guard = failover_guard
         self.handlers = dict(handlers)
         # Set by the worker: arms a per-thread timer that interrupts a handler running past
         # the given number of seconds (Dramatiq's TimeLimit), so the call ends inside the lease.
@@ -67,6 +73,8 @@ class Consumer:
             setattr(self._local, name, conn)
             with self._all_lock:
                 self._all.append(conn)
+            if name == "claim_conn" and self.failover_guard is not None:
+                self.failover_guard.check_now()
         return conn
 
     def _drop(self, name: str) -> None:
@@ -82,9 +90,26 @@ class Consumer:
         for conn in conns:
             conn.close()
 
+    def _halted(self) -> bool:
+        if self.failover_guard is None:
+            return False
+        # Opening the claim connection (after a drop: perhaps to a new server) re-checks the
+        # database identity first; otherwise this is an attribute read.
+        self._conn("claim_conn")
+        return self.failover_guard.halted
+
     # -- the run -------------------------------------------------------------------------------
 
     def deliver(self, row_id: int, destination: str) -> RunResult:
+        if self._halted():
+            # Nothing claimed, nothing written: the row stays `dispatched`, and the reconciler
+            # re-queues it once an operator accepted the new database history.
+            logger.warning(
+                "outbox row %s not claimed: stopped after a database failover",
+                row_id,
+                extra={"outbox_id": row_id, "destination": destination, "outbox_run": "halted"},
+            )
+            return RunResult.HALTED
         handler = self.handlers.get(destination)
         if handler is None:
             reason = f"no handler for destination {destination!r} in this deploy"
@@ -118,6 +143,17 @@ class Consumer:
         now = datetime.now(UTC)
         if claimed.deadline is not None and claimed.deadline <= now:
             decision = Decision(Outcome.FAILED, error="deadline passed before the call")
+        elif not header_safe(idempotency_key(claimed.key, claimed.step)):
+            # Only rows written before `write` refused such keys get here. Failing before the
+            # call is certain and clear; the call could only fail to encode its header, and go
+            # `unknown` for lookups that cannot name it either.
+            decision = Decision(
+                Outcome.FAILED,
+                error=(
+                    f"key {claimed.key!r} cannot be sent as an Idempotency-Key header (not printable "
+                    "ASCII); no call was made. Write the operation again under an ASCII key"
+                ),
+            )
         else:
             decision = self._call(handler, claimed)
         failpoint("after_call")

@@ -8,13 +8,14 @@ expires and the reconciler's lookup resolves it.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import psycopg
+
+from . import sanitize
 
 _CLAIM = """
 WITH claimed AS (
@@ -131,23 +132,38 @@ def record(
     http_status: int | None = None,
     available_at: datetime | None = None,
 ) -> bool:
-    """Record a claim's outcome; True when the row moved, False when a newer claim owns it."""
-    row = conn.execute(
-        _RECORD,
-        {
-            "state": state,
-            "outcome": outcome,
-            "ref": ref,
-            "response": json.dumps(response) if response is not None else None,
-            "error": error,
-            "available_at": available_at,
-            "http_status": http_status,
-            "id": row_id,
-            "token": token,
-        },
-    ).fetchone()
+    """Record a claim's outcome; True when the row moved, False when a newer claim owns it.
+
+    What the provider sent is stored through :mod:`outbox.sanitize` (storable, no card data).
+    Should the database still refuse it, the row is recorded without the response summary: a
+    confirmed charge must reach `sent`, never stay `in_flight` because of its summary.
+    """
+    params = {
+        "state": state,
+        "outcome": outcome,
+        "ref": sanitize.clean_ref(ref) if ref is not None else None,
+        "response": sanitize.encode_response(response),
+        "error": sanitize.clean_optional_text(error),
+        "available_at": available_at,
+        "http_status": http_status,
+        "id": row_id,
+        "token": token,
+    }
+    try:
+        row = conn.execute(_RECORD, params).fetchone()
+    except psycopg.DataError as exc:
+        # Autocommit: the refused statement changed nothing; the second one stores no summary.
+        params["response"] = sanitize.encode_response({"unstorable_response": type(exc).__name__})
+        # A database whose encoding is not UTF-8 refuses some characters: ASCII always fits.
+        if ref is not None and not str(params["ref"]).isascii():
+            params["ref"] = str(params["ref"]).encode("ascii", "backslashreplace").decode()
+        params["error"] = sanitize.clean_optional_text(
+            error.encode("ascii", "replace").decode() if error else None
+        )
+        row = conn.execute(_RECORD, params).fetchone()
     return bool(row and row[0])
 
 
 def fail_unhandled(conn: psycopg.Connection[Any], *, row_id: int, error: str) -> bool:
-    return conn.execute(_FAIL_UNHANDLED, {"id": row_id, "error": error}).fetchone() is not None
+    params = {"id": row_id, "error": sanitize.clean_text(error)}
+    return conn.execute(_FAIL_UNHANDLED, params).fetchone() is not None

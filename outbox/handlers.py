@@ -52,7 +52,10 @@ def close_http_clients() -> None:
 
 def idempotency_key(key: str, step: str) -> str:
     """The ``Idempotency-Key`` of every call for ``(key, step)``: the business key, so that each
-    attempt, a lookup and a replay all name the same operation to the provider."""
+    attempt, a lookup and a replay all name the same operation to the provider.
+
+    Never encoded: ``write`` only accepts a ``key:step`` of printable ASCII (an HTTP header
+    carries nothing else unchanged), so this is the header value byte for byte."""
     return f"{key}:{step}"
 
 

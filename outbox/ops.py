@@ -30,7 +30,7 @@ from uuid import UUID
 
 from sqlalchemy import Connection, text
 
-from . import heartbeat, outcomes, settings, states
+from . import heartbeat, outcomes, sanitize, settings, states
 from .audit import AuditReport, audit, format_table, parse_since
 from .exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
 from .heartbeat import NoConsumer
@@ -862,6 +862,8 @@ def resolve(
     if sent_ref is not None:
         if not sent_ref.strip():
             raise ConfigError("--sent needs the provider's reference, e.g. --sent ch_123")
+        # Stored by the same rules as a reference the worker records (outbox.sanitize).
+        sent_ref = sanitize.clean_ref(sent_ref)
         statement, to_state = _RESOLVE_SENT, states.SENT
         params = {
             **_history_params("resolve", to_state, actor, reason, provider_ref=sent_ref),
@@ -874,6 +876,8 @@ def resolve(
         assert failed_reason is not None
         if not failed_reason.strip():
             raise ConfigError("--failed needs a reason the next reader can act on")
+        # Stored as last_error: the same rules as every stored error text (no card number).
+        failed_reason = sanitize.clean_text(failed_reason, max_chars=2000)
         statement, to_state = _RESOLVE_FAILED, states.FAILED
         params = {
             **_history_params("resolve", to_state, actor, reason, error=failed_reason),

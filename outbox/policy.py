@@ -6,7 +6,6 @@ Pure functions, no I/O: the consumer and the reconciler ask, the storage layer a
 from __future__ import annotations
 
 import enum
-import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -85,14 +84,9 @@ def classify_exception(exc: BaseException) -> tuple[Outcome, str, int | None]:
 
 def decide_result(result: object) -> Decision:
     if isinstance(result, Confirmed):
-        response = result.response
-        if response is not None:
-            try:
-                json.dumps(response, allow_nan=False)
-            except (TypeError, ValueError):
-                # The provider confirmed: the effect is real even if its summary cannot be kept.
-                response = {"unstorable_response": type(response).__name__}
-        return Decision(Outcome.SENT, ref=result.ref, response=response)
+        # The provider confirmed: the effect is real whatever its summary holds; the summary is
+        # made storable when it is recorded (outbox.sanitize), not dropped here.
+        return Decision(Outcome.SENT, ref=result.ref, response=result.response)
     return Decision(
         Outcome.UNKNOWN,
         error=f"handler returned {type(result).__name__}, expected outbox.Confirmed; "

@@ -20,6 +20,7 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
+    SmallInteger,
     Table,
     Text,
     UniqueConstraint,
@@ -209,4 +210,23 @@ outbox_no_consumer = Table(
     Column("cycles", Integer, nullable=False),
     Column("rows_waiting", BigInteger, nullable=False),
     Column("alerted_at", DateTime(timezone=True), nullable=True),
+)
+
+# -- Issue 9 class 12 (migration 0006): failover detection ------------------------------------------
+
+#: The database history (system identifier, timeline) the outbox last ran on, one row; written
+#: by the first process and by `outbox failover --accept`, compared by outbox.failover.
+outbox_db_identity = Table(
+    "outbox_db_identity",
+    metadata,
+    Column("id", SmallInteger, primary_key=True, autoincrement=False),
+    Column("system_identifier", Text, nullable=True),
+    Column("timeline", Integer, nullable=True),
+    Column("recorded_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("recorded_by", Text, nullable=False),
+    Column("note", Text, nullable=True),
+    # Set by the first process that saw the server on another history; cleared by --accept.
+    Column("mismatch_seen_at", DateTime(timezone=True), nullable=True),
+    Column("mismatch", Text, nullable=True),
+    CheckConstraint("id = 1", name="outbox_db_identity_one_row_check"),
 )

@@ -98,6 +98,9 @@ class Settings:
     no_consumer_cycles: int = 3
     #: Doctor: a process whose clock differs from the database's by more than this is warned.
     clock_skew_warn_seconds: float = 2.0
+    #: Relay, worker, reconciler: how often the database identity is compared with the recorded
+    #: one (failover detection, outbox.failover); also at start and on every new connection.
+    failover_check_interval_seconds: float = 30.0
 
     def require_database_url(self) -> str:
         if not self.database_url:
@@ -136,6 +139,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_HEARTBEAT_INTERVAL": "heartbeat_interval_seconds",
     "OUTBOX_NO_CONSUMER_CYCLES": "no_consumer_cycles",
     "OUTBOX_CLOCK_SKEW_WARN": "clock_skew_warn_seconds",
+    "OUTBOX_FAILOVER_CHECK_INTERVAL": "failover_check_interval_seconds",
 }
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

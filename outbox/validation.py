@@ -16,6 +16,14 @@ from .exceptions import InvalidMessage
 # \Z, not $: "$" also matches before a trailing newline.
 DESTINATION_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*\Z")
 MAX_KEY_STEP_CHARS = 255
+# What an HTTP header value carries byte for byte: visible ASCII, with inner spaces. Leading or
+# trailing spaces would be stripped on the wire, so two keys would name one operation.
+_HEADER_SAFE_RE = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?\Z")
+
+
+def header_safe(value: str) -> bool:
+    """True when ``value`` travels unchanged as an HTTP header value (the Idempotency-Key)."""
+    return _HEADER_SAFE_RE.match(value) is not None
 
 
 def _reject_non_finite(token: str) -> float:
@@ -95,6 +103,13 @@ def check_key_step(key: Any, step: Any) -> None:
                 raise InvalidMessage(
                     f"{name} contains a lone surrogate, which is not valid Unicode"
                 ) from None
+    if not header_safe(f"{key}:{step}"):
+        raise InvalidMessage(
+            f"'key:step' {key + ':' + step!r} must be printable ASCII (no accents, no control "
+            "characters, no leading or trailing space): it is sent as the provider's "
+            "Idempotency-Key header, which carries nothing else unchanged; use an ASCII business "
+            "key such as order:42"
+        )
     if len(key) + 1 + len(step) > MAX_KEY_STEP_CHARS:
         raise InvalidMessage(
             f"'key:step' is {len(key) + 1 + len(step)} characters, over {MAX_KEY_STEP_CHARS} "

@@ -23,6 +23,7 @@ from dramatiq.middleware import CurrentMessage, TimeLimit
 
 from .consumer import Consumer
 from .exceptions import ConfigError
+from .failover import FailoverGuard
 from .handlers import Handler, close_http_clients
 from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_SECONDS, Heartbeat
 from .transport import ACTOR_NAME
@@ -90,7 +91,8 @@ def run_worker(
     if unknown:
         raise ConfigError(f"--queues names destinations with no handler: {', '.join(unknown)}")
     broker = build_broker(redis_url, namespace, handlers)
-    consumer = Consumer(database_url, handlers, limit_call=call_limiter(broker))
+    guard = FailoverGuard(database_url, process="worker").start()
+    consumer = Consumer(database_url, handlers, limit_call=call_limiter(broker), failover_guard=guard)
     declare(broker, consumer, destinations)
     # What Dramatiq's own CLI does once per process: starts TimeLimit's timer thread.
     broker.emit_after("process_boot")
@@ -115,6 +117,7 @@ def run_worker(
         # Dramatiq's RedisBroker.close() leaves its pool's sockets for the garbage collector.
         broker.client.connection_pool.disconnect()
         consumer.close()
+        guard.stop()
         close_http_clients()
     return 0
 

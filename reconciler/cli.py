@@ -119,6 +119,7 @@ def _ledger_horizon(args: argparse.Namespace, cfg: settings.Settings) -> float:
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from outbox import transport
     from outbox.cli import stop_event_on_signals
+    from outbox.failover import FailoverGuard
     from outbox.handlers import load_module
     from outbox.migrate import check_database
 
@@ -136,6 +137,9 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     handlers = load_module(args.module)
     reconciler = Reconciler.from_settings(cfg, handlers=handlers, module=args.module, alert_hook=hook)
+    # Checked now and every OUTBOX_FAILOVER_CHECK_INTERVAL s: on another database history the
+    # jobs stop until `outbox failover --accept` (outbox.failover).
+    reconciler.failover_guard = FailoverGuard(database_url, process="reconciler").start()
     try:
         if args.once:
             results = reconciler.run_once()
@@ -148,6 +152,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         reconciler.run_forever(stop, interval_seconds=interval)
         return 0
     finally:
+        reconciler.failover_guard.stop()
         reconciler.close()
 
 

@@ -12,7 +12,6 @@ transaction, and nothing is held open while a lookup talks to a provider. Only
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -26,9 +25,10 @@ import httpx
 import psycopg
 import redis
 
-from outbox import heartbeat, outcomes, policy, transport
+from outbox import heartbeat, logs, outcomes, policy, sanitize, transport
 from outbox.handlers import Confirmed, Delivery, Handler, idempotency_key
 from outbox.schema import NOTIFY_CHANNEL
+from outbox.validation import header_safe
 
 from .alerts import AlertHook, AlertRow, log_alert
 
@@ -278,9 +278,9 @@ def _settle(
             "token": token,
             "state": state,
             "result": result,
-            "error": error,
-            "ref": ref,
-            "response": json.dumps(response) if response is not None else None,
+            "error": sanitize.clean_optional_text(error),
+            "ref": sanitize.clean_ref(ref) if ref is not None else None,
+            "response": sanitize.encode_response(response),
             "available_at": available_at,
         },
     ).fetchone()
@@ -348,12 +348,58 @@ def _settle_not_found(
 
 
 def _park(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str) -> bool:
-    params = {"id": row_id, "token": token, "seconds": HUMAN_RECHECK_SECONDS, "error": error}
+    params = {
+        "id": row_id,
+        "token": token,
+        "seconds": HUMAN_RECHECK_SECONDS,
+        "error": sanitize.clean_text(error),
+    }
     return conn.execute(_PARK_UNKNOWN, params).fetchone() is not None
 
 
+def _unsettleable(
+    conn: psycopg.Connection[Any],
+    alert: AlertHook | None,
+    row_id: int,
+    key: str,
+    step: str,
+    destination: str,
+    token: uuid.UUID | None,
+    exc: Exception,
+) -> None:
+    reason = sanitize.clean_text(
+        f"lookup answer could not be recorded ({type(exc).__name__}: {logs.first_line(exc)}); "
+        f"looked up again later; if it persists, check the provider and run outbox resolve {row_id}"
+    )
+    age = 0.0
+    try:
+        _defer(conn, row_id, token, reason)
+        found = conn.execute(
+            "SELECT EXTRACT(EPOCH FROM now() - created_at) FROM outbox_message WHERE id = %s", (row_id,)
+        ).fetchone()
+        age = float(found[0]) if found else 0.0
+    except (psycopg.OperationalError, psycopg.InterfaceError):
+        raise
+    except psycopg.Error as again:
+        # Even the deferral was refused: the row stays due; the alert below still goes out.
+        logger.error(
+            "outbox row %s could not be deferred either: %s",
+            row_id,
+            type(again).__name__,
+            extra={"outbox_id": row_id, "destination": destination},
+        )
+    row = AlertRow(
+        id=row_id, key=key, step=step, destination=destination, state="unknown", reason=reason, age=age
+    )
+    try:
+        (alert or log_alert)(row)
+    except Exception:
+        logger.exception("alert hook failed for outbox row %s", row_id, extra={"outbox_id": row_id})
+
+
 def _defer(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str | None) -> bool:
-    return conn.execute(_DEFER_UNKNOWN, {"id": row_id, "token": token, "error": error}).fetchone() is not None
+    params = {"id": row_id, "token": token, "error": sanitize.clean_optional_text(error)}
+    return conn.execute(_DEFER_UNKNOWN, params).fetchone() is not None
 
 
 def resolve_unknown(
@@ -365,6 +411,7 @@ def resolve_unknown(
     batch_size: int = DEFAULT_RESOLVE_BATCH,
     time_budget_seconds: float = DEFAULT_RESOLVE_BUDGET_SECONDS,
     stop: threading.Event | None = None,
+    alert: AlertHook | None = None,
 ) -> dict[str, int]:
     """Ask each due `unknown` row's provider, through the handler's lookup, whether the call
     took effect, and settle the row accordingly.
@@ -373,10 +420,13 @@ def resolve_unknown(
     or deadline), ``lookup_failed`` (the lookup raised; looked up again later), ``deferred``
     (not looked up: its destination's lookups keep failing, or the time budget ran out),
     ``interrupted`` (left due because ``stop`` was set: the process is shutting down),
-    ``needs_human`` (no lookup and not idempotent), ``past_key_ttl`` (not found, or idempotent
-    without a lookup, but a call is older than the destination's ``key_ttl``: parked for a human,
-    never retried automatically), ``no_handler`` (destination unknown to
-    ``module``), ``raced`` (the row moved while we looked; someone else settled it).
+    ``needs_human`` (no lookup and not idempotent, or a key no Idempotency-Key header can
+    carry), ``past_key_ttl`` (not found, or idempotent without a lookup, but a call is older
+    than the destination's ``key_ttl``: parked for a human, never retried automatically),
+    ``no_handler`` (destination unknown to ``module``), ``raced`` (the row moved while we
+    looked; someone else settled it), ``unsettleable`` (the database refused the row's statement,
+    or its path raised: deferred with the reason and reported through ``alert``, default
+    :func:`~reconciler.alerts.log_alert`; the other rows proceed).
     """
     _require_autocommit(conn, "resolve_unknown")
     own_clients = clients is None
@@ -387,22 +437,112 @@ def resolve_unknown(
     try:
         rows = conn.execute(_DUE_UNKNOWN, {"limit": batch_size}).fetchall()
         for row_id, key, step, destination, payload, attempts, deadline, token in rows:
-            if stop is not None and stop.is_set():
-                counts["interrupted"] += 1
-                continue
-            handler = handlers.get(destination)
-            if handler is None:
-                # Stays unknown: only this destination's own lookup (or a human) may conclude.
-                error = (
-                    f"no handler for destination {destination} in {module}: its outcome cannot be "
-                    f"looked up; deploy its handler, or check the provider and run "
-                    f"outbox resolve {row_id} --sent REF / --not-sent"
+            try:
+                if stop is not None and stop.is_set():
+                    counts["interrupted"] += 1
+                    continue
+                handler = handlers.get(destination)
+                if handler is None:
+                    # Stays unknown: only this destination's own lookup (or a human) may conclude.
+                    error = (
+                        f"no handler for destination {destination} in {module}: its outcome cannot be "
+                        f"looked up; deploy its handler, or check the provider and run "
+                        f"outbox resolve {row_id} --sent REF / --not-sent"
+                    )
+                    counts["no_handler" if _park(conn, row_id, token, error) else "raced"] += 1
+                    continue
+                if handler.lookup_fn is None:
+                    if handler.idempotent:
+                        # The provider deduplicates on our Idempotency-Key: calling again is safe.
+                        state = _settle_not_found(
+                            conn,
+                            handler,
+                            row_id=row_id,
+                            token=token,
+                            attempts=attempts,
+                            deadline=deadline,
+                            result="no_lookup_idempotent",
+                            error="outcome unknown; retried, the destination is idempotent",
+                            settled=outcomes.IDEMPOTENT_RETRY,
+                        )
+                        counts[state or "raced"] += 1
+                        continue
+                    error = (
+                        f"needs a human: {destination} has no lookup and is not idempotent; check the "
+                        f"provider, then run outbox resolve {row_id} --sent REF or --not-sent"
+                    )
+                    if _park(conn, row_id, token, error):
+                        counts["needs_human"] += 1
+                        logger.warning(
+                            "outbox %s:%s on %s needs a human: no lookup, not idempotent",
+                            key,
+                            step,
+                            destination,
+                            extra={"outbox_id": row_id, "key": key, "step": step, "destination": destination},
+                        )
+                    else:
+                        counts["raced"] += 1
+                    continue
+                out_of_time = time.monotonic() - started > time_budget_seconds
+                if out_of_time or consecutive_failures[destination] >= LOOKUP_FAILURES_BEFORE_DEFERRING:
+                    # Pushed back rather than left due, or they would fill every next batch and starve
+                    # the rows of healthy destinations behind them.
+                    counts["deferred" if _defer(conn, row_id, token, None) else "raced"] += 1
+                    continue
+
+                if not header_safe(idempotency_key(key, step)):
+                    # Written before keys were checked at write: no lookup can name it to the
+                    # provider, and asking again every few seconds would never succeed.
+                    error = (
+                        f"needs a human: key {key!r} cannot be sent as an Idempotency-Key header "
+                        "(not printable ASCII); check the provider, then run "
+                        f"outbox resolve {row_id} --sent REF or --not-sent"
+                    )
+                    counts["needs_human" if _park(conn, row_id, token, error) else "raced"] += 1
+                    continue
+
+                delivery = Delivery(
+                    id=row_id,
+                    key=key,
+                    step=step,
+                    destination=destination,
+                    payload=payload,
+                    attempt=attempts,
+                    idempotency_key=idempotency_key(key, step),
+                    deadline=deadline,
+                    handler=lookup_clients.handler_for(handler),
                 )
-                counts["no_handler" if _park(conn, row_id, token, error) else "raced"] += 1
-                continue
-            if handler.lookup_fn is None:
-                if handler.idempotent:
-                    # The provider deduplicates on our Idempotency-Key: calling again is safe.
+                # No transaction is open here: the connection is in autocommit mode.
+                try:
+                    found = handler.lookup_fn(delivery)
+                    if found is not None and not isinstance(found, Confirmed):
+                        raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
+                except Exception as exc:
+                    consecutive_failures[destination] += 1
+                    error = _short(f"lookup failed: {_describe(exc)}")
+                    counts["lookup_failed" if _defer(conn, row_id, token, error) else "raced"] += 1
+                    logger.warning(
+                        "outbox %s:%s on %s: %s",
+                        key,
+                        step,
+                        destination,
+                        error,
+                        extra={"outbox_id": row_id, "destination": destination},
+                    )
+                    continue
+                consecutive_failures[destination] = 0
+                if found is not None:
+                    moved = _settle(
+                        conn,
+                        row_id=row_id,
+                        token=token,
+                        state="sent",
+                        result="found",
+                        ref=found.ref,
+                        response=found.response,
+                    )
+                    counts["sent" if moved else "raced"] += 1
+                else:
                     state = _settle_not_found(
                         conn,
                         handler,
@@ -410,90 +550,20 @@ def resolve_unknown(
                         token=token,
                         attempts=attempts,
                         deadline=deadline,
-                        result="no_lookup_idempotent",
-                        error="outcome unknown; retried, the destination is idempotent",
-                        settled=outcomes.IDEMPOTENT_RETRY,
+                        result="not_found",
+                        # Why the call was ambiguous stays on its attempt row.
+                        error="lookup: the provider has no record of the call",
+                        settled=outcomes.LOOKUP_NOT_FOUND,
                     )
                     counts[state or "raced"] += 1
-                    continue
-                error = (
-                    f"needs a human: {destination} has no lookup and is not idempotent; check the "
-                    f"provider, then run outbox resolve {row_id} --sent REF or --not-sent"
-                )
-                if _park(conn, row_id, token, error):
-                    counts["needs_human"] += 1
-                    logger.warning(
-                        "outbox %s:%s on %s needs a human: no lookup, not idempotent",
-                        key,
-                        step,
-                        destination,
-                        extra={"outbox_id": row_id, "key": key, "step": step, "destination": destination},
-                    )
-                else:
-                    counts["raced"] += 1
-                continue
-            out_of_time = time.monotonic() - started > time_budget_seconds
-            if out_of_time or consecutive_failures[destination] >= LOOKUP_FAILURES_BEFORE_DEFERRING:
-                # Pushed back rather than left due, or they would fill every next batch and starve
-                # the rows of healthy destinations behind them.
-                counts["deferred" if _defer(conn, row_id, token, None) else "raced"] += 1
-                continue
-
-            delivery = Delivery(
-                id=row_id,
-                key=key,
-                step=step,
-                destination=destination,
-                payload=payload,
-                attempt=attempts,
-                idempotency_key=idempotency_key(key, step),
-                deadline=deadline,
-                handler=lookup_clients.handler_for(handler),
-            )
-            # No transaction is open here: the connection is in autocommit mode.
-            try:
-                found = handler.lookup_fn(delivery)
-                if found is not None and not isinstance(found, Confirmed):
-                    raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                # A lost connection is not this row's fault: the job ends, the next run retries.
+                raise
             except Exception as exc:
-                consecutive_failures[destination] += 1
-                error = _short(f"lookup failed: {_describe(exc)}")
-                counts["lookup_failed" if _defer(conn, row_id, token, error) else "raced"] += 1
-                logger.warning(
-                    "outbox %s:%s on %s: %s",
-                    key,
-                    step,
-                    destination,
-                    error,
-                    extra={"outbox_id": row_id, "destination": destination},
-                )
-                continue
-            consecutive_failures[destination] = 0
-            if found is not None:
-                moved = _settle(
-                    conn,
-                    row_id=row_id,
-                    token=token,
-                    state="sent",
-                    result="found",
-                    ref=found.ref,
-                    response=found.response,
-                )
-                counts["sent" if moved else "raced"] += 1
-            else:
-                state = _settle_not_found(
-                    conn,
-                    handler,
-                    row_id=row_id,
-                    token=token,
-                    attempts=attempts,
-                    deadline=deadline,
-                    result="not_found",
-                    # Why the call was ambiguous stays on its attempt row.
-                    error="lookup: the provider has no record of the call",
-                    settled=outcomes.LOOKUP_NOT_FOUND,
-                )
-                counts[state or "raced"] += 1
+                # One row the database will not take (or a bug on its path) must not hold back
+                # the others, of any destination: it is pushed back, with the reason, and alerted.
+                counts["unsettleable"] += 1
+                _unsettleable(conn, alert, row_id, key, step, destination, token, exc)
     finally:
         if own_clients:
             lookup_clients.close()

@@ -29,6 +29,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from outbox import transport
 from outbox.db import connect_raw
+from outbox.failover import FailoverGuard
 from outbox.handlers import Handler
 from outbox.heartbeat import DEFAULT_NO_CONSUMER_CYCLES
 from outbox.settings import DEFAULT_NAMESPACE, Settings
@@ -90,8 +91,11 @@ class Reconciler:
         redispatch_grace_seconds: float = jobs.DEFAULT_REDISPATCH_GRACE_SECONDS,
         name: str | None = None,
         no_consumer_cycles: int = DEFAULT_NO_CONSUMER_CYCLES,
+        failover_guard: FailoverGuard | None = None,
     ) -> None:
         self.database_url = database_url
+        #: While it says ``halted`` (the database is on another history), no job runs.
+        self.failover_guard = failover_guard
         self.redis_url = redis_url
         self.handlers = dict(handlers)
         self.module = module
@@ -159,6 +163,9 @@ class Reconciler:
             conn = self._conns[job] = connect_raw(
                 self.database_url, autocommit=True, application_name=f"outbox-reconcile-{job}"
             )
+            if self.failover_guard is not None:
+                # A new connection may be to a new server: check before a job acts on it.
+                self.failover_guard.check_now()
         return conn
 
     def _drop(self, job: str) -> None:
@@ -197,7 +204,12 @@ class Reconciler:
 
     def _resolve_unknown(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
         return jobs.resolve_unknown(
-            conn, self.handlers, module=self.module, clients=self._lookup_clients, stop=self._stopping
+            conn,
+            self.handlers,
+            module=self.module,
+            clients=self._lookup_clients,
+            stop=self._stopping,
+            alert=self.alert_hook,
         )
 
     def _redispatch(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
@@ -234,7 +246,9 @@ class Reconciler:
         job = self.jobs[name]
         running = self._running.setdefault(name, threading.Lock())
         counts: dict[str, int]
-        if not running.acquire(blocking=False):
+        if self.failover_guard is not None and self.failover_guard.halted:
+            counts = {"halted_by_failover": 1}
+        elif not running.acquire(blocking=False):
             counts = {"skipped": 1}
         else:
             try:
@@ -264,6 +278,8 @@ class Reconciler:
 
     def _locked(self, job: Job) -> dict[str, int]:
         conn = self._conn(job.name)
+        if self.failover_guard is not None and self.failover_guard.halted:
+            return {"halted_by_failover": 1}
         got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (LOCK_CLASS, job.lock_id)).fetchone()
         if not (got and got[0]):
             return {"skipped": 1}

@@ -21,6 +21,7 @@ import redis
 
 from outbox import transport
 from outbox.db import connect_raw
+from outbox.failover import FailoverGuard
 from outbox.logs import first_line
 from outbox.schema import NOTIFY_CHANNEL
 
@@ -117,8 +118,11 @@ class Relay:
         batch_size: int = 1000,
         poll_interval_seconds: float = 1.0,
         parallel: int = 2,
+        failover_guard: FailoverGuard | None = None,
     ) -> None:
         self.database_url = database_url
+        #: While it says ``halted`` (the database is on another history), nothing is published.
+        self.failover_guard = failover_guard
         self.redis_url = redis_url
         self.namespace = namespace
         self.batch_size = batch_size
@@ -137,6 +141,9 @@ class Relay:
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = connect_raw(self.database_url)
+            if self.failover_guard is not None:
+                # A new connection may be to a new server: check before the first batch on it.
+                self.failover_guard.check_now()
         return self._conn
 
     @property
@@ -161,8 +168,10 @@ class Relay:
 
     def run_once(self) -> BatchResult:
         """Claim, publish and commit one batch; returns what was published."""
-        conn = self.conn
         result = BatchResult()
+        conn = self.conn
+        if self.failover_guard is not None and self.failover_guard.halted:
+            return result
         try:
             with conn.transaction():
                 rows = conn.execute(CLAIM_SQL, {"limit": self.batch_size}).fetchall()
@@ -233,6 +242,7 @@ class Relay:
                     namespace=self.namespace,
                     batch_size=self.batch_size,
                     parallel=1,
+                    failover_guard=self.failover_guard,
                 )
             )
             self._helpers[-1]._refusals = self._refusals

@@ -79,6 +79,10 @@ class _Config:
     lookup_fail: bool = False
     seed: int | None = None
     fault_keys: dict[str, FaultMode] = field(default_factory=dict)
+    # Raw JSON object text whose members are appended to every charge the simulator answers
+    # (POST and lookup), verbatim: lets a test send what a real provider might, such as
+    # "\u0000", NaN, 1e400 or a card number, which json.dumps would refuse or rewrite.
+    response_extra: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -123,6 +127,19 @@ def _as_fault_keys(value: object) -> dict[str, FaultMode]:
     return out
 
 
+def _as_response_extra(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"config field 'response_extra' must be a string, got {value!r}")
+    if value.strip():
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("config field 'response_extra' must be a JSON object's text") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("config field 'response_extra' must be a JSON object's text")
+    return value.strip()
+
+
 def _apply_config(config: _Config, updates: Mapping[str, object]) -> _Config:
     """Validate every field before changing anything, so a bad update has no partial effect."""
     unknown = sorted(set(updates) - _CONFIG_FIELDS)
@@ -140,6 +157,8 @@ def _apply_config(config: _Config, updates: Mapping[str, object]) -> _Config:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"config field 'seed' must be an integer or null, got {value!r}")
             new.seed = value
+        elif name == "response_extra":
+            new.response_extra = _as_response_extra(value)
         elif name == "fault_keys":
             # Merged rather than replaced, so a test can arm faults one key at a time.
             new.fault_keys.update(_as_fault_keys(value))
@@ -324,6 +343,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_json(self, status: int, body: Mapping[str, Any]) -> None:
         self._send(status, json.dumps(body, separators=(",", ":")).encode())
 
+    def _send_charge(self, status: int, body: Mapping[str, Any]) -> None:
+        extra = self._server.state.config().response_extra if status == 200 else ""
+        text = json.dumps(body, separators=(",", ":"))
+        if extra and extra != "{}" and text.endswith("}"):
+            text = text[:-1] + ("," if len(text) > 2 else "") + extra.strip()[1:]
+        self._send(status, text.encode())
+
     def _drop(self) -> None:
         # Simulates a response lost on the wire: the charge happened, the client never hears.
         self.close_connection = True
@@ -387,7 +413,7 @@ class _Handler(BaseHTTPRequestHandler):
 
         outcome = state.charge(key, body)
         if outcome.fault in (None, "fail_before"):
-            self._send_json(outcome.status, outcome.body)
+            self._send_charge(outcome.status, outcome.body)
         elif outcome.fault == "fail_after":
             self._send_json(500, {"error": "internal error after charging (simulated)"})
         elif outcome.fault == "drop_after":
@@ -398,7 +424,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self._sleep(state.config().hang_seconds):
                 self._drop()
             else:
-                self._send_json(outcome.status, outcome.body)
+                self._send_charge(outcome.status, outcome.body)
 
     def _get_charge(self) -> None:
         self._read_body()
@@ -416,7 +442,7 @@ class _Handler(BaseHTTPRequestHandler):
         if charge is None:
             self._send_json(404, {"error": "no such charge"})
         else:
-            self._send_json(200, charge)
+            self._send_charge(200, charge)
 
     def _get_stats(self) -> None:
         self._read_body()

@@ -41,6 +41,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_HEARTBEAT_INTERVAL": ("10s", 10.0, ["often", "0"]),
     "OUTBOX_NO_CONSUMER_CYCLES": ("5", 5, ["three", "0", "1.5"]),
     "OUTBOX_CLOCK_SKEW_WARN": ("500ms", 0.5, ["2 seconds", "0"]),
+    "OUTBOX_FAILOVER_CHECK_INTERVAL": ("1m", 60.0, ["often", "0"]),
 }
 
 

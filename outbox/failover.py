@@ -1,0 +1,360 @@
+"""Failover detection: a process that finds itself on another database history stops acting.
+
+A failover to an asynchronous standby, or a point-in-time restore, can lose committed claims:
+the provider was called, the fence row that says so is gone, and the row is `pending` or
+`dispatched` again — relaying and claiming it would charge twice. PostgreSQL names its history
+by the cluster's *system identifier* (changes when the cluster is re-created or restored from a
+logical dump) and the *timeline* (changes at every promotion and at the end of every
+point-in-time recovery). The database records the pair it last ran on in
+``outbox_db_identity``; the relay, worker and reconciler compare it with what the server reports,
+at start and every ``OUTBOX_FAILOVER_CHECK_INTERVAL`` seconds (default 30; never per delivery),
+and on a difference they alert and stop relaying, claiming and reconciling until an operator
+runs ``outbox failover --accept --reason …`` (docs/runbook.md).
+
+The system identifier comes from ``pg_control_system()``, the timeline from the name of the
+current WAL file (``pg_walfile_name(pg_current_wal_lsn())``, up to date right after a promotion)
+or else ``pg_control_checkpoint()`` (up to date after the next checkpoint). All three are
+executable by any role on PostgreSQL 15 and 16 unless an administrator revoked them; a value that
+cannot be read is reported once and left out of the comparison, and with neither readable the
+detection is off, said loudly at start (``outbox failover`` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from .db import connect_raw
+from .exceptions import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: While halted, the alert is repeated this often (in checks), so a missed page is not the end.
+_REMIND_EVERY_CHECKS = 10
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Which database history a server is on; None where the value could not be read."""
+
+    system_identifier: str | None
+    timeline: int | None
+
+    def describe(self) -> str:
+        sysid = self.system_identifier or "unreadable"
+        tli = self.timeline if self.timeline is not None else "unreadable"
+        return f"system identifier {sysid}, timeline {tli}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one check."""
+
+    ok: bool
+    current: Identity
+    recorded: Identity | None
+    message: str
+    #: True when neither value could be read: detection is off.
+    unavailable: bool = False
+
+
+def _read(conn: psycopg.Connection[Any], statement: str) -> tuple[Any, str | None]:
+    try:
+        row = conn.execute(statement).fetchone()
+    except psycopg.OperationalError:
+        raise
+    except psycopg.Error as exc:
+        # Revoked EXECUTE, a managed service hiding the function, a standby: not fatal.
+        if not conn.autocommit:
+            conn.rollback()
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    return (row[0] if row else None), None
+
+
+def read_identity(conn: psycopg.Connection[Any]) -> tuple[Identity, list[str]]:
+    """The server's current identity, and why any part of it could not be read."""
+    problems: list[str] = []
+    sysid, why = _read(conn, "SELECT system_identifier::text FROM pg_control_system()")
+    if why:
+        problems.append(f"pg_control_system(): {why}")
+    walfile, why = _read(conn, "SELECT pg_walfile_name(pg_current_wal_lsn())")
+    timeline: int | None = None
+    if walfile:
+        timeline = int(str(walfile)[:8], 16)
+    else:
+        if why:
+            problems.append(f"pg_walfile_name(pg_current_wal_lsn()): {why}")
+        value, why = _read(conn, "SELECT timeline_id FROM pg_control_checkpoint()")
+        if why:
+            problems.append(f"pg_control_checkpoint(): {why}")
+        timeline = int(value) if value is not None else None
+    return Identity(str(sysid) if sysid is not None else None, timeline), problems
+
+
+# The first process records the identity; a value that was unreadable before and is readable now
+# is filled in. The row is written only then, not at every check.
+_RECORD = """
+WITH ins AS (
+    INSERT INTO outbox_db_identity AS i (id, system_identifier, timeline, recorded_by, note)
+    VALUES (1, %(sysid)s, %(timeline)s, %(by)s, 'first recorded')
+    ON CONFLICT (id) DO UPDATE
+    SET system_identifier = COALESCE(i.system_identifier, EXCLUDED.system_identifier),
+        timeline = COALESCE(i.timeline, EXCLUDED.timeline)
+    WHERE (i.system_identifier IS NULL AND EXCLUDED.system_identifier IS NOT NULL)
+       OR (i.timeline IS NULL AND EXCLUDED.timeline IS NOT NULL)
+    RETURNING system_identifier, timeline
+)
+SELECT system_identifier, timeline FROM ins
+UNION ALL
+SELECT system_identifier, timeline FROM outbox_db_identity
+WHERE id = 1 AND NOT EXISTS (SELECT 1 FROM ins)
+"""
+
+_MISMATCH_SEEN = """
+UPDATE outbox_db_identity
+SET mismatch_seen_at = COALESCE(mismatch_seen_at, now()), mismatch = %(mismatch)s
+WHERE id = 1 AND mismatch IS DISTINCT FROM %(mismatch)s
+"""
+
+_ACCEPT = """
+INSERT INTO outbox_db_identity AS i (id, system_identifier, timeline, recorded_by, note)
+VALUES (1, %(sysid)s, %(timeline)s, %(by)s, %(note)s)
+ON CONFLICT (id) DO UPDATE
+SET system_identifier = EXCLUDED.system_identifier, timeline = EXCLUDED.timeline,
+    recorded_at = now(), recorded_by = EXCLUDED.recorded_by, note = EXCLUDED.note,
+    mismatch_seen_at = NULL, mismatch = NULL
+RETURNING recorded_at
+"""
+
+_SHOW = """
+SELECT system_identifier, timeline, recorded_at, recorded_by, note, mismatch_seen_at, mismatch
+FROM outbox_db_identity WHERE id = 1
+"""
+
+
+def _differs(recorded: Identity, current: Identity) -> list[str]:
+    changes = []
+    if None not in (recorded.system_identifier, current.system_identifier) and (
+        recorded.system_identifier != current.system_identifier
+    ):
+        changes.append(f"system identifier {recorded.system_identifier} -> {current.system_identifier}")
+    if None not in (recorded.timeline, current.timeline) and recorded.timeline != current.timeline:
+        changes.append(f"timeline {recorded.timeline} -> {current.timeline}")
+    return changes
+
+
+def check(conn: psycopg.Connection[Any], *, process: str) -> Verdict:
+    """Compare the server's identity with the recorded one (recording it the first time).
+
+    ``conn`` is an autocommit psycopg connection. Raises ``psycopg.OperationalError`` when the
+    database cannot be reached: the caller keeps its previous verdict.
+    """
+    current, problems = read_identity(conn)
+    if current.system_identifier is None and current.timeline is None:
+        return Verdict(
+            True,
+            current,
+            None,
+            "failover detection is off: neither the system identifier nor the timeline can be "
+            f"read ({'; '.join(problems)}); grant EXECUTE on pg_control_system() and "
+            "pg_control_checkpoint() to this role",
+            unavailable=True,
+        )
+    row = conn.execute(
+        _RECORD, {"sysid": current.system_identifier, "timeline": current.timeline, "by": process}
+    ).fetchone()
+    assert row is not None  # the statement inserts the row when it is missing
+    recorded = Identity(row[0], row[1])
+    changes = _differs(recorded, current)
+    if not changes:
+        partial = f" ({'; '.join(problems)})" if problems else ""
+        return Verdict(True, current, recorded, f"database identity unchanged: {current.describe()}{partial}")
+    mismatch = "; ".join(changes)
+    conn.execute(_MISMATCH_SEEN, {"mismatch": mismatch})
+    return Verdict(
+        False,
+        current,
+        recorded,
+        f"the database is not the one this outbox last ran on ({mismatch}): a failover or a "
+        "restore may have lost committed claims, so relaying, claiming and reconciling are "
+        "stopped. Check the provider for calls made since the last recorded state, then run "
+        "`outbox failover --accept --reason '…'` (docs/runbook.md, \"After a failover\")",
+    )
+
+
+def accept(conn: psycopg.Connection[Any], *, reason: str, by: str) -> tuple[Identity, Identity | None]:
+    """Record the server's current identity as the one to run on; (new, previous)."""
+    previous_row = conn.execute(_SHOW).fetchone()
+    previous = Identity(previous_row[0], previous_row[1]) if previous_row else None
+    current, _ = read_identity(conn)
+    conn.execute(
+        _ACCEPT,
+        {"sysid": current.system_identifier, "timeline": current.timeline, "by": by, "note": reason},
+    )
+    return current, previous
+
+
+class FailoverGuard:
+    """Checks the database identity at start and every ``interval_seconds`` on a thread of its
+    own and connection of its own; ``halted`` is what the hot path reads (an attribute, no I/O).
+    """
+
+    def __init__(self, database_url: str, *, process: str, interval_seconds: float | None = None) -> None:
+        self.database_url = database_url
+        self.process = f"{process}@{socket.gethostname()}:{os.getpid()}"
+        if interval_seconds is None:
+            interval_seconds = _interval_from_env()
+        self.interval_seconds = interval_seconds
+        #: True while the database identity differs from the recorded one.
+        self.halted = False
+        self.last: Verdict | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._halted_checks = 0
+        self._lock = threading.Lock()
+
+    def check_now(self) -> bool:
+        """One check; returns ``halted``. An unreachable database keeps the previous verdict.
+
+        Called by the periodic thread, and by the processes each time they open a new database
+        connection: a failover breaks every connection, so the first claim or batch after it
+        runs on a checked server rather than waiting for the next period.
+        """
+        with self._lock:
+            return self._check_locked()
+
+    def _check_locked(self) -> bool:
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = connect_raw(
+                    self.database_url, autocommit=True, application_name="outbox-failover"
+                )
+            verdict = check(self._conn, process=self.process)
+        except psycopg.Error as exc:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            logger.warning(
+                "failover check failed (%s); keeping the previous verdict",
+                type(exc).__name__,
+                extra={"outbox_process": self.process},
+            )
+            return self.halted
+        first = self.last is None
+        self.last = verdict
+        if not verdict.ok:
+            if not self.halted or self._halted_checks % _REMIND_EVERY_CHECKS == 0:
+                logger.error(
+                    "%s",
+                    verdict.message,
+                    extra={
+                        "outbox_process": self.process,
+                        "failover": True,
+                        "current": verdict.current.describe(),
+                    },
+                )
+            self._halted_checks += 1
+            self.halted = True
+        else:
+            if self.halted:
+                logger.warning(
+                    "database identity accepted by an operator (%s): resuming",
+                    verdict.current.describe(),
+                    extra={"outbox_process": self.process},
+                )
+            elif first and verdict.unavailable:
+                logger.error("%s", verdict.message, extra={"outbox_process": self.process})
+            self.halted = False
+            self._halted_checks = 0
+        return self.halted
+
+    def start(self) -> FailoverGuard:
+        """Check once now, then keep checking on a daemon thread until ``stop``."""
+        self.check_now()
+        self._thread = threading.Thread(target=self._loop, name="outbox-failover-check", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_seconds):
+            self.check_now()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._conn is not None and not self._conn.closed:
+            self._conn.close()
+        self._conn = None
+
+
+def _interval_from_env() -> float:
+    from .settings import from_env
+
+    return from_env().failover_check_interval_seconds
+
+
+# -- the `outbox failover` command -------------------------------------------------------------------
+
+_HELP = """
+Failover detection. Without options: show the database identity (system identifier, timeline)
+the outbox last ran on, the server's current one, and whether the relay, workers and reconciler
+are stopped because they differ (exit 0 when they match, 1 when they differ).
+
+After a failover to a standby, or a point-in-time restore, claims committed on the old primary
+may be lost: rows the provider already charged can be pending again. Before accepting, check the
+provider for every row claimed since the last recorded state (runbook: "After a failover"), then
+  outbox failover --accept --reason "promoted standby db2; checked charges since 14:02"
+records the current identity, and the stopped processes resume within
+OUTBOX_FAILOVER_CHECK_INTERVAL seconds (default 30).
+"""
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = _HELP
+    p.add_argument("--database-url", help="PostgreSQL URL, postgresql://… (default: $OUTBOX_DATABASE_URL)")
+    p.add_argument("--accept", action="store_true", help="record the current identity; processes resume")
+    p.add_argument("--reason", help="why accepting is safe (required with --accept)")
+    p.add_argument("--by", help="who accepts (default: the login name)")
+
+
+def _run(args: argparse.Namespace, cfg: Any) -> int:
+    if args.accept and not (args.reason and args.reason.strip()):
+        raise ConfigError("--accept needs --reason: what was checked, for the next reader")
+    with connect_raw(cfg.require_database_url(), autocommit=True) as conn:
+        if args.accept:
+            current, previous = accept(conn, reason=args.reason.strip(), by=args.by or getpass.getuser())
+            print(f"accepted: {current.describe()}")
+            if previous is not None:
+                print(f"previously recorded: {previous.describe()}")
+            return 0
+        current, problems = read_identity(conn)
+        row = conn.execute(_SHOW).fetchone()
+    print(f"server:   {current.describe()}")
+    for problem in problems:
+        print(f"  cannot read {problem}")
+    if row is None:
+        print("recorded: nothing yet (the first relay, worker or reconciler records it)")
+        return 0
+    recorded = Identity(row[0], row[1])
+    print(f"recorded: {recorded.describe()} at {row[2]:%Y-%m-%d %H:%M:%S%z} by {row[3]} ({row[4]})")
+    changes = _differs(recorded, current)
+    if changes:
+        print(f"DIFFERENT: {'; '.join(changes)} — relay, workers and reconciler are stopped")
+        print("check the provider (runbook: After a failover), then: outbox failover --accept --reason …")
+        return 1
+    print("same history: nothing to do")
+    return 0
+
+
+COMMANDS = [("failover", "show or accept the database identity (failover detection)", _arguments, _run)]

@@ -1,0 +1,195 @@
+"""What the outbox stores from outside — a provider's reference, its response, a lookup's answer,
+error text — made storable and free of card data, by one set of rules.
+
+A provider's answer is evidence that a charge happened: it must always reach the database, so a
+value PostgreSQL refuses (``\\u0000`` in ``text`` or ``jsonb``, NaN in ``jsonb``) or Python's
+``json`` cannot encode (``Decimal``, ``datetime``, non-string keys) is converted, never allowed to
+fail the statement that records ``sent``. The rules (docs/handlers.md, "What is stored"):
+
+- text: NUL becomes U+FFFD, lone surrogates become U+FFFD; a digit run of 13-19 digits (spaces or
+  dashes allowed between them) that starts with 2-6 and passes the Luhn check is masked to its
+  last four digits (``[card ****4242]``); error text is cut to 500 characters;
+- JSON: ``Decimal`` → int when integral, else float when that round-trips, else its string;
+  ``datetime``/``date``/``time`` → ISO 8601; ``UUID`` → str; NaN/±Infinity → ``"NaN"``,
+  ``"Infinity"``, ``"-Infinity"``; tuples, sets → lists; bytes → ``"<N bytes>"``; a non-string
+  key → its ``str()``; any other object → ``"<TypeName>"``; an integer that looks like a card
+  number is masked as text is; a value under a secret-like field name (password, secret, token,
+  authorization, api key, cvv/cvc, card number, pan, …) → ``"***"``; nesting beyond 32 levels →
+  ``"<nested too deep>"``; a whole response over 64 KiB encoded is replaced by
+  ``{"truncated": true, "bytes": N, "head": first 1000 characters}``;
+- the provider reference: NUL/surrogates replaced and cut to 1000 characters, never masked
+  (operators match it with the provider; it is an identifier, not card data).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+import math
+import re
+import uuid
+from decimal import Decimal
+from typing import Any
+
+MAX_ERROR_CHARS = 500
+MAX_REF_CHARS = 1000
+MAX_RESPONSE_BYTES = 64 * 1024
+MAX_DEPTH = 32
+_TRUNCATED_HEAD_CHARS = 1000
+
+REPLACEMENT = "\ufffd"
+
+# 13-19 digits, optionally grouped by single spaces or dashes; first digit 2-6 (card networks'
+# ranges), which also keeps epoch milliseconds (1…) from being masked.
+_PAN = re.compile(r"(?<![0-9])[2-6](?:[ -]?[0-9]){12,18}(?![0-9])")
+_SURROGATES = re.compile(r"[\ud800-\udfff]")
+
+# Names whose value is a credential or card data wherever it appears: a response field, a log
+# line's extra field. Short words (pan, cvv) only as whole words, or "company" would match.
+_SECRET_NAME = re.compile(
+    r"(authorization|password|passwd|secret|token|api[-_]?key|private[-_]?key|card[-_]?number"
+    r"|security[-_]?code|(?:^|[^a-z])(?:pan|cvv2?|cvc2?)(?:$|[^a-z]))",
+    re.I,
+)
+
+
+def _luhn_ok(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = ord(ch) - 48
+        if i % 2:
+            d *= 2
+            if d > 9:
+                d -= 9
+        total += d
+    return total % 10 == 0
+
+
+def _mask(match: re.Match[str]) -> str:
+    digits = re.sub(r"[ -]", "", match.group(0))
+    if 13 <= len(digits) <= 19 and _luhn_ok(digits):
+        return f"[card ****{digits[-4:]}]"
+    return match.group(0)
+
+
+def redact_text(text: str) -> str:
+    """Card numbers masked; everything else unchanged. Cheap when ``text`` has no long digit run."""
+    return _PAN.sub(_mask, text)
+
+
+@functools.lru_cache(maxsize=1024)
+def is_secret_name(name: str) -> bool:
+    """True for a field name whose value must be neither logged nor stored."""
+    return _SECRET_NAME.search(name) is not None
+
+
+def _storable_text(text: str) -> str:
+    if "\x00" in text:
+        text = text.replace("\x00", REPLACEMENT)
+    if not text.isascii():
+        text = _SURROGATES.sub(REPLACEMENT, text)
+    return text
+
+
+def clean_text(text: object, *, max_chars: int = MAX_ERROR_CHARS) -> str:
+    """Error text as stored (``last_error``, attempt ``error``) and logged: storable, card numbers
+    masked, at most ``max_chars`` characters."""
+    out = redact_text(_storable_text(text if isinstance(text, str) else str(text)))
+    return out if len(out) <= max_chars else out[: max_chars - 1] + "…"
+
+
+def clean_optional_text(text: object | None, *, max_chars: int = MAX_ERROR_CHARS) -> str | None:
+    return None if text is None else clean_text(text, max_chars=max_chars)
+
+
+def clean_ref(ref: object) -> str:
+    """A provider reference as stored: storable and bounded, never masked."""
+    out = _storable_text(ref if isinstance(ref, str) else str(ref))
+    return out[:MAX_REF_CHARS]
+
+
+def _clean_number(value: int | float) -> Any:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "Infinity" if value > 0 else "-Infinity"
+        return value
+    if value.bit_length() > 4000:
+        # Python refuses to print integers past ~4300 digits; no provider means such a number.
+        return f"<integer of {value.bit_length()} bits>"
+    if 13 <= len(str(abs(value))) <= 19:
+        masked = redact_text(str(value))
+        if masked != str(value):
+            return masked
+    return value
+
+
+def _clean_decimal(value: Decimal) -> Any:
+    if not value.is_finite():
+        return "NaN" if value.is_nan() else ("Infinity" if value > 0 else "-Infinity")
+    if value == value.to_integral_value():
+        return _clean_number(int(value))
+    as_float = float(value)
+    # A number only when the float is worth the same; otherwise the exact digits, as text.
+    return as_float if math.isfinite(as_float) and Decimal(repr(as_float)) == value else str(value)
+
+
+def _clean_value(value: Any, depth: int) -> Any:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return redact_text(_storable_text(value))
+    if isinstance(value, int | float):
+        return _clean_number(value)
+    if depth >= MAX_DEPTH:
+        return "<nested too deep>"
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            name = _storable_text(k if isinstance(k, str) else str(k))
+            out[name] = "***" if is_secret_name(name) else _clean_value(v, depth + 1)
+        return out
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
+        return [_clean_value(v, depth + 1) for v in items]
+    if isinstance(value, Decimal):
+        return _clean_decimal(value)
+    if isinstance(value, _dt.datetime | _dt.date | _dt.time):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return f"<{len(bytes(value))} bytes>"
+    return f"<{type(value).__name__}>"
+
+
+def clean_json(value: Any) -> Any:
+    """Any Python value → a JSON value PostgreSQL's jsonb accepts, by the module's rules."""
+    return _clean_value(value, 0)
+
+
+def encode_response(response: Any) -> str | None:
+    """A provider's response summary as the jsonb text to store; None stays None.
+
+    Never raises for any input: the response rides on the statement that records a confirmed
+    charge, and that statement must not fail because of what the provider answered.
+    """
+    if response is None:
+        return None
+    try:
+        cleaned = clean_json(response)
+        encoded = json.dumps(cleaned, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except Exception as exc:  # a summary is not worth losing the record
+        return json.dumps({"unstorable_response": type(exc).__name__})
+    if len(encoded.encode("utf-8")) > MAX_RESPONSE_BYTES:
+        return json.dumps(
+            {
+                "truncated": True,
+                "bytes": len(encoded.encode("utf-8")),
+                "head": encoded[:_TRUNCATED_HEAD_CHARS],
+            },
+            ensure_ascii=False,
+        )
+    return encoded
