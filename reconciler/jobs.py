@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -797,7 +797,7 @@ AND completed_at < now() - %(horizon)s * interval '1 second'
 LEDGER_DROP_BATCH = 5000
 
 
-def _batches(run: Any, max_batches: int, batch: int) -> tuple[int, int]:
+def _batches(run: Callable[[], int], max_batches: int, batch: int) -> tuple[int, int]:
     total = batches = 0
     for _ in range(max_batches):
         done = run()
