@@ -194,9 +194,12 @@ class Consumer:
                 token=token,
             )
         except psycopg.OperationalError:
+            # A broken connection may have lost the reply to a committed claim; on a live one the
+            # server reported the error, so the statement rolled back.
+            lost = conn.broken
             self._drop("claim_conn")
-            if not (conn.broken or conn.closed):
-                raise  # the server refused the statement: it did not commit
+            if not lost:
+                raise
             return self._recover_lost_claim(handler, row_id, token, backend)
         if claimed is None:
             logger.info(
@@ -252,7 +255,7 @@ class Consumer:
 
     def _call(self, handler: Handler, claimed: fence.Claimed) -> Decision:
         delivery = delivery_for(claimed, handler)
-        call = self._caller().run(handler, delivery, handler.time_limit)
+        call = self._caller().run(handler, delivery, handler.call_deadline_seconds)
         if call is None:
             # Its late result, if any, is ignored: the outcome is recorded now, inside the lease.
             self._local.caller = None

@@ -120,6 +120,14 @@ class Handler:
         margin over ``time_limit``, at most 5 s; the other half absorbs the claim's own wait."""
         return min(MAX_START_MARGIN_SECONDS, (self.lease_seconds - self.time_limit) / 2)
 
+    @property
+    def call_deadline_seconds(self) -> float:
+        """When the worker stops waiting for a call: ``time_limit``, which the timeouts of
+        ``d.http`` add up to, plus half the start margin, so that a timeout firing at the limit
+        is still classified by its kind (a connect timeout was certainly not sent). The record
+        keeps the other half of the margin."""
+        return self.time_limit + self.start_margin_seconds / 2
+
     def backoff_seconds(self, attempt: int) -> float:
         """Delay before attempt ``attempt + 1`` (attempt counts from 1)."""
         return self.backoff[min(attempt - 1, len(self.backoff) - 1)]
