@@ -13,10 +13,12 @@ with the confirmed sends, and lists what must never happen:
 
 "Confirmed" counts ``superseded:sent`` too: a late worker whose row had been taken over still
 got a confirmation from the provider, so that call took effect even though it lost the race to
-record it. Rows purged after retention take their attempts with them (``ON DELETE CASCADE``),
-but the purge leaves each key in the key ledger with its counts (claims, confirmed claims,
-ambiguous history, final state, reference): the audit counts those purged keys too, for as long
-as the ledger keeps them (``OUTBOX_LEDGER_HORIZON``), and the same violations apply to them.
+record it. A fence row whose outcome is ``released`` (a claim given back without a call) is not
+an attempt and is not counted. Rows purged after retention take their attempts with them (``ON
+DELETE CASCADE``), but the purge leaves each key in the key ledger with its counts (claims,
+confirmed claims, ambiguous history, final state, reference): the audit counts those purged keys
+too, for as long as the ledger keeps them (``OUTBOX_LEDGER_HORIZON``), and the same violations
+apply to them.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ scope AS (
 ),
 fence AS (
     SELECT a.message_id,
-           count(*) AS claims,
+           -- A released claim made no call: it is on the fence for the record, not counted.
+           count(*) FILTER (WHERE a.outcome IS DISTINCT FROM 'released') AS claims,
            count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,
            count(*) FILTER (WHERE a.outcome = 'superseded:sent') AS superseded_confirmed,
            count(*) FILTER (WHERE {_RECALLED}) AS recalled,

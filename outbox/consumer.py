@@ -1,29 +1,44 @@
 """One consumer run: claim → call → record. The broker ack comes after, in the worker.
 
+A call starts only with ``time_limit`` plus a margin of lease left, measured on this process's
+monotonic clock from when the claim was sent; otherwise the claim is released (no call, not an
+attempt). The call has a total deadline of ``time_limit``, after which its outcome is recorded
+as ambiguous while the lease still covers the record.
+
 Every outcome is logged as one structured line naming the row, never its payload.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
+import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 
-from . import fence
+from . import fence, policy
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
-from .handlers import Delivery, Handler, idempotency_key
-from .policy import Decision, Outcome, decide_exception, decide_result, next_state
+from .handlers import Delivery, Handler, close_thread_http_clients, idempotency_key
+from .policy import Decision, Next, Outcome, decide_exception, decide_result, next_state
 from .validation import header_safe
 
 logger = logging.getLogger(__name__)
+
+
+#: A row released this many times (claims given back without a call) is reported at ERROR: a
+#: lock held for longer than a lease, or commits stalled for that long, keep it from ever running.
+RELEASE_ALERT_THRESHOLD = 3
+#: How long a worker keeps trying to settle a claim whose reply was lost (reconnect, end the old
+#: backend, release) before it gives up and leaves the row to the lease and the reconciler.
+LOST_CLAIM_RECOVERY_SECONDS = 60.0
 
 
 class RunResult(enum.StrEnum):
@@ -34,14 +49,75 @@ class RunResult(enum.StrEnum):
     UNKNOWN = "unknown"
     SUPERSEDED = "superseded"  # a newer claim owns the row; our recording only went to the fence
     UNHANDLED = "unhandled"
+    RELEASED = "released"  # claimed, then given back without a call
     HALTED = "halted"  # not claimed: the database is on another history (outbox.failover)
+
+
+class _Abandoned(BaseException):
+    """Raised in a handler's thread once the worker stopped waiting for it. Best effort: pure
+    Python stops at once, a thread blocked in a socket call only when that call returns; either
+    way, a request it had not sent yet is not sent."""
+
+
+class _Call:
+    __slots__ = ("arg", "done", "error", "fn", "result")
+
+    def __init__(self, fn: Callable[[Any], Any], arg: Any) -> None:
+        self.fn = fn
+        self.arg = arg
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _CallThread:
+    """Runs the handler calls of one worker thread, so that the worker can stop waiting for a
+    call at its deadline: httpx's timeouts are per phase (and DNS has none), and Dramatiq's time
+    limit cannot interrupt a blocking read. A thread whose call was abandoned ends after it."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="outbox-call", daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable[[Any], Any], arg: Any, timeout: float) -> _Call | None:
+        """The finished call, or None when it ran past ``timeout`` (this thread is then done)."""
+        call = _Call(fn, arg)
+        self._calls.put(call)
+        if call.done.wait(timeout):
+            return call
+        self._calls.put(None)
+        if not call.done.is_set() and self._thread.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self._thread.ident), ctypes.py_object(_Abandoned)
+            )
+        return None
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _main(self) -> None:
+        try:
+            while (call := self._calls.get()) is not None:
+                try:
+                    call.result = call.fn(call.arg)
+                except BaseException as exc:
+                    call.error = exc
+                call.done.set()
+        except _Abandoned:
+            pass  # delivered between two calls: this thread was ending anyway
+        try:
+            close_thread_http_clients()
+        except _Abandoned:
+            close_thread_http_clients()
 
 
 class Consumer:
     """Runs deliveries for the handlers of one deploy; one instance is shared by all threads.
 
     Each thread keeps two connections: one for claims (synchronous commit: the claim must survive
-    a database crash before the call starts) and one for records (asynchronous commit).
+    a database crash before the call starts) and one for records (asynchronous commit), and one
+    helper thread that runs its handler calls.
     """
 
     def __init__(
@@ -49,18 +125,15 @@ class Consumer:
         database_url: str,
         handlers: Mapping[str, Handler],
         *,
-        limit_call: Callable[[float], None] | None = None,
         failover_guard: FailoverGuard | None = None,
     ) -> None:
         self.database_url = database_url
         #: Read before every claim (an attribute, no I/O); set by the worker.
         self.failover_guard = failover_guard
         self.handlers = dict(handlers)
-        # Set by the worker: arms a per-thread timer that interrupts a handler running past
-        # the given number of seconds (Dramatiq's TimeLimit), so the call ends inside the lease.
-        self._limit_call = limit_call
         self._local = threading.local()
         self._all: list[psycopg.Connection[Any]] = []
+        self._callers: list[_CallThread] = []
         self._all_lock = threading.Lock()
 
     # -- connections ---------------------------------------------------------------------------
@@ -70,6 +143,10 @@ class Consumer:
         if conn is None or conn.closed:
             options = "-c synchronous_commit=off" if name == "record_conn" else ""
             conn = connect_raw(self.database_url, autocommit=True, options=options)
+            if name == "claim_conn":
+                # Known before any claim is sent: if a claim's reply is lost, this backend is
+                # the one to end before asking whether the claim committed.
+                self._local.claim_backend = fence.backend_identity(conn)
             setattr(self._local, name, conn)
             with self._all_lock:
                 self._all.append(conn)
@@ -83,10 +160,21 @@ class Consumer:
             conn.close()
             setattr(self._local, name, None)
 
+    def _caller(self) -> _CallThread:
+        caller: _CallThread | None = getattr(self._local, "caller", None)
+        if caller is None:
+            caller = self._local.caller = _CallThread()
+            with self._all_lock:
+                self._callers.append(caller)
+        return caller
+
     def close(self) -> None:
         """Close every thread's connections (call once the worker threads have stopped)."""
         with self._all_lock:
             conns, self._all = self._all, []
+            callers, self._callers = self._callers, []
+        for caller in callers:
+            caller.stop()
         for conn in conns:
             conn.close()
 
@@ -121,16 +209,28 @@ class Consumer:
                 extra={"outbox_id": row_id, "destination": destination},
             )
             return RunResult.UNHANDLED
+        conn = self._conn("claim_conn")
+        backend = self._local.claim_backend
+        token = uuid.uuid4()
+        # The lease is measured on this clock from here, before the claim is sent: a wait for
+        # a row lock or for the commit only shortens what is left, whatever the clocks say.
+        sent_at = time.monotonic()
         try:
             claimed = fence.claim(
-                self._conn("claim_conn"),
+                conn,
                 row_id=row_id,
                 destination=destination,
                 lease_seconds=handler.lease_seconds,
+                token=token,
             )
         except psycopg.OperationalError:
+            # A broken connection may have lost the reply to a committed claim; on a live one the
+            # server reported the error, so the statement rolled back.
+            lost = conn.broken
             self._drop("claim_conn")
-            raise
+            if not lost:
+                raise
+            return self._recover_lost_claim(handler, row_id, token, backend)
         if claimed is None:
             logger.info(
                 "outbox row %s: nothing to claim (already claimed, settled or not due)",
@@ -140,8 +240,17 @@ class Consumer:
             return RunResult.EMPTY
         failpoint("after_claim")
 
-        now = datetime.now(UTC)
-        if claimed.deadline is not None and claimed.deadline <= now:
+        held = time.monotonic() - sent_at
+        left = handler.lease_seconds - held
+        if left < handler.time_limit + handler.start_margin_seconds:
+            reason = (
+                f"released without a call: the claim took {held:.1f} s (a lock or commit wait), "
+                f"leaving {left:.1f} s of its {handler.lease_seconds:g} s lease; a call needs "
+                f"{handler.time_limit:g} s + {handler.start_margin_seconds:g} s"
+            )
+            return self._release(handler, claimed.id, claimed.token, reason)
+
+        if claimed.deadline_passed:
             decision = Decision(Outcome.FAILED, error="deadline passed before the call")
         elif not header_safe(idempotency_key(claimed.key, claimed.step)):
             # Only rows written before `write` refused such keys get here. Failing before the
@@ -158,16 +267,13 @@ class Consumer:
             decision = self._call(handler, claimed)
         failpoint("after_call")
 
-        nxt = next_state(
-            handler,
-            decision,
-            attempt=claimed.attempt,
-            deadline=claimed.deadline,
-            now=datetime.now(UTC),
-        )
-        moved = self._record(claimed, decision, nxt.state, nxt.available_at, nxt.error)
+        nxt = next_state(handler, decision, attempt=claimed.attempt)
+        state = self._record(claimed, decision, nxt, policy.deadline_error(claimed.deadline, nxt.error))
         failpoint("after_record")
-        result = RunResult(nxt.state) if moved else RunResult.SUPERSEDED
+        result = RunResult(state) if state is not None else RunResult.SUPERSEDED
+        # The record fails a retry that would fall past the deadline (decided on the database's clock).
+        past_deadline = state == "failed" and nxt.state == "pending"
+        error = policy.deadline_error(claimed.deadline, nxt.error) if past_deadline else nxt.error
         log = logger.info if result in (RunResult.SENT, RunResult.PENDING) else logger.warning
         log(
             "outbox %s:%s -> %s (attempt %s)%s",
@@ -175,7 +281,7 @@ class Consumer:
             claimed.step,
             result.value,
             claimed.attempt,
-            f": {nxt.error}" if nxt.error else "",
+            f": {error}" if error else "",
             extra={
                 "outbox_id": claimed.id,
                 "key": claimed.key,
@@ -190,49 +296,122 @@ class Consumer:
 
     def _call(self, handler: Handler, claimed: fence.Claimed) -> Decision:
         delivery = delivery_for(claimed, handler)
-        if self._limit_call is not None:
-            self._limit_call(handler.time_limit)
-        try:
-            return decide_result(handler(delivery))
-        except Exception as exc:
-            return decide_exception(handler, exc)
-        except BaseException as exc:
-            # Dramatiq's TimeLimitExceeded and shutdown interrupts: the call may have happened.
-            if type(exc).__name__ in ("TimeLimitExceeded", "Shutdown"):
-                return decide_exception(handler, exc)
-            raise
-        finally:
-            if self._limit_call is not None:
-                # Room for the record; the lease still bounds the whole run.
-                self._limit_call(handler.lease_seconds)
+        call = self._caller().run(handler, delivery, handler.call_deadline_seconds)
+        if call is None:
+            # Its late result, if any, is ignored: the outcome is recorded now, inside the lease.
+            self._local.caller = None
+            return Decision(
+                Outcome.UNKNOWN,
+                error=f"the handler hit its time limit ({handler.time_limit:g} s); the call was "
+                "abandoned and may have taken effect",
+            )
+        if call.error is not None:
+            return decide_exception(handler, call.error)
+        return decide_result(call.result)
+
+    def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> RunResult:
+        released = fence.release(self._conn("claim_conn"), row_id=row_id, token=token, reason=reason)
+        if released is None:
+            logger.warning(
+                "outbox row %s: claim not released, it no longer owns the row (%s)",
+                row_id,
+                reason,
+                extra={"outbox_id": row_id, "destination": handler.destination, "outbox_run": "released"},
+            )
+            return RunResult.EMPTY
+        extra = {
+            "outbox_id": row_id,
+            "key": released.key,
+            "step": released.step,
+            "destination": handler.destination,
+            "outbox_run": "released",
+            "releases": released.releases,
+        }
+        if released.releases >= RELEASE_ALERT_THRESHOLD:
+            logger.error(
+                "outbox %s:%s released %s times without a call, latest: %s; something holds the row "
+                "or stalls commits (look for a long transaction on outbox_message in pg_stat_activity)",
+                released.key,
+                released.step,
+                released.releases,
+                reason,
+                extra=extra,
+            )
+        else:
+            logger.warning("outbox %s:%s %s", released.key, released.step, reason, extra=extra)
+        return RunResult.RELEASED
+
+    def _recover_lost_claim(
+        self, handler: Handler, row_id: int, token: uuid.UUID, backend: tuple[int, Any]
+    ) -> RunResult:
+        """The claim's connection broke before its reply: the claim may have committed.
+
+        End the old backend first (once it is gone it can no longer commit), then ask whether
+        this claim's token owns the row; it made no call, so it releases the row.
+        """
+        pid, started = backend
+        give_up_at = time.monotonic() + max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds)
+        delay = 0.1
+        while True:
+            try:
+                conn = self._conn("claim_conn")
+                gone = fence.end_backend(
+                    conn, pid=pid, started=started, timeout_seconds=max(0.0, give_up_at - time.monotonic())
+                )
+                if gone:
+                    break
+            except psycopg.OperationalError:
+                self._drop("claim_conn")
+            if time.monotonic() >= give_up_at:
+                logger.error(
+                    "outbox row %s: the reply to its claim was lost and the claim could not be settled "
+                    "(backend %s not confirmed gone); if it committed, the row expires to unknown with no "
+                    "call made (claim token %s)",
+                    row_id,
+                    pid,
+                    token,
+                    extra={
+                        "outbox_id": row_id,
+                        "destination": handler.destination,
+                        "claim_token": str(token),
+                    },
+                )
+                return RunResult.EMPTY
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        reason = "released without a call: the reply to the claim was lost (connection error)"
+        result = self._release(handler, row_id, token, reason)
+        if result is RunResult.EMPTY:
+            logger.info(
+                "outbox row %s: the claim whose reply was lost did not commit",
+                row_id,
+                extra={"outbox_id": row_id, "destination": handler.destination, "outbox_run": "empty"},
+            )
+        return result
 
     def _record(
-        self,
-        claimed: fence.Claimed,
-        decision: Decision,
-        state: str,
-        available_at: datetime | None,
-        error: str | None,
-    ) -> bool:
+        self, claimed: fence.Claimed, decision: Decision, nxt: Next, deadline_error: str | None
+    ) -> str | None:
         # A failed record is not a lost outcome (the lease and the lookup recover it), but a
         # short database blip should not cost a lookup: try a few times within the lease.
         # An ambiguous call stays "unknown" on its fence row even when the row fails (an
         # idempotent destination out of attempts): a later replay must see it (outbox.outcomes).
         ambiguous = decision.outcome is Outcome.UNKNOWN
-        outcome = decision.outcome.value if state != "failed" or ambiguous else "failed"
+        outcome = decision.outcome.value if nxt.state != "failed" or ambiguous else "failed"
         for attempt in range(3):
             try:
-                return fence.record(
+                return fence.record_state(
                     self._conn("record_conn"),
                     row_id=claimed.id,
                     token=claimed.token,
-                    state=state,
+                    state=nxt.state,
                     outcome=outcome,
                     ref=decision.ref,
                     response=decision.response,
-                    error=error,
+                    error=nxt.error,
                     http_status=decision.http_status,
-                    available_at=available_at,
+                    delay_seconds=nxt.delay_seconds,
+                    deadline_error=deadline_error,
                 )
             except psycopg.OperationalError:
                 self._drop("record_conn")

@@ -23,6 +23,11 @@ DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_BACKOFF_SECONDS: tuple[float, ...] = (10.0, 60.0, 300.0)
 #: How long providers keep an Idempotency-Key (Stripe: 24 h).
 DEFAULT_KEY_TTL_SECONDS = 86400.0
+#: The least ``lease_seconds - time_limit`` a handler may declare: below it, the claim's own round
+#: trip would eat the room the record needs after the call's deadline.
+MIN_LEASE_MARGIN_SECONDS = 1.0
+#: The most lease beyond ``time_limit`` a worker keeps for the record (see ``start_margin_seconds``).
+MAX_START_MARGIN_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,16 @@ def close_http_clients() -> None:
     with _all_clients_lock:
         clients, _all_clients[:] = list(_all_clients), []
     for client in clients:
+        client.close()
+
+
+def close_thread_http_clients() -> None:
+    """Close the calling thread's provider clients (a thread that is about to end)."""
+    clients: dict[str, httpx.Client] = getattr(_clients, "by_destination", None) or {}
+    _clients.by_destination = {}
+    with _all_clients_lock:
+        _all_clients[:] = [c for c in _all_clients if all(c is not mine for mine in clients.values())]
+    for client in clients.values():
         client.close()
 
 
@@ -101,6 +116,21 @@ class Handler:
         self.lookup_fn = fn
         return fn
 
+    @property
+    def start_margin_seconds(self) -> float:
+        """Lease a call must leave over for its record: a worker starts no call with less than
+        ``time_limit`` plus this left, by its own clock since it sent the claim. Half the lease's
+        margin over ``time_limit``, at most 5 s; the other half absorbs the claim's own wait."""
+        return min(MAX_START_MARGIN_SECONDS, (self.lease_seconds - self.time_limit) / 2)
+
+    @property
+    def call_deadline_seconds(self) -> float:
+        """When the worker stops waiting for a call: ``time_limit``, which the timeouts of
+        ``d.http`` add up to, plus half the start margin, so that a timeout firing at the limit
+        is still classified by its kind (a connect timeout was certainly not sent). The record
+        keeps the other half of the margin."""
+        return self.time_limit + self.start_margin_seconds / 2
+
     def backoff_seconds(self, attempt: int) -> float:
         """Delay before attempt ``attempt + 1`` (attempt counts from 1)."""
         return self.backoff[min(attempt - 1, len(self.backoff) - 1)]
@@ -142,8 +172,9 @@ def handler(
 ) -> Callable[[Callable[[Delivery], Any]], Handler]:
     """Declare the handler of ``destination`` (all timings in seconds).
 
-    ``time_limit`` bounds one call; the lease (default ``time_limit + max(15, time_limit)``)
-    must be longer, so that the reconciler never takes over a call still under way.
+    ``time_limit`` bounds one call, in total (the worker stops waiting for it at that point);
+    the lease (default ``time_limit + max(15, time_limit)``) must be longer by at least 1 s, so
+    that the reconciler never takes over a call still under way.
     ``idempotent=True`` says the provider deduplicates on our Idempotency-Key, which makes an
     ambiguous outcome safe to retry. The total of the backoffs must stay under ``key_ttl``.
     """
@@ -164,6 +195,12 @@ def handler(
         raise ConfigError(
             f"handler {destination}: lease_seconds ({lease:g}) must be longer than time_limit "
             f"({time_limit:g}), or the reconciler could take over a call still under way"
+        )
+    if lease - time_limit < MIN_LEASE_MARGIN_SECONDS:
+        raise ConfigError(
+            f"handler {destination}: lease_seconds ({lease:g}) must exceed time_limit ({time_limit:g}) "
+            f"by at least {MIN_LEASE_MARGIN_SECONDS:g} s, the room the claim's round trip and the "
+            "record need around the call"
         )
 
     def register(fn: Callable[[Delivery], Any]) -> Handler:

@@ -158,7 +158,7 @@ def status(connection: Connection) -> StatusReport:
 _ROW_COLUMNS = """
     id, key, step, destination, state, attempts, available_at, deadline, created_at,
     dispatched_at, claimed_at, lease_expires_at, completed_at, unknown_since, alerted_at,
-    claim_token, provider_ref, response, last_error, history,
+    claim_token, provider_ref, response, last_error, history, releases,
     octet_length(payload::text) AS payload_bytes,
     CASE WHEN jsonb_typeof(payload) = 'object'
          THEN ARRAY(SELECT jsonb_object_keys(payload) ORDER BY 1) END AS payload_keys

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -121,21 +121,19 @@ def decide_exception(handler: Handler, exc: BaseException) -> Decision:
 
 @dataclass(frozen=True)
 class Next:
-    """Where a row goes after a decision: its state, and when it is due again."""
+    """Where a row goes after a decision: its state, and in how long it is due again.
+
+    A delay, never an instant: the statement that applies it adds it to the database's clock
+    (one clock for every comparison), and fails a retry that would fall on or after the row's
+    deadline there too (see ``outbox.fence``).
+    """
 
     state: str
-    available_at: datetime | None
+    delay_seconds: float | None
     error: str | None
 
 
-def next_state(
-    handler: Handler,
-    decision: Decision,
-    *,
-    attempt: int,
-    deadline: datetime | None,
-    now: datetime,
-) -> Next:
+def next_state(handler: Handler, decision: Decision, *, attempt: int) -> Next:
     outcome = decision.outcome
     if outcome is Outcome.UNKNOWN and handler.idempotent:
         # The provider deduplicates on our key: repeating the call cannot charge twice.
@@ -148,16 +146,20 @@ def next_state(
         # The provider may still be executing the request we stopped waiting for: a lookup
         # before it lands would find no record and the retry would charge twice. Wait one
         # time_limit before the first lookup.
-        return Next("unknown", now + timedelta(seconds=handler.time_limit), decision.error)
-    return retry_or_fail(handler, attempt=attempt, deadline=deadline, now=now, error=decision.error)
+        return Next("unknown", handler.time_limit, decision.error)
+    return retry_or_fail(handler, attempt=attempt, error=decision.error)
 
 
-def retry_or_fail(
-    handler: Handler, *, attempt: int, deadline: datetime | None, now: datetime, error: str | None
-) -> Next:
+def retry_or_fail(handler: Handler, *, attempt: int, error: str | None) -> Next:
+    """A retry after the next backoff, or ``failed`` when no attempt is left. Whether the retry
+    still falls before the row's deadline is decided in SQL, on the database's clock."""
     if attempt >= handler.max_attempts:
         return Next("failed", None, f"gave up after {attempt} attempts; last error: {error}")
-    due = now + timedelta(seconds=handler.backoff_seconds(attempt))
-    if deadline is not None and due >= deadline:
-        return Next("failed", None, f"deadline {deadline.isoformat()} reached; last error: {error}")
-    return Next("pending", due, error)
+    return Next("pending", handler.backoff_seconds(attempt), error)
+
+
+def deadline_error(deadline: datetime | None, error: str | None) -> str | None:
+    """The reason stored when a retry would fall on or after the row's ``deadline``."""
+    if deadline is None:
+        return None
+    return f"deadline {deadline.isoformat()} reached; last error: {error}"

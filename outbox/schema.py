@@ -127,14 +127,23 @@ outbox_attempt = Table(
     Column("claim_token", UUID(as_uuid=True), nullable=False),
     Column("started_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Column("finished_at", DateTime(timezone=True), nullable=True),
-    # What the consumer concluded (sent, retry, failed, unknown) or what the reconciler did
-    # (lease_expired); `superseded` when a late recording lost to a newer claim.
+    # What the consumer concluded (sent, retry, failed, unknown, or released: given back without
+    # a call) or what the reconciler did (lease_expired); `superseded` when a late recording lost
+    # to a newer claim.
     Column("outcome", Text, nullable=True),
     Column("http_status", Integer, nullable=True),
     Column("error", Text, nullable=True),
     UniqueConstraint("claim_token", name="outbox_attempt_claim_token_key"),
 )
 Index("outbox_attempt_message_idx", outbox_attempt.c.message_id)
+
+# -- 0002_lease (issue 9 classes 1, 2, 8) ---------------------------------------------------------
+# Claims given back without a call (outcome `released` on their fence row): not attempts, but a
+# row released again and again is held by something an operator must find.
+outbox_message.append_column(
+    Column("releases", Integer, nullable=False, server_default=text("0")),
+)
+outbox_message.append_constraint(CheckConstraint("releases >= 0", name="outbox_message_releases_check"))
 
 # -- key ledger (issue 9 class 3, migration 0003) --------------------------------------------------
 # One compact row per purged (key, step), kept for OUTBOX_LEDGER_HORIZON after completed_at, so

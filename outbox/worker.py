@@ -14,12 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import dramatiq
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.middleware import CurrentMessage, TimeLimit
+from dramatiq.middleware import CurrentMessage
 
 from .consumer import Consumer
 from .exceptions import ConfigError
@@ -32,25 +32,11 @@ logger = logging.getLogger(__name__)
 
 
 def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]) -> RedisBroker:
-    # TimeLimit is only a backstop for handlers stuck in pure Python; the httpx timeouts bound
-    # a call, since TimeLimit cannot interrupt a blocking socket read.
-    backstop_ms = int(max(h.lease_seconds for h in handlers.values()) * 1000)
-    broker = RedisBroker(
-        url=redis_url,
-        namespace=namespace,
-        middleware=[CurrentMessage(), TimeLimit(time_limit=backstop_ms, interval=100)],
-    )
+    # No Dramatiq TimeLimit: the consumer gives each call a total deadline of its own
+    # time_limit, and an exception raised into a worker thread at an arbitrary point could land
+    # inside a claim or a release, leaving a claim nobody knows about.
+    broker = RedisBroker(url=redis_url, namespace=namespace, middleware=[CurrentMessage()])
     return broker
-
-
-def call_limiter(broker: RedisBroker) -> Callable[[float], None]:
-    """Re-arm Dramatiq's per-thread timer at ``seconds`` from now (the handler's time_limit)."""
-    limit = next(m for m in broker.middleware if isinstance(m, TimeLimit))
-
-    def arm(seconds: float) -> None:
-        limit.manager.add_timeout(threading.get_ident(), seconds * 1000)
-
-    return arm
 
 
 def declare(broker: RedisBroker, consumer: Consumer, destinations: Sequence[str]) -> None:
@@ -92,9 +78,9 @@ def run_worker(
         raise ConfigError(f"--queues names destinations with no handler: {', '.join(unknown)}")
     broker = build_broker(redis_url, namespace, handlers)
     guard = FailoverGuard(database_url, process="worker").start()
-    consumer = Consumer(database_url, handlers, limit_call=call_limiter(broker), failover_guard=guard)
+    consumer = Consumer(database_url, handlers, failover_guard=guard)
     declare(broker, consumer, destinations)
-    # What Dramatiq's own CLI does once per process: starts TimeLimit's timer thread.
+    # What Dramatiq's own CLI does once per process.
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=threads)
     worker.start()

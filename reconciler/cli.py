@@ -20,7 +20,8 @@ DESCRIPTION = f"""\
 The reconciler: every interval it runs each job once, under a PostgreSQL advisory lock per job
 (only one reconciler acts at a time; the others report "skipped").
 
-  expire_leases    in_flight rows whose lease expired -> unknown (the worker died or overran)
+  expire_leases    in_flight rows whose lease expired -> unknown (the worker died or overran);
+                   their first lookup waits one time_limit of their destination
   resolve_unknown  asks the destination's @handler.lookup whether the call took effect:
                    found -> sent; no record -> pending (retry) or failed (attempts/deadline
                    exhausted); lookup error -> stays unknown, asked again later. Without a

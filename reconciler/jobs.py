@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -26,7 +26,8 @@ import psycopg
 import redis
 
 from outbox import heartbeat, logs, outcomes, policy, sanitize, transport
-from outbox.handlers import Confirmed, Delivery, Handler, idempotency_key
+from outbox.fence import DUE_SQL, NEW_STATE_SQL, PAST_DEADLINE_SQL
+from outbox.handlers import DEFAULT_TIME_LIMIT_SECONDS, Confirmed, Delivery, Handler, idempotency_key
 from outbox.schema import NOTIFY_CHANNEL
 from outbox.validation import header_safe
 
@@ -93,13 +94,20 @@ def _require_autocommit(conn: psycopg.Connection[Any], job: str) -> None:
 
 # The claim token is kept: a late recording by the same claim is better evidence than a lookup
 # and may still settle the row (see outbox.fence). The fence row is closed in the same statement,
-# so an operator sees why the claim ended.
+# so an operator sees why the claim ended. The first lookup waits one time_limit of the row's
+# destination (on the database's clock): a call that overran its lease may still be landing at
+# the provider, and a lookup before it lands would find nothing and let the row be charged again.
 _EXPIRE_LEASES = """
-WITH expired AS (
-    UPDATE outbox_message
+WITH waits AS (
+    SELECT * FROM unnest(CAST(%(destinations)s AS text[]), CAST(%(waits)s AS float8[]))
+        AS w(destination, seconds)
+), expired AS (
+    UPDATE outbox_message m
     SET state = 'unknown',
         unknown_since = now(),
-        available_at = now(),
+        available_at = now() + COALESCE(
+            (SELECT w.seconds FROM waits w WHERE w.destination = m.destination),
+            %(default_wait)s) * interval '1 second',
         lease_expires_at = NULL,
         last_error = %(error)s
     WHERE state = 'in_flight' AND lease_expires_at < now()
@@ -115,14 +123,23 @@ SELECT (SELECT count(*) FROM expired), (SELECT count(*) FROM fenced)
 """
 
 
-def expire_leases(conn: psycopg.Connection[Any]) -> int:
+def expire_leases(conn: psycopg.Connection[Any], handlers: Mapping[str, Handler] | None = None) -> int:
     """Move every `in_flight` row whose lease has expired to `unknown`; returns how many moved.
 
+    Its first lookup is due one ``time_limit`` of its destination later (from ``handlers``); a
+    destination they do not name waits the longest of them, and at least the default 30 s.
     One statement, so it is safe against a consumer recording at the same moment: whichever
     commits first wins, and the other's guard no longer matches. Works on a plain autocommit
     psycopg connection; on a connection inside a transaction the caller commits.
     """
-    row = conn.execute(_EXPIRE_LEASES, {"error": LEASE_EXPIRED_ERROR}).fetchone()
+    known = dict(handlers or {})
+    params = {
+        "error": LEASE_EXPIRED_ERROR,
+        "destinations": list(known),
+        "waits": [h.time_limit for h in known.values()],
+        "default_wait": max([DEFAULT_TIME_LIMIT_SECONDS, *(h.time_limit for h in known.values())]),
+    }
+    row = conn.execute(_EXPIRE_LEASES, params).fetchone()
     return int(row[0]) if row else 0
 
 
@@ -157,39 +174,41 @@ RETURNING id
 """
 
 # Resolution of an unknown row by a lookup: sent, pending (retry) or failed. The history entry
-# names what the reconciler saw, never the payload. A "not found" (or an idempotent retry) marks
-# the row's ambiguous fence rows in the same statement (outbox.outcomes), and only while every
-# call that may have taken effect is younger than the destination's key_ttl (database clock):
-# past it, the provider may have forgotten the call, and the row does not move.
+# names what the reconciler saw, never the payload. A retry is due %(delay)s seconds from the
+# database's now, and fails the row instead when that falls on or after its deadline. A "not
+# found" (or an idempotent retry) marks the row's ambiguous fence rows in the same statement
+# (outbox.outcomes), and only while every call that may have taken effect is younger than the
+# destination's key_ttl (database clock): past it, the provider may have forgotten the call, and
+# the row does not move.
 _SETTLE_UNKNOWN = f"""
 WITH moved AS (
 UPDATE outbox_message
-SET state = %(state)s,
+SET state = {NEW_STATE_SQL},
     provider_ref = COALESCE(%(ref)s, provider_ref),
     response = COALESCE(CAST(%(response)s AS jsonb), response),
-    last_error = %(error)s,
-    available_at = COALESCE(%(available_at)s, available_at),
+    last_error = CASE WHEN {PAST_DEADLINE_SQL} THEN %(deadline_error)s ELSE %(error)s END,
+    available_at = COALESCE({DUE_SQL}, available_at),
     dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
-    completed_at = CASE WHEN %(state)s IN ('sent', 'failed') THEN now() END,
+    completed_at = CASE WHEN {NEW_STATE_SQL} IN ('sent', 'failed') THEN now() END,
     lease_expires_at = NULL,
     unknown_since = NULL,
     -- A row alerted while unknown is alerted again if it ends up failed.
     alerted_at = NULL,
     history = history || jsonb_build_array(jsonb_build_object(
         'at', now(), 'by', 'reconciler', 'action', 'lookup',
-        'result', CAST(%(result)s AS text), 'state', CAST(%(state)s AS text),
+        'result', CAST(%(result)s AS text), 'state', {NEW_STATE_SQL},
         'provider_ref', CAST(%(ref)s AS text)))
 WHERE id = %(id)s AND state = 'unknown'
   AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
   AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({_CALL_OLDER_THAN_KEY_TTL}))
-RETURNING id
+RETURNING id, state
 ), settled AS (
     UPDATE outbox_attempt a SET settled = %(settled)s, settled_at = now()
     FROM moved
     WHERE a.message_id = moved.id AND CAST(%(settled)s AS text) IS NOT NULL
       AND {outcomes.unsettled_ambiguous_sql("a")}
 )
-SELECT id FROM moved
+SELECT state FROM moved
 """
 
 # The next lookup waits as long as the row has already waited (10 s to 1 h): a provider that is
@@ -265,10 +284,13 @@ def _settle(
     error: str | None = None,
     ref: str | None = None,
     response: dict[str, Any] | None = None,
-    available_at: datetime | None = None,
+    delay_seconds: float | None = None,
+    deadline_error: str | None = None,
     settled: str | None = None,
     key_ttl: float | None = None,
-) -> bool:
+) -> str | None:
+    """The state the row moved to, or None when it had moved meanwhile (or, with ``key_ttl``,
+    when a call that may have taken effect is older than it)."""
     moved = conn.execute(
         _SETTLE_UNKNOWN,
         {
@@ -281,10 +303,11 @@ def _settle(
             "error": sanitize.clean_optional_text(error),
             "ref": sanitize.clean_ref(ref) if ref is not None else None,
             "response": sanitize.encode_response(response),
-            "available_at": available_at,
+            "delay": delay_seconds,
+            "deadline_error": sanitize.clean_optional_text(deadline_error or error),
         },
     ).fetchone()
-    return moved is not None
+    return str(moved[0]) if moved is not None else None
 
 
 def _settle_not_found(
@@ -307,9 +330,7 @@ def _settle_not_found(
     may charge twice, so the row stays ``unknown``, parked for a human with the reason (and
     alerted once). Returns the new state, ``past_key_ttl`` when parked, or None when the row had
     moved meanwhile."""
-    nxt = policy.retry_or_fail(
-        handler, attempt=attempts, deadline=deadline, now=datetime.now(UTC), error=error
-    )
+    nxt = policy.retry_or_fail(handler, attempt=attempts, error=error)
     moved = _settle(
         conn,
         row_id=row_id,
@@ -317,12 +338,13 @@ def _settle_not_found(
         state=nxt.state,
         result=result,
         error=nxt.error,
-        available_at=nxt.available_at,
+        delay_seconds=nxt.delay_seconds,
+        deadline_error=policy.deadline_error(deadline, nxt.error),
         settled=settled,
         key_ttl=handler.key_ttl,
     )
-    if moved:
-        return nxt.state
+    if moved is not None:
+        return moved
     reason = (
         f"needs a human: a call is older than key_ttl ({handler.key_ttl:g} s), so the provider may "
         f"have forgotten it and 'not found' proves nothing; a retry could charge twice. Check the "

@@ -54,8 +54,8 @@ class Job:
     run: JobFn
 
 
-#: Job names in the order ``run_once`` runs them, with their lock ids. Leases expire before the
-#: lookups, so a row freed this run is resolved this run too.
+#: Job names in the order ``run_once`` runs them, with their lock ids. A row whose lease expires
+#: is looked up one time_limit later, by a later run.
 JOB_LOCK_IDS: dict[str, int] = {
     "expire_leases": 1,
     "resolve_unknown": 2,
@@ -199,7 +199,7 @@ class Reconciler:
     # -- the jobs ------------------------------------------------------------------------------
 
     def _expire_leases(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        expired = jobs.expire_leases(conn)
+        expired = jobs.expire_leases(conn, self.handlers)
         return {"expired": expired} if expired else {}
 
     def _resolve_unknown(self, conn: psycopg.Connection[Any]) -> dict[str, int]:

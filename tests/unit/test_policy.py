@@ -5,14 +5,21 @@ delivery tests (those use the real simulator over loopback)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import httpx
 import pytest
 
 import outbox
 from outbox.handlers import Handler, clear_registry
-from outbox.policy import Outcome, classify_exception, decide_exception, decide_result, next_state
+from outbox.policy import (
+    Outcome,
+    classify_exception,
+    deadline_error,
+    decide_exception,
+    decide_result,
+    next_state,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -132,26 +139,32 @@ def test_override_classification() -> None:
     assert decide_exception(h, ValueError("x")).outcome is Outcome.UNKNOWN
 
 
-def test_next_state_backoff_attempts_and_deadline() -> None:
-    h = _handler(max_attempts=3, backoff=(10, 60))
-    now = datetime(2026, 1, 1, tzinfo=UTC)
+def test_next_state_backoff_and_attempts_as_delays() -> None:
+    # Delays, never instants: the statement that applies them adds them to the database's clock,
+    # and decides there whether a retry would fall past the row's deadline.
+    h = _handler(max_attempts=3, backoff=(10, 60), time_limit=7)
     retry = decide_exception(h, httpx.ConnectError("refused"))
-    n1 = next_state(h, retry, attempt=1, deadline=None, now=now)
-    assert n1.state == "pending" and n1.available_at == now + timedelta(seconds=10)
-    n2 = next_state(h, retry, attempt=2, deadline=None, now=now)
-    assert n2.available_at == now + timedelta(seconds=60)
-    n3 = next_state(h, retry, attempt=3, deadline=None, now=now)
-    assert n3.state == "failed" and "3 attempts" in (n3.error or "")
-    late = next_state(h, retry, attempt=1, deadline=now + timedelta(seconds=5), now=now)
-    assert late.state == "failed" and "deadline" in (late.error or "")
+    n1 = next_state(h, retry, attempt=1)
+    assert (n1.state, n1.delay_seconds) == ("pending", 10)
+    assert next_state(h, retry, attempt=2).delay_seconds == 60
+    n3 = next_state(h, retry, attempt=3)
+    assert n3.state == "failed" and "3 attempts" in (n3.error or "") and n3.delay_seconds is None
     ambiguous = decide_exception(h, httpx.ReadTimeout("x"))
-    assert next_state(h, ambiguous, attempt=1, deadline=None, now=now).state == "unknown"
+    unknown = next_state(h, ambiguous, attempt=1)
+    # The first lookup waits one time_limit: the provider may still be executing the call.
+    assert (unknown.state, unknown.delay_seconds) == ("unknown", 7)
+    deadline = datetime(2026, 1, 1, tzinfo=UTC)
+    assert (
+        deadline_error(deadline, "HTTP 503")
+        == "deadline 2026-01-01T00:00:00+00:00 reached; last error: HTTP 503"
+    )
+    assert deadline_error(None, "HTTP 503") is None
 
 
 def test_idempotent_destination_retries_ambiguous_outcomes() -> None:
     h = _handler(idempotent=True)
     ambiguous = decide_exception(h, httpx.ReadTimeout("x"))
-    nxt = next_state(h, ambiguous, attempt=1, deadline=None, now=datetime.now(UTC))
+    nxt = next_state(h, ambiguous, attempt=1)
     assert nxt.state == "pending"
 
 
@@ -159,6 +172,7 @@ def test_idempotent_destination_retries_ambiguous_outcomes() -> None:
     ("kwargs", "message"),
     [
         ({"time_limit": 30, "lease_seconds": 30}, "longer than time_limit"),
+        ({"time_limit": 30, "lease_seconds": 30.5}, "by at least 1 s"),
         ({"time_limit": 0}, "time_limit must be > 0"),
         ({"backoff": (10, 0)}, "backoff entry must be > 0"),
         ({"backoff": ()}, "backoff entry must be > 0"),
@@ -187,5 +201,9 @@ def test_duplicate_destination_and_bad_name() -> None:
 def test_lease_default_and_timeouts_inside_time_limit() -> None:
     h = _handler(time_limit=20)
     assert h.lease_seconds > h.time_limit
+    # Half the lease's margin is kept for the record, at most 5 s; the rest absorbs the claim.
+    assert h.start_margin_seconds == 5
+    clear_registry()
+    assert _handler(time_limit=2, lease_seconds=3).start_margin_seconds == 0.5
     t = h.timeouts()
     assert t.connect + t.write + t.read <= h.time_limit

@@ -1,0 +1,636 @@
+"""Issue 9, classes 1, 2 and 8, against real PostgreSQL, Redis and HTTP servers on 127.0.0.1:
+
+1. a lease eroded by a lock or commit wait: the lease counts from when the row is held, no call
+   starts with less than ``time_limit`` + a margin of lease left (measured on the worker's own
+   monotonic clock from when it sent the claim), the call has a total deadline, and a lease the
+   reconciler expires waits one ``time_limit`` before its first lookup;
+2. two clocks: a worker or reconciler whose clock is an hour off changes nothing, since every
+   instant compared in SQL is computed there from the database's clock;
+3. (class 8) a lost reply to a committed claim: the worker ends the old backend, then releases
+   the claim it owns; a claim that never committed can no longer commit behind its back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+from helpers import relay_once
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import audit, consumer, fence, ops, policy
+from outbox.consumer import RELEASE_ALERT_THRESHOLD, Consumer, RunResult
+from outbox.handlers import Handler, close_http_clients, registry
+from outbox.settings import libpq_url
+from reconciler import Reconciler
+from reconciler import jobs as reconciler_jobs
+from reconciler.jobs import expire_leases, resolve_unknown
+
+DEST = "payments.charge"
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def declare_charge(provider: Any, **options: Any) -> Handler:
+    @outbox.handler(DEST, **{"time_limit": 2, "backoff": (60, 120), **options})
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        r = d.http.post(
+            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+        )
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"], response={"id": r.json()["id"]})
+
+    @charge.lookup
+    def find(d: outbox.Delivery) -> outbox.Confirmed | None:
+        r = d.http.get(f"{provider.url}/charges", params={"idempotency_key": d.idempotency_key})
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    return charge
+
+
+def write_rows(engine: Any, n: int = 1, *, prefix: str = "order", **kw: Any) -> list[int]:
+    with Session(engine) as s, s.begin():
+        return [
+            outbox.write(
+                s,
+                key=f"{prefix}:{i}",
+                step="charge",
+                destination=DEST,
+                payload={"amount_cents": 1000, "currency": "EUR"},
+                **kw,
+            ).id
+            for i in range(n)
+        ]
+
+
+def row(services: Any, row_id: int) -> dict[str, Any]:
+    with psycopg.connect(libpq_url(services.database_url)) as conn:
+        cur = conn.execute("SELECT *, now() AS db_now FROM outbox_message WHERE id = %s", (row_id,))
+        names = [c.name for c in cur.description or ()]
+        found = cur.fetchone()
+        assert found is not None
+        return dict(zip(names, found, strict=True))
+
+
+def fence_rows(services: Any, row_id: int) -> list[tuple[Any, ...]]:
+    with psycopg.connect(libpq_url(services.database_url)) as conn:
+        return conn.execute(
+            "SELECT attempt, outcome FROM outbox_attempt WHERE message_id = %s ORDER BY id", (row_id,)
+        ).fetchall()
+
+
+def db_now(services: Any) -> datetime:
+    with psycopg.connect(libpq_url(services.database_url)) as conn:
+        found = conn.execute("SELECT now()").fetchone()
+        assert found is not None
+        return found[0]
+
+
+def seconds_from_now(r: dict[str, Any], column: str) -> float:
+    return (r[column] - r["db_now"]).total_seconds()
+
+
+@pytest.fixture
+def consumers(clean: Any) -> Iterator[Callable[..., Consumer]]:
+    made: list[Consumer] = []
+
+    def make(database_url: str | None = None) -> Consumer:
+        made.append(Consumer(database_url or clean.database_url, registry()))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+    close_http_clients()
+
+
+@contextlib.contextmanager
+def row_held(services: Any, row_id: int, how: str) -> Iterator[psycopg.Connection[Any]]:
+    """A transaction holding the row: ``lock`` only (SELECT … FOR UPDATE, changing nothing), or
+    ``update`` (what the relay does between its Redis push and its commit). Committed on exit."""
+    with psycopg.connect(libpq_url(services.database_url)) as holder:
+        if how == "lock":
+            holder.execute("SELECT id FROM outbox_message WHERE id = %s FOR UPDATE", (row_id,))
+        else:
+            holder.execute(
+                "UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() WHERE id = %s",
+                (row_id,),
+            )
+        yield holder
+        holder.commit()
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # reported by the test's own assertion
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def wait_until_waiting_on_a_lock(services: Any, timeout: float = 10.0) -> None:
+    """Until some backend of the test database waits on a row lock (the claim arrived)."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            found = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            ).fetchone()
+            if found and found[0]:
+                return
+            time.sleep(0.02)
+    raise AssertionError("no claim ever waited on the row lock")
+
+
+# -- class 1: the lease counts from when the row is held ---------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["lock", "update"])
+def test_claim_lease_counts_from_when_the_row_is_held(clean, engine, how):
+    (row_id,) = write_rows(engine)
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        with row_held(clean, row_id, how) as holder:
+            thread, out = in_thread(
+                lambda: fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
+            )
+            wait_until_waiting_on_a_lock(clean)
+            time.sleep(1.5)
+            (let_go,) = holder.execute("SELECT clock_timestamp()").fetchone()  # type: ignore[misc]
+        thread.join(10)
+    assert "error" not in out, out
+    assert out["result"] is not None
+    r = row(clean, row_id)
+    # 1.5 s of lock wait is not taken off the lease: it starts once the row is held.
+    assert r["claimed_at"] >= let_go
+    assert r["lease_expires_at"] >= let_go + timedelta(seconds=30)
+
+
+@pytest.mark.parametrize("how", ["lock", "update"])
+def test_a_claim_that_waited_too_long_on_a_lock_is_released_without_a_call(
+    clean, engine, provider, consumers, how
+):
+    # time_limit 5 s, lease 7 s: a call needs 5 s + 1 s of margin, so a claim may take 1 s.
+    declare_charge(provider, time_limit=5, lease_seconds=7)
+    (row_id,) = write_rows(engine)
+    c = consumers()
+    with row_held(clean, row_id, how):
+        thread, out = in_thread(lambda: c.deliver(row_id, DEST))
+        wait_until_waiting_on_a_lock(clean)
+        time.sleep(1.5)
+    thread.join(10)
+    assert out.get("result") is RunResult.RELEASED, out
+    assert provider.stats()["requests"] == 0
+    r = row(clean, row_id)
+    assert (r["state"], r["attempts"], r["releases"]) == ("pending", 0, 1)
+    assert r["available_at"] <= r["db_now"] and r["lease_expires_at"] is None
+    assert "released without a call" in r["last_error"]
+    assert fence_rows(clean, row_id) == [(1, "released")]
+
+    # Due again at once; the next claim is attempt 1 again, and the call is made once.
+    assert c.deliver(row_id, DEST) is RunResult.SENT
+    assert fence_rows(clean, row_id) == [(1, "released"), (1, "sent")]
+    assert provider.stats()["effects"] == {"order:0:charge": 1}
+    # The released claim made no call: the audit counts one attempt, no key claimed twice.
+    with engine.connect() as conn:
+        report = audit.audit(conn)
+        detail = ops.show(conn, row_id)
+    assert report.totals.attempts == 1 and report.totals.claimed_more_than_once == 0
+    assert [a["outcome"] for a in detail.attempts] == ["released", "sent"]
+    assert detail.row["releases"] == 1
+
+
+@pytest.fixture
+def slow_commits(clean: Any) -> Iterator[None]:
+    """Commits of a claim on a row whose key starts with `slowcommit:` take 1.5 s after the claim
+    statement ran (a deferred trigger sleeps at commit), as a stalled synchronous standby would."""
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        conn.execute(
+            "CREATE FUNCTION outbox_test_slow_commit() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$"
+        )
+        conn.execute(
+            "CREATE CONSTRAINT TRIGGER outbox_test_slow_commit AFTER UPDATE ON outbox_message "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW "
+            "WHEN (NEW.state = 'in_flight' AND NEW.key LIKE 'slowcommit:%%') "
+            "EXECUTE FUNCTION outbox_test_slow_commit()"
+        )
+        try:
+            yield
+        finally:
+            conn.execute("DROP TRIGGER outbox_test_slow_commit ON outbox_message")
+            conn.execute("DROP FUNCTION outbox_test_slow_commit()")
+
+
+def test_a_slow_commit_of_the_claim_releases_it_and_repeated_releases_alert(
+    clean, engine, provider, consumers, slow_commits, caplog
+):
+    declare_charge(provider, time_limit=5, lease_seconds=7)
+    (row_id,) = write_rows(engine, prefix="slowcommit")
+    c = consumers()
+    with caplog.at_level(logging.WARNING, logger="outbox.consumer"):
+        for n in range(1, RELEASE_ALERT_THRESHOLD + 1):
+            assert c.deliver(row_id, DEST) is RunResult.RELEASED
+            assert (row(clean, row_id)["releases"], row(clean, row_id)["attempts"]) == (n, 0)
+    assert provider.stats()["requests"] == 0
+    levels = [r.levelno for r in caplog.records if getattr(r, "outbox_run", None) == "released"]
+    assert levels == [logging.WARNING] * (RELEASE_ALERT_THRESHOLD - 1) + [logging.ERROR]
+    alert = caplog.records[-1]
+    assert f"released {RELEASE_ALERT_THRESHOLD} times without a call" in alert.getMessage()
+    assert alert.releases == RELEASE_ALERT_THRESHOLD  # type: ignore[attr-defined]
+
+
+# -- class 1: the call's total deadline -------------------------------------------------------------
+
+
+class TricklingServer:
+    """An HTTP server on 127.0.0.1 that answers `{"id":"ch_slow"}` one byte every 0.3 s: each read
+    is well inside httpx's read timeout, the whole answer is not inside the time limit."""
+
+    BODY = b'{"id":"ch_slow"}'  # 16 bytes: 4.8 s
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        self.finished = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._answer, args=(client,), daemon=True).start()
+
+    def _answer(self, client: socket.socket) -> None:
+        with client:
+            client.settimeout(5)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += client.recv(4096)
+            self.requests += 1
+            head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(self.BODY)}\r\n\r\n"
+            try:
+                client.sendall(head.encode())
+                for i in range(len(self.BODY)):
+                    if self._stop.wait(0.3):
+                        return
+                    client.sendall(self.BODY[i : i + 1])
+                self.finished += 1
+            except OSError:
+                pass  # the client went away
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture
+def trickling() -> Iterator[TricklingServer]:
+    server = TricklingServer()
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("idempotent", [False, True])
+def test_a_call_past_its_time_limit_is_recorded_at_the_limit_and_its_late_answer_ignored(
+    clean, engine, consumers, trickling, idempotent
+):
+    @outbox.handler(DEST, time_limit=1, backoff=(60,), idempotent=idempotent)
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        r = d.http.post(f"{trickling.url}/charges", json=d.payload)
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    (row_id,) = write_rows(engine)
+    c = consumers()
+    started = time.monotonic()
+    result = c.deliver(row_id, DEST)
+    elapsed = time.monotonic() - started
+    # httpx's read timeout (0.55 s) never fires: only the total deadline (1 s + 2.5 s of grace
+    # for the timeouts' own errors) stops the wait, well before the answer's 4.8 s.
+    assert charge.call_deadline_seconds == 3.5
+    assert elapsed < 4.5, elapsed
+    r = row(clean, row_id)
+    assert "time limit" in r["last_error"] and r["lease_expires_at"] is None
+    if idempotent:
+        assert result is RunResult.PENDING and r["state"] == "pending"
+        assert 58 <= seconds_from_now(r, "available_at") <= 61
+    else:
+        assert result is RunResult.UNKNOWN and r["state"] == "unknown"
+        # The abandoned request may still land: the first lookup waits one time_limit.
+        assert 0 < seconds_from_now(r, "available_at") <= 1.5
+    # The abandoned call never gets to record its (late) answer.
+    time.sleep(len(TricklingServer.BODY) * 0.3 + 0.5 - elapsed)
+    assert row(clean, row_id)["state"] == r["state"]
+    assert row(clean, row_id)["provider_ref"] is None
+    assert trickling.finished == 0
+    # The thread that runs the calls was replaced: the next delivery runs normally.
+    charge.fn = lambda d: outbox.Confirmed(ref="ch_next")
+    (other,) = write_rows(engine, prefix="next")
+    assert c.deliver(other, DEST) is RunResult.SENT
+
+
+# -- class 1: an expired lease waits one time_limit before its first lookup -------------------------
+
+
+def test_an_expired_lease_is_looked_up_only_one_time_limit_later(clean, engine, provider):
+    lookups: list[int] = []
+    handler = declare_charge(provider, time_limit=5)
+    original = handler.lookup_fn
+    assert original is not None
+
+    def counting(d: outbox.Delivery) -> outbox.Confirmed | None:
+        lookups.append(d.id)
+        return original(d)
+
+    handler.lookup_fn = counting
+    (row_id,) = write_rows(engine)
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        assert fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30) is not None
+        conn.execute(
+            "UPDATE outbox_message SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
+            (row_id,),
+        )
+    with Reconciler(
+        database_url=clean.database_url,
+        redis_url=clean.redis_url,
+        namespace=clean.namespace,
+        handlers=registry(),
+        module="tests",
+    ) as reconciler:
+        result = reconciler.run_once()
+    # The worker may still be in its call: a lookup now could miss a charge that is landing.
+    assert result["expire_leases"] == {"expired": 1} and result["resolve_unknown"] == {}
+    assert lookups == []
+    r = row(clean, row_id)
+    assert r["state"] == "unknown"
+    assert 4 <= seconds_from_now(r, "available_at") <= 5.5
+
+
+# -- class 2: one clock ------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=[timedelta(hours=-1), timedelta(0), timedelta(hours=1)], ids=["behind", "on", "ahead"])
+def skewed_clock(request, monkeypatch) -> timedelta:
+    """This process's wall clock, as the product's code would read it, moved by an hour (or not:
+    the control). The database's clock is untouched."""
+    offset: timedelta = request.param
+
+    class Skewed(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.now(tz) + offset
+
+    for module in (consumer, policy, fence, reconciler_jobs):
+        monkeypatch.setattr(module, "datetime", Skewed, raising=False)
+    return offset
+
+
+def test_a_worker_whose_clock_is_off_computes_every_instant_on_the_database_clock(
+    clean, engine, provider, consumers, skewed_clock
+):
+    declare_charge(provider, time_limit=2, backoff=(60, 120), max_attempts=3)
+    ambiguous, refused = write_rows(engine, 2)
+    half_hour = db_now(clean) + timedelta(minutes=30)
+    due_soon, refused_due_soon = write_rows(engine, 2, prefix="deadline", deadline=half_hour)
+    provider.configure(
+        fault_keys={
+            "order:0:charge": "drop_after",
+            "order:1:charge": "fail_before",
+            "deadline:1:charge": "fail_before",
+        }
+    )
+    c = consumers()
+    assert c.deliver(ambiguous, DEST) is RunResult.UNKNOWN
+    assert c.deliver(refused, DEST) is RunResult.PENDING
+    # Its deadline is 30 minutes away on the database's clock, whatever this process thinks.
+    assert c.deliver(due_soon, DEST) is RunResult.SENT
+    assert c.deliver(refused_due_soon, DEST) is RunResult.PENDING
+
+    # The first lookup waits one time_limit; the retry waits its backoff: both from the
+    # database's now.
+    assert 1.0 <= seconds_from_now(row(clean, ambiguous), "available_at") <= 2.5
+    assert 58 <= seconds_from_now(row(clean, refused), "available_at") <= 61
+    assert 58 <= seconds_from_now(row(clean, refused_due_soon), "available_at") <= 61
+    assert row(clean, due_soon)["state"] == "sent"
+
+
+def test_a_retry_past_the_deadline_fails_on_the_database_clock(
+    clean, engine, provider, consumers, skewed_clock
+):
+    declare_charge(provider, time_limit=2, backoff=(60, 120), max_attempts=3)
+    # 30 s left on the database's clock: a 60 s backoff would fall past it.
+    (row_id,) = write_rows(engine, deadline=db_now(clean) + timedelta(seconds=30))
+    provider.configure(fail_before_rate=1.0)
+    assert consumers().deliver(row_id, DEST) is RunResult.FAILED
+    r = row(clean, row_id)
+    assert r["state"] == "failed" and r["last_error"].startswith("deadline ")
+    assert fence_rows(clean, row_id) == [(1, "failed")]
+
+
+def test_a_reconciler_whose_clock_is_off_computes_every_instant_on_the_database_clock(
+    clean, engine, provider, skewed_clock
+):
+    handler = declare_charge(provider, time_limit=2, backoff=(60, 120), max_attempts=3)
+    not_found, not_found_near_deadline, expired = write_rows(engine, 3)
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        for row_id in (not_found, not_found_near_deadline, expired):
+            claimed = fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
+            assert claimed is not None
+            if row_id != expired:
+                assert fence.record(
+                    conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="x"
+                )
+        conn.execute(
+            "UPDATE outbox_message SET deadline = now() + interval '30 minutes' WHERE id = %s",
+            (not_found_near_deadline,),
+        )
+        # The lookups find nothing at the provider: both rows are retried after their backoff.
+        assert resolve_unknown(conn, {DEST: handler}) == {"pending": 2}
+        for row_id in (not_found, not_found_near_deadline):
+            r = row(clean, row_id)
+            assert r["state"] == "pending" and 58 <= seconds_from_now(r, "available_at") <= 61
+
+        conn.execute(
+            "UPDATE outbox_message SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
+            (expired,),
+        )
+        assert expire_leases(conn, {DEST: handler}) == 1
+    r = row(clean, expired)
+    assert r["state"] == "unknown" and 1.0 <= seconds_from_now(r, "available_at") <= 2.5
+
+
+# -- class 8: a lost reply to a committed claim ------------------------------------------------------
+
+
+class PgProxy:
+    """A TCP proxy on 127.0.0.1 in front of PostgreSQL that, once armed, breaks the connection
+    that sends the next claim statement:
+
+    - ``after_commit``: the claim reaches the server and commits; its reply is swallowed and the
+      connection closed once the server said it is ready again (so, after the commit);
+    - ``before_reply``: the claim reaches the server; the connection is closed 0.3 s later while
+      the statement is still running there (waiting on a row lock).
+    """
+
+    TRIGGER = b"INSERT INTO outbox_attempt"
+    READY = b"Z\x00\x00\x00\x05"
+
+    def __init__(self, database_url: str) -> None:
+        parts = urlsplit(database_url)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 5432)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        port = self.sock.getsockname()[1]
+        netloc = parts.netloc.rsplit("@", 1)
+        host = f"127.0.0.1:{port}"
+        # Plain text, so that the proxy can see which statement is a claim.
+        query = "sslmode=disable&gssencmode=disable" + (f"&{parts.query}" if parts.query else "")
+        self.url = urlunsplit(
+            (parts.scheme, f"{netloc[0]}@{host}" if len(netloc) == 2 else host, parts.path, query, "")
+        )
+        self.mode: str | None = None
+        self.fired = threading.Event()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def arm(self, mode: str) -> None:
+        self.mode = mode
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            server = socket.create_connection(self.upstream)
+            with self._lock:
+                self._socks += [client, server]
+            state = {"broken": False, "reply": b""}
+            threading.Thread(target=self._up, args=(client, server, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, state), daemon=True).start()
+
+    @staticmethod
+    def _close(*socks: socket.socket) -> None:
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def _up(self, client: socket.socket, server: socket.socket, state: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                if self.mode is not None and self.TRIGGER in data:
+                    mode, self.mode = self.mode, None
+                    state["broken"] = mode
+                    server.sendall(data)
+                    if mode == "before_reply":
+                        time.sleep(0.3)
+                        self.fired.set()
+                        self._close(client, server)
+                    continue
+                server.sendall(data)
+        self._close(client, server)
+
+    def _down(self, server: socket.socket, client: socket.socket, state: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                if state["broken"] == "after_commit":
+                    state["reply"] += data
+                    if state["reply"][-6:-1] == self.READY:
+                        self.fired.set()
+                        self._close(client, server)
+                        return
+                    continue
+                if state["broken"]:
+                    continue
+                client.sendall(data)
+        self._close(client, server)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            self._close(self.sock, *self._socks)
+
+
+@pytest.fixture
+def pg_proxy(clean: Any) -> Iterator[PgProxy]:
+    proxy = PgProxy(clean.database_url)
+    yield proxy
+    proxy.close()
+
+
+def test_a_lost_reply_to_a_committed_claim_releases_the_row_and_it_is_delivered_again(
+    clean, engine, provider, consumers, pg_proxy
+):
+    declare_charge(provider)
+    (row_id,) = write_rows(engine)
+    assert relay_once(clean) == 1
+    pg_proxy.arm("after_commit")
+    c = consumers(pg_proxy.url)
+    assert c.deliver(row_id, DEST) is RunResult.RELEASED
+    assert pg_proxy.fired.is_set()
+    assert provider.stats()["requests"] == 0
+    r = row(clean, row_id)
+    # Not in_flight waiting for its lease to expire into `unknown` with no call made.
+    assert (r["state"], r["attempts"], r["releases"]) == ("pending", 0, 1)
+    assert "reply to the claim was lost" in r["last_error"]
+    assert fence_rows(clean, row_id) == [(1, "released")]
+
+    # Re-published by the relay and delivered: one charge.
+    assert relay_once(clean) == 1
+    assert c.deliver(row_id, DEST) is RunResult.SENT
+    assert provider.stats()["effects"] == {"order:0:charge": 1}
+    assert row(clean, row_id)["state"] == "sent"
+
+
+def test_a_claim_cut_off_while_it_waited_can_no_longer_commit(clean, engine, provider, consumers, pg_proxy):
+    declare_charge(provider)
+    (row_id,) = write_rows(engine)
+    assert relay_once(clean) == 1
+    pg_proxy.arm("before_reply")
+    c = consumers(pg_proxy.url)
+    with row_held(clean, row_id, "lock"):
+        thread, out = in_thread(lambda: c.deliver(row_id, DEST))
+        thread.join(30)
+        assert pg_proxy.fired.is_set()
+    # The lock is free now: a claim still waiting for it would commit here.
+    time.sleep(0.5)
+    r = row(clean, row_id)
+    assert (r["state"], r["attempts"], r["claim_token"]) == ("dispatched", 0, None)
+    assert fence_rows(clean, row_id) == []
+    assert provider.stats()["requests"] == 0
+    # The worker made sure the backend that ran its claim was gone before it answered; the row
+    # waits for the reconciler's re-dispatch (its message was taken).
+    assert out.get("result") is RunResult.EMPTY, out
