@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -504,13 +504,21 @@ class PgProxy:
 
     def __init__(self, database_url: str) -> None:
         parts = urlsplit(database_url)
-        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 5432)
+        params = dict(parse_qsl(parts.query))
+        # The embedded server (pgserver) listens on a Unix socket named by `host=` in the query.
+        socket_dir = params.pop("host", "")
+        upstream_port = int(params.pop("port", "") or parts.port or 5432)
+        if socket_dir.startswith("/"):
+            self.upstream: str | tuple[str, int] = f"{socket_dir}/.s.PGSQL.{upstream_port}"
+        else:
+            self.upstream = (parts.hostname or socket_dir or "127.0.0.1", upstream_port)
         self.sock = socket.create_server(("127.0.0.1", 0))
         port = self.sock.getsockname()[1]
         netloc = parts.netloc.rsplit("@", 1)
         host = f"127.0.0.1:{port}"
         # Plain text, so that the proxy can see which statement is a claim.
-        query = "sslmode=disable&gssencmode=disable" + (f"&{parts.query}" if parts.query else "")
+        params.update(sslmode="disable", gssencmode="disable")
+        query = urlencode(params)
         self.url = urlunsplit(
             (parts.scheme, f"{netloc[0]}@{host}" if len(netloc) == 2 else host, parts.path, query, "")
         )
@@ -532,7 +540,11 @@ class PgProxy:
                 client, _ = self.sock.accept()
             except TimeoutError:
                 continue
-            server = socket.create_connection(self.upstream)
+            if isinstance(self.upstream, str):
+                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                server.connect(self.upstream)
+            else:
+                server = socket.create_connection(self.upstream)
             with self._lock:
                 self._socks += [client, server]
             state = {"broken": False, "reply": b""}
