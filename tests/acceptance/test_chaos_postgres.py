@@ -174,15 +174,26 @@ def test_postgres_stopped_and_crashed_mid_run_charges_each_key_once(chaos, owned
     assert stats["charges"] == ROWS, summary
     assert sorted(stats["effects"]) == sorted(idempotency_keys), summary
 
-    # Every sent row holds the reference of the one charge the provider made for its key.
+    # A sent row holds the reference of the one charge the provider made for its key: checked
+    # for every row whose history is not one clean claim (killed, expired, looked up, recorded
+    # late), and for a sample of the others.
     provider.configure(latency_ms=0)
     refs = dict(sql(chaos, "SELECT key || ':' || step, provider_ref FROM outbox_message"))
+    eventful = {
+        key
+        for (key,) in sql(
+            chaos,
+            "SELECT m.key || ':' || m.step FROM outbox_message m JOIN outbox_attempt a"
+            " ON a.message_id = m.id WHERE a.outcome IS DISTINCT FROM 'sent'",
+        )
+    }
+    checked = sorted(eventful | set(rng.sample(idempotency_keys, 50)))
     with httpx.Client(base_url=provider.url, timeout=5) as client:
-        for key in idempotency_keys:
+        for key in checked:
             charge = client.get("/charges", params={"idempotency_key": key})
             assert charge.status_code == 200, key
             assert refs[key] == charge.json()["id"], key
-    note("refs checked")
+    note(f"{len(checked)} refs checked ({len(eventful)} rows with an eventful history)")
 
     audit = subprocess.run(
         [sys.executable, "-m", "outbox", "audit"],
@@ -199,9 +210,9 @@ def test_postgres_stopped_and_crashed_mid_run_charges_each_key_once(chaos, owned
     assert [p.poll() for p in survivors] == [None] * len(survivors), procs.logs()
     for p in survivors:
         p.send_signal(signal.SIGTERM)
-    codes = [p.wait(30) for p in survivors]
+    codes = [p.wait(60) for p in survivors]
     assert codes == [0] * len(survivors), f"exit codes {codes}\n{procs.logs()}"
-    note("stopped")
+    note("all stopped")
     # The outages really reached the processes: the relay said so, and came back.
     relay_log = procs.log_of(relay)
     assert relay_log.count("relay cannot reach PostgreSQL") >= len(restarts), relay_log[-3000:]
