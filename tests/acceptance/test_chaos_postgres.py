@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,12 +24,13 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+import sqlalchemy.exc
 from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox.db import make_engine
-from outbox.migrate import upgrade
+from outbox.migrate import check_database, upgrade
 
 from .support import HANDLERS, OwnedPostgres, Processes, kill, states
 
@@ -102,7 +104,7 @@ def sent_count(services: Any) -> int:
 def test_postgres_stopped_and_crashed_mid_run_charges_each_key_once(chaos, owned_pg, provider, procs):
     # Each call takes a little while, so that calls are under way when the server goes away
     # and their records fail (or, after the crash, are lost).
-    provider.configure(latency_ms=20)
+    provider.configure(latency_ms=50)
     idempotency_keys = write_orders(chaos.database_url, ROWS)
 
     relay = procs.relay()
@@ -119,10 +121,13 @@ def test_postgres_stopped_and_crashed_mid_run_charges_each_key_once(chaos, owned
         timeline.append(f"{time.monotonic() - t0:.1f}s {event}")
         print(timeline[-1], flush=True)
 
+    last_kill = time.monotonic()
+
     def kill_a_worker(restart: bool = True) -> int | None:
         """SIGKILL a worker that has booted (on a loaded machine a start-up takes seconds, and
         killing a process still importing proves nothing); start a new one unless told not to."""
-        nonlocal kills
+        nonlocal kills, last_kill
+        last_kill = time.monotonic()
         booted = [i for i, w in enumerate(workers) if "outbox worker started" in procs.log_of(w)]
         if not booted:
             return None
@@ -139,8 +144,9 @@ def test_postgres_stopped_and_crashed_mid_run_charges_each_key_once(chaos, owned
         deadline = time.monotonic() + 120
         while sent_count(chaos) < ROWS * progress:
             assert time.monotonic() < deadline, f"no progress before the {mode} stop\n{procs.logs()}"
-            kill_a_worker()
-            time.sleep(KILL_EVERY)
+            if time.monotonic() - last_kill >= KILL_EVERY:
+                kill_a_worker()
+            time.sleep(0.2)
         sent_before = sent_count(chaos)
         note(f"stop -m {mode} at sent={sent_before}")
         owned_pg.stop(mode)
@@ -157,11 +163,11 @@ def test_postgres_stopped_and_crashed_mid_run_charges_each_key_once(chaos, owned
     chaos_until = time.monotonic() + 3 * KILL_EVERY
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
-        if time.monotonic() < chaos_until:
+        if time.monotonic() < chaos_until and time.monotonic() - last_kill >= KILL_EVERY:
             kill_a_worker()
         if sent_count(chaos) == ROWS:
             break
-        time.sleep(KILL_EVERY if time.monotonic() < chaos_until else 0.5)
+        time.sleep(0.2)
 
     final = states(chaos)
     note(f"final {final}")
@@ -169,6 +175,7 @@ def test_postgres_stopped_and_crashed_mid_run_charges_each_key_once(chaos, owned
     outcomes = dict(sql(chaos, "SELECT outcome, count(*) FROM outbox_attempt GROUP BY outcome"))
     summary = f"kills={kills} timeline={timeline} final={final} fence={outcomes}"
     assert all(0 < sent < ROWS for _, sent in restarts), f"rows were not flowing: {summary}"
+    assert kills >= 2, f"the workers were not killed: {summary}"
     assert final == {"sent": ROWS}, f"{summary}\n{procs.logs()}"
     assert stats["double_charged"] == [], summary
     assert stats["charges"] == ROWS, summary
@@ -230,3 +237,35 @@ def test_owned_postgres_restarts_on_the_same_url(owned_pg):
     owned_pg.start()
     with psycopg.connect(owned_pg.url, autocommit=True) as conn:
         assert conn.execute("SELECT n FROM survivor").fetchall() == [(1,)]
+
+
+def test_a_process_starting_while_postgres_restarts_waits_for_it(owned_pg):
+    """The start-up check of relay, worker and reconciler: a server that is down or starting up
+    is waited for (a worker restarted by its supervisor during a database restart used to exit 3
+    at once), a wrong database name fails at once."""
+    outcome: list[BaseException | None] = []
+
+    def check() -> None:
+        try:
+            check_database(owned_pg.url)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    owned_pg.stop("immediate")
+    thread = threading.Thread(target=check)
+    thread.start()
+    try:
+        time.sleep(1.5)
+        assert outcome == [], f"gave up while the server was down: {outcome}"
+    finally:
+        owned_pg.start()
+        thread.join(60)
+    assert outcome == [None]
+
+    base, _, query = owned_pg.url.partition("?")
+    wrong = base.rsplit("/", 1)[0] + "/no_such_database" + (f"?{query}" if query else "")
+    started = time.monotonic()
+    with pytest.raises(sqlalchemy.exc.OperationalError, match="no_such_database"):
+        check_database(wrong)
+    assert time.monotonic() - started < 5
