@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from importlib import resources
 
+import sqlalchemy.exc
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -11,7 +14,10 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
 
 from .exceptions import NotMigrated
+from .logs import first_line
 from .schema import VERSION_TABLE
+
+logger = logging.getLogger(__name__)
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -61,14 +67,61 @@ def check_schema(connection: Connection) -> None:
         raise NotMigrated(f"database is at revision {current}, this version needs {head}")
 
 
-def check_database(database_url: str) -> None:
+#: How long the start-up check waits for a PostgreSQL that is down or starting up. Running
+#: processes ride out a database restart; one started during it (a supervisor's replacement
+#: child, a deploy) exited at once, and a process manager's growing restart backoff then kept it
+#: down long after the database was back.
+START_WAIT_SECONDS = 30.0
+_START_RETRY_MAX_DELAY_SECONDS = 2.0
+# Worth waiting for: no server on the socket or port yet, or one refusing connections while it
+# starts up, shuts down or recovers from a crash. libpq reports connection failures without an
+# SQLSTATE, hence the messages; one not listed (a wrong password or database name, a message in
+# another language) fails at once, as before.
+_TRANSIENT_SQLSTATES = frozenset({"57P01", "57P03"})
+_TRANSIENT_MESSAGES = (
+    "No such file or directory",
+    "Connection refused",
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "the database system is not yet accepting connections",
+    "server closed the connection unexpectedly",
+)
+
+
+def _waitable(exc: sqlalchemy.exc.OperationalError) -> bool:
+    if getattr(exc.orig, "sqlstate", None) in _TRANSIENT_SQLSTATES:
+        return True
+    text_ = str(exc.orig or exc)
+    return any(m in text_ for m in _TRANSIENT_MESSAGES)
+
+
+def check_database(database_url: str, *, wait_seconds: float = START_WAIT_SECONDS) -> None:
     """:func:`check_schema` on a short-lived connection of its own: the start-up check of the
-    long-running processes."""
+    long-running processes. Waits up to ``wait_seconds`` for a server that is not accepting
+    connections yet; any other error raises at once."""
     from .db import make_engine
 
     engine = make_engine(database_url)
+    deadline = time.monotonic() + wait_seconds
+    delay = 0.25
     try:
-        with engine.connect() as conn:
-            check_schema(conn)
+        while True:
+            try:
+                with engine.connect() as conn:
+                    check_schema(conn)
+                return
+            except sqlalchemy.exc.OperationalError as exc:
+                if not _waitable(exc) or time.monotonic() + delay > deadline:
+                    raise
+                if delay == 0.25:
+                    logger.warning(
+                        "PostgreSQL is not accepting connections (%s); waiting up to %.0f s",
+                        first_line(exc.orig or exc),
+                        wait_seconds,
+                        extra={"error": type(exc.orig or exc).__name__},
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, _START_RETRY_MAX_DELAY_SECONDS)
     finally:
         engine.dispose()

@@ -3,11 +3,15 @@ started as subprocesses against the test services, killed with real signals."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +33,26 @@ FAST = {
 class Processes:
     """Starts processes, and on exit SIGKILLs whatever is still running (no stray workers)."""
 
-    def __init__(self, services: Any, provider_url: str, log_dir: Path) -> None:
+    def __init__(
+        self, services: Any, provider_url: str, log_dir: Path, timings: dict[str, str] | None = None
+    ) -> None:
         self.services = services
         self.provider_url = provider_url
         self.log_dir = log_dir
+        #: Replaces entries of FAST for every process started.
+        self.timings = {**FAST, **(timings or {})}
         self.running: list[subprocess.Popen[bytes]] = []
+        #: Each process's log file, by pid.
+        self.log_files: dict[int, Path] = {}
         self._count = 0
 
     def env(self, **extra: str) -> dict[str, str]:
-        return self.services.env(SHOP_PROVIDER_URL=self.provider_url, **FAST, **extra)
+        return self.services.env(SHOP_PROVIDER_URL=self.provider_url, **{**self.timings, **extra})
 
     def start(self, *args: str, **extra_env: str) -> subprocess.Popen[bytes]:
         self._count += 1
-        log = open(self.log_dir / f"{self._count:03d}-{args[0]}.log", "wb")
+        path = self.log_dir / f"{self._count:03d}-{args[0]}.log"
+        log = open(path, "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "outbox", "--log-level", "INFO", *args],
             env=self.env(**extra_env),
@@ -50,6 +61,7 @@ class Processes:
         )
         log.close()
         self.running.append(proc)
+        self.log_files[proc.pid] = path
         return proc
 
     def worker(self, threads: int = 2, **extra_env: str) -> subprocess.Popen[bytes]:
@@ -59,7 +71,7 @@ class Processes:
         return self.start("relay")
 
     def reconciler(self) -> subprocess.Popen[bytes]:
-        return self.start("reconcile", HANDLERS, "--interval", FAST["OUTBOX_RECONCILE_INTERVAL"])
+        return self.start("reconcile", HANDLERS, "--interval", self.timings["OUTBOX_RECONCILE_INTERVAL"])
 
     def stop_all(self) -> None:
         for proc in self.running:
@@ -72,6 +84,9 @@ class Processes:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def log_of(self, proc: subprocess.Popen[bytes]) -> str:
+        return self.log_files[proc.pid].read_text(errors="replace")
 
     def logs(self) -> str:
         return "\n".join(
@@ -87,3 +102,56 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
+
+
+class OwnedPostgres:
+    """A PostgreSQL server this test alone uses, from the ``pgserver`` wheel, in its own temporary
+    directory and listening only on a Unix socket there: it can be stopped, crashed and started
+    again without touching the machine's shared server or the session's.
+
+    ``stop("fast")`` disconnects every client and checkpoints; ``stop("immediate")`` is a crash
+    (no checkpoint; WAL replay at the next start, asynchronously committed transactions may be
+    lost). ``start()`` brings it back on the same socket, so the URL stays valid.
+    """
+
+    def __init__(self) -> None:
+        # Not under pytest's basetemp (see tests/conftest.py): the server runs as another user
+        # when the tests run as root.
+        self.directory = Path(tempfile.mkdtemp(prefix="outbox-owned-pg-"))
+        with warnings.catch_warnings():
+            # platformdirs (imported by pgserver) warns when XDG_RUNTIME_DIR is unset, and
+            # pytest makes warnings errors.
+            warnings.simplefilter("ignore")
+            import pgserver
+
+            self._server = pgserver.get_server(self.directory / "pg", cleanup_mode="stop")
+        self.url: str = self._server.get_uri()
+        self._socket_dir = self._server.get_postmaster_info().socket_dir
+        self.running = True
+
+    def _pg_ctl(self, *args: str, timeout: float) -> None:
+        from pgserver import _commands
+
+        server = self._server
+        _commands.pg_ctl(list(args), pgdata=server.pgdata, user=server.system_user, timeout=timeout)
+
+    def stop(self, mode: str) -> None:
+        self._pg_ctl("-w", "-m", mode, "stop", timeout=60)
+        self.running = False
+
+    def start(self) -> None:
+        # The options pgserver started it with: no TCP listener, the socket in its directory.
+        options = ["-o", '-h ""', "-o", f"-k {self._socket_dir}"]
+        self._pg_ctl("-w", *options, "-l", str(self._server.log), "start", timeout=60)
+        self.running = True
+
+    def close(self) -> None:
+        # Stopped here: once restarted, the server is no longer the process pgserver's own
+        # cleanup knows, which would leave it running.
+        if self.running:
+            with contextlib.suppress(Exception):
+                self.stop("fast")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._server.cleanup()
+        shutil.rmtree(self.directory, ignore_errors=True)
