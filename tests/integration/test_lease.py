@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import socket
 import threading
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -504,13 +505,19 @@ class PgProxy:
 
     def __init__(self, database_url: str) -> None:
         parts = urlsplit(database_url)
-        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 5432)
+        params = dict(parse_qsl(parts.query))
+        socket_dir = params.pop("host", "")
+        self.upstream: tuple[str, int] | str
+        if socket_dir.startswith("/"):  # the embedded server listens on a Unix socket only
+            (self.upstream,) = (p for p in glob.glob(f"{socket_dir}/.s.PGSQL.*") if not p.endswith(".lock"))
+        else:
+            self.upstream = (parts.hostname or "127.0.0.1", parts.port or 5432)
         self.sock = socket.create_server(("127.0.0.1", 0))
         port = self.sock.getsockname()[1]
         netloc = parts.netloc.rsplit("@", 1)
         host = f"127.0.0.1:{port}"
         # Plain text, so that the proxy can see which statement is a claim.
-        query = "sslmode=disable&gssencmode=disable" + (f"&{parts.query}" if parts.query else "")
+        query = urlencode({**params, "sslmode": "disable", "gssencmode": "disable"})
         self.url = urlunsplit(
             (parts.scheme, f"{netloc[0]}@{host}" if len(netloc) == 2 else host, parts.path, query, "")
         )
@@ -522,6 +529,13 @@ class PgProxy:
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
+    def _upstream(self) -> socket.socket:
+        if isinstance(self.upstream, str):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(self.upstream)
+            return conn
+        return socket.create_connection(self.upstream)
+
     def arm(self, mode: str) -> None:
         self.mode = mode
 
@@ -532,7 +546,7 @@ class PgProxy:
                 client, _ = self.sock.accept()
             except TimeoutError:
                 continue
-            server = socket.create_connection(self.upstream)
+            server = self._upstream()
             with self._lock:
                 self._socks += [client, server]
             state = {"broken": False, "reply": b""}
