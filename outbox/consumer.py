@@ -2,8 +2,9 @@
 
 A call starts only with ``time_limit`` plus a margin of lease left, measured on this process's
 monotonic clock from when the claim was sent; otherwise the claim is released (no call, not an
-attempt). The call has a total deadline of ``time_limit``, after which its outcome is recorded
-as ambiguous while the lease still covers the record.
+attempt). The call has a total deadline (``time_limit`` and a short grace, see
+``Handler.call_deadline_seconds``), after which its outcome is recorded as ambiguous while the
+lease still covers the record.
 
 Every outcome is logged as one structured line naming the row, never its payload.
 """
@@ -296,10 +297,14 @@ class Consumer:
 
     def _call(self, handler: Handler, claimed: fence.Claimed) -> Decision:
         delivery = delivery_for(claimed, handler)
-        call = self._caller().run(handler, delivery, handler.call_deadline_seconds)
+        caller = self._caller()
+        call = caller.run(handler, delivery, handler.call_deadline_seconds)
         if call is None:
             # Its late result, if any, is ignored: the outcome is recorded now, inside the lease.
             self._local.caller = None
+            with self._all_lock:
+                if caller in self._callers:
+                    self._callers.remove(caller)
             return Decision(
                 Outcome.UNKNOWN,
                 error=f"the handler hit its time limit ({handler.time_limit:g} s); the call was "

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import socket
 import threading
@@ -505,20 +506,18 @@ class PgProxy:
     def __init__(self, database_url: str) -> None:
         parts = urlsplit(database_url)
         params = dict(parse_qsl(parts.query))
-        # The embedded server (pgserver) listens on a Unix socket named by `host=` in the query.
         socket_dir = params.pop("host", "")
-        upstream_port = int(params.pop("port", "") or parts.port or 5432)
-        if socket_dir.startswith("/"):
-            self.upstream: str | tuple[str, int] = f"{socket_dir}/.s.PGSQL.{upstream_port}"
+        self.upstream: tuple[str, int] | str
+        if socket_dir.startswith("/"):  # the embedded server listens on a Unix socket only
+            (self.upstream,) = (p for p in glob.glob(f"{socket_dir}/.s.PGSQL.*") if not p.endswith(".lock"))
         else:
-            self.upstream = (parts.hostname or socket_dir or "127.0.0.1", upstream_port)
+            self.upstream = (parts.hostname or "127.0.0.1", parts.port or 5432)
         self.sock = socket.create_server(("127.0.0.1", 0))
         port = self.sock.getsockname()[1]
         netloc = parts.netloc.rsplit("@", 1)
         host = f"127.0.0.1:{port}"
         # Plain text, so that the proxy can see which statement is a claim.
-        params.update(sslmode="disable", gssencmode="disable")
-        query = urlencode(params)
+        query = urlencode({**params, "sslmode": "disable", "gssencmode": "disable"})
         self.url = urlunsplit(
             (parts.scheme, f"{netloc[0]}@{host}" if len(netloc) == 2 else host, parts.path, query, "")
         )
@@ -530,6 +529,13 @@ class PgProxy:
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
+    def _upstream(self) -> socket.socket:
+        if isinstance(self.upstream, str):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(self.upstream)
+            return conn
+        return socket.create_connection(self.upstream)
+
     def arm(self, mode: str) -> None:
         self.mode = mode
 
@@ -540,11 +546,7 @@ class PgProxy:
                 client, _ = self.sock.accept()
             except TimeoutError:
                 continue
-            if isinstance(self.upstream, str):
-                server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                server.connect(self.upstream)
-            else:
-                server = socket.create_connection(self.upstream)
+            server = self._upstream()
             with self._lock:
                 self._socks += [client, server]
             state = {"broken": False, "reply": b""}
