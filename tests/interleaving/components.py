@@ -149,9 +149,11 @@ class WatchedConnection:
         started = time.monotonic()
         cursor = self._conn.execute(query, params, **kwargs)
         waited = time.monotonic() - started
-        tokens = [v for v in (params or {}).values() if isinstance(v, uuid.UUID)] if isinstance(
-            params, Mapping
-        ) else []
+        tokens = (
+            [v for v in (params or {}).values() if isinstance(v, uuid.UUID)]
+            if isinstance(params, Mapping)
+            else []
+        )
         row_id = params.get("id") if isinstance(params, Mapping) else None
         lose = run is not None and run.proc.lose_next_claim_reply
         self._world.on_claim(run, row_id, tokens[0] if tokens else None, waited, lost=lose)
@@ -179,7 +181,9 @@ DESTINATIONS = (
 )
 
 
-def declare_handlers(provider_url: str, tracker: Any, *, time_limit: float) -> tuple[dict[str, Handler], float]:
+def declare_handlers(
+    provider_url: str, tracker: Any, *, time_limit: float
+) -> tuple[dict[str, Handler], float]:
     """Register the three test destinations on a provider that does not deduplicate; returns the
     handlers and the lease they got (the shortest the product accepts from a short list)."""
     outbox.handlers.clear_registry()
@@ -212,13 +216,17 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
     )
     def charge(d: outbox.Delivery) -> outbox.Confirmed:
         checkpoint("before_post")
-        tracker.post_started(d)
-        try:
-            r = d.http.post(
-                f"{provider_url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
-            )
-        finally:
-            tracker.post_ended(d)
+        processing = tracker.processing_seconds
+        if processing:
+            r = _post_still_processing(d, provider_url, tracker, processing)
+        else:
+            tracker.post_started(d)
+            try:
+                r = d.http.post(
+                    f"{provider_url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+                )
+            finally:
+                tracker.post_ended(d)
         checkpoint("after_post")
         if r.status_code == 402:
             raise outbox.PermanentError("card declined")
@@ -236,6 +244,40 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
             r.raise_for_status()
             body = r.json()
             return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+
+
+def _post_still_processing(d: outbox.Delivery, provider_url: str, tracker: Any, seconds: float) -> Any:
+    """A provider that is still executing the request when the client stops waiting: the effect
+    lands ``seconds`` after the call started (less than the call's time limit), and a lookup before
+    then finds nothing. The simulator's own latency delays lookups as much as charges, so it can
+    never show this; the request is made from a thread that outlives the handler's wait."""
+    answer: dict[str, Any] = {}
+    tracker.post_started(d)
+
+    def send() -> None:
+        try:
+            time.sleep(seconds)
+            with httpx.Client(timeout=5.0) as client:
+                answer["response"] = client.post(
+                    f"{provider_url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+                )
+        except Exception as exc:
+            answer["error"] = exc
+        finally:
+            tracker.post_ended(d)
+
+    thread = threading.Thread(target=send, name=f"oxil-provider-processing-{d.id}", daemon=True)
+    thread.start()
+    waited = d.handler.timeouts().read or d.handler.time_limit
+    thread.join(waited)
+    if "response" in answer:
+        return answer["response"]
+    if "error" in answer:
+        raise answer["error"]
+    request = httpx.Request("POST", f"{provider_url}/charges")
+    raise httpx.ReadTimeout(
+        "no answer within the read timeout (the provider is still processing)", request=request
+    )
 
 
 def idempotency_key(key: str, step: str) -> str:

@@ -25,6 +25,7 @@ import psycopg
 import pytest
 import redis
 from sqlalchemy import Engine
+from sqlalchemy.pool import NullPool
 
 from outbox.db import make_engine
 from outbox.settings import libpq_url
@@ -94,6 +95,8 @@ class Tracker:
         self.in_progress: Counter[str] = Counter()
         self.last_started: dict[str, float] = {}
         self.calls: list[tuple[int, int, str]] = []  # (row id, attempt, worker)
+        #: > 0: the provider takes this long to execute a charge, longer than the client waits.
+        self.processing_seconds = 0.0
 
     def post_started(self, d: Any) -> None:
         run = c.current_run()
@@ -273,11 +276,16 @@ class World:
         self.events: list[tuple[float, str, int | None]] = []
         self._events_lock = threading.Lock()
         self.tracker = Tracker()
+        self._sql_lock = threading.Lock()
+        self._sql_conn: psycopg.Connection[Any] | None = None
         c.install_hooks(monkeypatch, self)
         self.handlers, self.lease = c.declare_handlers(provider.url, self.tracker, time_limit=cfg.time_limit)
-        self.engine: Engine = make_engine(database_url, connect_args={"application_name": "oxil-app"})
+        # No pools: the server's connections are shared with the rest of the suite.
+        self.engine: Engine = make_engine(
+            database_url, connect_args={"application_name": "oxil-app"}, poolclass=NullPool
+        )
         self.operator_engine: Engine = make_engine(
-            database_url, connect_args={"application_name": c.OPERATOR}
+            database_url, connect_args={"application_name": c.OPERATOR}, poolclass=NullPool
         )
         self.redis = redis.Redis.from_url(redis_url)
         self.procs: list[c.WorkerProcess] = []
@@ -314,7 +322,9 @@ class World:
         with self._events_lock:
             self.events.append((time.monotonic() - self.started, text, row_id))
 
-    def on_claim(self, run: Run | None, row_id: Any, token: uuid.UUID | None, waited: float, *, lost: bool) -> None:
+    def on_claim(
+        self, run: Run | None, row_id: Any, token: uuid.UUID | None, waited: float, *, lost: bool
+    ) -> None:
         info = {
             "row_id": row_id,
             "token": token,
@@ -334,9 +344,25 @@ class World:
         )
 
     def sql(self, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
-        with psycopg.connect(libpq_url(self.database_url), autocommit=True) as conn:
-            cur = conn.execute(statement, params)
-            return cur.fetchall() if cur.description else []
+        """The harness's own queries, on one connection of its own. The server is shared with the
+        rest of the suite: a refused connection is retried for a while rather than failing a seed."""
+        with self._sql_lock:
+            for attempt in range(40):
+                try:
+                    if self._sql_conn is None or self._sql_conn.closed:
+                        self._sql_conn = psycopg.connect(
+                            libpq_url(self.database_url), autocommit=True, application_name="oxil-harness"
+                        )
+                    cur = self._sql_conn.execute(statement, params)
+                    return cur.fetchall() if cur.description else []
+                except psycopg.OperationalError:
+                    if self._sql_conn is not None:
+                        self._sql_conn.close()
+                    self._sql_conn = None
+                    if attempt == 39:
+                        raise
+                    time.sleep(0.25)
+        raise AssertionError("unreachable")
 
     def _thread(self, name: str, fn: Callable[[], Any], *, offset: float = 0.0) -> threading.Thread:
         def main() -> None:
@@ -506,13 +532,22 @@ class World:
     def step_block(self) -> None:
         if len(self.blockers) >= 2:
             return
-        # A dispatched row: its message waits in the queue, so a worker's claim will wait too.
-        rows = self.sql("SELECT id FROM outbox_message WHERE state = 'dispatched' ORDER BY id") or self.sql(
-            "SELECT id FROM outbox_message WHERE state = 'pending' ORDER BY id"
-        )
-        if not rows:
-            return
-        row_id = self.rng.choice(rows)[0]
+        # Mostly the row at the head of a queue: the next worker to fetch there claims it, and waits.
+        heads = []
+        for dest in c.DESTINATIONS:
+            mid = self.redis.lindex(f"{self.namespace}:{dest.name}", 0)
+            if mid:
+                with contextlib.suppress(ValueError, IndexError):
+                    heads.append(int(mid.decode().split("-")[1]))
+        if heads and self.rng.random() < 0.8:
+            row_id = self.rng.choice(sorted(heads))
+        else:
+            rows = self.sql(
+                "SELECT id FROM outbox_message WHERE state IN ('pending', 'dispatched') ORDER BY id"
+            )
+            if not rows:
+                return
+            row_id = self.rng.choice(rows)[0]
         conn = psycopg.connect(libpq_url(self.database_url), application_name="oxil-blocker")
         # An application transaction that only holds the row (changes nothing).
         locked = conn.execute(
@@ -521,7 +556,7 @@ class World:
         if locked is None:
             conn.close()
             return
-        hold = self.rng.choice([0.5, 2.0, 4.0, 6.0])
+        hold = self.rng.choice([0.5, 2.0, 4.0, 4.0, 6.0])
         self.blockers.append((conn, row_id, time.monotonic() + hold))
         self.log(f"blocker: holds row {row_id} FOR UPDATE for at least {hold} s", row_id)
 
@@ -556,7 +591,16 @@ class World:
     def step_provider(self) -> None:
         limit_ms = self.cfg.time_limit * 1000 * self.cfg.max_latency_fraction
         choice = self.rng.choice(
-            ["calm", "fail_before", "fail_after", "drop_after", "hang_after", "latency", "lookup_fail"]
+            [
+                "calm",
+                "fail_before",
+                "fail_after",
+                "drop_after",
+                "hang_after",
+                "latency",
+                "lookup_fail",
+                "processing",
+            ]
         )
         base: dict[str, Any] = {
             "fail_before_rate": 0.0,
@@ -574,13 +618,28 @@ class World:
             base["latency_ms"] = self.rng.uniform(0.7, 1.0) * limit_ms
         elif choice == "lookup_fail":
             base["lookup_fail"] = True
+        self.tracker.processing_seconds = 0.0
+        if choice == "processing" or self.rng.random() < 0.3:
+            # Within the call's time limit, as the contract assumes of a provider.
+            self.tracker.processing_seconds = self.rng.uniform(0.6, 1.0) * limit_ms / 1000
         self.provider.configure(**base)
-        self.log(f"provider: {choice} {self._provider_summary()}")
+        self.log(
+            f"provider: {choice} {self._provider_summary()} processing={self.tracker.processing_seconds:.2f}s"
+        )
 
     def _provider_summary(self) -> str:
         cfg = self.provider._state.config()
-        parts = [f"{k}={getattr(cfg, k)}" for k in ("fail_before_rate", "fail_after_rate", "drop_after_rate",
-                                                    "hang_after_rate", "latency_ms", "lookup_fail")]
+        parts = [
+            f"{k}={getattr(cfg, k)}"
+            for k in (
+                "fail_before_rate",
+                "fail_after_rate",
+                "drop_after_rate",
+                "hang_after_rate",
+                "latency_ms",
+                "lookup_fail",
+            )
+        ]
         return " ".join(p for p in parts if not p.endswith(("=0.0", "=False")))
 
     def step_sleep(self) -> None:
@@ -604,8 +663,8 @@ class World:
         # the alert hook reported (unknown for longer than OUTBOX_UNKNOWN_ALERT_AFTER).
         rows = self.sql(
             "SELECT id, key, step FROM outbox_message WHERE state = 'unknown' AND "
-            "(last_error LIKE 'needs a human%%' OR last_error LIKE 'lookup failed%%' OR alerted_at IS NOT NULL)"
-            " ORDER BY id"
+            "(last_error LIKE 'needs a human%%' OR last_error LIKE 'lookup failed%%'"
+            " OR alerted_at IS NOT NULL) ORDER BY id"
         )
         if not rows:
             return
@@ -627,8 +686,10 @@ class World:
             else:
                 how = {"not_sent": True, "reason": "provider: no charge for this key"}
         self.side_threads.append(
-            self._thread(f"operator resolve {row_id} {sorted(how)}", lambda: c.operator_resolve(
-                self.operator_engine, row_id, **how))
+            self._thread(
+                f"operator resolve {row_id} {sorted(how)}",
+                lambda: c.operator_resolve(self.operator_engine, row_id, **how),
+            )
         )
 
     def step_operator_replay(self) -> None:
@@ -700,7 +761,9 @@ class World:
             # The reconciler is drawn more often while a call is under way or an unknown row is
             # due: that is when its timing matters.
             urgent = sum(self.tracker.in_progress.values()) > 0 or bool(
-                self.sql("SELECT 1 FROM outbox_message WHERE state = 'unknown' AND available_at <= now() LIMIT 1")
+                self.sql(
+                    "SELECT 1 FROM outbox_message WHERE state = 'unknown' AND available_at <= now() LIMIT 1"
+                )
             )
             w = [x * 4 if fn == self.step_reconcile and urgent else x for x, fn in steps]
             # A step whose precondition does not hold (nothing parked, nothing queued) is drawn
@@ -725,6 +788,7 @@ class World:
         runbook) run until nothing changes; bounded by cfg.quiesce_seconds."""
         self.log(f"quiescence: faults off ({len(self.events)} events so far)")
         self.cfg = dataclasses.replace(self.cfg, faults=frozenset({"operator", "purge"}) & self.cfg.faults)
+        self.tracker.processing_seconds = 0.0
         self.provider.configure(
             fail_before_rate=0.0,
             fail_after_rate=0.0,
@@ -809,7 +873,9 @@ class World:
             ikey = c.idempotency_key(key, step)
             charged = effects.get(ikey, 0)
             if state not in TERMINAL:
-                findings.append(Finding("not terminal", f"row {row_id} ({ikey}) is {state}: {last_error}", [row_id]))
+                findings.append(
+                    Finding("not terminal", f"row {row_id} ({ikey}) is {state}: {last_error}", [row_id])
+                )
             if state == "failed" and charged:
                 last = (history or [])[-1] if history else None
                 by_operator = (
@@ -825,11 +891,17 @@ class World:
                 )
                 if not by_operator:
                     findings.append(
-                        Finding("charged but failed", f"row {row_id} ({ikey}) failed although the provider "
-                                f"charged it {charged} time(s): {last_error}", [row_id])
+                        Finding(
+                            "charged but failed",
+                            f"row {row_id} ({ikey}) failed although the provider "
+                            f"charged it {charged} time(s): {last_error}",
+                            [row_id],
+                        )
                     )
             if state == "cancelled" and charged:
-                findings.append(Finding("charged but cancelled", f"row {row_id} ({ikey}) cancelled, charged", [row_id]))
+                findings.append(
+                    Finding("charged but cancelled", f"row {row_id} ({ikey}) cancelled, charged", [row_id])
+                )
             if state == "sent":
                 charge = c.provider_charge(self.provider, ikey)
                 if charge is None or charge["id"] != ref:
@@ -908,4 +980,5 @@ class World:
         self.redis.close()
         self.engine.dispose()
         self.operator_engine.dispose()
-
+        if self._sql_conn is not None:
+            self._sql_conn.close()
