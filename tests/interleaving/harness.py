@@ -932,6 +932,12 @@ class World:
                 )
         return findings
 
+    @property
+    def refused_connections(self) -> int:
+        """How often PostgreSQL refused a component a connection (a server shared with other test
+        runs may be full): rows may then legitimately still be moving when quiescence ends."""
+        return sum("too many clients" in text for _, text, _ in self.events)
+
     # -- the report ------------------------------------------------------------------------------------
 
     def explain(self, findings: list[Finding]) -> str:
