@@ -261,6 +261,11 @@ def _post_still_processing(d: outbox.Delivery, provider_url: str, tracker: Any, 
                 answer["response"] = client.post(
                     f"{provider_url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
                 )
+            tracker.log(
+                f"provider: the charge of row {d.id} (attempt {d.attempt}) landed, "
+                f"HTTP {answer['response'].status_code}, after the client stopped waiting",
+                d.id,
+            )
         except Exception as exc:
             answer["error"] = exc
         finally:

@@ -90,7 +90,8 @@ class Finding:
 class Tracker:
     """What the test handler saw: calls in progress and started, per idempotency key."""
 
-    def __init__(self) -> None:
+    def __init__(self, log: Callable[[str, int | None], None]) -> None:
+        self.log = log
         self._lock = threading.Lock()
         self.in_progress: Counter[str] = Counter()
         self.last_started: dict[str, float] = {}
@@ -277,7 +278,7 @@ class World:
         self.started = time.monotonic()
         self.events: list[tuple[float, str, int | None]] = []
         self._events_lock = threading.Lock()
-        self.tracker = Tracker()
+        self.tracker = Tracker(self.log)
         self._sql_lock = threading.Lock()
         self._sql_conn: psycopg.Connection[Any] | None = None
         c.install_hooks(monkeypatch, self)
