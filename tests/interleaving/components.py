@@ -25,11 +25,10 @@ import inspect
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-import dramatiq
 import httpx
 import psycopg
 import pytest
@@ -475,12 +474,3 @@ def provider_charge(provider: Any, key: str) -> dict[str, Any] | None:
 
 def provider_effects(provider: Any) -> dict[str, int]:
     return dict(provider.stats()["effects"])
-
-
-@contextlib.contextmanager
-def http_client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=2.0) as client:
-        yield client
-
-
-_ = dramatiq  # the actor is declared through outbox.worker.declare
