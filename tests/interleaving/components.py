@@ -1,0 +1,476 @@
+"""One wrapper per component step the interleaving scheduler drives.
+
+Everything the harness knows about the product's API is in this module, so that a change of
+signature is adapted here and nowhere else. Each wrapper calls the real code path (the relay's
+``run_once``, the worker's Dramatiq actor and ``Consumer``, the reconciler's ``run_job``, the
+operator commands of ``outbox.ops`` as the CLI calls them, ``outbox.write``/``outbox.cancel``).
+
+The harness only adds observation points around them:
+
+- ``checkpoint(name)``: the product's ``failpoint`` names (after_claim, after_call,
+  after_record), the test handler's own points (before_post, after_post), and the harness's
+  (fetched, before_ack, relay_after_publish). At a checkpoint a run may park (the scheduler runs
+  other steps meanwhile) or crash (a :class:`Crash` unwinds the run, its connections are dropped,
+  its broker message is never acked).
+- a per-thread clock offset on the product modules that read the local clock;
+- a wrapper on the worker's raw connections that measures how long a claim took (lock waits) and
+  can lose the reply of a committed claim (issue 9, class 8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.message import Message
+from dramatiq.middleware import CurrentMessage
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import ops
+from outbox import transport as outbox_transport
+from outbox.consumer import Consumer
+from outbox.exceptions import ConfigError
+from outbox.handlers import Handler
+from reconciler import Reconciler
+from relay import Relay
+
+OPERATOR = "oxil-operator"
+
+
+class Crash(BaseException):
+    """A simulated process death at a step boundary (a BaseException, so that no ``except
+    Exception`` in the product can mistake it for an outcome)."""
+
+
+# -- per-thread context: which run a thread belongs to, and its process's clock ------------------
+
+_local = threading.local()
+
+
+def bind_thread(*, run: Any = None, clock_offset: float = 0.0) -> None:
+    _local.run = run
+    _local.clock_offset = clock_offset
+
+
+def current_run() -> Any:
+    return getattr(_local, "run", None)
+
+
+def checkpoint(name: str) -> None:
+    run = current_run()
+    if run is not None:
+        run.checkpoint(name)
+
+
+_REAL_DATETIME = datetime
+
+
+class SkewedDatetime(datetime):
+    """``datetime`` whose ``now()`` is the real clock plus the calling thread's process offset."""
+
+    @classmethod
+    def now(cls, tz: Any = None) -> datetime:  # type: ignore[override]
+        real = _REAL_DATETIME.now(tz)
+        offset = getattr(_local, "clock_offset", 0.0)
+        return real + timedelta(seconds=offset) if offset else real
+
+
+#: Modules whose ``datetime.now()`` is a process's local clock. The product is being changed to
+#: compute every compared instant in SQL; a module that no longer reads the clock is unaffected.
+CLOCK_MODULES = ("outbox.consumer", "outbox.policy", "reconciler.jobs", "outbox.fence")
+
+
+def install_hooks(monkeypatch: pytest.MonkeyPatch, world: Any) -> None:
+    import importlib
+
+    for name in CLOCK_MODULES:
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(name)
+            if hasattr(module, "datetime"):
+                monkeypatch.setattr(module, "datetime", SkewedDatetime, raising=False)
+    import outbox.consumer as consumer_module
+
+    # The product's crash-injection points become the harness's checkpoints.
+    monkeypatch.setattr(consumer_module, "failpoint", checkpoint, raising=False)
+    real_connect = consumer_module.connect_raw
+
+    def connect(url: str, **options: Any) -> Any:
+        return WatchedConnection(real_connect(url, **options), world)
+
+    monkeypatch.setattr(consumer_module, "connect_raw", connect, raising=False)
+    real_publish = outbox_transport.publish_rows
+
+    def publish(*args: Any, **kwargs: Any) -> int:
+        count = real_publish(*args, **kwargs)
+        # The relay between its Redis push and its COMMIT: the rows are locked, the messages out.
+        checkpoint("relay_after_publish")
+        return count
+
+    monkeypatch.setattr(outbox_transport, "publish_rows", publish)
+
+
+# -- the worker's connections --------------------------------------------------------------------
+
+
+def is_claim(query: Any) -> bool:
+    text = query if isinstance(query, str) else repr(query)
+    return "in_flight" in text and "attempts + 1" in text
+
+
+class WatchedConnection:
+    """A worker's psycopg connection: times each claim, and loses the reply of a committed claim
+    when its process is armed to (the connection breaks after the server committed)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], world: Any) -> None:
+        self._conn = conn
+        self._world = world
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if not is_claim(query):
+            return self._conn.execute(query, params, **kwargs)
+        run = current_run()
+        started = time.monotonic()
+        cursor = self._conn.execute(query, params, **kwargs)
+        waited = time.monotonic() - started
+        tokens = (
+            [v for v in (params or {}).values() if isinstance(v, uuid.UUID)]
+            if isinstance(params, Mapping)
+            else []
+        )
+        row_id = params.get("id") if isinstance(params, Mapping) else None
+        lose = run is not None and run.proc.lose_next_claim_reply
+        self._world.on_claim(run, row_id, tokens[0] if tokens else None, waited, lost=lose)
+        if lose:
+            run.proc.lose_next_claim_reply = False
+            self._conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly (simulated)")
+        return cursor
+
+
+# -- handlers -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    name: str
+    max_attempts: int
+    lookup: bool
+
+
+DESTINATIONS = (
+    Destination("ix.charge", max_attempts=3, lookup=True),
+    Destination("ix.once", max_attempts=1, lookup=True),
+    Destination("ix.manual", max_attempts=2, lookup=False),
+)
+
+
+def declare_handlers(
+    provider_url: str, tracker: Any, *, time_limit: float
+) -> tuple[dict[str, Handler], float]:
+    """Register the three test destinations on a provider that does not deduplicate; returns the
+    handlers and the lease they got (the shortest the product accepts from a short list)."""
+    outbox.handlers.clear_registry()
+    lease = None
+    last_error: Exception | None = None
+    for candidate in (3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 16.0):
+        try:
+            _declare(Destination("ix.probe", 1, False), provider_url, tracker, time_limit, candidate)
+        except ConfigError as exc:
+            last_error = exc
+            continue
+        lease = candidate
+        break
+    if lease is None:
+        raise AssertionError(f"no short lease accepted: {last_error}")
+    outbox.handlers.clear_registry()
+    for dest in DESTINATIONS:
+        _declare(dest, provider_url, tracker, time_limit, lease)
+    return outbox.handlers.registry(), lease
+
+
+def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: float, lease: float) -> None:
+    @outbox.handler(
+        dest.name,
+        time_limit=time_limit,
+        max_attempts=dest.max_attempts,
+        backoff=(0.5, 1.0),
+        idempotent=False,
+        lease_seconds=lease,
+    )
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        checkpoint("before_post")
+        processing = tracker.processing_seconds
+        if processing:
+            r = _post_still_processing(d, provider_url, tracker, processing)
+        else:
+            tracker.post_started(d)
+            try:
+                r = d.http.post(
+                    f"{provider_url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+                )
+            finally:
+                tracker.post_ended(d)
+        checkpoint("after_post")
+        if r.status_code == 402:
+            raise outbox.PermanentError("card declined")
+        r.raise_for_status()
+        body = r.json()
+        return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+
+    if dest.lookup:
+
+        @charge.lookup
+        def find(d: outbox.Delivery) -> outbox.Confirmed | None:
+            r = d.http.get(f"{provider_url}/charges", params={"idempotency_key": d.idempotency_key})
+            if r.status_code == 404:
+                return None
+            r.raise_for_status()
+            body = r.json()
+            return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+
+
+def _post_still_processing(d: outbox.Delivery, provider_url: str, tracker: Any, seconds: float) -> Any:
+    """A provider that is still executing the request when the client stops waiting: the effect
+    lands ``seconds`` after the call started (less than the call's time limit), and a lookup before
+    then finds nothing. The simulator's own latency delays lookups as much as charges, so it can
+    never show this; the request is made from a thread that outlives the handler's wait."""
+    answer: dict[str, Any] = {}
+    tracker.post_started(d)
+
+    def send() -> None:
+        try:
+            time.sleep(seconds)
+            with httpx.Client(timeout=5.0) as client:
+                answer["response"] = client.post(
+                    f"{provider_url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+                )
+            tracker.log(
+                f"provider: the charge of row {d.id} (attempt {d.attempt}) landed, "
+                f"HTTP {answer['response'].status_code}, after the client stopped waiting",
+                d.id,
+            )
+        except Exception as exc:
+            answer["error"] = exc
+        finally:
+            tracker.post_ended(d)
+
+    thread = threading.Thread(target=send, name=f"oxil-provider-processing-{d.id}", daemon=True)
+    thread.start()
+    waited = d.handler.timeouts().read or d.handler.time_limit
+    thread.join(waited)
+    if "response" in answer:
+        return answer["response"]
+    if "error" in answer:
+        raise answer["error"]
+    request = httpx.Request("POST", f"{provider_url}/charges")
+    raise httpx.ReadTimeout(
+        "no answer within the read timeout (the provider is still processing)", request=request
+    )
+
+
+def idempotency_key(key: str, step: str) -> str:
+    return outbox.handlers.idempotency_key(key, step)
+
+
+# -- worker process -------------------------------------------------------------------------------
+
+
+class WorkerProcess:
+    """One ``outbox worker`` process with one thread: its own Dramatiq broker identity (heartbeat,
+    un-acked set), its own database connections and its own clock offset."""
+
+    def __init__(
+        self,
+        world: Any,
+        number: int,
+        *,
+        database_url: str,
+        redis_url: str,
+        namespace: str,
+        handlers: Mapping[str, Handler],
+        clock_offset: float,
+        heartbeat_timeout_ms: int,
+    ) -> None:
+        self.number = number
+        self.name = f"w{number}"
+        self.clock_offset = clock_offset
+        self.alive = True
+        self.lose_next_claim_reply = False
+        self.broker = RedisBroker(
+            url=redis_url,
+            namespace=namespace,
+            middleware=[CurrentMessage()],
+            heartbeat_timeout=heartbeat_timeout_ms,
+            # Every command runs Dramatiq's maintenance: a dead worker's un-acked messages go back
+            # to their queue as soon as its heartbeat is older than heartbeat_timeout.
+            maintenance_chance=1_000_000,
+        )
+        self.consumer = Consumer(_with_app_name(database_url, f"oxil-{self.name}"), handlers)
+        self.queues = sorted(handlers)
+        self._declare_actor()
+
+    def _declare_actor(self) -> None:
+        from outbox.worker import declare
+
+        declare(self.broker, self.consumer, self.queues)
+        self.actor = self.broker.get_actor(outbox_transport.ACTOR_NAME)
+
+    def heartbeat(self) -> None:
+        for queue in self.queues:
+            self.broker.do_fetch(queue, 0)
+
+    def fetch(self, queue: str) -> Message[Any] | None:
+        data = self.broker.do_fetch(queue, 1)
+        # None: the id was queued but its body is gone (a flush between the two keys); Dramatiq
+        # skips it the same way.
+        return Message.decode(data[0]) if data and data[0] is not None else None
+
+    def process(self, message: Message[Any]) -> None:
+        """What Dramatiq's worker thread does with a message, the ack excepted: the product's
+        actor, with CurrentMessage set. No Retries middleware: an exception is logged and the
+        message acked anyway, as the product's broker is built."""
+        self.broker.emit_before("process_message", message)
+        try:
+            self.actor(*message.args, **message.kwargs)
+        finally:
+            self.broker.emit_after("process_message", message)
+
+    def ack(self, message: Message[Any]) -> None:
+        self.broker.do_ack(message.queue_name, message.options["redis_message_id"])
+
+    def die(self) -> None:
+        """SIGKILL: connections gone, no ack, no more heartbeats."""
+        self.alive = False
+        with contextlib.suppress(Exception):
+            self.consumer.close()
+        with contextlib.suppress(Exception):
+            self.broker.client.connection_pool.disconnect()
+
+    def stop(self) -> None:
+        if self.alive:
+            self.die()
+
+
+def _with_app_name(url: str, name: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}application_name={name}"
+
+
+# -- relay ---------------------------------------------------------------------------------------
+
+
+def make_relay(database_url: str, redis_url: str, namespace: str, batch_size: int) -> Relay:
+    return Relay(
+        database_url=_with_app_name(database_url, "oxil-relay"),
+        redis_url=redis_url,
+        namespace=namespace,
+        batch_size=batch_size,
+        parallel=1,
+    )
+
+
+def relay_batch(relay: Relay) -> int:
+    return relay.run_once().published
+
+
+# -- reconciler ----------------------------------------------------------------------------------
+
+
+def make_reconciler(
+    database_url: str,
+    redis_url: str,
+    namespace: str,
+    handlers: Mapping[str, Handler],
+    *,
+    redispatch_after: float,
+    retention: float,
+    unknown_alert_after: float,
+) -> Reconciler:
+    wanted: dict[str, Any] = dict(
+        database_url=database_url,
+        redis_url=redis_url,
+        handlers=handlers,
+        module="tests.interleaving",
+        namespace=namespace,
+        redispatch_after_seconds=redispatch_after,
+        retention_seconds=retention,
+        unknown_alert_after_seconds=unknown_alert_after,
+        redispatch_grace_seconds=0.5,
+        alert_hook=lambda _row: None,
+        name="oxil-reconciler",
+    )
+    accepted = inspect.signature(Reconciler).parameters
+    return Reconciler(**{k: v for k, v in wanted.items() if k in accepted})
+
+
+def reconciler_jobs(reconciler: Reconciler) -> list[str]:
+    return list(reconciler.jobs)
+
+
+def run_job(reconciler: Reconciler, name: str) -> dict[str, int]:
+    return reconciler.run_job(name)
+
+
+# -- the application and the operator -------------------------------------------------------------
+
+
+def write(engine: Engine, *, key: str, step: str, destination: str, payload: dict[str, Any]) -> Any:
+    with Session(engine) as s, s.begin():
+        return outbox.write(s, key=key, step=step, destination=destination, payload=payload)
+
+
+def cancel(engine: Engine, *, key: str, step: str) -> bool:
+    with Session(engine) as s, s.begin():
+        return outbox.cancel(s, key=key, step=step)
+
+
+def _call_accepting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call an ops function with the keyword arguments it knows (``yes=True`` where a bulk action
+    asks for confirmation)."""
+    params = inspect.signature(fn).parameters
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+
+def operator_resolve(engine: Engine, row_id: int, **how: Any) -> str:
+    with engine.begin() as conn:
+        return str(ops.resolve(conn, row_id, by=OPERATOR, **how).message)
+
+
+def operator_replay(engine: Engine, row_id: int, reason: str) -> list[Any]:
+    with engine.begin() as conn:
+        return list(ops.replay(conn, [row_id], by=OPERATOR, reason=reason))
+
+
+def operator_replay_destination(engine: Engine, destination: str, reason: str) -> list[Any]:
+    with engine.begin() as conn:
+        return list(
+            _call_accepting(ops.replay_destination, conn, destination, by=OPERATOR, reason=reason, yes=True)
+        )
+
+
+# -- provider ------------------------------------------------------------------------------------
+
+
+def provider_charge(provider: Any, key: str) -> dict[str, Any] | None:
+    """What the provider's own records say for an idempotency key (the operator's dashboard):
+    read from the simulator's state, not through its lookup endpoint, which may be failing."""
+    return provider._state.lookup(key)
+
+
+def provider_effects(provider: Any) -> dict[str, int]:
+    return dict(provider.stats()["effects"])

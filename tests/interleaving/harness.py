@@ -1,0 +1,995 @@
+"""A seeded random scheduler over the real components, then quiescence, then the promise checked.
+
+One ``random.Random(seed)`` in the scheduler's thread makes every decision: which step runs next,
+where a run crashes, which fault is injected. Steps that can block (a claim waiting on a row lock,
+a relay holding its batch, an HTTP call to a slow provider) run in threads; the scheduler waits a
+bounded, seeded time for them and moves on, so that the other components act while they wait.
+A seed replays the same decisions; thread timing is real, so a replay follows the same schedule
+but not always to the same microsecond.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from sqlalchemy import Engine
+from sqlalchemy.pool import NullPool
+
+from outbox.db import make_engine
+from outbox.settings import libpq_url
+from outbox.transport import delete_namespace
+
+from . import components as c
+
+logger = logging.getLogger(__name__)
+
+FAULTS = frozenset(
+    {
+        "crash",  # a worker process dies at a checkpoint
+        "lock",  # a blocker holds a row FOR UPDATE while a claim waits
+        "relay_stall",  # the relay parks between its Redis push and its COMMIT
+        "clock",  # worker and reconciler processes run with a clock offset
+        "pg_drop",  # pg_terminate_backend of a component's backend
+        "lost_reply",  # a committed claim's reply never reaches the worker
+        "redis_flush",  # every key of the broker namespace is deleted
+        "provider",  # the provider fails, drops, hangs, is slow, or its lookup is down
+        "purge",  # terminal rows purged (short retention), keys written again afterwards
+        "operator",  # resolve / replay / bulk replay, by the runbook
+    }
+)
+
+#: Checkpoints where a run parks until the scheduler advances it. Between the claim and the
+#: call there is none: a stall there is not a fault the product can guard against (nothing but the
+#: provider could fence it), while a claim that waits on a lock is, and is modelled by real locks.
+PARK_POINTS = frozenset({"fetched", "after_post", "after_call", "before_ack"})
+CRASH_POINTS = frozenset(
+    {"fetched", "after_claim", "before_post", "after_post", "after_call", "after_record", "before_ack"}
+)
+
+TERMINAL = frozenset({"sent", "failed", "cancelled"})
+
+
+@dataclasses.dataclass
+class Settings:
+    seed: int
+    steps: int = 80
+    time_limit: float = 1.0
+    redispatch_after: float = 3.0
+    retention: float = 2.0
+    unknown_alert_after: float = 3.0
+    heartbeat_timeout_ms: int = 2000
+    #: A slow provider stays under this fraction of time_limit: an effect landing later than
+    #: the call's own time limit is a residual risk the product documents, not a bug.
+    max_latency_fraction: float = 0.9
+    quiesce_seconds: float = 60.0
+    faults: frozenset[str] = FAULTS
+
+
+@dataclasses.dataclass
+class Finding:
+    kind: str
+    detail: str
+    row_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"[{self.kind}] {self.detail}"
+
+
+class Tracker:
+    """What the test handler saw: calls in progress and started, per idempotency key."""
+
+    def __init__(self, log: Callable[[str, int | None], None]) -> None:
+        self.log = log
+        self._lock = threading.Lock()
+        self.in_progress: Counter[str] = Counter()
+        self.last_started: dict[str, float] = {}
+        self.calls: list[tuple[int, int, str]] = []  # (row id, attempt, worker)
+        #: > 0: the provider takes this long to execute a charge, longer than the client waits.
+        self.processing_seconds = 0.0
+
+    def post_started(self, d: Any) -> None:
+        run = c.current_run()
+        with self._lock:
+            self.in_progress[d.idempotency_key] += 1
+            self.last_started[d.idempotency_key] = time.monotonic()
+            self.calls.append((d.id, d.attempt, run.proc.name if run else "?"))
+
+    def post_ended(self, d: Any) -> None:
+        with self._lock:
+            self.in_progress[d.idempotency_key] -= 1
+
+
+class Parkable:
+    """A step sequence in its own thread that parks at checkpoints until the scheduler advances
+    it ("go") or kills it ("crash")."""
+
+    park_points: frozenset[str] = frozenset()
+    #: Checkpoints where the run decides by itself (its own seeded RNG) to crash, without parking.
+    random_crash_points: frozenset[str] = frozenset()
+
+    def __init__(self, world: World, rng: random.Random, name: str) -> None:
+        self.world = world
+        self.rng = rng
+        self.name = name
+        self.row_id: int | None = None
+        self.free = False  # never park, never crash (quiescence)
+        self.parked_at: str | None = None
+        self.command: str | None = None
+        self.done = False
+        self.crashed = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name=f"oxil-{name}", daemon=True)
+
+    def checkpoint(self, name: str) -> None:
+        if self.free:
+            return
+        # Half the time a run goes straight through a park point: the worker's own steps then race
+        # the other components without waiting for the scheduler.
+        if name not in self.park_points or self.rng.random() < 0.5:
+            if (
+                name in self.random_crash_points
+                and "crash" in self.world.cfg.faults
+                and self.rng.random() < 0.06
+            ):
+                self.world.log(f"{self.name}: crash at {name}", self.row_id)
+                raise c.Crash(name)
+            return
+        with self.cond:
+            self.parked_at, self.command = name, None
+            self.cond.notify_all()
+            while self.command is None:
+                self.cond.wait()
+            command, self.parked_at = self.command, None
+        if command == "crash":
+            self.world.log(f"{self.name}: crash at {name}", self.row_id)
+            raise c.Crash(name)
+
+    @property
+    def waiting(self) -> bool:
+        """Parked and not yet told what to do."""
+        return not self.done and self.parked_at is not None and self.command is None
+
+    def advance(self, command: str, wait: float) -> None:
+        with self.cond:
+            if self.parked_at is None:
+                return
+            self.command = command
+            self.cond.notify_all()
+        self.wait_parked(wait)
+
+    def wait_parked(self, wait: float) -> None:
+        """Wait until the run parks again or ends, at most ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        with self.cond:
+            while not self.done and (self.parked_at is None or self.command is not None):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(left)
+
+    def release(self) -> None:
+        self.free = True
+        with self.cond:
+            if self.parked_at is not None and self.command is None:
+                self.command = "go"
+                self.cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            self.main()
+        finally:
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+
+    def main(self) -> None:
+        raise NotImplementedError
+
+
+class Run(Parkable):
+    """One delivery by one worker process: fetched → the product's actor (claim, call, record)
+    → ack, parked at checkpoints."""
+
+    park_points = PARK_POINTS
+    random_crash_points = CRASH_POINTS
+
+    def __init__(self, world: World, proc: c.WorkerProcess, message: Any, rng: random.Random) -> None:
+        row_id = message.args[0] if message.args else None
+        super().__init__(world, rng, f"{proc.name}/row {row_id}")
+        self.proc = proc
+        self.message = message
+        self.row_id = row_id
+
+    def main(self) -> None:
+        c.bind_thread(run=self, clock_offset=self.proc.clock_offset)
+        try:
+            self.checkpoint("fetched")
+            try:
+                self.proc.process(self.message)
+            except c.Crash:
+                raise
+            except Exception as exc:
+                self.world.log(f"{self.name}: actor raised {type(exc).__name__}: {exc}", self.row_id)
+            self.checkpoint("before_ack")
+            self.proc.ack(self.message)
+        except c.Crash:
+            self.crashed = True
+            self.proc.die()
+        except Exception as exc:  # the ack, on a flushed or dropped Redis
+            self.world.log(f"{self.name}: {type(exc).__name__}: {exc}", self.row_id)
+
+
+class RelayRun(Parkable):
+    """One relay batch; parks between its Redis push and its COMMIT, holding its rows' locks."""
+
+    park_points = frozenset({"relay_after_publish"})
+
+    def __init__(self, world: World, relay: Any, rng: random.Random) -> None:
+        super().__init__(world, rng, "relay")
+        self.relay = relay
+
+    def main(self) -> None:
+        c.bind_thread(run=self)
+        try:
+            published = c.relay_batch(self.relay)
+            if published:
+                self.world.log(f"relay: published {published}")
+        except BaseException as exc:  # Crash included: the relay process is gone
+            self.crashed = isinstance(exc, c.Crash)
+            if not self.crashed:
+                self.world.log(f"relay: {type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):
+                self.relay.close()
+            if self.world.relay is self.relay:
+                self.world.relay = None
+            if not isinstance(exc, c.Crash | Exception):
+                raise
+
+
+class World:
+    def __init__(
+        self,
+        cfg: Settings,
+        *,
+        database_url: str,
+        redis_url: str,
+        namespace: str,
+        provider: Any,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.database_url = database_url
+        self.redis_url = redis_url
+        self.namespace = namespace
+        self.provider = provider
+        self.started = time.monotonic()
+        self.events: list[tuple[float, str, int | None]] = []
+        self._events_lock = threading.Lock()
+        self.tracker = Tracker(self.log)
+        self._sql_lock = threading.Lock()
+        self._sql_conn: psycopg.Connection[Any] | None = None
+        c.install_hooks(monkeypatch, self)
+        self.handlers, self.lease = c.declare_handlers(provider.url, self.tracker, time_limit=cfg.time_limit)
+        # No pools: the server's connections are shared with the rest of the suite.
+        self.engine: Engine = make_engine(
+            database_url, connect_args={"application_name": "oxil-app"}, poolclass=NullPool
+        )
+        self.operator_engine: Engine = make_engine(
+            database_url, connect_args={"application_name": c.OPERATOR}, poolclass=NullPool
+        )
+        self.redis = redis.Redis.from_url(redis_url)
+        self.procs: list[c.WorkerProcess] = []
+        self.runs: list[Run] = []
+        self.relay: Any = None
+        self.relay_run: RelayRun | None = None
+        self.reconciler_offset = 0.0
+        self.reconciler = self._new_reconciler()
+        self.job_threads: dict[str, threading.Thread] = {}
+        self.side_threads: list[threading.Thread] = []
+        self.blockers: list[tuple[psycopg.Connection[Any], int, float]] = []
+        self.keys: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        self.claims: dict[uuid.UUID, dict[str, Any]] = {}
+        self.lost_claims: list[dict[str, Any]] = []
+        self.operator_failed: set[int] = set()
+        self.purged_then_rewritten: set[tuple[str, str]] = set()
+        self._next_proc = 1
+        self._next_key = 1
+        self._stop = threading.Event()
+        self._heart = threading.Thread(target=self._heartbeats, name="oxil-heartbeats", daemon=True)
+        self._heart.start()
+
+    def _heartbeats(self) -> None:
+        """Dramatiq's consumer threads heartbeat while worker threads work; a dead process stops."""
+        while not self._stop.wait(0.3):
+            for proc in list(self.procs):
+                if proc.alive:
+                    with contextlib.suppress(Exception):
+                        proc.heartbeat()
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def log(self, text: str, row_id: int | None = None) -> None:
+        with self._events_lock:
+            self.events.append((time.monotonic() - self.started, text, row_id))
+
+    def on_claim(
+        self, run: Run | None, row_id: Any, token: uuid.UUID | None, waited: float, *, lost: bool
+    ) -> None:
+        info = {
+            "row_id": row_id,
+            "token": token,
+            "waited": waited,
+            "worker": run.proc.name if run else "?",
+            "offset": run.proc.clock_offset if run else 0.0,
+            "lost": lost,
+        }
+        if token is not None:
+            self.claims[token] = info
+        if lost:
+            self.lost_claims.append(info)
+        self.log(
+            f"{info['worker']}: claim of row {row_id} returned after {waited:.2f} s"
+            + (" (reply lost: the connection broke after the commit)" if lost else ""),
+            row_id if isinstance(row_id, int) else None,
+        )
+
+    def sql(self, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """The harness's own queries, on one connection of its own. The server is shared with the
+        rest of the suite: a refused connection is retried for a while rather than failing a seed."""
+        with self._sql_lock:
+            for attempt in range(40):
+                try:
+                    if self._sql_conn is None or self._sql_conn.closed:
+                        self._sql_conn = psycopg.connect(
+                            libpq_url(self.database_url), autocommit=True, application_name="oxil-harness"
+                        )
+                    cur = self._sql_conn.execute(statement, params)
+                    return cur.fetchall() if cur.description else []
+                except psycopg.OperationalError:
+                    if self._sql_conn is not None:
+                        self._sql_conn.close()
+                    self._sql_conn = None
+                    if attempt == 39:
+                        raise
+                    time.sleep(0.25)
+        raise AssertionError("unreachable")
+
+    def _thread(self, name: str, fn: Callable[[], Any], *, offset: float = 0.0) -> threading.Thread:
+        def main() -> None:
+            c.bind_thread(clock_offset=offset)
+            try:
+                result = fn()
+                if isinstance(result, dict):
+                    result = {k: v for k, v in result.items() if v}
+                if result:
+                    self.log(f"{name}: {result}")
+            except Exception as exc:
+                self.log(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+        thread = threading.Thread(target=main, name=f"oxil-{name}", daemon=True)
+        thread.start()
+        return thread
+
+    def _new_reconciler(self) -> Any:
+        return c.make_reconciler(
+            self.database_url,
+            self.redis_url,
+            self.namespace,
+            self.handlers,
+            redispatch_after=self.cfg.redispatch_after,
+            retention=self.cfg.retention if "purge" in self.cfg.faults else 7 * 86400.0,
+            unknown_alert_after=self.cfg.unknown_alert_after,
+        )
+
+    def _offset(self) -> float:
+        if "clock" not in self.cfg.faults or self.rng.random() < 0.5:
+            return 0.0
+        return self.rng.choice([-5.0, -2.0, -0.5, 0.5, 2.0, 5.0])
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def step_write(self) -> None:
+        for _ in range(self.rng.choice([1, 1, 2, 3])):
+            destination = self.rng.choice(c.DESTINATIONS).name
+            key, step = f"order:{self.cfg.seed}-{self._next_key}", "charge"
+            self._next_key += 1
+            # A negative amount is a declined card: a permanent error, never charged.
+            amount = -100 if self.rng.random() < 0.08 else self.rng.randrange(100, 10000)
+            payload = {"amount_cents": amount, "currency": "EUR"}
+            written = c.write(self.engine, key=key, step=step, destination=destination, payload=payload)
+            self.keys[(key, step)] = (destination, payload)
+            self.log(f"app: write {key}:{step} on {destination} -> row {written.id}", written.id)
+
+    def step_rewrite(self) -> None:
+        """The application writes an operation it already wrote (a retried request)."""
+        if not self.keys:
+            return
+        (key, step), (destination, payload) = self.rng.choice(sorted(self.keys.items()))
+        existed = bool(self.sql("SELECT 1 FROM outbox_message WHERE key = %s AND step = %s", (key, step)))
+        written = c.write(self.engine, key=key, step=step, destination=destination, payload=payload)
+        if not existed and written.created:
+            self.purged_then_rewritten.add((key, step))
+        self.log(f"app: write again {key}:{step} -> row {written.id} created={written.created}", written.id)
+
+    def step_cancel(self) -> None:
+        if not self.keys:
+            return
+        key, step = self.rng.choice(sorted(self.keys))
+        self.side_threads.append(
+            self._thread(f"app: cancel {key}", lambda: c.cancel(self.engine, key=key, step=step) or None)
+        )
+
+    def step_relay(self) -> None:
+        run = self.relay_run
+        if run is not None and not run.done:
+            if run.parked_at is not None:
+                crash = "crash" in self.cfg.faults and self.rng.random() < 0.15
+                self.log(f"relay: {'crash' if crash else 'commit'} after the push")
+                run.advance("crash" if crash else "go", self._wait())
+            return
+        if self.relay is None:
+            self.relay = c.make_relay(
+                self.database_url, self.redis_url, self.namespace, self.rng.choice([1, 2, 5, 100])
+            )
+        self.relay_run = RelayRun(self, self.relay, random.Random(self.rng.random()))
+        self.relay_run.free = "relay_stall" not in self.cfg.faults or self.rng.random() < 0.5
+        self.relay_run.thread.start()
+        self.relay_run.wait_parked(self._wait())
+
+    def step_start_worker(self) -> None:
+        if sum(p.alive for p in self.procs) >= 3:
+            return
+        self._start_worker(self._offset())
+
+    def _start_worker(self, offset: float) -> c.WorkerProcess:
+        proc = c.WorkerProcess(
+            self,
+            self._next_proc,
+            database_url=self.database_url,
+            redis_url=self.redis_url,
+            namespace=self.namespace,
+            handlers=self.handlers,
+            clock_offset=offset,
+            heartbeat_timeout_ms=self.cfg.heartbeat_timeout_ms,
+        )
+        self._next_proc += 1
+        self.procs.append(proc)
+        self.log(f"{proc.name}: started (clock offset {offset:+.1f} s)")
+        return proc
+
+    def _idle_procs(self) -> list[c.WorkerProcess]:
+        busy = {r.proc.name for r in self.runs if not r.done}
+        return [p for p in self.procs if p.alive and p.name not in busy]
+
+    def step_fetch(self, *, free: bool = False) -> Run | None:
+        idle = self._idle_procs()
+        if not idle:
+            return None
+        proc = self.rng.choice(idle)
+        for queue in self.rng.sample(proc.queues, len(proc.queues)):
+            message = proc.fetch(queue)
+            if message is None:
+                continue
+            if "lost_reply" in self.cfg.faults and not free and self.rng.random() < 0.1:
+                proc.lose_next_claim_reply = True
+            run = Run(self, proc, message, random.Random(self.rng.random()))
+            run.free = free
+            self.runs.append(run)
+            self.log(f"{proc.name}: fetched the message of row {run.row_id} from {queue}", run.row_id)
+            run.thread.start()
+            run.wait_parked(self._wait() if not free else 10.0)
+            return run
+        return None
+
+    def step_advance(self) -> None:
+        parked = [r for r in self.runs if r.waiting]
+        if not parked:
+            return
+        run = self.rng.choice(parked)
+        crash = "crash" in self.cfg.faults and run.parked_at in CRASH_POINTS and self.rng.random() < 0.08
+        if not crash:
+            self.log(f"{run.name}: on from {run.parked_at}", run.row_id)
+        run.advance("crash" if crash else "go", self._wait())
+
+    def step_job(self, name: str | None = None) -> None:
+        jobs = c.reconciler_jobs(self.reconciler)
+        if name is None:
+            name = self.rng.choice(jobs)
+        if name not in jobs or (name == "purge" and "purge" not in self.cfg.faults):
+            return
+        thread = self.job_threads.get(name)
+        if thread is not None and thread.is_alive():
+            return
+        thread = self._thread(
+            f"reconciler {name}", lambda: c.run_job(self.reconciler, name), offset=self.reconciler_offset
+        )
+        self.job_threads[name] = thread
+        thread.join(self._wait())
+
+    def step_reconcile(self) -> None:
+        """expire_leases then resolve_unknown, as one run of the reconciler does them in order."""
+        thread = self.job_threads.get("tick")
+        if thread is not None and thread.is_alive():
+            return
+
+        def tick() -> Any:
+            return {n: c.run_job(self.reconciler, n) for n in ("expire_leases", "resolve_unknown")}
+
+        thread = self._thread("reconciler", tick, offset=self.reconciler_offset)
+        self.job_threads["tick"] = thread
+        thread.join(self._wait())
+
+    def step_block(self) -> None:
+        if len(self.blockers) >= 2:
+            return
+        # Mostly the row at the head of a queue: the next worker to fetch there claims it, and waits.
+        heads = []
+        for dest in c.DESTINATIONS:
+            mid = self.redis.lindex(f"{self.namespace}:{dest.name}", 0)
+            if mid:
+                with contextlib.suppress(ValueError, IndexError):
+                    heads.append(int(mid.decode().split("-")[1]))
+        if heads and self.rng.random() < 0.8:
+            row_id = self.rng.choice(sorted(heads))
+        else:
+            rows = self.sql(
+                "SELECT id FROM outbox_message WHERE state IN ('pending', 'dispatched') ORDER BY id"
+            )
+            if not rows:
+                return
+            row_id = self.rng.choice(rows)[0]
+        conn = psycopg.connect(libpq_url(self.database_url), application_name="oxil-blocker")
+        # An application transaction that only holds the row (changes nothing).
+        locked = conn.execute(
+            "SELECT id FROM outbox_message WHERE id = %s FOR UPDATE SKIP LOCKED", (row_id,)
+        ).fetchone()
+        if locked is None:
+            conn.close()
+            return
+        hold = self.rng.choice([0.5, 2.0, 4.0, 4.0, 6.0])
+        self.blockers.append((conn, row_id, time.monotonic() + hold))
+        self.log(f"blocker: holds row {row_id} FOR UPDATE for at least {hold} s", row_id)
+
+    def step_unblock(self, *, all_: bool = False) -> None:
+        now = time.monotonic()
+        keep = []
+        for conn, row_id, until in self.blockers:
+            if all_ or (now >= until and self.rng.random() < 0.7):
+                with contextlib.suppress(Exception):
+                    conn.rollback()
+                conn.close()
+                self.log(f"blocker: released row {row_id}", row_id)
+            else:
+                keep.append((conn, row_id, until))
+        self.blockers = keep
+
+    def step_pg_drop(self) -> None:
+        targets = [p.name for p in self.procs if p.alive] + ["relay", "reconcile"]
+        target = self.rng.choice(targets)
+        pattern = "outbox-reconcile-%" if target == "reconcile" else f"oxil-{target}"
+        rows = self.sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name LIKE %s AND pid <> pg_backend_pid()",
+            (pattern,),
+        )
+        self.log(f"fault: pg_terminate_backend of {target} ({len(rows)} backend(s))")
+
+    def step_redis_flush(self) -> None:
+        deleted = delete_namespace(self.redis, self.namespace)
+        self.log(f"fault: Redis flushed ({deleted} keys of the namespace)")
+
+    def step_provider(self) -> None:
+        limit_ms = self.cfg.time_limit * 1000 * self.cfg.max_latency_fraction
+        choice = self.rng.choice(
+            [
+                "calm",
+                "fail_before",
+                "fail_after",
+                "drop_after",
+                "hang_after",
+                "latency",
+                "lookup_fail",
+                "processing",
+            ]
+        )
+        base: dict[str, Any] = {
+            "fail_before_rate": 0.0,
+            "fail_after_rate": 0.0,
+            "drop_after_rate": 0.0,
+            "hang_after_rate": 0.0,
+            "latency_ms": 0.0,
+            "lookup_fail": False,
+            "hang_seconds": 1.5 * self.cfg.time_limit,
+        }
+        if choice in ("fail_before", "fail_after", "drop_after", "hang_after"):
+            base[f"{choice}_rate"] = self.rng.choice([0.3, 0.6])
+        if choice == "latency" or self.rng.random() < 0.4:
+            # Slower than the call's read timeout: the client gives up before the effect lands.
+            base["latency_ms"] = self.rng.uniform(0.7, 1.0) * limit_ms
+        elif choice == "lookup_fail":
+            base["lookup_fail"] = True
+        self.tracker.processing_seconds = 0.0
+        if choice == "processing" or self.rng.random() < 0.3:
+            # Within the call's time limit, as the contract assumes of a provider: the simulator's
+            # own latency delays the charge too, so the two together stay under the bound.
+            total = self.rng.uniform(0.6, 1.0) * limit_ms / 1000
+            self.tracker.processing_seconds = max(0.0, total - base["latency_ms"] / 1000)
+        self.provider.configure(**base)
+        self.log(
+            f"provider: {choice} {self._provider_summary()} processing={self.tracker.processing_seconds:.2f}s"
+        )
+
+    def _provider_summary(self) -> str:
+        cfg = self.provider._state.config()
+        parts = [
+            f"{k}={getattr(cfg, k)}"
+            for k in (
+                "fail_before_rate",
+                "fail_after_rate",
+                "drop_after_rate",
+                "hang_after_rate",
+                "latency_ms",
+                "lookup_fail",
+            )
+        ]
+        return " ".join(p for p in parts if not p.endswith(("=0.0", "=False")))
+
+    def step_sleep(self) -> None:
+        seconds = self.rng.choice([0.1, 0.3, 0.6, 1.0])
+        self.log(f"time: {seconds} s pass")
+        time.sleep(seconds)
+
+    # -- the operator, by docs/runbook.md ----------------------------------------------------------
+
+    def _provider_can_tell(self, key: str) -> bool:
+        """The provider's word: its records, once no request for the key can still land."""
+        ikey = key
+        if self.tracker.in_progress[ikey] > 0:
+            return False
+        last = self.tracker.last_started.get(ikey)
+        settle = self.cfg.time_limit * self.cfg.max_latency_fraction + 0.5
+        return last is None or time.monotonic() - last > settle
+
+    def step_operator_resolve(self, *, patient: bool = False) -> None:
+        # The runbook: act on unknown rows that need a human, whose lookup keeps failing, or that
+        # the alert hook reported (unknown for longer than OUTBOX_UNKNOWN_ALERT_AFTER).
+        rows = self.sql(
+            "SELECT id, key, step FROM outbox_message WHERE state = 'unknown' AND "
+            "(last_error LIKE 'needs a human%%' OR last_error LIKE 'lookup failed%%'"
+            " OR alerted_at IS NOT NULL) ORDER BY id"
+        )
+        if not rows:
+            return
+        row_id, key, step = self.rng.choice(rows)
+        ikey = c.idempotency_key(key, step)
+        lookup_down = bool(self.provider._state.config().lookup_fail)
+        if lookup_down or not self._provider_can_tell(ikey):
+            if patient or self.rng.random() < 0.5:
+                return  # the runbook: leave it unknown
+            how: dict[str, Any] = {
+                "failed_reason": "provider cannot tell; refunded by hand if it charged",
+                "reason": "provider support cannot tell",
+            }
+            self.operator_failed.add(row_id)
+        else:
+            charge = c.provider_charge(self.provider, ikey)
+            if charge is not None:
+                how = {"sent_ref": charge["id"], "reason": "found in the provider dashboard"}
+            else:
+                how = {"not_sent": True, "reason": "provider: no charge for this key"}
+        self.side_threads.append(
+            self._thread(
+                f"operator resolve {row_id} {sorted(how)}",
+                lambda: c.operator_resolve(self.operator_engine, row_id, **how),
+            )
+        )
+
+    def step_operator_replay(self) -> None:
+        rows = self.sql("SELECT id, destination FROM outbox_message WHERE state = 'failed' ORDER BY id")
+        if not rows:
+            return
+        if self.rng.random() < 0.3:
+            destination = self.rng.choice(rows)[1]
+            self.side_threads.append(
+                self._thread(
+                    f"operator replay --destination {destination}",
+                    lambda: c.operator_replay_destination(
+                        self.operator_engine, destination, "provider outage over, API key rotated"
+                    ),
+                )
+            )
+            return
+        # Single replays: never a row the operator failed for "cannot tell" (the runbook).
+        candidates = [r for r in rows if r[0] not in self.operator_failed]
+        if not candidates:
+            return
+        row_id = self.rng.choice(candidates)[0]
+        self.side_threads.append(
+            self._thread(
+                f"operator replay {row_id}",
+                lambda: c.operator_replay(self.operator_engine, row_id, "cause fixed"),
+            )
+        )
+
+    # -- the schedule ------------------------------------------------------------------------------
+
+    def _wait(self) -> float:
+        return self.rng.choice([0.02, 0.1, 0.3, 1.0])
+
+    def _steps(self) -> list[tuple[float, Callable[[], Any]]]:
+        f = self.cfg.faults
+        steps: list[tuple[float, Callable[[], Any]]] = [
+            (3, self.step_write),
+            (3, self.step_relay),
+            (1, self.step_start_worker),
+            (5, self.step_fetch),
+            (8, self.step_advance),
+            (3, self.step_reconcile),
+            (1.5, self.step_job),
+            (1, self.step_sleep),
+        ]
+        if "purge" in f:
+            steps.append((0.7, self.step_rewrite))
+        steps.append((0.5, self.step_cancel))
+        if "lock" in f:
+            steps += [(1, self.step_block), (1, self.step_unblock)]
+        if "pg_drop" in f:
+            steps.append((0.4, self.step_pg_drop))
+        if "redis_flush" in f:
+            steps.append((0.2, self.step_redis_flush))
+        if "provider" in f:
+            steps.append((0.8, self.step_provider))
+        if "operator" in f:
+            steps += [(1, self.step_operator_resolve), (0.6, self.step_operator_replay)]
+        return steps
+
+    def run(self) -> list[Finding]:
+        self.reconciler_offset = self._offset()
+        self.log(f"reconciler: clock offset {self.reconciler_offset:+.1f} s; lease {self.lease} s")
+        self._start_worker(self._offset())
+        self._start_worker(self._offset())
+        steps = self._steps()
+        for _ in range(self.cfg.steps):
+            # The reconciler is drawn more often while a call is under way or an unknown row is
+            # due: that is when its timing matters.
+            urgent = sum(self.tracker.in_progress.values()) > 0 or bool(
+                self.sql(
+                    "SELECT 1 FROM outbox_message WHERE state = 'unknown' AND available_at <= now() LIMIT 1"
+                )
+            )
+            w = [x * 4 if fn == self.step_reconcile and urgent else x for x, fn in steps]
+            # A step whose precondition does not hold (nothing parked, nothing queued) is drawn
+            # again, so that every step of the budget does something.
+            for _draw in range(20):
+                before = len(self.events)
+                _, step = self.rng.choices(steps, w)[0]
+                try:
+                    step()
+                except Exception as exc:
+                    self.log(f"step {step.__name__}: {type(exc).__name__}: {exc}")
+                if len(self.events) > before:
+                    break
+            time.sleep(self.rng.choice([0.0, 0.05, 0.1]))
+        stuck = self.quiesce()
+        return stuck + self.check()
+
+    # -- quiescence --------------------------------------------------------------------------------
+
+    def quiesce(self) -> list[Finding]:
+        """Stop injecting faults and let relay, workers, reconciler and the operator (by the
+        runbook) run until nothing changes; bounded by cfg.quiesce_seconds."""
+        self.log(f"quiescence: faults off ({len(self.events)} events so far)")
+        self.cfg = dataclasses.replace(self.cfg, faults=frozenset({"operator", "purge"}) & self.cfg.faults)
+        self.tracker.processing_seconds = 0.0
+        self.provider.configure(
+            fail_before_rate=0.0,
+            fail_after_rate=0.0,
+            drop_after_rate=0.0,
+            hang_after_rate=0.0,
+            latency_ms=0.0,
+            lookup_fail=False,
+        )
+        self.step_unblock(all_=True)
+        for run in self.runs:
+            run.release()
+        if self.relay_run is not None:
+            self.relay_run.release()
+        if not any(p.alive and p.clock_offset == 0 for p in self.procs):
+            self._start_worker(0.0)
+        deadline = time.monotonic() + self.cfg.quiesce_seconds
+        jobs = [j for j in c.reconciler_jobs(self.reconciler) if j != "purge"]
+        stable = 0
+        while time.monotonic() < deadline:
+            for thread in [*self.job_threads.values(), *self.side_threads]:
+                thread.join(max(0.0, min(5.0, deadline - time.monotonic())))
+            if self.relay_run is None or self.relay_run.done:
+                self.step_relay()
+            if self.relay_run is not None:
+                self.relay_run.thread.join(5.0)
+            while True:
+                run = self.step_fetch(free=True)
+                if run is None:
+                    break
+                run.thread.join(10.0)
+            for run in self.runs:
+                run.thread.join(max(0.0, min(5.0, deadline - time.monotonic())))
+            for name in jobs:
+                self.step_job_sync(name)
+            self.step_operator_resolve(patient=True)
+            open_rows = self.sql(
+                "SELECT count(*) FROM outbox_message WHERE state <> ALL(%s)", (sorted(TERMINAL),)
+            )
+            busy = any(not r.done for r in self.runs) or any(t.is_alive() for t in self.side_threads)
+            self.log(f"quiescence: {open_rows[0][0]} row(s) not terminal, busy={busy}")
+            if open_rows[0][0] == 0 and not busy:
+                stable += 1
+                if stable >= 2:
+                    break
+            else:
+                stable = 0
+                time.sleep(0.3)
+        findings = []
+        for thread in self.side_threads:
+            thread.join(2.0)
+        alive = [r.name for r in self.runs if not r.done]
+        if alive:
+            findings.append(Finding("harness", f"runs still going after quiescence: {alive}"))
+        return findings
+
+    def step_job_sync(self, name: str) -> None:
+        thread = self._thread(f"reconciler {name}", lambda: c.run_job(self.reconciler, name))
+        thread.join(15.0)
+
+    # -- the promise --------------------------------------------------------------------------------
+
+    def check(self) -> list[Finding]:
+        findings: list[Finding] = []
+        effects = c.provider_effects(self.provider)
+        rows = self.sql(
+            "SELECT id, key, step, destination, state, provider_ref, last_error, history "
+            "FROM outbox_message ORDER BY id"
+        )
+        by_ikey = {c.idempotency_key(r[1], r[2]): r for r in rows}
+        for ikey, count in sorted(effects.items()):
+            if count > 1:
+                row = by_ikey.get(ikey)
+                findings.append(
+                    Finding(
+                        "double charge",
+                        f"{ikey} charged {count} times by the provider"
+                        + (f" (row {row[0]}, now {row[4]})" if row else " (row purged)"),
+                        [row[0]] if row else [],
+                    )
+                )
+        for row_id, key, step, _dest, state, ref, last_error, history in rows:
+            ikey = c.idempotency_key(key, step)
+            charged = effects.get(ikey, 0)
+            if state not in TERMINAL:
+                findings.append(
+                    Finding("not terminal", f"row {row_id} ({ikey}) is {state}: {last_error}", [row_id])
+                )
+            if state == "failed" and charged:
+                last = (history or [])[-1] if history else None
+                by_operator = (
+                    last is not None
+                    and last.get("to") == "failed"
+                    and last.get("by") == c.OPERATOR
+                    and (last.get("reason") or last.get("error"))
+                    and not self.sql(
+                        "SELECT 1 FROM outbox_attempt WHERE message_id = %s AND started_at > "
+                        "CAST(%s AS timestamptz)",
+                        (row_id, last.get("at")),
+                    )
+                )
+                if not by_operator:
+                    findings.append(
+                        Finding(
+                            "charged but failed",
+                            f"row {row_id} ({ikey}) failed although the provider "
+                            f"charged it {charged} time(s): {last_error}",
+                            [row_id],
+                        )
+                    )
+            if state == "cancelled" and charged:
+                findings.append(
+                    Finding("charged but cancelled", f"row {row_id} ({ikey}) cancelled, charged", [row_id])
+                )
+            if state == "sent":
+                charge = c.provider_charge(self.provider, ikey)
+                if charge is None or charge["id"] != ref:
+                    findings.append(
+                        Finding(
+                            "wrong ref",
+                            f"row {row_id} ({ikey}) sent with ref {ref!r}; the provider's charge is "
+                            f"{charge['id'] if charge else None!r}",
+                            [row_id],
+                        )
+                    )
+        for claim in self.lost_claims:
+            token = claim["token"]
+            if token is None:
+                continue
+            outcome = self.sql("SELECT outcome FROM outbox_attempt WHERE claim_token = %s", (token,))
+            if outcome and outcome[0][0] == "lease_expired":
+                findings.append(
+                    Finding(
+                        "call never made, row made unknown",
+                        f"row {claim['row_id']}: the reply of its committed claim was lost while "
+                        f"{claim['worker']} stayed alive and made no call; the claim was left to "
+                        "expire into unknown (an operator is asked to check a call that never happened)",
+                        [claim["row_id"]],
+                    )
+                )
+        return findings
+
+    @property
+    def refused_connections(self) -> int:
+        """How often PostgreSQL refused a component a connection (a server shared with other test
+        runs may be full): rows may then legitimately still be moving when quiescence ends."""
+        return sum("too many clients" in text for _, text, _ in self.events)
+
+    # -- the report ------------------------------------------------------------------------------------
+
+    def explain(self, findings: list[Finding]) -> str:
+        lines = []
+        row_ids = sorted({r for f in findings for r in f.row_ids})
+        for row_id in row_ids[:6]:
+            lines.append(f"--- row {row_id}")
+            for r in self.sql(
+                "SELECT attempt, started_at, finished_at, outcome, http_status, claim_token "
+                "FROM outbox_attempt WHERE message_id = %s ORDER BY id",
+                (row_id,),
+            ):
+                claim = self.claims.get(r[5], {})
+                lines.append(
+                    f"  attempt {r[0]}: {r[3]} (http {r[4]}) by {claim.get('worker', '?')}"
+                    f" clock {claim.get('offset', 0):+.1f} s, claim took {claim.get('waited', 0):.2f} s"
+                )
+            for (history,) in self.sql("SELECT history FROM outbox_message WHERE id = %s", (row_id,)):
+                for h in history or []:
+                    lines.append(f"  history: {h}")
+            for t, text, rid in self.events:
+                if rid == row_id:
+                    lines.append(f"  {t:7.2f}s {text}")
+        lines.append("--- the whole schedule")
+        lines += [f"  {t:7.2f}s {text}" for t, text, _ in self.events]
+        return "\n".join(lines[:600])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._heart.join(5.0)
+        self.step_unblock(all_=True)
+        for run in self.runs:
+            run.release()
+        if self.relay_run is not None:
+            self.relay_run.release()
+        for thread in [r.thread for r in self.runs] + [*self.job_threads.values(), *self.side_threads]:
+            if thread.ident is not None:
+                thread.join(5.0)
+        for proc in self.procs:
+            proc.stop()
+        with contextlib.suppress(Exception):
+            self.reconciler.close()
+        if self.relay is not None:
+            with contextlib.suppress(Exception):
+                self.relay.close()
+        with contextlib.suppress(Exception):
+            delete_namespace(self.redis, self.namespace)
+        self.redis.close()
+        self.engine.dispose()
+        self.operator_engine.dispose()
+        if self._sql_conn is not None:
+            self._sql_conn.close()
