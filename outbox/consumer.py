@@ -227,7 +227,7 @@ class Consumer:
         except psycopg.OperationalError:
             # A broken connection may have lost the reply to a committed claim; on a live one the
             # server reported the error, so the statement rolled back.
-            lost = conn.broken
+            lost = conn.broken or conn.closed
             self._drop("claim_conn")
             if not lost:
                 raise
