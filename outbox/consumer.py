@@ -27,7 +27,7 @@ from . import fence, policy
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
-from .handlers import Delivery, Handler, close_thread_http_clients, idempotency_key
+from .handlers import Delivery, Handler, close_thread_http_clients, idempotency_key, set_send_bound
 from .policy import Decision, Next, Outcome, decide_exception, decide_result, next_state
 from .validation import header_safe
 
@@ -60,12 +60,18 @@ class _Abandoned(BaseException):
     way, a request it had not sent yet is not sent."""
 
 
-class _Call:
-    __slots__ = ("arg", "done", "error", "fn", "result")
+class _NotStarted(Exception):
+    """The call thread reached a call after its start bound (the process was paused): no call."""
 
-    def __init__(self, fn: Callable[[Any], Any], arg: Any) -> None:
+
+class _Call:
+    __slots__ = ("arg", "done", "end_by", "error", "fn", "result", "start_by")
+
+    def __init__(self, fn: Callable[[Any], Any], arg: Any, start_by: float, end_by: float) -> None:
         self.fn = fn
         self.arg = arg
+        self.start_by = start_by
+        self.end_by = end_by
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -81,11 +87,14 @@ class _CallThread:
         self._thread = threading.Thread(target=self._main, name="outbox-call", daemon=True)
         self._thread.start()
 
-    def run(self, fn: Callable[[Any], Any], arg: Any, timeout: float) -> _Call | None:
-        """The finished call, or None when it ran past ``timeout`` (this thread is then done)."""
-        call = _Call(fn, arg)
+    def run(self, fn: Callable[[Any], Any], arg: Any, *, start_by: float, end_by: float) -> _Call | None:
+        """The finished call, or None when it ran past ``end_by`` (this thread is then done).
+
+        Both bounds are instants of this process's monotonic clock: the call is not started
+        after ``start_by``, and ``Delivery.http`` sends no request after ``end_by``."""
+        call = _Call(fn, arg, start_by, end_by)
         self._calls.put(call)
-        if call.done.wait(timeout):
+        if call.done.wait(max(0.0, end_by - time.monotonic())):
             return call
         self._calls.put(None)
         if not call.done.is_set() and self._thread.ident is not None:
@@ -100,10 +109,17 @@ class _CallThread:
     def _main(self) -> None:
         try:
             while (call := self._calls.get()) is not None:
+                if time.monotonic() > call.start_by:
+                    call.error = _NotStarted()
+                    call.done.set()
+                    continue
+                set_send_bound(call.end_by)
                 try:
                     call.result = call.fn(call.arg)
                 except BaseException as exc:
                     call.error = exc
+                finally:
+                    set_send_bound(None)
                 call.done.set()
         except _Abandoned:
             pass  # delivered between two calls: this thread was ending anyway
@@ -265,7 +281,15 @@ class Consumer:
                 ),
             )
         else:
-            decision = self._call(handler, claimed)
+            called = self._call(handler, claimed, sent_at)
+            if called is None:
+                reason = (
+                    "released without a call: the worker reached the call after its start bound "
+                    f"(the process was paused or starved; {time.monotonic() - sent_at:.1f} s since "
+                    f"the claim was sent, lease {handler.lease_seconds:g} s)"
+                )
+                return self._release(handler, claimed.id, claimed.token, reason)
+            decision = called
         failpoint("after_call")
 
         nxt = next_state(handler, decision, attempt=claimed.attempt)
@@ -295,10 +319,26 @@ class Consumer:
         )
         return result
 
-    def _call(self, handler: Handler, claimed: fence.Claimed) -> Decision:
+    def _call(self, handler: Handler, claimed: fence.Claimed, sent_at: float) -> Decision | None:
+        """The call's decision, or None when it was not started: the start check passed, but a
+        pause since (SIGSTOP, a VM stall, a starved thread) took the process past the last
+        instant a call may start, so its lease may already be running out.
+
+        Both bounds count from ``sent_at`` (when the claim was sent) on this process's monotonic
+        clock, like the start check: the call starts no later than ``time_limit`` plus the start
+        margin before the lease ends, and is given up (and ``d.http`` sends nothing more) at its
+        deadline or half the start margin before the lease ends, whichever comes first."""
         delivery = delivery_for(claimed, handler)
+        start_by = sent_at + handler.lease_seconds - handler.time_limit - handler.start_margin_seconds
+        now = time.monotonic()
+        if now > start_by:
+            return None
+        end_by = min(
+            now + handler.call_deadline_seconds,
+            sent_at + handler.lease_seconds - handler.start_margin_seconds / 2,
+        )
         caller = self._caller()
-        call = caller.run(handler, delivery, handler.call_deadline_seconds)
+        call = caller.run(handler, delivery, start_by=start_by, end_by=end_by)
         if call is None:
             # Its late result, if any, is ignored: the outcome is recorded now, inside the lease.
             self._local.caller = None
@@ -310,6 +350,8 @@ class Consumer:
                 error=f"the handler hit its time limit ({handler.time_limit:g} s); the call was "
                 "abandoned and may have taken effect",
             )
+        if isinstance(call.error, _NotStarted):
+            return None
         if call.error is not None:
             return decide_exception(handler, call.error)
         return decide_result(call.result)

@@ -83,7 +83,12 @@ WITH moved AS (
         -- A row alerted while unknown and then settled must be able to alert again (failed).
         alerted_at = NULL,
         lease_expires_at = NULL
-    WHERE id = %(id)s AND claim_token = %(token)s AND state IN ('in_flight', 'unknown')
+    -- A confirmed answer also settles a row that a lookup sent back (pending, dispatched) or
+    -- failed while this claim's call was still on its way, as long as no newer claim owns it:
+    -- the provider's confirmation beats the lookup's earlier "not found".
+    WHERE id = %(id)s AND claim_token = %(token)s
+      AND (state IN ('in_flight', 'unknown')
+           OR (%(state)s = 'sent' AND state IN ('pending', 'dispatched', 'failed')))
     RETURNING id, state, last_error
 )
 UPDATE outbox_attempt

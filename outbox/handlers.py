@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -15,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from .exceptions import ConfigError
+from .exceptions import ConfigError, RetryableError
 from .validation import destination_problem
 
 DEFAULT_TIME_LIMIT_SECONDS = 30.0
@@ -43,6 +44,25 @@ class Confirmed:
 
 
 _clients = threading.local()
+#: The monotonic instant after which ``Delivery.http`` sends no request from this thread (set by
+#: the worker around each call): a process paused after its start check (SIGSTOP, a VM stall)
+#: must not send once its lease may have run out.
+_send_bound = threading.local()
+
+
+def set_send_bound(not_after: float | None) -> None:
+    _send_bound.not_after = not_after
+
+
+def _check_send_bound(request: httpx.Request) -> None:
+    not_after = getattr(_send_bound, "not_after", None)
+    if not_after is not None and time.monotonic() > not_after:
+        raise RetryableError(
+            "the request was not sent: the call ran out of lease before it could send "
+            "(the worker was paused or starved)"
+        )
+
+
 _all_clients: list[httpx.Client] = []
 _all_clients_lock = threading.Lock()
 
@@ -149,7 +169,9 @@ class Handler:
             clients = _clients.by_destination = {}
         client = clients.get(self.destination)
         if client is None or client.is_closed:
-            client = clients[self.destination] = httpx.Client(timeout=self.timeouts())
+            client = clients[self.destination] = httpx.Client(
+                timeout=self.timeouts(), event_hooks={"request": [_check_send_bound]}
+            )
             with _all_clients_lock:
                 _all_clients.append(client)
         return client

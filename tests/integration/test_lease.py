@@ -648,3 +648,105 @@ def test_a_claim_cut_off_while_it_waited_can_no_longer_commit(clean, engine, pro
     # The worker made sure the backend that ran its claim was gone before it answered; the row
     # waits for the reconciler's re-dispatch (its message was taken).
     assert out.get("result") is RunResult.EMPTY, out
+
+
+# -- a pause between the start check and the call (attacker A2) ------------------------------------
+
+
+def _lookup_on(handler: Handler, provider: Any) -> None:
+    @handler.lookup
+    def find(d: outbox.Delivery) -> outbox.Confirmed | None:
+        r = d.http.get(f"{provider.url}/charges", params={"idempotency_key": d.idempotency_key})
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"])
+
+
+def _reconcile_once(services: Any) -> tuple[int, dict[str, int]]:
+    with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
+        return expire_leases(conn, registry()), resolve_unknown(conn, registry())
+
+
+def test_a_worker_paused_after_its_start_check_makes_no_call(clean, engine, provider, consumers, monkeypatch):
+    """A worker passes the start check, then stops (SIGSTOP, a VM stall) for longer than its
+    lease: the reconciler expires the lease, the lookup finds nothing, another worker charges.
+    When the first one resumes it must not call: its call would start on a lease long gone."""
+    charge = declare_charge(provider, time_limit=1, lease_seconds=3, backoff=(0.5,), max_attempts=3)
+    _lookup_on(charge, provider)
+    real_delivery_for = consumer.delivery_for
+    paused = threading.Event()
+
+    def pausing_delivery_for(claimed: Any, handler: Any) -> Any:
+        if not paused.is_set() and threading.current_thread().name == "worker-A":
+            paused.set()
+            time.sleep(6.5)
+        return real_delivery_for(claimed, handler)
+
+    monkeypatch.setattr(consumer, "delivery_for", pausing_delivery_for)
+    (row_id,) = write_rows(engine)
+    a, b = consumers(), consumers()
+    results: dict[str, RunResult] = {}
+    worker_a = threading.Thread(
+        target=lambda: results.setdefault("a", a.deliver(row_id, DEST)), name="worker-A"
+    )
+    worker_a.start()
+    try:
+        assert paused.wait(5)
+        time.sleep(3.3)  # the lease (3 s) runs out while A is stopped
+        assert _reconcile_once(clean)[0] == 1
+        time.sleep(1.2)  # the first lookup waits one time_limit; the provider has nothing
+        assert _reconcile_once(clean)[1] == {"pending": 1}
+        time.sleep(0.7)
+        assert b.deliver(row_id, DEST) is RunResult.SENT
+    finally:
+        worker_a.join(15)
+    assert results["a"] in (RunResult.EMPTY, RunResult.RELEASED)
+    stats = provider.stats()
+    assert stats["charges"] == 1 and stats["double_charged"] == []
+    assert row(clean, row_id)["state"] == "sent"
+
+
+def test_delivery_http_sends_nothing_past_the_calls_send_bound(provider):
+    """The last line against a pause inside the call: past its bound, `d.http` refuses to send
+    (certainly not sent, so a retry is safe) and the provider sees no request."""
+    from outbox.exceptions import RetryableError
+    from outbox.handlers import set_send_bound
+
+    charge = declare_charge(provider, time_limit=1)
+    client = charge.http_client()
+    set_send_bound(time.monotonic() - 0.1)
+    try:
+        with pytest.raises(RetryableError, match="not sent"):
+            client.post(f"{provider.url}/charges", json={}, headers={"Idempotency-Key": "k:1"})
+    finally:
+        set_send_bound(None)
+        close_http_clients()
+    assert provider.stats()["charges"] == 0
+
+
+def test_a_confirmed_answer_settles_a_row_the_lookup_sent_back_under_the_same_claim(clean, engine, provider):
+    """The call was slow to reach the provider: the lease expired, the lookup found nothing and
+    sent the row back to `pending`, still under this claim's token. The worker's confirmed answer
+    then arrives: it must settle the row `sent`, not be thrown away as superseded (the next claim
+    would charge again)."""
+    charge = declare_charge(provider, time_limit=1, lease_seconds=3, backoff=(0.5,), max_attempts=3)
+    _lookup_on(charge, provider)
+    (row_id,) = write_rows(engine)
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        claimed = fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=3)
+        assert claimed is not None
+        # Three seconds pass (the lease), then one time_limit (the first lookup's wait).
+        conn.execute(
+            "UPDATE outbox_message SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
+            (row_id,),
+        )
+        assert expire_leases(conn, registry()) == 1
+        conn.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+        assert resolve_unknown(conn, registry()) == {"pending": 1}
+        state = fence.record_state(
+            conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_late"
+        )
+    assert state == "sent"
+    found = row(clean, row_id)
+    assert (found["state"], found["provider_ref"]) == ("sent", "ch_late")
