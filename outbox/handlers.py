@@ -90,7 +90,9 @@ def idempotency_key(key: str, step: str) -> str:
     attempt, a lookup and a replay all name the same operation to the provider.
 
     Never encoded: ``write`` only accepts a ``key:step`` of printable ASCII (an HTTP header
-    carries nothing else unchanged), so this is the header value byte for byte."""
+    carries nothing else unchanged), so this is the header value byte for byte. ``write``
+    refuses a ``:`` in the step, so the key is what precedes the last ``:``: two rows never
+    share one header (rows stored before that rule keep theirs)."""
     return f"{key}:{step}"
 
 

@@ -902,10 +902,14 @@ def resolve(
 
 # -- cancel ------------------------------------------------------------------------------------------
 
-# The guard of outbox.cancel (outbox/write.py): only a row no consumer ever claimed. Once a call
-# was attempted it may have taken effect, and cancelling would hide a real charge.
-_CANCELLABLE = """state IN ('pending', 'dispatched')
-    AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id)"""
+# The operator's guard is wider than outbox.cancel's (outbox/write.py: only a row no consumer
+# ever claimed): a pending or dispatched row whose every call is known not to have taken effect
+# (a safe outcome, or an ambiguous call settled). Without it a row re-pending after a failover,
+# or one of a retired destination with an earlier 503, could be stopped by nothing and would be
+# called again. A call that may have taken effect still refuses: cancelling would hide a charge.
+_CANCELLABLE = f"""state IN ('pending', 'dispatched')
+    AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id
+                    AND NOT {outcomes.known_not_taken_effect_sql("a")})"""
 
 _CANCEL_CANDIDATES = text(
     f"""
@@ -957,10 +961,11 @@ def _why_not_cancellable(state: str | None, row_id: int) -> str:
         return f"no outbox row with id {row_id}"
     if state in ("pending", "dispatched"):
         return (
-            f"row {row_id} is {state} but was claimed before (it has fence rows): "
-            "a call may have taken effect"
+            f"row {row_id} is {state} but a call for it may have taken effect (a fence row is "
+            "confirmed, or ambiguous and not settled): see outbox show "
+            f"{row_id}, and ask the provider"
         )
-    return f"row {row_id} is {state}: only rows never claimed can be cancelled"
+    return f"row {row_id} is {state}: only pending or dispatched rows can be cancelled"
 
 
 def cancel_rows(
@@ -973,10 +978,13 @@ def cancel_rows(
     apply: bool = True,
     max_id: int | None = None,
 ) -> CancelPlan:
-    """Cancel rows no consumer ever claimed (the guard of :func:`outbox.cancel`), by id or every
-    such row of ``destination`` (with ids no higher than ``max_id`` when given). With
+    """Cancel ``pending`` or ``dispatched`` rows none of whose calls may have taken effect (never
+    claimed, or every fence row safe or settled; wider than :func:`outbox.cancel`, which only
+    takes never-claimed rows), by id or every such row of ``destination`` (with ids no higher
+    than ``max_id`` when given). With
     ``apply=False`` nothing changes: the plan says what would be cancelled and what is refused.
-    Each row moves in one guarded UPDATE; a row claimed since the preview is refused."""
+    Each row moves in one guarded UPDATE; a row whose call may have taken effect since the
+    preview is refused."""
     if not reason or not reason.strip():
         raise ConfigError("cancel needs --reason: why these rows will never be sent")
     if bool(ids) == (destination is not None):
@@ -1269,10 +1277,11 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
         overrode are recorded in the row's history.
 
         Bulk replays (--destination, or several ids) print a preview first: what will be
-        replayed, what is refused and why, and a plan fingerprint. Nothing changes without
-        --yes; with --yes the rows previewed in that run, and only they, are replayed, each
-        only if it is still the same failure and the rules still allow it. --plan PLAN (with
-        --yes) acts only if the preview still matches the one you reviewed.
+        replayed, what is refused and why, a plan fingerprint, and the exact command to act.
+        Nothing changes without --yes, and --yes needs --plan PLAN, the fingerprint of the
+        preview you reviewed: it acts only if a fresh preview still matches it (otherwise
+        nothing changes, exit 1), then on those rows and only them, each only if it is still
+        the same failure and the rules still allow it.
 
         outbox replay 42 --reason "card updated"                  replay one row
         outbox replay 41 42 43                                    preview these rows
@@ -1282,16 +1291,19 @@ def _replay_arguments(p: argparse.ArgumentParser) -> None:
 
         Exit 0 after a preview without --yes (nothing changed) and when everything asked for was
         replayed; 1 if any row was refused, changed since the preview, or does not exist (the
-        others are replayed), or if --plan no longer matches (nothing changed).
+        others are replayed), or if --plan no longer matches (nothing changed); 2 for a bulk
+        --yes without --plan (nothing changed).
         """,
     )
     p.add_argument("ids", nargs="*", metavar="ID", help="row ids to replay")
     p.add_argument("--destination", help="replay every failed row of this destination instead (previewed)")
-    p.add_argument("--yes", action="store_true", help="act on the previewed rows (bulk replays)")
+    p.add_argument(
+        "--yes", action="store_true", help="act on the previewed rows (bulk replays; needs --plan)"
+    )
     p.add_argument(
         "--plan",
         metavar="PLAN",
-        help="with --yes: act only if the preview's plan fingerprint is still PLAN",
+        help="with --yes, required in bulk: act only if the preview's plan fingerprint is still PLAN",
     )
     p.add_argument(
         "--force",
@@ -1314,6 +1326,13 @@ def _replay_run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if args.plan and not args.yes:
         raise ConfigError("--plan checks the preview before acting: give it with --yes")
     bulk = bool(args.destination) or len(set(ids)) > 1
+    # A bulk --yes acts on what the operator reviewed, never on a fresh query nobody saw: the
+    # preview's fingerprint names that set (like cancel --destination's --max-id).
+    if bulk and args.yes and not args.plan:
+        raise ConfigError(
+            "--yes needs the preview's --plan PLAN: run the command without --yes first, review "
+            "what it will replay, then run the command it prints"
+        )
     act = args.yes or not bulk
     with _connection(cfg, write=act) as conn:
         plan = plan_replay(conn, ids, destination=args.destination, force=args.force)
@@ -1416,11 +1435,16 @@ def _cancel_arguments(p: argparse.ArgumentParser) -> None:
         p,
         """
         Cancel rows that will never be sent, e.g. those of a destination no worker serves (a typo:
-        `outbox status` and `outbox doctor` say "no consumer for D since T, K rows waiting"). Only
-        rows no consumer ever claimed move: pending or dispatched and without a fence row, the
-        rule of outbox.cancel(). A row that was claimed may have been charged: it is refused
-        (resolve or let it settle instead). Each row is one guarded UPDATE; the reason and who
-        did it are appended to its history, and the reason is its last_error.
+        `outbox status` and `outbox doctor` say "no consumer for D since T, K rows waiting"), or
+        a row the provider already has after a failover lost its claim (see the runbook, "After
+        a failover"). Only pending or dispatched rows move, and only when none of their calls
+        may have taken effect: never claimed, or every attempt (fence row) ended safe (retry,
+        failed, released) or was settled (a lookup's "not found", resolve --not-sent). A row
+        with a call the provider confirmed, or an ambiguous call nobody settled (unknown,
+        lease_expired, no outcome; one only forced over with replay --force) is refused: it may
+        have been charged. This is wider than the application's outbox.cancel(), which only
+        takes rows never claimed. Each row is one guarded UPDATE that re-checks this; the reason
+        and who did it are appended to its history, and the reason is its last_error.
 
         outbox cancel 41 42 --reason "duplicate order"          cancel these rows now
         outbox cancel --destination paymnets.charge --reason "typo in the release of 2 May"
@@ -1436,7 +1460,9 @@ def _cancel_arguments(p: argparse.ArgumentParser) -> None:
         """,
     )
     p.add_argument("ids", nargs="*", metavar="ID", help="row ids to cancel")
-    p.add_argument("--destination", help="every never-claimed row of this destination instead (preview)")
+    p.add_argument(
+        "--destination", help="every cancellable row of this destination instead (preview, then --yes)"
+    )
     p.add_argument("--yes", action="store_true", help="with --destination: cancel, not only preview")
     p.add_argument(
         "--max-id",
@@ -1624,7 +1650,7 @@ COMMANDS: list[
     ),
     (
         "cancel",
-        "cancel never-claimed rows: cancel ID… or --destination D (preview, then --yes)",
+        "cancel rows no call may have charged: cancel ID… or --destination D (preview, then --yes)",
         _cancel_arguments,
         _cancel_run,
     ),

@@ -84,6 +84,17 @@ def may_have_taken_effect_sql(alias: str) -> str:
     )
 
 
+def known_not_taken_effect_sql(alias: str) -> str:
+    """True for a call known not to have taken effect: a safe outcome, or an ambiguous call a
+    lookup or an operator settled. What lets an operator cancel a row that was claimed before
+    (``outbox cancel``): a confirmed call, an unsettled ambiguous one, and one only forced over
+    (an accepted risk, not a settlement) may have charged."""
+    return (
+        f"({bare_outcome_sql(alias)} IN ({_quoted(SAFE_OUTCOMES)}) OR ({is_ambiguous_sql(alias)} "
+        f"AND {alias}.settled IS NOT NULL AND {alias}.settled IN ({_quoted(SETTLEMENTS)})))"
+    )
+
+
 def unsettled_ambiguous_sql(alias: str) -> str:
     """An ambiguous call a settlement may mark (one already settled keeps its first mark)."""
     return (

@@ -239,3 +239,8 @@ outbox_db_identity = Table(
     Column("mismatch", Text, nullable=True),
     CheckConstraint("id = 1", name="outbox_db_identity_one_row_check"),
 )
+
+# -- migration 0007 (attack finding F6): a new row's step holds no ':' ------------------------------
+# CHECK outbox_message_step_colon_check: strpos(step, ':') = 0 OR id <= <highest id at upgrade>,
+# NOT VALID. Not declared here: its bound is each database's own (rows stored before the upgrade
+# keep their step), and check constraints are not part of the metadata comparison.

@@ -177,7 +177,7 @@ def cancel(target: Session | Connection, *, key: str, step: str) -> bool:
     retries ambiguous calls), so cancelling it could hide a real charge. A purged key (in the
     ledger) is terminal: False.
     """
-    check_key_step(key, step)
+    check_key_step(key, step, new_row=False)
     _ensure_schema(target)
     return target.execute(_CANCEL, {"key": key, "step": step}).first() is not None
 
@@ -203,7 +203,7 @@ async def write_async(
 
 async def cancel_async(target: AsyncSession | AsyncConnection, *, key: str, step: str) -> bool:
     """The :func:`cancel` twin for ``AsyncSession`` / ``AsyncConnection``."""
-    check_key_step(key, step)
+    check_key_step(key, step, new_row=False)
     await _ensure_schema_async(target)
     return (await target.execute(_CANCEL, {"key": key, "step": step})).first() is not None
 

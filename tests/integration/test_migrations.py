@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from importlib import resources
 from typing import Any
@@ -18,6 +19,7 @@ from alembic.script import ScriptDirectory
 from databases import fresh_database
 from psycopg import errors
 from sqlalchemy import Engine, inspect, text
+from sqlalchemy.exc import SAWarning
 
 from outbox.db import make_engine
 from outbox.exceptions import NotMigrated
@@ -140,7 +142,11 @@ def test_downgrade_then_upgrade_again(empty_url) -> None:
 def test_schema_matches_the_metadata(migrated) -> None:
     with migrated.connect() as conn:
         context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
-        diff = compare_metadata(context, metadata)
+        with warnings.catch_warnings():
+            # SQLAlchemy reflects a NOT VALID check (0007's) with a 'dialect_options' argument
+            # it then warns it cannot validate; check constraints are not compared anyway.
+            warnings.filterwarnings("ignore", "Can't validate argument 'dialect_options'", SAWarning)
+            diff = compare_metadata(context, metadata)
     diff = [d for d in diff if not (d[0] == "remove_table" and d[1].name == VERSION_TABLE)]
     assert diff == []
     assert set(inspect(migrated).get_table_names()) == TABLES | {VERSION_TABLE}

@@ -84,6 +84,13 @@ def run(services, capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def plan_of(services, capsys, *argv: str) -> str:
+    """The fingerprint a bulk replay's preview prints (what --yes --plan must name)."""
+    code, out, err = run(services, capsys, "replay", *argv, "--json")
+    assert code == 0, err
+    return str(json.loads(out)["preview"]["plan"])
+
+
 # -- status ------------------------------------------------------------------------------------------
 
 
@@ -293,7 +300,8 @@ def test_replay_refuses_rows_that_are_not_failed_and_leaves_them_untouched(clean
     make_unknown(clean, unknown)
     before_sent, before_unknown = snapshot(clean, sent), snapshot(clean, unknown)
 
-    code, out, err = run(clean, capsys, "replay", str(failed), str(sent), str(unknown), "999", "--yes")
+    bulk = [str(failed), str(sent), str(unknown), "999"]
+    code, out, err = run(clean, capsys, "replay", *bulk, "--yes", "--plan", plan_of(clean, capsys, *bulk))
     assert code == 1
     assert f"row {failed} replayed" in out
     assert f"row {sent} is sent, only failed rows can be replayed" in err
@@ -341,15 +349,34 @@ def test_replay_a_whole_destination(clean, engine, capsys):
     make_sent(clean, ok)
 
     code, out, _ = run(
-        clean, capsys, "replay", "--destination", "payments.charge", "--reason", "provider fixed", "--yes"
+        clean,
+        capsys,
+        "replay",
+        "--destination",
+        "payments.charge",
+        "--reason",
+        "provider fixed",
+        "--yes",
+        "--plan",
+        plan_of(clean, capsys, "--destination", "payments.charge"),
     )
     assert code == 0
     assert "replayed 3 failed row(s) of payments.charge" in out
     assert [row(clean, i)["state"] for i in charges] == ["pending"] * 3
     assert row(clean, mail)["state"] == "failed" and row(clean, ok)["state"] == "sent"
 
-    code, out, _ = run(clean, capsys, "replay", "--destination", "payments.charge", "--json", "--yes")
+    plan = plan_of(clean, capsys, "--destination", "payments.charge")
+    code, out, _ = run(
+        clean, capsys, "replay", "--destination", "payments.charge", "--json", "--yes", "--plan", plan
+    )
     assert code == 0 and json.loads(out)["replayed"] == 0
+    # F7: a bulk --yes acts only on a preview someone reviewed, named by its fingerprint.
+    make_failed(clean, charges[0])
+    code, _, err = run(clean, capsys, "replay", "--destination", "payments.charge", "--yes")
+    assert code == 2 and "--yes needs the preview's --plan PLAN" in err
+    code, _, err = run(clean, capsys, "replay", str(charges[0]), str(mail), "--yes")
+    assert code == 2 and "--yes needs the preview's --plan PLAN" in err
+    assert row(clean, charges[0])["state"] == "failed" and row(clean, mail)["state"] == "failed"
 
     code, _, err = run(clean, capsys, "replay", "--destination", "nope")
     assert code == 1 and "no outbox rows for destination 'nope'" in err

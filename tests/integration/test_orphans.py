@@ -201,7 +201,7 @@ def test_cancel_refuses_a_row_that_was_claimed(clean, engine, db, capsys):
     code = main(["cancel", *map(str, ids), "--reason", "r", "--database-url", clean.database_url])
     out = capsys.readouterr()
     assert code == 1
-    assert f"row {ids[0]} is in_flight: only rows never claimed can be cancelled" in out.err
+    assert f"row {ids[0]} is in_flight: only pending or dispatched rows can be cancelled" in out.err
     assert (
         dispatched_at(db, ids)[ids[0]][0] == "in_flight" and dispatched_at(db, ids)[ids[1]][0] == "cancelled"
     )

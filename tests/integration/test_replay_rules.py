@@ -59,6 +59,13 @@ def cli(services: Any, capsys: Any, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def plan_of(services: Any, capsys: Any, *argv: str) -> str:
+    """The fingerprint a bulk replay's preview prints (what --yes --plan must name)."""
+    code, out, err = cli(services, capsys, "replay", *argv, "--json")
+    assert code == 0, err
+    return str(json.loads(out)["preview"]["plan"])
+
+
 def get(db: psycopg.Connection[Any], row_id: int) -> dict[str, Any]:
     cur = db.execute("SELECT * FROM outbox_message WHERE id = %s", (row_id,))
     names = [c.name for c in cur.description or ()]
@@ -137,7 +144,10 @@ def test_runbook_resolve_failed_then_replay_destination_refuses_and_the_provider
     code, _, err = cli(clean, capsys, "resolve", str(ambiguous), "--failed", "provider cannot tell")
     assert code == 0, err
     # Later, after fixing the API key, the whole destination is replayed.
-    code, out, err = cli(clean, capsys, "replay", "--destination", DEST, "--yes", "--reason", "API key fixed")
+    plan = plan_of(clean, capsys, "--destination", DEST)
+    code, out, err = cli(
+        clean, capsys, "replay", "--destination", DEST, "--yes", "--plan", plan, "--reason", "API key fixed"
+    )
     assert code == 1
     assert f"row {ambiguous} refused: attempt 1 ended unknown" in out + err
     assert "failed it out of unknown" in out + err
@@ -423,6 +433,7 @@ def test_force_on_a_row_with_nothing_to_override_and_rows_failed_without_a_time(
     code, _, err = cli(clean, capsys, "replay", str(forced), "--force", "--reason", "re-run it")
     assert code == 0, err
     assert get(db, forced)["history"][-1]["overrode"] == []
-    code, _, err = cli(clean, capsys, "replay", *map(str, bulk), "--yes")
+    plan = plan_of(clean, capsys, *map(str, bulk))
+    code, _, err = cli(clean, capsys, "replay", *map(str, bulk), "--yes", "--plan", plan)
     assert code == 0, err
     assert [get(db, r)["state"] for r in bulk] == ["pending", "pending"]
