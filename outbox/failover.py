@@ -34,6 +34,7 @@ import psycopg
 
 from .db import connect_raw
 from .exceptions import ConfigError
+from .sanitize import clean_text
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +194,8 @@ def check(conn: psycopg.Connection[Any], *, process: str) -> Verdict:
 
 def accept(conn: psycopg.Connection[Any], *, reason: str, by: str) -> tuple[Identity, Identity | None]:
     """Record the server's current identity as the one to run on; (new, previous)."""
+    # An operator's sentence, stored as it is shown: no card number (outbox.sanitize).
+    reason = clean_text(reason, max_chars=2000)
     previous_row = conn.execute(_SHOW).fetchone()
     previous = Identity(previous_row[0], previous_row[1]) if previous_row else None
     current, _ = read_identity(conn)
@@ -351,7 +354,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.description = _HELP
     p.add_argument("--database-url", help="PostgreSQL URL, postgresql://… (default: $OUTBOX_DATABASE_URL)")
     p.add_argument("--accept", action="store_true", help="record the current identity; processes resume")
-    p.add_argument("--reason", help="why accepting is safe (required with --accept)")
+    p.add_argument("--reason", help="why accepting is safe (required with --accept; card numbers masked)")
     p.add_argument("--by", help="who accepts (default: the login name)")
 
 
