@@ -1521,6 +1521,11 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
                         "no consumer for D since T, K rows waiting"
           clocks        each live process's clock against the database's (from its heartbeat);
                         WARN past OUTBOX_CLOCK_SKEW_WARN (default 2 s)
+          purge         this role is superuser or a member of pg_read_all_stats (or pg_monitor);
+                        a reconciler on a role without it skips the purge
+          retention     no sent/cancelled row older than OUTBOX_RETENTION plus a day (else the
+                        purge is not running, skipped for that privilege, or held back by a
+                        transaction left open)
 
         Exit 0 only when every check is ok (or WARN), 1 otherwise.
         """,
