@@ -291,7 +291,7 @@ class FailoverGuard:
         else:
             if self.halted and unchecked:
                 logger.warning(
-                    "failover check succeeds again, database identity unchanged (%s): resuming",
+                    "failover check succeeds again and the identity is the recorded one (%s): resuming",
                     verdict.current.describe(),
                     extra={"outbox_process": self.process},
                 )
