@@ -109,7 +109,10 @@ def cmd_relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
             relay.close()
             guard.stop()
         if guard.halted:
-            print("relay published nothing: the database identity changed (see `outbox failover`)")
+            print(
+                "relay published nothing: the database identity changed or could not be checked "
+                "(see `outbox failover`)"
+            )
             return 1
         stopped = "; stopped by a signal before the backlog was drained" if stop.is_set() else ""
         print(f"relay published {total} rows{stopped}")

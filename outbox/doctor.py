@@ -162,6 +162,60 @@ def _transport_checks(conn: Connection, cfg: Settings) -> list[Check]:
     return checks
 
 
+#: How far past OUTBOX_RETENTION a sent/cancelled row may be before the purge counts as stalled:
+#: one run moves at most 20,000 rows, and a backlog after a pause takes a few runs.
+PURGE_GRACE_SECONDS = 86400.0
+
+_PURGE_OVERDUE = text(
+    """
+SELECT count(*) AS n, EXTRACT(EPOCH FROM now() - min(completed_at)) AS oldest
+FROM outbox_message
+WHERE state IN ('sent', 'cancelled')
+  AND completed_at < now() - (:retention + :grace) * interval '1 second'
+"""
+)
+
+
+def _purge_checks(conn: Connection, cfg: Settings) -> list[Check]:
+    """Whether the purge can run on this role, and whether it keeps up. A reconciler on a role
+    that cannot see other roles' open transactions skips the purge (reconciler.jobs.purge)."""
+    # Imported here: the reconciler package builds on this one, not the other way round.
+    from reconciler.jobs import CAN_SEE_ALL_XACTS
+
+    role = conn.execute(text("SELECT current_user")).scalar_one()
+    if conn.execute(text(CAN_SEE_ALL_XACTS)).scalar():
+        checks = [Check("purge", OK, f"role {role} sees every session's open transaction")]
+    else:
+        checks = [
+            Check(
+                "purge",
+                FAIL,
+                f"role {role} is neither superuser nor a member of pg_read_all_stats: a reconciler "
+                "on this role skips the purge (it cannot see other roles' open transactions, "
+                f"which the purge must wait for); run GRANT pg_read_all_stats TO {role} (or "
+                "pg_monitor)",
+            )
+        ]
+    row = conn.execute(
+        _PURGE_OVERDUE, {"retention": cfg.retention_seconds, "grace": PURGE_GRACE_SECONDS}
+    ).one()
+    if row.n:
+        checks.append(
+            Check(
+                "retention",
+                FAIL,
+                f"{row.n} sent/cancelled row(s) completed more than OUTBOX_RETENTION "
+                f"({cfg.retention_seconds:g} s) plus {PURGE_GRACE_SECONDS:g} s ago (oldest "
+                f"{float(row.oldest):.0f} s): the purge is not running, is skipped for want of "
+                'pg_read_all_stats (the reconciler logs "purge skipped"), or waits for a '
+                "transaction left open (pg_stat_activity, idle in transaction)",
+            )
+        )
+    else:
+        checks.append(Check("retention", OK, "no sent/cancelled row is overdue for the purge"))
+    return checks
+
+
 @contextlib.contextmanager
 def _database(cfg: Settings) -> Iterator[tuple[list[Check], Connection | None]]:
     """Yield the database checks so far and a connection when the schema is usable."""
@@ -333,9 +387,10 @@ def run_checks(cfg: Settings, module: str | None = None) -> list[Check]:
         if conn is not None:
             checks += _liveness_checks(conn, cfg)
             checks += _transport_checks(conn, cfg)
+            checks += _purge_checks(conn, cfg)
         else:
             checks += [
                 Check(n, SKIP, "database not usable")
-                for n in ("leases", "dispatched", "relay", "consumers", "clocks")
+                for n in ("leases", "dispatched", "relay", "consumers", "clocks", "purge", "retention")
             ]
     return checks

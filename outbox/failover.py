@@ -34,6 +34,7 @@ import psycopg
 
 from .db import connect_raw
 from .exceptions import ConfigError
+from .sanitize import clean_text
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,8 @@ def check(conn: psycopg.Connection[Any], *, process: str) -> Verdict:
     """Compare the server's identity with the recorded one (recording it the first time).
 
     ``conn`` is an autocommit psycopg connection. Raises ``psycopg.OperationalError`` when the
-    database cannot be reached: the caller keeps its previous verdict.
+    database cannot be reached: ``FailoverGuard`` then retries once on a new connection and,
+    failing that, reports halted (fails closed) until a check succeeds.
     """
     current, problems = read_identity(conn)
     if current.system_identifier is None and current.timeline is None:
@@ -192,6 +194,8 @@ def check(conn: psycopg.Connection[Any], *, process: str) -> Verdict:
 
 def accept(conn: psycopg.Connection[Any], *, reason: str, by: str) -> tuple[Identity, Identity | None]:
     """Record the server's current identity as the one to run on; (new, previous)."""
+    # An operator's sentence, stored as it is shown: no card number (outbox.sanitize).
+    reason = clean_text(reason, max_chars=2000)
     previous_row = conn.execute(_SHOW).fetchone()
     previous = Identity(previous_row[0], previous_row[1]) if previous_row else None
     current, _ = read_identity(conn)
@@ -213,17 +217,20 @@ class FailoverGuard:
         if interval_seconds is None:
             interval_seconds = _interval_from_env()
         self.interval_seconds = interval_seconds
-        #: True while the database identity differs from the recorded one.
+        #: True while the database identity differs from the recorded one, or cannot be checked.
         self.halted = False
         self.last: Verdict | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._halted_checks = 0
+        #: True while the last check could not run (the database unreachable): halted then too.
+        self._unchecked = False
         self._lock = threading.Lock()
 
     def check_now(self) -> bool:
-        """One check; returns ``halted``. An unreachable database keeps the previous verdict.
+        """One check; returns ``halted``. Fails closed: a check that cannot run is retried once on
+        a new connection, and while no check succeeds the guard reports ``halted``.
 
         Called by the periodic thread, and by the processes each time they open a new database
         connection: a failover breaks every connection, so the first claim or batch after it
@@ -232,23 +239,40 @@ class FailoverGuard:
         with self._lock:
             return self._check_locked()
 
+    def _verdict(self) -> Verdict:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect_raw(self.database_url, autocommit=True, application_name="outbox-failover")
+        return check(self._conn, process=self.process)
+
+    def _drop_conn(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
     def _check_locked(self) -> bool:
         try:
-            if self._conn is None or self._conn.closed:
-                self._conn = connect_raw(
-                    self.database_url, autocommit=True, application_name="outbox-failover"
-                )
-            verdict = check(self._conn, process=self.process)
+            try:
+                verdict = self._verdict()
+            except psycopg.Error:
+                # The guard's own connection is broken by the very failover it is there to see
+                # (every connection is): the callers' new connections may already be on the
+                # new history, so the answer comes from a new connection too.
+                self._drop_conn()
+                verdict = self._verdict()
         except psycopg.Error as exc:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-            logger.warning(
-                "failover check failed (%s); keeping the previous verdict",
-                type(exc).__name__,
-                extra={"outbox_process": self.process},
-            )
-            return self.halted
+            self._drop_conn()
+            # Fail closed: a verdict that cannot be had is not an "unchanged".
+            if not self._unchecked:
+                logger.error(
+                    "failover check failed twice (%s); relaying, claiming and reconciling stop "
+                    "until a check succeeds",
+                    type(exc).__name__,
+                    extra={"outbox_process": self.process, "failover": True},
+                )
+            self._unchecked = True
+            self.halted = True
+            return True
+        unchecked, self._unchecked = self._unchecked, False
         first = self.last is None
         self.last = verdict
         if not verdict.ok:
@@ -265,7 +289,13 @@ class FailoverGuard:
             self._halted_checks += 1
             self.halted = True
         else:
-            if self.halted:
+            if self.halted and unchecked:
+                logger.warning(
+                    "failover check succeeds again and the identity is the recorded one (%s): resuming",
+                    verdict.current.describe(),
+                    extra={"outbox_process": self.process},
+                )
+            elif self.halted:
                 logger.warning(
                     "database identity accepted by an operator (%s): resuming",
                     verdict.current.describe(),
@@ -324,7 +354,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.description = _HELP
     p.add_argument("--database-url", help="PostgreSQL URL, postgresql://… (default: $OUTBOX_DATABASE_URL)")
     p.add_argument("--accept", action="store_true", help="record the current identity; processes resume")
-    p.add_argument("--reason", help="why accepting is safe (required with --accept)")
+    p.add_argument("--reason", help="why accepting is safe (required with --accept; card numbers masked)")
     p.add_argument("--by", help="who accepts (default: the login name)")
 
 

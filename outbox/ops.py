@@ -553,6 +553,10 @@ class ActionResult:
         return {"id": self.id, "done": self.done, "message": self.message, "warnings": self.warnings}
 
 
+#: An operator's reason is kept whole up to this length (a typed sentence, a pasted ticket).
+OPERATOR_TEXT_CHARS = 2000
+
+
 def default_actor() -> str:
     """Who is acting: $USER, else the login name."""
     with contextlib.suppress(Exception):
@@ -565,9 +569,15 @@ def _history_params(action: str, to_state: str, by: str, reason: str | None, **e
         "action": action,
         "to_state": to_state,
         "by": by,
-        "reason": reason,
+        # Operators paste what the customer or the provider said: stored like any error text.
+        "reason": operator_text(reason),
         "extra": json.dumps(extra),
     }
+
+
+def operator_text(reason: str | None) -> str | None:
+    """An operator's --reason as stored (history, last_error): no card number, bounded."""
+    return sanitize.clean_optional_text(reason, max_chars=OPERATOR_TEXT_CHARS)
 
 
 def _refusal(connection: Connection, row_id: int, wanted: str, verb: str) -> OutboxError:
@@ -1013,7 +1023,7 @@ def cancel_rows(
         return CancelPlan(destination, False, rows, refused, top)
     params = {
         **_history_params("cancel", states.CANCELLED, by or default_actor(), reason),
-        "error": f"cancelled by an operator: {reason}",
+        "error": operator_text(f"cancelled by an operator: {reason}"),
         "ids": wanted,
     }
     done = {int(r[0]) for r in connection.execute(_CANCEL_ROWS, params)}
@@ -1132,7 +1142,7 @@ def _describe(parser: argparse.ArgumentParser, description: str) -> None:
 
 
 def _by_and_reason(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--reason", help="why, recorded in the row's history")
+    parser.add_argument("--reason", help="why, recorded in the row's history (card numbers masked)")
     parser.add_argument("--by", help="who, recorded in the row's history (default: $USER or the login name)")
 
 
@@ -1537,6 +1547,11 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
                         "no consumer for D since T, K rows waiting"
           clocks        each live process's clock against the database's (from its heartbeat);
                         WARN past OUTBOX_CLOCK_SKEW_WARN (default 2 s)
+          purge         this role is superuser or a member of pg_read_all_stats (or pg_monitor);
+                        a reconciler on a role without it skips the purge
+          retention     no sent/cancelled row older than OUTBOX_RETENTION plus a day (else the
+                        purge is not running, skipped for that privilege, or held back by a
+                        transaction left open)
 
         Exit 0 only when every check is ok (or WARN), 1 otherwise.
         """,

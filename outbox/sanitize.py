@@ -6,15 +6,17 @@ value PostgreSQL refuses (``\\u0000`` in ``text`` or ``jsonb``, NaN in ``jsonb``
 ``json`` cannot encode (``Decimal``, ``datetime``, non-string keys) is converted, never allowed to
 fail the statement that records ``sent``. The rules (docs/handlers.md, "What is stored"):
 
-- text: NUL becomes U+FFFD, lone surrogates become U+FFFD; a digit run of 13-19 digits (spaces or
-  dashes allowed between them) that starts with 2-6 and passes the Luhn check is masked to its
-  last four digits (``[card ****4242]``); error text is cut to 500 characters;
+- text: NUL becomes U+FFFD, lone surrogates become U+FFFD; 13-19 digits, contiguous or in groups
+  joined by up to 3 non-letter characters (spaces of any kind, dashes, dots, slashes…), that
+  start with 2-6 and pass the Luhn check are masked to their last four digits
+  (``[card ****4242]``); error text is cut to 500 characters;
 - JSON: ``Decimal`` → int when integral, else float when that round-trips, else its string;
   ``datetime``/``date``/``time`` → ISO 8601; ``UUID`` → str; NaN/±Infinity → ``"NaN"``,
   ``"Infinity"``, ``"-Infinity"``; tuples, sets → lists; bytes → ``"<N bytes>"``; a non-string
-  key → its ``str()``; any other object → ``"<TypeName>"``; an integer that looks like a card
-  number is masked as text is; a value under a secret-like field name (password, secret, token,
-  authorization, api key, cvv/cvc, card number, pan, …) → ``"***"``; nesting beyond 32 levels →
+  key → its ``str()``, and every key is masked as text is; any other object → ``"<TypeName>"``;
+  an integer, or an integral float, that looks like a card number is masked as text is; a value
+  under a secret-like field name (password, secret, token, authorization, api key, cvv/cvc, card
+  number, pan, …) → ``"***"``; nesting beyond 32 levels →
   ``"<nested too deep>"``; a whole response over 64 KiB encoded is replaced by
   ``{"truncated": true, "bytes": N, "head": first 1000 characters}``;
 - the provider reference: NUL/surrogates replaced and cut to 1000 characters, never masked
@@ -40,9 +42,13 @@ _TRUNCATED_HEAD_CHARS = 1000
 
 REPLACEMENT = "\ufffd"
 
-# 13-19 digits, optionally grouped by single spaces or dashes; first digit 2-6 (card networks'
-# ranges), which also keeps epoch milliseconds (1…) from being masked.
-_PAN = re.compile(r"(?<![0-9])[2-6](?:[ -]?[0-9]){12,18}(?![0-9])")
+# Digits joined by short separator runs (spaces of any kind, dashes, dots, slashes…; never
+# letters, so an ISO timestamp's "T" or an identifier's prefix ends a run). Within a run, card
+# numbers are looked for along the groups' edges (see ``_mask_run``).
+_DIGIT_RUN = re.compile(r"[0-9]+(?:[^0-9A-Za-z]{1,3}[0-9]+)*")
+_DIGIT_GROUP = re.compile(r"[0-9]+")
+#: Card networks' first digits (2-6), which also keeps epoch milliseconds (1…) from being masked.
+_PAN_FIRST = frozenset("23456")
 _SURROGATES = re.compile(r"[\ud800-\udfff]")
 
 # Names whose value is a credential or card data wherever it appears: a response field, a log
@@ -66,16 +72,44 @@ def _luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
-def _mask(match: re.Match[str]) -> str:
-    digits = re.sub(r"[ -]", "", match.group(0))
-    if 13 <= len(digits) <= 19 and _luhn_ok(digits):
-        return f"[card ****{digits[-4:]}]"
-    return match.group(0)
+def _mask_run(match: re.Match[str]) -> str:
+    """Mask every card number in one run of digit groups: a span of whole groups holding 13-19
+    digits that starts with 2-6 and passes the Luhn check, the longest first from the left. A
+    number next to other digits ("order 42 4111 1111 1111 1111 12/25") is still found."""
+    run = match.group(0)
+    if len(run) < 13:
+        return run
+    groups = [(g.start(), g.end()) for g in _DIGIT_GROUP.finditer(run)]
+    out: list[str] = []
+    done = 0
+    i = 0
+    while i < len(groups):
+        found = None
+        if run[groups[i][0]] in _PAN_FIRST:
+            digits = ""
+            for j in range(i, len(groups)):
+                digits += run[groups[j][0] : groups[j][1]]
+                if len(digits) > 19:
+                    break
+                if len(digits) >= 13 and _luhn_ok(digits):
+                    found = (j, digits)
+        if found is None:
+            i += 1
+            continue
+        j, digits = found
+        out.append(run[done : groups[i][0]])
+        out.append(f"[card ****{digits[-4:]}]")
+        done = groups[j][1]
+        i = j + 1
+    if not out:
+        return run
+    out.append(run[done:])
+    return "".join(out)
 
 
 def redact_text(text: str) -> str:
     """Card numbers masked; everything else unchanged. Cheap when ``text`` has no long digit run."""
-    return _PAN.sub(_mask, text)
+    return _DIGIT_RUN.sub(_mask_run, text)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -115,6 +149,11 @@ def _clean_number(value: int | float) -> Any:
             return "NaN"
         if math.isinf(value):
             return "Infinity" if value > 0 else "-Infinity"
+        if value.is_integer() and 1e12 <= abs(value) < 1e19:
+            # 4111111111111111.0 in a JSON answer is a card number all the same.
+            masked = _clean_number(int(value))
+            if isinstance(masked, str):
+                return masked
         return value
     if value.bit_length() > 4000:
         # Python refuses to print integers past ~4300 digits; no provider means such a number.
@@ -149,7 +188,9 @@ def _clean_value(value: Any, depth: int) -> Any:
         out: dict[str, Any] = {}
         for k, v in value.items():
             name = _storable_text(k if isinstance(k, str) else str(k))
-            out[name] = "***" if is_secret_name(name) else _clean_value(v, depth + 1)
+            secret = is_secret_name(name)
+            # A key can be a card number too ({"4111111111111111": {...}}).
+            out[redact_text(name)] = "***" if secret else _clean_value(v, depth + 1)
         return out
     if isinstance(value, list | tuple | set | frozenset):
         items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value

@@ -37,7 +37,10 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
                    key ledger (key, step, destination, payload hash, final state, provider ref,
                    attempts) in the statement that deletes them, so writing the key again answers
                    as before the purge; drops ledger entries older than OUTBOX_LEDGER_HORIZON
-                   (default 90d, at least the retention), in batches by age.
+                   (default 90d, at least the retention), in batches by age. Needs a role
+                   that is superuser or a member of pg_read_all_stats (or pg_monitor), to wait
+                   for other roles' open transactions; without it the purge moves nothing and
+                   logs "purge skipped" (count skipped_no_stats_privilege; outbox doctor fails).
   alerts           reports each failed row, and each row unknown for longer than
                    OUTBOX_UNKNOWN_ALERT_AFTER (default 1h), once, through the alert hook
                    (default: an ERROR log line naming key, step, destination and reason).

@@ -752,7 +752,8 @@ def redispatch(
 # A transaction whose snapshot predates a row's insertion sees neither the row nor its ledger
 # entry, so the guard cannot stop it from inserting the key again; such a snapshot is older than
 # the row's completed_at. Rows completed after the oldest open client transaction began wait for
-# it to end. (Sessions of other roles show no xact_start without pg_read_all_stats.)
+# it to end. Sessions of other roles show no xact_start without pg_read_all_stats: the hold-back
+# would be blind to them, so without that privilege the purge does not run (_CAN_SEE_ALL_XACTS).
 _PURGE = """
 WITH gone AS (
     DELETE FROM outbox_message
@@ -802,6 +803,23 @@ ledgered AS (
 SELECT count(*) FROM ledgered
 """
 
+# Superusers and members of pg_read_all_stats (pg_monitor is one) see every session's
+# xact_start; USAGE, not MEMBER: a NOINHERIT membership does not lend the privilege.
+CAN_SEE_ALL_XACTS = """
+SELECT r.rolsuper OR pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')
+FROM pg_roles r WHERE r.rolname = current_user
+"""
+
+#: The purge's count when it refused to run for want of the privilege above.
+PURGE_SKIPPED_NO_PRIVILEGE = "skipped_no_stats_privilege"
+
+
+def can_see_all_transactions(conn: psycopg.Connection[Any]) -> bool:
+    """True when this role sees the ``xact_start`` of every role's sessions, as the purge needs."""
+    row = conn.execute(CAN_SEE_ALL_XACTS).fetchone()
+    return bool(row and row[0])
+
+
 # Batches along the completed_at index: each is a short transaction, and the drop keeps pace with
 # the purge (the job runs both) without one long DELETE holding locks or bloating at once.
 _DROP_LEDGER = """
@@ -843,7 +861,11 @@ def purge(
     ledger (their attempt rows cascade), at most ``max_batches`` batches of 1000 per run; `failed`
     rows stay until a human replays them. Then drop ledger entries completed more than
     ``ledger_horizon_seconds`` ago (None: keep them). Counts: ``purged``, ``batches`` (statements
-    that moved rows), ``ledger_dropped``."""
+    that moved rows), ``ledger_dropped``.
+
+    A role that is neither superuser nor a member of ``pg_read_all_stats`` (or ``pg_monitor``)
+    cannot see other roles' open transactions, so it cannot hold rows back for them: the purge
+    then moves nothing, logs an error and counts ``skipped_no_stats_privilege``."""
     _require_autocommit(conn, "purge")
     params = {"retention": float(retention_seconds), "limit": PURGE_BATCH}
 
@@ -851,8 +873,22 @@ def purge(
         row = conn.execute(_PURGE, params).fetchone()
         return int(row[0]) if row else 0
 
-    purged, batches = _batches(move, max_batches, PURGE_BATCH)
-    counts = {"purged": purged, "batches": batches} if purged else {}
+    counts: dict[str, int] = {}
+    if can_see_all_transactions(conn):
+        purged, batches = _batches(move, max_batches, PURGE_BATCH)
+        if purged:
+            counts = {"purged": purged, "batches": batches}
+    else:
+        role = conn.execute("SELECT current_user").fetchone()
+        logger.error(
+            "purge skipped: role %s can see neither other roles' open transactions nor whether an "
+            "old REPEATABLE READ snapshot could write a purged key again; run "
+            "GRANT pg_read_all_stats TO %s (or pg_monitor), or run the reconciler as a superuser",
+            role[0] if role else "?",
+            role[0] if role else "?",
+            extra={"job": "purge", "error": PURGE_SKIPPED_NO_PRIVILEGE},
+        )
+        counts[PURGE_SKIPPED_NO_PRIVILEGE] = 1
     if ledger_horizon_seconds is not None:
         # Never shorter than the retention: an entry must outlive the row it stands for.
         horizon = max(float(ledger_horizon_seconds), float(retention_seconds))

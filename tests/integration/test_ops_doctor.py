@@ -86,6 +86,8 @@ def _healthy(clean, capsys, module):
         "relay",
         "consumers",
         "clocks",
+        "purge",
+        "retention",
     }
     assert all(status == "ok" for status, _ in checks.values())
 
