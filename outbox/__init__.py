@@ -26,7 +26,7 @@ from .handlers import Confirmed, Delivery, Handler, handler
 from .write import Written, cancel, cancel_async, write, write_async
 
 try:
-    __version__ = version("outbox")
+    __version__ = version("outbox-relay")
 except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
     __version__ = "0.0.0"
 

