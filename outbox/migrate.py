@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from importlib import resources
 
 import sqlalchemy.exc
@@ -20,9 +21,10 @@ from .schema import VERSION_TABLE
 logger = logging.getLogger(__name__)
 
 
-def alembic_config(connection: Connection | None = None) -> Config:
+def alembic_config(connection: Connection | None = None, script_location: str | None = None) -> Config:
+    """The packaged migrations, or those in ``script_location`` (tests add revisions there)."""
     cfg = Config()
-    cfg.set_main_option("script_location", str(resources.files("outbox.migrations")))
+    cfg.set_main_option("script_location", script_location or str(resources.files("outbox.migrations")))
     if connection is not None:
         cfg.attributes["connection"] = connection
     return cfg
@@ -39,32 +41,139 @@ def current_revision(connection: Connection) -> str | None:
     return context.get_current_revision()
 
 
-#: Transaction-level advisory lock serialising concurrent migrations (also taken in env.py).
+#: The oldest schema revision this code works with; the newest is :func:`head_revision`. Raise
+#: it when the code starts to need what a revision added (a table, a column, a constraint it
+#: relies on). 0006 adds ``outbox_db_identity``, which the failover check of the relay, the
+#: worker and the reconciler reads and writes. 0007 adds only a CHECK that backs up a rule
+#: ``outbox.write`` enforces itself (no ':' in a new step); nothing here reads or relies on it.
+SCHEMA_OLDEST = "0006"
+
+#: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``): the
+#: oldest code, named by the newest revision it knows, that may still run on the database.
+FLOOR_TABLE = "outbox_schema_floor"
+
+#: Advisory lock serialising concurrent migrations: held for the session by :func:`upgrade`, for
+#: the transaction by env.py (which also serves a plain ``alembic`` run).
 MIGRATION_LOCK_ID = 0x6F7574626F78  # "outbox"
+_LOCK_POLL_SECONDS = 0.2
 
 
-def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str]:
-    """Bring the schema to ``revision``; returns (before, after). Safe to run concurrently."""
-    with engine.begin() as connection:
-        # Wait for a concurrent run before reading the revision, so that the run that waited
-        # reports that it found the schema already there, not that it migrated it from empty.
-        connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID})
-        before = current_revision(connection)
-        command.upgrade(alembic_config(connection), revision)
-        after = current_revision(connection)
-    assert after is not None
-    return before, after
+def revision_number(revision: str) -> int | None:
+    """The position of ``revision`` in the chain: revisions are numbered ``0001``, ``0002``, …
+    (tests/integration/test_schema_compat.py holds every revision file to it), which is what lets
+    this code tell a revision newer than it knows from a foreign one."""
+    return int(revision) if revision.isdigit() else None
+
+
+@dataclass(frozen=True)
+class SchemaStatus:
+    """The database's schema revision against the range this code works with."""
+
+    current: str | None  # None: no outbox schema at all
+    oldest: str
+    head: str
+    floor: str | None  # the database's demand on the code (contract migrations); None: none
+    problem: str | None  # None: this code may run on the database
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def describe(self) -> str:
+        if self.problem is not None:
+            return self.problem
+        works = f"this code works with {self.oldest} to {self.head}"
+        if self.current == self.head:
+            return f"at revision {self.current}, the newest this code knows ({works})"
+        if (revision_number(self.current or "") or 0) > (revision_number(self.head) or 0):
+            return f"at revision {self.current}, newer than this code ({works}); no contract excludes it"
+        return f"at revision {self.current} ({works})"
+
+
+def schema_status(connection: Connection) -> SchemaStatus:
+    """Where the database's schema stands for this code. Read-only, and it sends no statement
+    that can fail, so the caller's transaction stays usable whatever it finds."""
+    head = head_revision()
+    exists = connection.execute(text("SELECT to_regclass('outbox_message') IS NOT NULL")).scalar()
+    if not exists:
+        return SchemaStatus(None, SCHEMA_OLDEST, head, None, "table outbox_message does not exist")
+    current = current_revision(connection)
+    floor = _floor(connection)
+    return SchemaStatus(current, SCHEMA_OLDEST, head, floor, _problem(current, floor, head))
+
+
+def _floor(connection: Connection) -> str | None:
+    exists = connection.execute(text("SELECT to_regclass(:t) IS NOT NULL"), {"t": FLOOR_TABLE}).scalar()
+    if not exists:
+        return None
+    needs = connection.execute(text(f"SELECT needs_code FROM {FLOOR_TABLE}")).scalars().all()
+    foreign = [n for n in needs if revision_number(n) is None]
+    if foreign:  # a demand this code cannot even place: it can only be refused
+        return str(foreign[0])
+    return max(needs, key=revision_number, default=None)  # type: ignore[arg-type]
+
+
+def _problem(current: str | None, floor: str | None, head: str) -> str | None:
+    newest = revision_number(head)
+    assert newest is not None
+    position = 0 if current is None else revision_number(current)
+    if position is None:
+        return f"database is at revision {current}, which this version does not know"
+    if position < int(SCHEMA_OLDEST):
+        return f"database is at revision {current}, this version needs {SCHEMA_OLDEST} or later"
+    floor_at = None if floor is None else revision_number(floor)
+    if floor is not None and (floor_at is None or floor_at > newest):
+        return f"the database needs outbox code from revision {floor}; this is {head}"
+    return None
 
 
 def check_schema(connection: Connection) -> None:
-    """Raise :class:`NotMigrated` unless the schema is at the packaged head."""
-    exists = connection.execute(text("SELECT to_regclass('outbox_message') IS NOT NULL")).scalar()
-    if not exists:
-        raise NotMigrated("table outbox_message does not exist")
-    current = current_revision(connection)
-    head = head_revision()
-    if current != head:
-        raise NotMigrated(f"database is at revision {current}, this version needs {head}")
+    """Raise :class:`NotMigrated` unless this code may run on the database's schema: a revision
+    from :data:`SCHEMA_OLDEST` on, or a newer one no contract migration closed to this code."""
+    status = schema_status(connection)
+    if status.problem is not None:
+        raise NotMigrated(status.problem)
+
+
+def _lock(connection: Connection) -> None:
+    """Hold :data:`MIGRATION_LOCK_ID` for the session. Polled, with no transaction open between
+    tries: a revision that builds an index CONCURRENTLY commits mid-run (so a transaction-level
+    lock would end there), and waits for every transaction older than it, which a run blocked in
+    ``pg_advisory_lock`` would be: the two would deadlock."""
+    waited = False
+    while True:
+        got = connection.execute(text("SELECT pg_try_advisory_lock(:id)"), {"id": MIGRATION_LOCK_ID}).scalar()
+        connection.commit()
+        if got:
+            return
+        if not waited:
+            logger.info("another outbox migrate is running; waiting for it")
+            waited = True
+        time.sleep(_LOCK_POLL_SECONDS)
+
+
+def upgrade(
+    engine: Engine, revision: str = "head", *, script_location: str | None = None
+) -> tuple[str | None, str]:
+    """Bring the schema to ``revision``; returns (before, after). Safe to run concurrently."""
+    with engine.connect() as connection:
+        # Wait for a concurrent run before reading the revision, so that the run that waited
+        # reports that it found the schema already there, not that it migrated it from empty.
+        _lock(connection)
+        try:
+            before = current_revision(connection)
+            connection.commit()
+            # No transaction open: env.py begins its own, which Alembic may then end early for
+            # a block that must run outside one (migrations.helpers.create_index_concurrently).
+            command.upgrade(alembic_config(connection, script_location), revision)
+            after = current_revision(connection)
+            connection.commit()
+        finally:
+            connection.rollback()
+            connection.execute(text("SELECT pg_advisory_unlock(:id)"), {"id": MIGRATION_LOCK_ID})
+            connection.commit()
+    assert after is not None
+    return before, after
 
 
 #: How long the start-up check waits for a PostgreSQL that is down or starting up. Running
