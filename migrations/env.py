@@ -1,7 +1,10 @@
 """Alembic environment: runs on the connection handed over by ``outbox.migrate``.
 
-A transaction-level advisory lock serialises concurrent ``outbox migrate`` runs (several pods
-starting at once), so the second one waits and then finds nothing to do.
+``outbox.migrate.upgrade`` holds an advisory lock for its session, so concurrent ``outbox
+migrate`` runs (several pods starting at once) wait for each other and the second finds nothing
+to do. The same lock is taken here for the transaction too, for a plain ``alembic`` run; a
+revision that builds an index CONCURRENTLY ends that transaction early (see
+``migrations/helpers.py``), which only the session lock outlives.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from .db import make_engine
 from .exceptions import ConfigError, NotMigrated, OutboxError
 from .handlers import Handler, load_module
 from .logs import first_line
-from .migrate import check_schema
+from .migrate import check_schema, schema_status
 from .settings import Settings, redact_url
 
 OK = "ok"
@@ -250,7 +250,7 @@ def _database(cfg: Settings) -> Iterator[tuple[list[Check], Connection | None]]:
                 checks.append(Check("schema", FAIL, str(exc)))
                 yield checks, None
                 return
-            checks.append(Check("schema", OK, "at the migration head"))
+            checks.append(Check("schema", OK, schema_status(conn).describe()))
             yield checks, conn
     finally:
         engine.dispose()

@@ -80,13 +80,12 @@ class SchemaStatus:
         return self.problem is None
 
     def describe(self) -> str:
+        """One line for ``outbox doctor``: the problem, or where the database stands."""
         if self.problem is not None:
             return self.problem
         works = f"this code works with {self.oldest} to {self.head}"
-        if self.current == self.head:
-            return f"at revision {self.current}, the newest this code knows ({works})"
         if (revision_number(self.current or "") or 0) > (revision_number(self.head) or 0):
-            return f"at revision {self.current}, newer than this code ({works}); no contract excludes it"
+            return f"at revision {self.current}, newer than this code ({works}; no contract excludes it)"
         return f"at revision {self.current} ({works})"
 
 
