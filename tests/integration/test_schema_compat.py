@@ -525,3 +525,38 @@ def test_previous_release_on_a_revision_newer_than_it_knows(
         assert proc.returncode == 0, out
     else:
         assert proc.returncode != 0 and "NotMigrated" in out and "this version needs" in out, out
+
+
+# -- outbox doctor -------------------------------------------------------------------------------
+
+
+def doctor_schema(engine: Engine, services, namespace: str, capsys) -> tuple[str, str]:
+    import json
+
+    from outbox.cli import main
+
+    flags = ["--database-url", url_of(engine), "--redis-url", services.redis_url, "--namespace", namespace]
+    main(["doctor", *flags, "--json"])
+    checks = {c["name"]: (c["status"], c["detail"]) for c in json.loads(capsys.readouterr().out)["checks"]}
+    return checks["schema"]
+
+
+def test_doctor_reports_the_schema_range(database, services, namespace, capsys, tmp_path) -> None:
+    head = head_revision()
+    newer, contract = _number(int(head) + 1), _number(int(head) + 2)
+    upgrade(database, SCHEMA_OLDEST)
+    assert doctor_schema(database, services, namespace, capsys) == (
+        "ok",
+        f"at revision {SCHEMA_OLDEST} (this code works with {SCHEMA_OLDEST} to {head})",
+    )
+    upgrade(database, script_location=scripts_with(tmp_path / "a", ADDITIVE))
+    status, detail = doctor_schema(database, services, namespace, capsys)
+    assert status == "ok" and detail.startswith(f"at revision {newer}, newer than this code"), detail
+    upgrade(
+        database, script_location=scripts_with(tmp_path / "b", ADDITIVE, CONTRACT.replace("{needs}", newer))
+    )
+    status, detail = doctor_schema(database, services, namespace, capsys)
+    assert status == "FAIL", detail
+    assert f"the database needs outbox code from revision {newer}; this is {head}" in detail
+    with database.connect() as conn:
+        assert current_revision(conn) == contract
