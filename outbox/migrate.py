@@ -151,6 +151,12 @@ def _lock(connection: Connection) -> None:
         time.sleep(_LOCK_POLL_SECONDS)
 
 
+def _newer_than(revision: str, script_location: str | None) -> bool:
+    head = ScriptDirectory.from_config(alembic_config(None, script_location)).get_current_head()
+    position, newest = revision_number(revision), revision_number(head or "")
+    return position is not None and newest is not None and position > newest
+
+
 def upgrade(
     engine: Engine, revision: str = "head", *, script_location: str | None = None
 ) -> tuple[str | None, str]:
@@ -162,6 +168,11 @@ def upgrade(
         try:
             before = current_revision(connection)
             connection.commit()
+            if revision == "head" and before is not None and _newer_than(before, script_location):
+                # A newer release migrated first (a rolling deploy): an older pod's own migrate
+                # step has nothing to do, where Alembic would fail on a revision it cannot find.
+                logger.info("outbox schema at revision %s, newer than this release's; nothing to do", before)
+                return before, before
             # No transaction open: env.py begins its own, which Alembic may then end early for
             # a block that must run outside one (migrations.helpers.create_index_concurrently).
             command.upgrade(alembic_config(connection, script_location), revision)

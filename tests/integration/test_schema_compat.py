@@ -560,3 +560,21 @@ def test_doctor_reports_the_schema_range(database, services, namespace, capsys, 
     assert f"the database needs outbox code from revision {newer}; this is {head}" in detail
     with database.connect() as conn:
         assert current_revision(conn) == contract
+
+
+def test_migrate_of_an_older_release_on_a_newer_schema_is_a_no_op(database, services, tmp_path) -> None:
+    """A pod of the previous release restarting mid-deploy runs its own migrate step first."""
+    upgrade(database, script_location=scripts_with(tmp_path, ADDITIVE))
+    newer = _number(int(head_revision()) + 1)
+    assert upgrade(database) == (newer, newer)
+    proc = subprocess.run(
+        [sys.executable, "-m", "outbox", "migrate", "--database-url", url_of(database)],
+        env=services.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"already at revision {newer}; nothing to do" in proc.stdout
+    with database.connect() as conn:
+        assert current_revision(conn) == newer
