@@ -48,7 +48,7 @@ VERSIONS = Path(str(resources.files("outbox.migrations"))) / "versions"
 #: ships no revision; the release after it tolerates newer ones.
 PREVIOUS_RELEASE = "9dcb8e0"
 
-#: Revisions up to this one were written before the rule; from the next one on, the lint holds.
+#: Revisions numbered below this were written before the rule; from this one on, the lint holds.
 LINT_FROM = 8
 
 
