@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import fence, ops, transport
-from outbox.consumer import Consumer, RunResult
+from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
 from outbox.settings import libpq_url
 
@@ -70,10 +70,10 @@ def attempts(services, row_id: int) -> list[tuple]:
 
 @pytest.fixture
 def consumer(clean):
-    consumers: list[Consumer] = []
+    consumers: list[Executor] = []
 
-    def make() -> Consumer:
-        c = Consumer(clean.database_url, registry())
+    def make() -> Executor:
+        c = Executor(clean.database_url, registry())
         consumers.append(c)
         return c
 
