@@ -108,7 +108,8 @@ def _cause_status(exc: BaseException) -> int | None:
         seen.add(id(cause))
         if isinstance(cause, httpx.HTTPStatusError):
             return cause.response.status_code
-        cause = cause.__cause__ or cause.__context__
+        # What `raise ... from` names, else what it was raised while handling (unless `from None`).
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
     return None
 
 

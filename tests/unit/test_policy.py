@@ -300,6 +300,14 @@ def test_a_permanent_error_keeps_the_http_status() -> None:
     except outbox.PermanentError as exc:
         d = decide_exception(h, exc, last_status=200)
     assert (d.http_status, d.error) == (422, "invalid amount (HTTP 422)")
+    # `from None` hides what it was raised while handling.
+    try:
+        try:
+            raise _status_error(422)
+        except httpx.HTTPStatusError:
+            raise outbox.PermanentError("invalid amount") from None
+    except outbox.PermanentError as exc:
+        assert decide_exception(h, exc).http_status is None
     # Already in the text: not repeated; a long text keeps the status at its end.
     d = decide_exception(h, outbox.PermanentError("HTTP 402: card declined"), last_status=402)
     assert (d.http_status, d.error) == (402, "HTTP 402: card declined")
