@@ -1,4 +1,5 @@
-"""One consumer run: claim → call → record. The broker ack comes after, in the worker.
+"""One delivery run (:class:`Executor`): claim → call → record. The broker ack comes after, in
+the worker.
 
 A call starts only with ``time_limit`` plus a margin of lease left, measured on this process's
 monotonic clock from when the claim was sent; otherwise the claim is released (no call, not an
@@ -27,7 +28,7 @@ from . import fence, policy
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
-from .handlers import Delivery, Handler, close_thread_http_clients, idempotency_key, set_send_bound
+from .handlers import Deliveries, Delivery, Handler, idempotency_key, last_response_status, set_send_bound
 from .policy import Decision, Next, Outcome, decide_exception, decide_result, next_state
 from .validation import header_safe
 
@@ -65,7 +66,7 @@ class _NotStarted(Exception):
 
 
 class _Call:
-    __slots__ = ("arg", "done", "end_by", "error", "fn", "result", "start_by")
+    __slots__ = ("arg", "done", "end_by", "error", "fn", "http_status", "result", "start_by")
 
     def __init__(self, fn: Callable[[Any], Any], arg: Any, start_by: float, end_by: float) -> None:
         self.fn = fn
@@ -75,6 +76,8 @@ class _Call:
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+        #: The last status the provider answered through ``d.http`` during the call.
+        self.http_status: int | None = None
 
 
 class _CallThread:
@@ -83,6 +86,8 @@ class _CallThread:
     limit cannot interrupt a blocking read. A thread whose call was abandoned ends after it."""
 
     def __init__(self) -> None:
+        #: The deliveries (and HTTP clients) of this thread's calls: they end with the thread.
+        self.deliveries = Deliveries()
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="outbox-call", daemon=True)
         self._thread.start()
@@ -119,18 +124,20 @@ class _CallThread:
                 except BaseException as exc:
                     call.error = exc
                 finally:
+                    call.http_status = last_response_status()
                     set_send_bound(None)
                 call.done.set()
         except _Abandoned:
             pass  # delivered between two calls: this thread was ending anyway
         try:
-            close_thread_http_clients()
+            self.deliveries.close()
         except _Abandoned:
-            close_thread_http_clients()
+            self.deliveries.close()
 
 
-class Consumer:
+class Executor:
     """Runs deliveries for the handlers of one deploy; one instance is shared by all threads.
+    (Not ``Consumer``: Dramatiq has its own, which fetches the messages this one is given.)
 
     Each thread keeps two connections: one for claims (synchronous commit: the claim must survive
     a database crash before the call starts) and one for records (asynchronous commit), and one
@@ -328,7 +335,8 @@ class Consumer:
         clock, like the start check: the call starts no later than ``time_limit`` plus the start
         margin before the lease ends, and is given up (and ``d.http`` sends nothing more) at its
         deadline or half the start margin before the lease ends, whichever comes first."""
-        delivery = delivery_for(claimed, handler)
+        caller = self._caller()
+        delivery = delivery_for(claimed, handler, caller.deliveries)
         start_by = sent_at + handler.lease_seconds - handler.time_limit - handler.start_margin_seconds
         now = time.monotonic()
         if now > start_by:
@@ -337,7 +345,6 @@ class Consumer:
             now + handler.call_deadline_seconds,
             sent_at + handler.lease_seconds - handler.start_margin_seconds / 2,
         )
-        caller = self._caller()
         call = caller.run(handler, delivery, start_by=start_by, end_by=end_by)
         if call is None:
             # Its late result, if any, is ignored: the outcome is recorded now, inside the lease.
@@ -353,7 +360,7 @@ class Consumer:
         if isinstance(call.error, _NotStarted):
             return None
         if call.error is not None:
-            return decide_exception(handler, call.error)
+            return decide_exception(handler, call.error, last_status=call.http_status)
         return decide_result(call.result)
 
     def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> RunResult:
@@ -468,16 +475,14 @@ class Consumer:
         raise AssertionError("unreachable")
 
 
-def delivery_for(claimed: fence.Claimed, handler: Handler) -> Delivery:
+def delivery_for(claimed: fence.Claimed, handler: Handler, deliveries: Deliveries) -> Delivery:
     """What the handler sees of a claimed row."""
-    return Delivery(
+    return deliveries.delivery(
+        handler,
         id=claimed.id,
         key=claimed.key,
         step=claimed.step,
-        destination=claimed.destination,
         payload=claimed.payload,
         attempt=claimed.attempt,
-        idempotency_key=idempotency_key(claimed.key, claimed.step),
         deadline=claimed.deadline,
-        handler=handler,
     )

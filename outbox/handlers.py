@@ -17,18 +17,16 @@ from typing import Any
 import httpx
 
 from .exceptions import ConfigError, RetryableError
+from .settings import (
+    DEFAULT_BACKOFF_SECONDS,
+    DEFAULT_KEY_TTL_SECONDS,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_TIME_LIMIT_SECONDS,
+    MAX_START_MARGIN_SECONDS,
+    MIN_LEASE_MARGIN_SECONDS,
+    default_lease_seconds,
+)
 from .validation import destination_problem
-
-DEFAULT_TIME_LIMIT_SECONDS = 30.0
-DEFAULT_MAX_ATTEMPTS = 5
-DEFAULT_BACKOFF_SECONDS: tuple[float, ...] = (10.0, 60.0, 300.0)
-#: How long providers keep an Idempotency-Key (Stripe: 24 h).
-DEFAULT_KEY_TTL_SECONDS = 86400.0
-#: The least ``lease_seconds - time_limit`` a handler may declare: below it, the claim's own round
-#: trip would eat the room the record needs after the call's deadline.
-MIN_LEASE_MARGIN_SECONDS = 1.0
-#: The most lease beyond ``time_limit`` a worker keeps for the record (see ``start_margin_seconds``).
-MAX_START_MARGIN_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -43,19 +41,27 @@ class Confirmed:
             raise TypeError(f"Confirmed.ref must be the provider's non-empty reference, got {self.ref!r}")
 
 
-_clients = threading.local()
-#: The monotonic instant after which ``Delivery.http`` sends no request from this thread (set by
-#: the worker around each call): a process paused after its start check (SIGSTOP, a VM stall)
-#: must not send once its lease may have run out.
-_send_bound = threading.local()
+#: Per thread, the current call's state: ``not_after``, the monotonic instant after which
+#: ``Delivery.http`` sends no request (set by the worker around each call: a process paused after
+#: its start check (SIGSTOP, a VM stall) must not send once its lease may have run out), and
+#: ``status``, the last HTTP status the provider answered during the call (kept on a permanent
+#: error, whose exception rarely carries it).
+_call_state = threading.local()
 
 
 def set_send_bound(not_after: float | None) -> None:
-    _send_bound.not_after = not_after
+    _call_state.not_after = not_after
+    _call_state.status = None
+
+
+def last_response_status() -> int | None:
+    """The status of the last answer ``Delivery.http`` received on this thread since the send
+    bound was last set (the current call), or None."""
+    return getattr(_call_state, "status", None)
 
 
 def _check_send_bound(request: httpx.Request) -> None:
-    not_after = getattr(_send_bound, "not_after", None)
+    not_after = getattr(_call_state, "not_after", None)
     if not_after is not None and time.monotonic() > not_after:
         raise RetryableError(
             "the request was not sent: the call ran out of lease before it could send "
@@ -63,25 +69,19 @@ def _check_send_bound(request: httpx.Request) -> None:
         )
 
 
+def _note_status(response: httpx.Response) -> None:
+    _call_state.status = response.status_code
+
+
 _all_clients: list[httpx.Client] = []
 _all_clients_lock = threading.Lock()
 
 
 def close_http_clients() -> None:
-    """Close every thread's provider client (once the worker threads have stopped)."""
+    """Close every provider client still open (once the worker threads have stopped)."""
     with _all_clients_lock:
         clients, _all_clients[:] = list(_all_clients), []
     for client in clients:
-        client.close()
-
-
-def close_thread_http_clients() -> None:
-    """Close the calling thread's provider clients (a thread that is about to end)."""
-    clients: dict[str, httpx.Client] = getattr(_clients, "by_destination", None) or {}
-    _clients.by_destination = {}
-    with _all_clients_lock:
-        _all_clients[:] = [c for c in _all_clients if all(c is not mine for mine in clients.values())]
-    for client in clients.values():
         client.close()
 
 
@@ -98,7 +98,7 @@ def idempotency_key(key: str, step: str) -> str:
 
 @dataclass(frozen=True)
 class Delivery:
-    """One claimed outbox row, as a handler sees it."""
+    """One claimed outbox row, as a handler (or its lookup) sees it."""
 
     id: int
     key: str
@@ -108,15 +108,15 @@ class Delivery:
     attempt: int
     idempotency_key: str
     deadline: datetime | None
-    handler: Handler = field(repr=False)
-
-    @property
-    def http(self) -> httpx.Client:
-        """A per-thread client whose timeouts add up to less than the handler's time_limit."""
-        return self.handler.http_client()
+    #: A client whose timeouts add up to less than the handler's time_limit.
+    http: httpx.Client = field(repr=False, compare=False)
 
 
-@dataclass
+#: Lookups by destination (``@handler.lookup``): registered after the handler, which stays frozen.
+_lookups: dict[str, Callable[[Delivery], Confirmed | None]] = {}
+
+
+@dataclass(frozen=True)
 class Handler:
     destination: str
     fn: Callable[[Delivery], Any]
@@ -126,7 +126,6 @@ class Handler:
     idempotent: bool
     key_ttl: float
     lease_seconds: float
-    lookup_fn: Callable[[Delivery], Confirmed | None] | None = None
     #: Optional override: exception -> "sent" | "retry" | "failed" | "unknown" | None (default).
     classify: Callable[[BaseException], str | None] | None = None
 
@@ -134,9 +133,15 @@ class Handler:
         return self.fn(delivery)
 
     def lookup(self, fn: Callable[[Delivery], Confirmed | None]) -> Callable[[Delivery], Confirmed | None]:
-        """Register how to ask the provider whether an earlier call took effect."""
-        self.lookup_fn = fn
+        """Register how to ask the provider whether an earlier call to this destination took
+        effect."""
+        with _registry_lock:
+            _lookups[self.destination] = fn
         return fn
+
+    @property
+    def lookup_fn(self) -> Callable[[Delivery], Confirmed | None] | None:
+        return _lookups.get(self.destination)
 
     @property
     def start_margin_seconds(self) -> float:
@@ -165,18 +170,144 @@ class Handler:
         tl = self.time_limit
         return httpx.Timeout(connect=tl * 0.2, write=tl * 0.2, read=tl * 0.55, pool=tl * 0.05)
 
-    def http_client(self) -> httpx.Client:
-        clients: dict[str, httpx.Client] | None = getattr(_clients, "by_destination", None)
-        if clients is None:
-            clients = _clients.by_destination = {}
-        client = clients.get(self.destination)
-        if client is None or client.is_closed:
-            client = clients[self.destination] = httpx.Client(
-                timeout=self.timeouts(), event_hooks={"request": [_check_send_bound]}
+    def problems(self) -> list[str]:
+        """Everything wrong with this declaration, one sentence each (empty when it is sound).
+
+        ``@handler`` refuses a declaration with any; ``outbox doctor`` reports them."""
+        return declaration_problems(
+            self.destination,
+            time_limit=self.time_limit,
+            max_attempts=self.max_attempts,
+            backoff=self.backoff,
+            key_ttl=self.key_ttl,
+            lease_seconds=self.lease_seconds,
+        )
+
+
+def declaration_problems(
+    destination: Any,
+    *,
+    time_limit: Any,
+    max_attempts: Any,
+    backoff: Any,
+    key_ttl: Any,
+    lease_seconds: Any,
+) -> list[str]:
+    """The checks behind :meth:`Handler.problems`, on raw values: ``@handler`` runs them before
+    it can build a Handler (a bad value may not even convert)."""
+    problem = destination_problem(destination)
+    if problem is not None:
+        return [problem]
+    problems: list[str] = []
+    timing_ok = isinstance(time_limit, int | float) and time_limit > 0
+    if not timing_ok:
+        problems.append(f"time_limit must be > 0 seconds, got {time_limit!r}")
+    attempts_ok = isinstance(max_attempts, int) and max_attempts >= 1
+    if not attempts_ok:
+        problems.append("max_attempts must be a whole number >= 1")
+    try:
+        delays = tuple(float(b) for b in backoff)
+    except (TypeError, ValueError):
+        delays = ()
+    if not delays or any(not b > 0 for b in delays):
+        problems.append(f"every backoff entry must be > 0 seconds, got {_shown(backoff)}")
+        delays = ()
+    if timing_ok and lease_seconds is not None:
+        lease = float(lease_seconds)
+        if lease <= time_limit:
+            problems.append(
+                f"lease_seconds ({lease:g}) must be longer than time_limit ({time_limit:g}), or the "
+                "reconciler could take over a call still under way"
             )
-            with _all_clients_lock:
-                _all_clients.append(client)
+        elif lease - time_limit < MIN_LEASE_MARGIN_SECONDS:
+            problems.append(
+                f"lease_seconds ({lease:g}) must exceed time_limit ({time_limit:g}) by at least "
+                f"{MIN_LEASE_MARGIN_SECONDS:g} s, the room the claim's round trip and the record need "
+                "around the call"
+            )
+    if attempts_ok and delays:
+        total = sum(delays[min(a - 1, len(delays) - 1)] for a in range(1, max_attempts))
+        if total >= key_ttl:
+            problems.append(
+                f"the backoffs add up to {total:g} s over {max_attempts} attempts, not under key_ttl "
+                f"({key_ttl:g} s); the provider would forget the Idempotency-Key before the last retry"
+            )
+    return [f"{destination}: {p}" for p in problems]
+
+
+def _shown(backoff: Any) -> str:
+    try:
+        return repr(tuple(backoff))
+    except TypeError:
+        return repr(backoff)
+
+
+class Deliveries:
+    """Builds the ``Delivery`` a handler or a lookup gets, with one HTTP client per destination.
+
+    One instance per owner of its clients: each of a worker's call threads (whose clients end
+    with it: a call abandoned mid-request takes its connection along) and the reconciler's
+    lookups (which may share a process with a worker: tests, the demo). ``close`` closes exactly
+    these clients; :func:`close_http_clients` closes every one left open.
+    """
+
+    def __init__(self, *, send_bound: bool = True) -> None:
+        #: Whether the clients refuse to send past the call's bound (:func:`set_send_bound`).
+        self._send_bound = send_bound
+        self._clients: dict[str, tuple[Handler, httpx.Client]] = {}
+        self._lock = threading.Lock()
+
+    def client(self, handler: Handler) -> httpx.Client:
+        with self._lock:
+            known = self._clients.get(handler.destination)
+            if known is not None and known[0] is handler and not known[1].is_closed:
+                return known[1]
+            hooks: dict[str, list[Callable[..., Any]]] = (
+                {"request": [_check_send_bound], "response": [_note_status]} if self._send_bound else {}
+            )
+            client = httpx.Client(timeout=handler.timeouts(), event_hooks=hooks)
+            self._clients[handler.destination] = (handler, client)
+        with _all_clients_lock:
+            _all_clients.append(client)
+        if known is not None:
+            # A reloaded handler module: its timings may have changed.
+            _close(known[1])
         return client
+
+    def delivery(
+        self,
+        handler: Handler,
+        *,
+        id: int,
+        key: str,
+        step: str,
+        payload: dict[str, Any],
+        attempt: int,
+        deadline: datetime | None,
+    ) -> Delivery:
+        return Delivery(
+            id=id,
+            key=key,
+            step=step,
+            destination=handler.destination,
+            payload=payload,
+            attempt=attempt,
+            idempotency_key=idempotency_key(key, step),
+            deadline=deadline,
+            http=self.client(handler),
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = [c for _, c in self._clients.values()], {}
+        for client in clients:
+            _close(client)
+
+
+def _close(client: httpx.Client) -> None:
+    with _all_clients_lock:
+        _all_clients[:] = [c for c in _all_clients if c is not client]
+    client.close()
 
 
 _registry: dict[str, Handler] = {}
@@ -201,31 +332,23 @@ def handler(
     that the reconciler never takes over a call still under way.
     ``idempotent=True`` says the provider deduplicates on our Idempotency-Key, which makes an
     ambiguous outcome safe to retry. The total of the backoffs must stay under ``key_ttl``.
+    A declaration with any of :meth:`Handler.problems` raises ConfigError listing them all.
     """
-    problem = destination_problem(destination)
-    if problem is not None:
-        raise ConfigError(f"handler {problem}")
-    if not time_limit or time_limit <= 0:
-        raise ConfigError(f"handler {destination}: time_limit must be > 0 seconds, got {time_limit!r}")
-    if not isinstance(max_attempts, int) or max_attempts < 1:
-        raise ConfigError(f"handler {destination}: max_attempts must be a whole number >= 1")
-    delays = tuple(float(b) for b in backoff)
-    if not delays or any(b <= 0 for b in delays):
-        raise ConfigError(
-            f"handler {destination}: every backoff entry must be > 0 seconds, got {tuple(backoff)!r}"
-        )
-    lease = float(lease_seconds) if lease_seconds is not None else time_limit + max(15.0, time_limit)
-    if lease <= time_limit:
-        raise ConfigError(
-            f"handler {destination}: lease_seconds ({lease:g}) must be longer than time_limit "
-            f"({time_limit:g}), or the reconciler could take over a call still under way"
-        )
-    if lease - time_limit < MIN_LEASE_MARGIN_SECONDS:
-        raise ConfigError(
-            f"handler {destination}: lease_seconds ({lease:g}) must exceed time_limit ({time_limit:g}) "
-            f"by at least {MIN_LEASE_MARGIN_SECONDS:g} s, the room the claim's round trip and the "
-            "record need around the call"
-        )
+    valid_limit = isinstance(time_limit, int | float) and time_limit > 0
+    lease = lease_seconds
+    if lease is None and valid_limit:
+        lease = default_lease_seconds(float(time_limit))
+    problems = declaration_problems(
+        destination,
+        time_limit=time_limit,
+        max_attempts=max_attempts,
+        backoff=backoff,
+        key_ttl=key_ttl,
+        lease_seconds=lease,
+    )
+    if problems:
+        raise ConfigError("handler " + "; ".join(problems))
+    assert lease is not None
 
     def register(fn: Callable[[Delivery], Any]) -> Handler:
         h = Handler(
@@ -233,18 +356,12 @@ def handler(
             fn=fn,
             time_limit=float(time_limit),
             max_attempts=max_attempts,
-            backoff=delays,
+            backoff=tuple(float(b) for b in backoff),
             idempotent=idempotent,
             key_ttl=float(key_ttl),
-            lease_seconds=lease,
+            lease_seconds=float(lease),
             classify=classify,
         )
-        if h.total_backoff_seconds() >= key_ttl:
-            raise ConfigError(
-                f"handler {destination}: the backoffs add up to {h.total_backoff_seconds():g} s over "
-                f"{max_attempts} attempts, not under key_ttl ({key_ttl:g} s); the provider would "
-                "forget the Idempotency-Key before the last retry"
-            )
         with _registry_lock:
             existing = _registry.get(destination)
             # The same function registering again is a module reload, not a second handler.
@@ -285,3 +402,4 @@ def clear_registry() -> None:
     """For tests: forget every declared handler."""
     with _registry_lock:
         _registry.clear()
+        _lookups.clear()

@@ -26,19 +26,17 @@ import psycopg
 
 from .db import connect_raw
 from .logs import first_line
+from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
+from .settings import DEFAULT_NO_CONSUMER_CYCLES as DEFAULT_NO_CONSUMER_CYCLES
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEARTBEAT_INTERVAL_SECONDS = 5.0
 #: A process is live while it was heard from within ``LIVE_INTERVALS`` of its own interval plus
 #: ``LIVE_SLACK_SECONDS``: one late beat (a GC pause, a slow commit) does not make it dead.
 LIVE_INTERVALS = 3
 LIVE_SLACK_SECONDS = 5
 #: Rows of processes not heard from for this long are deleted by the reconciler.
 HEARTBEAT_RETENTION_SECONDS = 86400
-DEFAULT_CLOCK_SKEW_WARN_SECONDS = 2.0
-#: Reconciler cycles a destination must go without a consumer before it is alerted.
-DEFAULT_NO_CONSUMER_CYCLES = 3
 
 #: SQL condition on ``outbox_process``: the process is running and was heard from recently
 #: (its own interval is stored on the row, so every reader judges it alike).

@@ -99,7 +99,24 @@ def decide_result(result: object) -> Decision:
 _OVERRIDABLE = {"retry": Outcome.RETRY, "failed": Outcome.FAILED, "unknown": Outcome.UNKNOWN}
 
 
-def decide_exception(handler: Handler, exc: BaseException) -> Decision:
+def _cause_status(exc: BaseException) -> int | None:
+    """The status of an ``HTTPStatusError`` the exception was raised from (``raise ... from``) or
+    while handling, if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, httpx.HTTPStatusError):
+            return cause.response.status_code
+        # What `raise ... from` names, else what it was raised while handling (unless `from None`).
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return None
+
+
+def decide_exception(handler: Handler, exc: BaseException, *, last_status: int | None = None) -> Decision:
+    """``last_status`` is the last status the provider answered through ``d.http`` during the
+    call: a permanent refusal keeps it (``outbox show`` prints it), since a handler that checks
+    ``r.status_code`` and raises ``PermanentError`` rarely says which status it saw."""
     outcome, reason, status = classify_exception(exc)
     if handler.classify is not None:
         try:
@@ -116,6 +133,14 @@ def decide_exception(handler: Handler, exc: BaseException) -> Decision:
             )
         elif override is not None:
             outcome, reason = _OVERRIDABLE[override], _short(f"{type(exc).__name__}: {exc}")
+    if outcome is Outcome.FAILED and status is None:
+        status = _cause_status(exc)
+        if status is None and last_status is not None and 400 <= last_status < 500:
+            status = last_status
+        if status is not None and f"HTTP {status}" not in reason:
+            suffix = f" (HTTP {status})"
+            room = _MAX_ERROR_CHARS - len(suffix)
+            reason = (reason if len(reason) <= room else reason[: room - 1] + "…") + suffix
     return Decision(outcome, error=reason, http_status=status)
 
 

@@ -13,8 +13,45 @@ from typing import Any
 
 from .exceptions import ConfigError
 
+# -- every default, once (the Settings fields below, @outbox.handler, the CLI and the
+# reconciler's jobs read them from here) --
+
 DEFAULT_NAMESPACE = "outbox"
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+DEFAULT_POLL_INTERVAL_SECONDS = 1.0
+DEFAULT_RELAY_BATCH_SIZE = 1000
+DEFAULT_RELAY_CLAIMERS = 2
+DEFAULT_REDISPATCH_AFTER_SECONDS = 300.0
+DEFAULT_RETENTION_SECONDS = 7 * 86400.0
+DEFAULT_LEDGER_HORIZON_SECONDS = 90 * 86400.0
+DEFAULT_RECONCILE_INTERVAL_SECONDS = 10.0
+DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS = 3600.0
+DEFAULT_HEARTBEAT_INTERVAL_SECONDS = 5.0
+#: Reconciler cycles a destination must go without a consumer before it is alerted.
+DEFAULT_NO_CONSUMER_CYCLES = 3
+DEFAULT_CLOCK_SKEW_WARN_SECONDS = 2.0
+DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS = 30.0
+
+# Handler declarations (``@outbox.handler``).
+DEFAULT_TIME_LIMIT_SECONDS = 30.0
+DEFAULT_MAX_ATTEMPTS = 5
+DEFAULT_BACKOFF_SECONDS: tuple[float, ...] = (10.0, 60.0, 300.0)
+#: How long providers keep an Idempotency-Key (Stripe: 24 h).
+DEFAULT_KEY_TTL_SECONDS = 86400.0
+#: The least lease beyond ``time_limit`` a default lease gives (``default_lease_seconds``).
+DEFAULT_LEASE_MARGIN_SECONDS = 15.0
+#: The least ``lease_seconds - time_limit`` a handler may declare: below it, the claim's own round
+#: trip would eat the room the record needs after the call's deadline.
+MIN_LEASE_MARGIN_SECONDS = 1.0
+#: The most lease beyond ``time_limit`` a worker keeps for the record (see
+#: ``Handler.start_margin_seconds``).
+MAX_START_MARGIN_SECONDS = 5.0
+
+
+def default_lease_seconds(time_limit: float) -> float:
+    """A handler's lease when it declares none: ``time_limit + max(15, time_limit)``."""
+    return time_limit + max(DEFAULT_LEASE_MARGIN_SECONDS, time_limit)
+
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -69,38 +106,38 @@ class Settings:
     #: Prefix of every Redis key the broker writes; must not be shared with caches or sessions.
     namespace: str = DEFAULT_NAMESPACE
     #: Relay: fallback poll when no NOTIFY arrives (NOTIFY is not durable).
-    poll_interval_seconds: float = 1.0
+    poll_interval_seconds: float = DEFAULT_POLL_INTERVAL_SECONDS
     #: Relay: rows claimed and published per batch.
-    relay_batch_size: int = 1000
+    relay_batch_size: int = DEFAULT_RELAY_BATCH_SIZE
     #: Relay: connections claiming batches at once while there is a backlog (one waits on
     #: PostgreSQL while another publishes); one when the relay is idle.
-    relay_claimers: int = 2
+    relay_claimers: int = DEFAULT_RELAY_CLAIMERS
     #: Reconciler: a `dispatched` row unclaimed for this long is re-queued.
-    redispatch_after_seconds: float = 300.0
+    redispatch_after_seconds: float = DEFAULT_REDISPATCH_AFTER_SECONDS
     #: Reconciler: `sent` and `cancelled` rows older than this are purged.
-    retention_seconds: float = 7 * 86400.0
+    retention_seconds: float = DEFAULT_RETENTION_SECONDS
     #: Reconciler: a purged key stays in the key ledger this long after its row completed;
     #: past it, writing the key again creates a new row (a new call).
-    ledger_horizon_seconds: float = 90 * 86400.0
+    ledger_horizon_seconds: float = DEFAULT_LEDGER_HORIZON_SECONDS
     #: Reconciler: cadence of every job.
-    reconcile_interval_seconds: float = 10.0
+    reconcile_interval_seconds: float = DEFAULT_RECONCILE_INTERVAL_SECONDS
     #: Reconciler: an `unknown` row older than this raises an alert.
-    unknown_alert_after_seconds: float = 3600.0
+    unknown_alert_after_seconds: float = DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS
     #: Write API: largest encoded payload accepted.
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: Start even when Redis may evict keys (never do this in production).
     allow_evicting_redis: bool = False
     # -- transport (issue 9 class 7) --
     #: Worker: seconds between two heartbeats recorded in the database.
-    heartbeat_interval_seconds: float = 5.0
+    heartbeat_interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS
     #: Reconciler: cycles a destination goes with rows waiting and no live consumer before it
     #: is alerted (once per episode).
-    no_consumer_cycles: int = 3
+    no_consumer_cycles: int = DEFAULT_NO_CONSUMER_CYCLES
     #: Doctor: a process whose clock differs from the database's by more than this is warned.
-    clock_skew_warn_seconds: float = 2.0
+    clock_skew_warn_seconds: float = DEFAULT_CLOCK_SKEW_WARN_SECONDS
     #: Relay, worker, reconciler: how often the database identity is compared with the recorded
     #: one (failover detection, outbox.failover); also at start and on every new connection.
-    failover_check_interval_seconds: float = 30.0
+    failover_check_interval_seconds: float = DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS
 
     def require_database_url(self) -> str:
         if not self.database_url:

@@ -1,4 +1,4 @@
-"""``outbox worker``: a Dramatiq worker whose one actor runs :class:`~outbox.consumer.Consumer`.
+"""``outbox worker``: a Dramatiq worker whose one actor runs :class:`~outbox.consumer.Executor`.
 
 One queue per destination, so a slow provider does not block the others. Dramatiq's retries are
 off: retries live in the row (`pending` + `available_at`). The ack happens when the actor
@@ -21,25 +21,26 @@ import dramatiq
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import CurrentMessage
 
-from .consumer import Consumer
+from .consumer import Executor
 from .exceptions import ConfigError
 from .failover import FailoverGuard
 from .handlers import Handler, close_http_clients
-from .heartbeat import DEFAULT_HEARTBEAT_INTERVAL_SECONDS, Heartbeat
+from .heartbeat import Heartbeat
+from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
 from .transport import ACTOR_NAME
 
 logger = logging.getLogger(__name__)
 
 
 def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]) -> RedisBroker:
-    # No Dramatiq TimeLimit: the consumer gives each call a total deadline of its own
+    # No Dramatiq TimeLimit: the executor gives each call a total deadline of its own
     # time_limit, and an exception raised into a worker thread at an arbitrary point could land
     # inside a claim or a release, leaving a claim nobody knows about.
     broker = RedisBroker(url=redis_url, namespace=namespace, middleware=[CurrentMessage()])
     return broker
 
 
-def declare(broker: RedisBroker, consumer: Consumer, destinations: Sequence[str]) -> None:
+def declare(broker: RedisBroker, executor: Executor, destinations: Sequence[str]) -> None:
     def outbox_deliver(*args: Any) -> None:
         message = CurrentMessage.get_current_message()
         queue = message.queue_name if message is not None else None
@@ -52,7 +53,7 @@ def declare(broker: RedisBroker, consumer: Consumer, destinations: Sequence[str]
                 extra={"queue": queue},
             )
             return
-        consumer.deliver(args[0], queue)
+        executor.deliver(args[0], queue)
 
     dramatiq.actor(actor_name=ACTOR_NAME, queue_name=destinations[0], broker=broker)(outbox_deliver)
     for destination in destinations:
@@ -78,8 +79,8 @@ def run_worker(
         raise ConfigError(f"--queues names destinations with no handler: {', '.join(unknown)}")
     broker = build_broker(redis_url, namespace, handlers)
     guard = FailoverGuard(database_url, process="worker").start()
-    consumer = Consumer(database_url, handlers, failover_guard=guard)
-    declare(broker, consumer, destinations)
+    executor = Executor(database_url, handlers, failover_guard=guard)
+    declare(broker, executor, destinations)
     # What Dramatiq's own CLI does once per process.
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=threads)
@@ -102,7 +103,7 @@ def run_worker(
         broker.close()
         # Dramatiq's RedisBroker.close() leaves its pool's sockets for the garbage collector.
         broker.client.connection_pool.disconnect()
-        consumer.close()
+        executor.close()
         guard.stop()
         close_http_clients()
     return 0

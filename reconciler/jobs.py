@@ -11,7 +11,6 @@ transaction, and nothing is held open while a lookup talks to a provider. Only
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -27,8 +26,9 @@ import redis
 
 from outbox import heartbeat, logs, outcomes, policy, sanitize, transport
 from outbox.fence import DUE_SQL, NEW_STATE_SQL, PAST_DEADLINE_SQL
-from outbox.handlers import DEFAULT_TIME_LIMIT_SECONDS, Confirmed, Delivery, Handler, idempotency_key
+from outbox.handlers import Confirmed, Deliveries, Handler, idempotency_key
 from outbox.schema import NOTIFY_CHANNEL
+from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS
 from outbox.validation import header_safe
 
 from .alerts import AlertHook, AlertRow, log_alert
@@ -233,45 +233,14 @@ RETURNING id
 """
 
 
-class _LookupHandler(Handler):
-    """A destination's handler whose ``http_client()`` is one the reconciler owns.
-
-    The worker's clients are per thread and closed all at once by ``close_http_clients``; the
-    reconciler may share a process with a worker (tests, the demo), so it keeps clients of its
-    own and closes exactly those.
-    """
-
-    _owned_client: httpx.Client
-
-    def http_client(self) -> httpx.Client:
-        return self._owned_client
-
-
-class LookupClients:
-    """HTTP clients for lookups, one per destination, kept across runs and closed by ``close``."""
+class LookupClients(Deliveries):
+    """The lookups' deliveries: one HTTP client per destination, kept across runs and closed by
+    ``close``. The reconciler may share a process with a worker (tests, the demo), so it owns
+    clients of its own and closes exactly those. A lookup runs outside any worker call, so its
+    clients have no send bound."""
 
     def __init__(self) -> None:
-        self._handlers: dict[str, _LookupHandler] = {}
-        self._lock = threading.Lock()
-
-    def handler_for(self, handler: Handler) -> Handler:
-        with self._lock:
-            wrapped = self._handlers.get(handler.destination)
-            if wrapped is None or wrapped.fn is not handler.fn or wrapped._owned_client.is_closed:
-                fields = {f.name: getattr(handler, f.name) for f in dataclasses.fields(handler)}
-                wrapped = _LookupHandler(**fields)
-                wrapped._owned_client = httpx.Client(timeout=handler.timeouts())
-                old = self._handlers.get(handler.destination)
-                if old is not None:
-                    old._owned_client.close()
-                self._handlers[handler.destination] = wrapped
-            return wrapped
-
-    def close(self) -> None:
-        with self._lock:
-            handlers, self._handlers = list(self._handlers.values()), {}
-        for h in handlers:
-            h._owned_client.close()
+        super().__init__(send_bound=False)
 
 
 def _settle(
@@ -523,16 +492,14 @@ def resolve_unknown(
                     counts["needs_human" if _park(conn, row_id, token, error) else "raced"] += 1
                     continue
 
-                delivery = Delivery(
+                delivery = lookup_clients.delivery(
+                    handler,
                     id=row_id,
                     key=key,
                     step=step,
-                    destination=destination,
                     payload=payload,
                     attempt=attempts,
-                    idempotency_key=idempotency_key(key, step),
                     deadline=deadline,
-                    handler=lookup_clients.handler_for(handler),
                 )
                 # No transaction is open here: the connection is in autocommit mode.
                 try:

@@ -27,12 +27,11 @@ from apscheduler.schedulers import SchedulerNotRunningError
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from outbox import transport
+from outbox import settings, transport
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
 from outbox.handlers import Handler
-from outbox.heartbeat import DEFAULT_NO_CONSUMER_CYCLES
-from outbox.settings import DEFAULT_NAMESPACE, Settings
+from outbox.settings import DEFAULT_NAMESPACE, DEFAULT_NO_CONSUMER_CYCLES, Settings
 
 from . import jobs
 from .alerts import AlertHook, log_alert
@@ -83,10 +82,10 @@ class Reconciler:
         handlers: Mapping[str, Handler],
         module: str,
         namespace: str = DEFAULT_NAMESPACE,
-        redispatch_after_seconds: float = 300.0,
-        retention_seconds: float = 7 * 86400.0,
-        ledger_horizon_seconds: float = 90 * 86400.0,
-        unknown_alert_after_seconds: float = 3600.0,
+        redispatch_after_seconds: float = settings.DEFAULT_REDISPATCH_AFTER_SECONDS,
+        retention_seconds: float = settings.DEFAULT_RETENTION_SECONDS,
+        ledger_horizon_seconds: float = settings.DEFAULT_LEDGER_HORIZON_SECONDS,
+        unknown_alert_after_seconds: float = settings.DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS,
         alert_hook: AlertHook = log_alert,
         redispatch_grace_seconds: float = jobs.DEFAULT_REDISPATCH_GRACE_SECONDS,
         name: str | None = None,

@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import redis
 
-from outbox import transport
+from outbox import settings, transport
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
 from outbox.logs import first_line
@@ -114,10 +114,10 @@ class Relay:
         *,
         database_url: str,
         redis_url: str,
-        namespace: str = "outbox",
-        batch_size: int = 1000,
-        poll_interval_seconds: float = 1.0,
-        parallel: int = 2,
+        namespace: str = settings.DEFAULT_NAMESPACE,
+        batch_size: int = settings.DEFAULT_RELAY_BATCH_SIZE,
+        poll_interval_seconds: float = settings.DEFAULT_POLL_INTERVAL_SECONDS,
+        parallel: int = settings.DEFAULT_RELAY_CLAIMERS,
         failover_guard: FailoverGuard | None = None,
     ) -> None:
         self.database_url = database_url

@@ -9,6 +9,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 import redis
@@ -17,7 +18,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import fence, ops, transport
-from outbox.consumer import Consumer, RunResult
+from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
 from outbox.settings import libpq_url
 
@@ -70,10 +71,10 @@ def attempts(services, row_id: int) -> list[tuple]:
 
 @pytest.fixture
 def consumer(clean):
-    consumers: list[Consumer] = []
+    consumers: list[Executor] = []
 
-    def make() -> Consumer:
-        c = Consumer(clean.database_url, registry())
+    def make() -> Executor:
+        c = Executor(clean.database_url, registry())
         consumers.append(c)
         return c
 
@@ -156,8 +157,63 @@ def test_permanent_error_fails_with_reason(clean, engine, provider, consumer):
     (row_id,) = write_rows(engine, payload={"amount_cents": -1})
     assert consumer().deliver(row_id, "payments.charge") is RunResult.FAILED
     r = row(clean, row_id)
-    assert r["state"] == "failed" and r["last_error"] == "card declined"
-    assert provider.stats()["charges"] == 0
+    # The handler's PermanentError does not say which status it saw: the one the provider
+    # answered through d.http is kept, on the fence row and in the reason.
+    assert r["state"] == "failed" and r["last_error"] == "card declined (HTTP 402)"
+    assert attempts(clean, row_id) == [(1, "failed", 402, "card declined (HTTP 402)")]
+    assert provider.stats()["charges"] == 0 and provider.stats()["declined"] == 1
+    with engine.connect() as conn:
+        detail = ops.show(conn, row_id)
+    assert isinstance(detail, ops.RowDetail) and detail.attempts[0]["http_status"] == 402
+    assert " 402 " in detail.render()
+
+
+def test_permanent_error_raised_from_a_status_error_keeps_its_status(clean, engine, provider, consumer):
+    @outbox.handler("payments.charge", time_limit=2, backoff=(1, 5))
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        r = d.http.post(
+            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+        )
+        try:
+            r.raise_for_status()
+        except httpx.HTTPStatusError as exc:
+            raise outbox.PermanentError("refused") from exc
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    (row_id,) = write_rows(engine, payload={"amount_cents": -1})
+    assert consumer().deliver(row_id, "payments.charge") is RunResult.FAILED
+    assert attempts(clean, row_id) == [(1, "failed", 402, "refused (HTTP 402)")]
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["no-call", "after-a-2xx"])
+def test_permanent_error_without_a_4xx_answer_has_no_status(clean, engine, provider, consumer, answered):
+    @outbox.handler("payments.charge", time_limit=2, backoff=(1, 5))
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        if answered:
+            d.http.get(f"{provider.url}/_stats").raise_for_status()
+        raise outbox.PermanentError("currency not supported")
+
+    (row_id,) = write_rows(engine)
+    assert consumer().deliver(row_id, "payments.charge") is RunResult.FAILED
+    assert attempts(clean, row_id) == [(1, "failed", None, "currency not supported")]
+
+
+def test_a_status_seen_in_one_call_is_not_kept_by_the_next(clean, engine, provider, consumer):
+    """The status is the current call's: a decline followed by a call that raises before any
+    request keeps none."""
+    charge_handler(provider)
+    declined, plain = write_rows(engine, 2, payload={"amount_cents": -1})
+    c = consumer()
+    assert c.deliver(declined, "payments.charge") is RunResult.FAILED
+    outbox.handlers.clear_registry()
+
+    @outbox.handler("payments.charge", time_limit=2, backoff=(1, 5))
+    def refuse(d: outbox.Delivery) -> outbox.Confirmed:
+        raise outbox.PermanentError("refused before calling")
+
+    c.handlers["payments.charge"] = refuse
+    assert c.deliver(plain, "payments.charge") is RunResult.FAILED
+    assert attempts(clean, plain) == [(1, "failed", None, "refused before calling")]
 
 
 def test_connect_error_is_retried(clean, engine, consumer):

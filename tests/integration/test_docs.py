@@ -56,8 +56,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
 from outbox import cli, policy, settings, states
-from outbox.consumer import Consumer, RunResult
-from outbox.handlers import Delivery, Handler, close_http_clients
+from outbox.consumer import Executor, RunResult
+from outbox.handlers import Deliveries, Delivery, Handler, close_http_clients
 from outbox.settings import async_database_url, libpq_url
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -436,14 +436,16 @@ class Shop:
         self.services = services
         self.engine = engine
         self.provider = provider
-        self._consumers: list[Consumer] = []
+        self._consumers: list[Executor] = []
+        #: The deliveries lookups get, as the reconciler builds them.
+        self._lookups = Deliveries(send_bound=False)
 
     def write(self, key: str, step: str, destination: str, payload: dict[str, Any]) -> int:
         with Session(self.engine) as s, s.begin():
             return outbox.write(s, key=key, step=step, destination=destination, payload=payload).id
 
     def deliver(self, handler: Handler, row_id: int) -> RunResult:
-        consumer = Consumer(self.services.database_url, {handler.destination: handler})
+        consumer = Executor(self.services.database_url, {handler.destination: handler})
         self._consumers.append(consumer)
         return consumer.deliver(row_id, handler.destination)
 
@@ -463,21 +465,21 @@ class Shop:
 
     def delivery(self, handler: Handler, row_id: int) -> Delivery:
         row = self.row(row_id)
-        return Delivery(
+        assert row["destination"] == handler.destination
+        return self._lookups.delivery(
+            handler,
             id=row_id,
             key=row["key"],
             step=row["step"],
-            destination=row["destination"],
             payload=row["payload"],
             attempt=max(row["attempts"], 1),
-            idempotency_key=f"{row['key']}:{row['step']}",
             deadline=row["deadline"],
-            handler=handler,
         )
 
     def close(self) -> None:
         for consumer in self._consumers:
             consumer.close()
+        self._lookups.close()
         close_http_clients()
 
 

@@ -18,8 +18,8 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from outbox import Delivery, fence
-from outbox.consumer import Consumer, delivery_for
-from outbox.handlers import Handler, close_http_clients, registry
+from outbox.consumer import Executor, delivery_for
+from outbox.handlers import Deliveries, Handler, close_http_clients, registry
 from outbox.settings import libpq_url
 from outbox.testing.provider import ProviderSimulator
 from relay import Relay
@@ -165,7 +165,7 @@ def run_pipeline(services, chain: Chain, rounds: int = 10) -> None:
     relay = Relay(
         database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace
     )
-    consumer = Consumer(services.database_url, chain.handlers)
+    consumer = Executor(services.database_url, chain.handlers)
     try:
         for _ in range(rounds):
             relay.drain()
@@ -222,7 +222,7 @@ def claim(services, chain: Chain, step: str, key: str) -> Delivery:
         ).fetchone()
         claimed = fence.claim(conn, row_id=row_id, destination=handler.destination, lease_seconds=60)
     assert claimed is not None
-    return delivery_for(claimed, handler)
+    return delivery_for(claimed, handler, Deliveries())  # closed by close_http_clients()
 
 
 def expire_and_reconcile(services, chain: Chain) -> dict[str, int]:

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import cli, failover
-from outbox.consumer import Consumer, RunResult
+from outbox.consumer import Executor, RunResult
 from outbox.failover import FailoverGuard
 from outbox.handlers import close_http_clients, registry
 from outbox.settings import libpq_url
@@ -85,7 +85,7 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
     ) == [(True, True)]
 
     # The worker claims nothing: no fence row, no call, the row stays as it was.
-    consumer = Consumer(clean.database_url, registry(), failover_guard=guard)
+    consumer = Executor(clean.database_url, registry(), failover_guard=guard)
     try:
         assert consumer.deliver(ids[0], DEST) is RunResult.HALTED
     finally:
@@ -128,7 +128,7 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
     assert cli.main(["failover", "--database-url", clean.database_url]) == 0
     assert sql(clean, "SELECT note, mismatch FROM outbox_db_identity") == [("checked", None)]
     assert relay_once(clean) == 1  # the pending row goes out again
-    consumer = Consumer(clean.database_url, registry(), failover_guard=guard)
+    consumer = Executor(clean.database_url, registry(), failover_guard=guard)
     try:
         assert consumer.deliver(ids[2], DEST) is RunResult.SENT
     finally:
@@ -159,7 +159,7 @@ def test_a_new_connection_is_checked_before_its_first_claim_or_batch(
         "UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() WHERE id = %s",
         (ids[0],),
     )
-    consumer = Consumer(clean.database_url, registry(), failover_guard=guard)
+    consumer = Executor(clean.database_url, registry(), failover_guard=guard)
     try:
         assert consumer.deliver(ids[0], DEST) is RunResult.HALTED
     finally:

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import fence
-from outbox.consumer import Consumer, RunResult
+from outbox.consumer import Executor, RunResult
 from outbox.handlers import close_http_clients, registry
 from outbox.settings import libpq_url
 from reconciler import AlertRow
@@ -77,11 +77,11 @@ def db(clean: Any) -> Iterator[psycopg.Connection[Any]]:
 
 
 @pytest.fixture
-def consumer(clean: Any) -> Iterator[Callable[[], Consumer]]:
-    made: list[Consumer] = []
+def consumer(clean: Any) -> Iterator[Callable[[], Executor]]:
+    made: list[Executor] = []
 
-    def make() -> Consumer:
-        made.append(Consumer(clean.database_url, registry()))
+    def make() -> Executor:
+        made.append(Executor(clean.database_url, registry()))
         return made[-1]
 
     yield make

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import logging
 import socket
@@ -30,7 +31,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import audit, consumer, fence, ops, policy
-from outbox.consumer import RELEASE_ALERT_THRESHOLD, Consumer, RunResult
+from outbox.consumer import RELEASE_ALERT_THRESHOLD, Executor, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.settings import libpq_url
 from reconciler import Reconciler
@@ -106,11 +107,11 @@ def seconds_from_now(r: dict[str, Any], column: str) -> float:
 
 
 @pytest.fixture
-def consumers(clean: Any) -> Iterator[Callable[..., Consumer]]:
-    made: list[Consumer] = []
+def consumers(clean: Any) -> Iterator[Callable[..., Executor]]:
+    made: list[Executor] = []
 
-    def make(database_url: str | None = None) -> Consumer:
-        made.append(Consumer(database_url or clean.database_url, registry()))
+    def make(database_url: str | None = None) -> Executor:
+        made.append(Executor(database_url or clean.database_url, registry()))
         return made[-1]
 
     yield make
@@ -352,7 +353,7 @@ def test_a_call_past_its_time_limit_is_recorded_at_the_limit_and_its_late_answer
     assert row(clean, row_id)["provider_ref"] is None
     assert trickling.finished == 0
     # The thread that runs the calls was replaced: the next delivery runs normally.
-    charge.fn = lambda d: outbox.Confirmed(ref="ch_next")
+    c.handlers[DEST] = dataclasses.replace(charge, fn=lambda d: outbox.Confirmed(ref="ch_next"))
     (other,) = write_rows(engine, prefix="next")
     assert c.deliver(other, DEST) is RunResult.SENT
 
@@ -370,7 +371,7 @@ def test_an_expired_lease_is_looked_up_only_one_time_limit_later(clean, engine, 
         lookups.append(d.id)
         return original(d)
 
-    handler.lookup_fn = counting
+    handler.lookup(counting)
     (row_id,) = write_rows(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         assert fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30) is not None
@@ -677,11 +678,11 @@ def test_a_worker_paused_after_its_start_check_makes_no_call(clean, engine, prov
     real_delivery_for = consumer.delivery_for
     paused = threading.Event()
 
-    def pausing_delivery_for(claimed: Any, handler: Any) -> Any:
+    def pausing_delivery_for(claimed: Any, handler: Any, deliveries: Any) -> Any:
         if not paused.is_set() and threading.current_thread().name == "worker-A":
             paused.set()
             time.sleep(6.5)
-        return real_delivery_for(claimed, handler)
+        return real_delivery_for(claimed, handler, deliveries)
 
     monkeypatch.setattr(consumer, "delivery_for", pausing_delivery_for)
     (row_id,) = write_rows(engine)
@@ -711,10 +712,10 @@ def test_delivery_http_sends_nothing_past_the_calls_send_bound(provider):
     """The last line against a pause inside the call: past its bound, `d.http` refuses to send
     (certainly not sent, so a retry is safe) and the provider sees no request."""
     from outbox.exceptions import RetryableError
-    from outbox.handlers import set_send_bound
+    from outbox.handlers import Deliveries, set_send_bound
 
     charge = declare_charge(provider, time_limit=1)
-    client = charge.http_client()
+    client = Deliveries().client(charge)
     set_send_bound(time.monotonic() - 0.1)
     try:
         with pytest.raises(RetryableError, match="not sent"):

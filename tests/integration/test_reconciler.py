@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import fence, transport
-from outbox.consumer import Consumer, RunResult
+from outbox.consumer import Executor, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.schema import NOTIFY_CHANNEL
 from outbox.settings import libpq_url
@@ -135,11 +135,11 @@ def db(clean: Any) -> Iterator[psycopg.Connection[Any]]:
 
 
 @pytest.fixture
-def consumer(clean: Any) -> Iterator[Callable[[], Consumer]]:
-    made: list[Consumer] = []
+def consumer(clean: Any) -> Iterator[Callable[[], Executor]]:
+    made: list[Executor] = []
 
-    def make() -> Consumer:
-        made.append(Consumer(clean.database_url, registry()))
+    def make() -> Executor:
+        made.append(Executor(clean.database_url, registry()))
         return made[-1]
 
     yield make

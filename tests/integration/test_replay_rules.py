@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import fence, ops
 from outbox.cli import main
-from outbox.consumer import Consumer
+from outbox.consumer import Executor
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.settings import libpq_url
 from reconciler.jobs import resolve_unknown, send_alerts
@@ -110,11 +110,11 @@ def db(clean: Any) -> Iterator[psycopg.Connection[Any]]:
 
 
 @pytest.fixture
-def consumer(clean: Any) -> Iterator[Callable[[], Consumer]]:
-    made: list[Consumer] = []
+def consumer(clean: Any) -> Iterator[Callable[[], Executor]]:
+    made: list[Executor] = []
 
-    def make() -> Consumer:
-        made.append(Consumer(clean.database_url, registry()))
+    def make() -> Executor:
+        made.append(Executor(clean.database_url, registry()))
         return made[-1]
 
     yield make

@@ -2,7 +2,7 @@
 
 Everything the harness knows about the product's API is in this module, so that a change of
 signature is adapted here and nowhere else. Each wrapper calls the real code path (the relay's
-``run_once``, the worker's Dramatiq actor and ``Consumer``, the reconciler's ``run_job``, the
+``run_once``, the worker's Dramatiq actor and ``Executor``, the reconciler's ``run_job``, the
 operator commands of ``outbox.ops`` as the CLI calls them, ``outbox.write``/``outbox.cancel``).
 
 The harness only adds observation points around them:
@@ -41,7 +41,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import ops
 from outbox import transport as outbox_transport
-from outbox.consumer import Consumer
+from outbox.consumer import Executor
 from outbox.exceptions import ConfigError
 from outbox.handlers import Handler
 from reconciler import Reconciler
@@ -272,7 +272,8 @@ def _post_still_processing(d: outbox.Delivery, provider_url: str, tracker: Any, 
 
     thread = threading.Thread(target=send, name=f"oxil-provider-processing-{d.id}", daemon=True)
     thread.start()
-    waited = d.handler.timeouts().read or d.handler.time_limit
+    # The read timeout of d.http (Handler.timeouts), which the handler's Delivery carries.
+    waited = d.http.timeout.read
     thread.join(waited)
     if "response" in answer:
         return answer["response"]
@@ -321,7 +322,7 @@ class WorkerProcess:
             # to their queue as soon as its heartbeat is older than heartbeat_timeout.
             maintenance_chance=1_000_000,
         )
-        self.consumer = Consumer(_with_app_name(database_url, f"oxil-{self.name}"), handlers)
+        self.consumer = Executor(_with_app_name(database_url, f"oxil-{self.name}"), handlers)
         self.queues = sorted(handlers)
         self._declare_actor()
 

@@ -5,6 +5,7 @@ delivery tests (those use the real simulator over loopback)."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 
 import httpx
@@ -207,3 +208,114 @@ def test_lease_default_and_timeouts_inside_time_limit() -> None:
     assert _handler(time_limit=2, lease_seconds=3).start_margin_seconds == 0.5
     t = h.timeouts()
     assert t.connect + t.write + t.read <= h.time_limit
+
+
+def test_problems_lists_every_problem_at_once() -> None:
+    with pytest.raises(outbox.ConfigError) as info:
+        _handler(time_limit=30, lease_seconds=30.5, backoff=(10, 0), max_attempts=0)
+    message = str(info.value)
+    assert message.startswith("handler payments.charge: ")
+    for part in ("max_attempts", "backoff entry must be > 0", "by at least 1 s"):
+        assert part in message, part
+
+
+def test_problems_of_a_handler_built_without_the_decorator() -> None:
+    """What `outbox doctor` asks of a module that builds Handler objects itself."""
+    good = _handler()
+    assert good.problems() == []
+    bad = Handler(
+        destination="mail.XQ",
+        fn=lambda d: None,
+        time_limit=10,
+        max_attempts=3,
+        backoff=(1.0,),
+        idempotent=False,
+        key_ttl=60,
+        lease_seconds=30,
+    )
+    (problem,) = bad.problems()
+    assert "must not end in '.XQ'" in problem
+    bad = dataclasses.replace(good, destination="mail.send", lease_seconds=good.time_limit + 0.5)
+    assert bad.problems() == [
+        "mail.send: lease_seconds (30.5) must exceed time_limit (30) by at least 1 s, the room the "
+        "claim's round trip and the record need around the call"
+    ]
+    bad = dataclasses.replace(good, backoff=(40_000.0,), key_ttl=86_400.0)
+    assert [p.split(": ", 1)[1] for p in bad.problems()] == [
+        "the backoffs add up to 160000 s over 5 attempts, not under key_ttl (86400 s); the provider "
+        "would forget the Idempotency-Key before the last retry"
+    ]
+
+
+def test_handler_is_frozen_and_its_lookup_is_registered_by_destination() -> None:
+    h = _handler()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        h.time_limit = 5  # type: ignore[misc]
+    assert h.lookup_fn is None
+
+    @h.lookup
+    def find(d):  # pragma: no cover - never called
+        return None
+
+    assert h.lookup_fn is find
+    assert outbox.handlers.registry()["payments.charge"].lookup_fn is find
+    clear_registry()
+    assert h.lookup_fn is None
+
+
+def test_defaults_come_from_settings() -> None:
+    from outbox import settings
+
+    h = _handler()
+    assert (h.time_limit, h.max_attempts, h.backoff, h.key_ttl) == (
+        settings.DEFAULT_TIME_LIMIT_SECONDS,
+        settings.DEFAULT_MAX_ATTEMPTS,
+        settings.DEFAULT_BACKOFF_SECONDS,
+        settings.DEFAULT_KEY_TTL_SECONDS,
+    )
+    assert h.lease_seconds == settings.default_lease_seconds(h.time_limit) == 60
+
+
+def _status_error(code: int) -> httpx.HTTPStatusError:
+    request = httpx.Request("POST", "https://provider.test/charges")
+    return httpx.HTTPStatusError(
+        f"HTTP {code}", request=request, response=httpx.Response(code, request=request)
+    )
+
+
+def test_a_permanent_error_keeps_the_http_status() -> None:
+    h = _handler()
+    # The last answer d.http received during the call, when it is a 4xx.
+    d = decide_exception(h, outbox.PermanentError("card declined"), last_status=402)
+    assert (d.outcome, d.http_status, d.error) == (Outcome.FAILED, 402, "card declined (HTTP 402)")
+    for status in (None, 200, 503):
+        d = decide_exception(h, outbox.PermanentError("card declined"), last_status=status)
+        assert (d.http_status, d.error) == (None, "card declined")
+    # Raised from (or while handling) a status error: that status, whatever came last.
+    try:
+        try:
+            raise _status_error(422)
+        except httpx.HTTPStatusError as exc:
+            raise outbox.PermanentError("invalid amount") from exc
+    except outbox.PermanentError as exc:
+        d = decide_exception(h, exc, last_status=200)
+    assert (d.http_status, d.error) == (422, "invalid amount (HTTP 422)")
+    # `from None` hides what it was raised while handling.
+    try:
+        try:
+            raise _status_error(422)
+        except httpx.HTTPStatusError:
+            raise outbox.PermanentError("invalid amount") from None
+    except outbox.PermanentError as exc:
+        assert decide_exception(h, exc).http_status is None
+    # Already in the text: not repeated; a long text keeps the status at its end.
+    d = decide_exception(h, outbox.PermanentError("HTTP 402: card declined"), last_status=402)
+    assert (d.http_status, d.error) == (402, "HTTP 402: card declined")
+    d = decide_exception(h, outbox.PermanentError("x" * 1000), last_status=400)
+    assert d.error is not None and len(d.error) == 500 and d.error.endswith("… (HTTP 400)")
+    # A status error the default classification fails keeps its status, as before.
+    d = decide_exception(h, _status_error(404))
+    assert (d.outcome, d.http_status) == (Outcome.FAILED, 404)
+    # A retry is not a permanent error: no status borrowed from an earlier answer.
+    d = decide_exception(h, outbox.RetryableError("later"), last_status=404)
+    assert d.http_status is None

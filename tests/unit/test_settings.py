@@ -283,3 +283,34 @@ def test_migrate_help() -> None:
     assert proc.stdout.startswith("usage: outbox migrate")
     assert "--database-url" in proc.stdout
     assert "$OUTBOX_DATABASE_URL" in proc.stdout
+
+
+def test_every_default_is_defined_once_in_settings() -> None:
+    """The Settings fields, the relay's and the reconciler's constructors, @outbox.handler and the
+    heartbeat read their defaults from the module's DEFAULT_* constants, never a literal of their own."""
+    import inspect
+
+    from outbox import heartbeat
+    from reconciler.scheduler import Reconciler
+    from relay import Relay
+
+    fields = {f.name: f.default for f in dataclasses.fields(settings.Settings)}
+    assert fields["relay_batch_size"] == settings.DEFAULT_RELAY_BATCH_SIZE
+    assert fields["retention_seconds"] == settings.DEFAULT_RETENTION_SECONDS
+    assert fields["no_consumer_cycles"] == settings.DEFAULT_NO_CONSUMER_CYCLES
+    assert fields["failover_check_interval_seconds"] == settings.DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS
+    relay = inspect.signature(Relay).parameters
+    assert (
+        relay["batch_size"].default,
+        relay["parallel"].default,
+        relay["poll_interval_seconds"].default,
+    ) == (
+        settings.DEFAULT_RELAY_BATCH_SIZE,
+        settings.DEFAULT_RELAY_CLAIMERS,
+        settings.DEFAULT_POLL_INTERVAL_SECONDS,
+    )
+    reconciler = inspect.signature(Reconciler).parameters
+    for name in ("redispatch_after_seconds", "retention_seconds", "ledger_horizon_seconds"):
+        assert reconciler[name].default == fields[name], name
+    assert reconciler["unknown_alert_after_seconds"].default == settings.DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS
+    assert heartbeat.DEFAULT_HEARTBEAT_INTERVAL_SECONDS is settings.DEFAULT_HEARTBEAT_INTERVAL_SECONDS
