@@ -311,7 +311,7 @@ class _Terminal:
 def test_progress_is_a_live_panel_on_a_terminal_and_plain_lines_without_rich(monkeypatch):
     from types import SimpleNamespace
 
-    from outbox import demo_display
+    from outbox.demo import display as demo_display
 
     monkeypatch.setattr(demo_display, "sys", SimpleNamespace(stdout=_Terminal()))
     assert isinstance(demo_display.make_display(), demo_display.RichDisplay)
