@@ -1,10 +1,12 @@
-"""Handlers of the ``outbox demo`` shop: charge a card through the payment provider, and find a charge.
+"""Handlers of the example shop: charge a card through the payment provider, and find a charge.
 
-The demo's copy of ``examples/shop/handlers.py`` (the documented example), shipped inside the
-package so that ``outbox demo`` runs from an install. The demo runs ``outbox worker
-outbox.demo.handlers`` with ``SHOP_PROVIDER_URL`` naming its provider simulator and
-``SHOP_DESTINATION`` a destination of its own, so that its rows never reach the handlers of a
-real deployment sharing the database.
+They live in the package, not in ``examples/``, so that ``outbox demo`` runs from an install;
+``examples/shop/handlers.py`` re-exports them under the name the docs and docker compose use.
+Run them with ``outbox worker examples.shop.handlers`` (``outbox.demo.handlers`` from an
+install). The provider's address comes from ``SHOP_PROVIDER_URL`` (the demo and the tests start a
+simulator on 127.0.0.1). The destination is ``payments.charge`` unless ``SHOP_DESTINATION`` says
+otherwise: ``outbox demo`` uses a name of its own so that its rows can never reach the handlers
+of a real deployment sharing the database.
 """
 
 from __future__ import annotations

@@ -1,13 +1,35 @@
-"""The shop of ``outbox demo``: an order and its charge, written in ONE transaction.
+"""The example shop: an order and its charge, written in ONE transaction.
 
-The demo's copy of ``examples/shop/app.py`` (read that one: it is the documented example), shipped
-inside the package so that ``outbox demo`` runs from an install, where ``examples/`` does not
-exist. The demo starts it as ``python -m outbox.demo.shop`` with ``SHOP_ORDERS_TABLE``,
-``SHOP_KEY_PREFIX`` and ``SHOP_DESTINATION`` set to names of its own; its charges are carried by
-``outbox worker outbox.demo.handlers``::
+It lives in the package, not in ``examples/``, so that ``outbox demo`` runs from an install;
+``examples/shop/app.py`` re-exports it under the name the docs and docker compose use.
 
-    python -m outbox.demo.shop --rate 50 --orders 300    # then exit 0
-    python -m outbox.demo.shop --setup-only              # create or check the table, exit
+This is the pattern the outbox exists for. The order row and the outbox row that will charge
+for it are written by the same SQLAlchemy session inside the same transaction, which the
+*caller* owns::
+
+    with Session(engine) as session, session.begin():
+        place_order(session, customer="ada", amount_cents=1999)
+    # committed: the order exists AND its charge will happen (exactly once)
+    # rolled back: neither exists, and nothing will ever be charged
+
+So there is no window in which an order exists without its charge, or a charge without its
+order, whatever crashes when. ``place_order`` never commits and never opens a transaction of its
+own; ``outbox.write`` does not either. The outbox key is the business key (``order:42`` +
+``charge``), never a random UUID: writing it twice is a no-op, and the provider's
+Idempotency-Key is derived from it.
+
+The charge itself happens later, in ``outbox worker examples.shop.handlers`` (the demo
+names it ``outbox.demo.handlers``: the same module).
+
+Run as a program, the shop places orders at a steady rate (``docker compose`` and
+``outbox demo`` use this)::
+
+    python -m examples.shop.app --rate 5                  # until SIGTERM / Ctrl-C
+    python -m examples.shop.app --rate 50 --orders 300    # then exit 0
+    python -m outbox.demo.shop --setup-only               # the same program, from an install
+
+The database URL comes from ``--database-url`` or ``OUTBOX_DATABASE_URL`` (the shop and the
+outbox share one database: that is what makes the single transaction possible).
 """
 
 from __future__ import annotations
@@ -29,7 +51,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("examples.shop")
 
 # These three come from the environment only so that `outbox demo` can run against a database
 # of yours without touching an `orders` table or outbox keys of yours; an application would
@@ -157,7 +179,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m outbox.demo.shop",
+        prog="python -m examples.shop.app",
         description=(
             "The example shop: places orders at a steady rate, each order row and its charge "
             "outbox row in one transaction. Creates its orders table if missing (and refuses "
