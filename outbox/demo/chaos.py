@@ -49,24 +49,16 @@ class Counters:
     redis_flushes: int = 0
 
 
+@dataclass
 class Chaos:
     """Injects the faults of a plan when their time comes, and counts them."""
 
-    def __init__(
-        self,
-        supervisor: Supervisor,
-        servers: Servers,
-        namespace: str,
-        display: Display,
-        elapsed: Callable[[], float],
-        counters: Counters,
-    ) -> None:
-        self.sup = supervisor
-        self.servers = servers
-        self.namespace = namespace
-        self.display = display
-        self.elapsed = elapsed
-        self.counters = counters
+    sup: Supervisor
+    servers: Servers
+    namespace: str
+    display: Display
+    elapsed: Callable[[], float]
+    counters: Counters
 
     def step(self, plan: ChaosPlan, since_first_order: float) -> None:
         if plan.worker_kills and since_first_order >= plan.worker_kills[0]:
