@@ -61,7 +61,7 @@ def servers(args: argparse.Namespace, machine_redis_url: str, prefix: str) -> It
     if database_url and redis_url:
         yield database_url, redis_url, "external"
         return
-    from outbox.embedded import embedded_postgres, embedded_redis
+    from outbox.testing.embedded import embedded_postgres, embedded_redis
 
     with contextlib.ExitStack() as stack:
         directory = stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix))

@@ -38,7 +38,7 @@ worker process and prints where that worker's CPU goes per delivery.
 
 Servers: ``--database-url``/``--redis-url``, else ``OUTBOX_DATABASE_URL``/``OUTBOX_REDIS_URL``,
 else the machine's ``postgresql://postgres@127.0.0.1:5432/test`` and ``redis://…:6379/8`` when
-they answer, else embedded ones (``outbox.embedded``). Network traffic stays on 127.0.0.1 and
+they answer, else embedded ones (``outbox.testing.embedded``). Network traffic stays on 127.0.0.1 and
 every wait has a timeout. See bench/README.md (## e2e).
 """
 

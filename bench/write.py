@@ -207,7 +207,7 @@ def database(url: str | None) -> Iterator[tuple[str, str]]:
     if url:
         yield url, redact_url(url)
         return
-    from outbox.embedded import embedded_postgres
+    from outbox.testing.embedded import embedded_postgres
 
     with tempfile.TemporaryDirectory(prefix="outbox-bench-") as directory, warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -68,7 +68,7 @@ def _restore_logging() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def services() -> Iterator[Services]:
-    from outbox.embedded import embedded_postgres, embedded_redis
+    from outbox.testing.embedded import embedded_postgres, embedded_redis
 
     db_env = os.environ.get("OUTBOX_TEST_DATABASE_URL")
     redis_env = os.environ.get("OUTBOX_TEST_REDIS_URL")

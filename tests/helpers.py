@@ -13,9 +13,9 @@ from typing import Any
 import psycopg
 import redis
 
-from outbox.embedded import free_port as free_port  # re-exported for the tests
 from outbox.handlers import registry
 from outbox.settings import libpq_url
+from outbox.testing.embedded import free_port as free_port  # re-exported for the tests
 from outbox.worker import run_worker
 from relay import Relay
 

@@ -1,1 +1,2 @@
-"""The example shop: orders charged through the outbox (used by ``outbox demo`` and the tests)."""
+"""The example shop: orders charged through the outbox (its code is in ``outbox/demo``, shipped with
+the package for ``outbox demo``; these modules keep the names the docs, docker compose and tests use)."""

@@ -86,6 +86,69 @@ def test_the_demo_runs_with_chaos_and_ends_in_a_clean_audit():
     assert not Path(workdir).exists(), "the demo left its directory behind"
 
 
+# -- from an install ---------------------------------------------------------------------------------
+
+
+def outside_the_checkout(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with no PYTHONPATH entry inside the checkout: the editable install then maps only
+    the distribution's packages, as a wheel would install them, and ``examples`` is out of reach."""
+    env = dict(env)
+    kept = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and not _in_checkout(Path(p))]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
+    return env
+
+
+def _in_checkout(path: Path) -> bool:
+    resolved = path.resolve()
+    return resolved == ROOT or ROOT in resolved.parents
+
+
+@pytest.mark.timeout(180)
+def test_the_demo_runs_from_an_install_in_any_directory(tmp_path):
+    env = outside_the_checkout(demo_env())
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import importlib.util as u; "
+            "print(u.find_spec('examples') is None, u.find_spec('outbox.demo.shop') is not None)",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.stdout.split() == ["True", "True"], probe.stdout + probe.stderr
+    demo = subprocess.run(
+        [sys.executable, "-m", "outbox", "demo", "--orders", "10", "--rate", "20", "--no-chaos", "--plain"],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=150,
+    )
+    assert demo.returncode == 0, demo.stdout
+    assert_clean_audit(demo.stdout, 10)
+
+
+def test_every_package_of_outbox_is_in_the_distribution():
+    """A package missing from pyproject's list works in a checkout and is absent from the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "outbox").rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+    assert {"outbox.demo", "outbox.testing"} <= found
+    assert found - listed == set()
+
+
 # -- Ctrl-C ------------------------------------------------------------------------------------------
 
 
@@ -311,7 +374,7 @@ class _Terminal:
 def test_progress_is_a_live_panel_on_a_terminal_and_plain_lines_without_rich(monkeypatch):
     from types import SimpleNamespace
 
-    from outbox import demo_display
+    from outbox.demo import display as demo_display
 
     monkeypatch.setattr(demo_display, "sys", SimpleNamespace(stdout=_Terminal()))
     assert isinstance(demo_display.make_display(), demo_display.RichDisplay)

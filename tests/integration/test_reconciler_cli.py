@@ -18,9 +18,9 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import fence
-from outbox.embedded import embedded_redis
 from outbox.exceptions import ConfigError
 from outbox.settings import libpq_url
+from outbox.testing.embedded import embedded_redis
 from reconciler.alerts import load_alert_hook, log_alert
 
 MODULE = "examples.shop.handlers"

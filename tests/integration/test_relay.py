@@ -21,8 +21,8 @@ import redis
 from helpers import free_port, ids_by_state, published_row_ids, relay_once, sql, wait_for
 
 from outbox import transport
-from outbox.embedded import embedded_redis
 from outbox.settings import libpq_url
+from outbox.testing.embedded import embedded_redis
 from relay import Relay
 
 pytestmark = pytest.mark.timeout(120)

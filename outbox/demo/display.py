@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol
 
-from . import states
-from .demo_report import DemoAudit
+from .. import states
+from .report import DemoAudit
 
 
 @dataclass

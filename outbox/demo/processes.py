@@ -1,5 +1,5 @@
 """The processes of ``outbox demo``: started with their output in log files, killed for real,
-and never left behind.
+and never left behind; what each one runs, and the waits for each to be ready.
 
 Each child gets a session of its own, so a Ctrl-C in the terminal reaches only the demo, which
 then stops its children in order instead of having them all die mid-sentence at once. On
@@ -20,7 +20,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .embedded import die_with_parent
+from ..exceptions import ConfigError
+from ..testing.embedded import die_with_parent
+from .base import (
+    DROP_AFTER_RATE,
+    FAIL_BEFORE_RATE,
+    FAST_ENV,
+    HANDLERS,
+    SHOP,
+    WORKER_THREADS,
+    DemoFailed,
+)
 
 
 @dataclass
@@ -146,3 +156,92 @@ def kill_leftovers(marker: str) -> list[int]:
     if candidates:
         psutil.wait_procs(list(candidates.values()), timeout=3)
     return killed
+
+
+# -- the demo's processes --------------------------------------------------------------------------
+
+
+def start_provider(sup: Supervisor, url: str, seed: int, ready_file: Path) -> Child:
+    return sup.start(
+        "provider",
+        [
+            "-m",
+            "outbox.testing.provider",
+            "--port",
+            url.rsplit(":", 1)[1],
+            "--seed",
+            str(seed),
+            "--drop-after-rate",
+            str(DROP_AFTER_RATE),
+            "--fail-before-rate",
+            str(FAIL_BEFORE_RATE),
+            "--ready-file",
+            str(ready_file),
+        ],
+    )
+
+
+def start_shop_setup(sup: Supervisor) -> Child:
+    return sup.start("shop", ["-m", SHOP, "--setup-only"], name="shop-setup")
+
+
+def start_shop(sup: Supervisor, orders: int, rate: float, seed: int) -> Child:
+    return sup.start(
+        "shop",
+        ["-m", SHOP, "--rate", f"{rate:g}", "--orders", str(orders), "--seed", str(seed)],
+    )
+
+
+def start_relay(sup: Supervisor, *, name: str | None = None) -> Child:
+    return sup.start("relay", ["-m", "outbox", "relay"], name=name)
+
+
+def start_worker(sup: Supervisor, number: int) -> Child:
+    return sup.start(
+        "worker",
+        ["-m", "outbox", "worker", HANDLERS, "--threads", str(WORKER_THREADS)],
+        name=f"worker-{number}",
+    )
+
+
+def start_reconciler(sup: Supervisor) -> Child:
+    return sup.start(
+        "reconciler",
+        ["-m", "outbox", "reconcile", HANDLERS, "--interval", FAST_ENV["OUTBOX_RECONCILE_INTERVAL"]],
+    )
+
+
+def wait_for_provider(provider: Child, url: str, ready_file: Path) -> None:
+    deadline = time.monotonic() + 30
+    while not ready_file.exists():
+        if not provider.alive() or time.monotonic() > deadline:
+            raise DemoFailed(f"the provider simulator did not start on {url}:\n{provider.log_tail()}")
+        time.sleep(0.05)
+
+
+def wait_for_setup(setup: Child) -> None:
+    try:
+        code = setup.proc.wait(60)
+    except subprocess.TimeoutExpired as exc:
+        raise DemoFailed(f"the shop's table setup did not finish:\n{setup.log_tail()}") from exc
+    if code == 2:
+        # The shop refuses an orders table that is not its own; so does the demo.
+        raise ConfigError(setup.log_tail(3).splitlines()[-1].removeprefix("shop: "))
+    if code != 0:
+        raise DemoFailed(f"the shop's table setup failed (exit {code}):\n{setup.log_tail()}")
+
+
+def wait_until_started(markers: list[tuple[Child, str]], timeout_seconds: float = 30) -> None:
+    """Until each child's log holds its marker; DemoFailed if one exits or the time runs out."""
+    deadline = time.monotonic() + timeout_seconds
+    waiting = list(markers)
+    while waiting:
+        for child, marker in list(waiting):
+            if not child.alive():
+                raise DemoFailed(f"{child.name} exited with {child.proc.returncode}:\n{child.log_tail()}")
+            if child.log_contains(marker):
+                waiting.remove((child, marker))
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(c.name for c, _ in waiting)
+            raise DemoFailed(f"{names} did not start within {timeout_seconds:g} s")
+        time.sleep(0.1)

