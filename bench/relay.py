@@ -151,7 +151,7 @@ def child_drain(args: argparse.Namespace) -> None:
 
 
 def child_claim(args: argparse.Namespace) -> None:
-    from relay.relay import CLAIM_SQL
+    from outbox.transitions import DISPATCH_DUE_SQL
 
     cfg = settings.from_env()
     batch_size = args.batch_size or cfg.relay_batch_size
@@ -160,7 +160,7 @@ def child_claim(args: argparse.Namespace) -> None:
         start = time.monotonic()
         while True:
             with conn.transaction():
-                got = len(conn.execute(CLAIM_SQL, {"limit": batch_size}).fetchall())
+                got = len(conn.execute(DISPATCH_DUE_SQL, {"limit": batch_size}).fetchall())
             rows += got
             if got < batch_size:
                 break

@@ -1,20 +1,40 @@
-"""The row states of ``outbox_message`` and who moves a row out of each.
+"""The row states of ``outbox_message``, who moves a row out of each, and by which function.
 
-==============  ==========================================================  =====================
-state           meaning                                                     moved out by
-==============  ==========================================================  =====================
-``pending``     committed, waiting to be published (or retried at           relay
-                ``available_at``)
-``dispatched``  published to the broker, not yet claimed                    consumer claim;
-                                                                            reconciler re-queues
-``in_flight``   claimed; the external call may be under way                 consumer; reconciler
-                                                                            when the lease expires
-``unknown``     the call may or may not have taken effect                   reconciler lookup;
-                                                                            ``outbox resolve``
-``sent``        confirmed, ``provider_ref`` stored                          terminal (purged)
-``failed``      permanent error, attempts or deadline exhausted             ``outbox replay``
-``cancelled``   cancelled by the application before any claim               terminal (purged)
-==============  ==========================================================  =====================
+Every move is one guarded statement in :mod:`outbox.transitions` (the function named below);
+nothing else in the product writes ``outbox_message``.
+
+==============  ==================================  =================================================
+state           meaning                             moved out by (``outbox.transitions`` function)
+==============  ==================================  =================================================
+``pending``     committed, waiting to be published  relay: ``dispatch_due`` -> dispatched;
+                (or retried at ``available_at``)    consumer: ``claim`` -> in_flight (a redelivered
+                                                    message), ``fail_unhandled`` -> failed;
+                                                    application: ``cancel_by_key``; operator:
+                                                    ``cancel_rows`` -> cancelled
+``dispatched``  published to the broker, not yet    consumer: ``claim`` -> in_flight,
+                claimed                             ``fail_unhandled`` -> failed; relay:
+                                                    ``undispatch`` -> pending (Redis refused);
+                                                    reconciler: ``requeue`` -> pending (message
+                                                    lost); ``cancel_by_key``/``cancel_rows``
+``in_flight``   claimed; the external call may be   consumer: ``record`` -> sent/pending/failed/
+                under way                           unknown, ``release`` -> pending (no call made);
+                                                    reconciler: ``expire_leases`` -> unknown
+``unknown``     the call may or may not have taken  reconciler: ``settle_unknown`` -> sent/pending/
+                effect                              failed (``defer_unknown``, ``park_unknown``,
+                                                    ``park_past_key_ttl`` keep it unknown); consumer:
+                                                    ``record``/``release`` (its own late answer);
+                                                    operator: ``resolve_sent``/``resolve_not_sent``/
+                                                    ``resolve_failed``
+``sent``        confirmed, ``provider_ref`` stored  terminal; reconciler: ``purge`` -> key ledger
+``failed``      permanent error, attempts or        operator: ``replay_planned``/``replay_forced``
+                deadline exhausted                  -> pending; consumer: ``record`` -> sent (a late
+                                                    confirmation under the same claim)
+``cancelled``   cancelled before any call could     terminal; reconciler: ``purge`` -> key ledger
+                have taken effect
+==============  ==================================  =================================================
+
+Rows are created ``pending`` by ``insert`` (``outbox.write``). ``mark_alerted`` only marks a
+``failed`` or long-``unknown`` row as reported; ``close_abandoned`` serves ``outbox demo`` only.
 """
 
 from __future__ import annotations

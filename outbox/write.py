@@ -16,6 +16,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
 
 from . import settings as _settings
+from . import transitions
 from .exceptions import KeyConflict
 from .validation import check_aware, check_destination, check_key_step, encode_payload
 
@@ -31,16 +32,6 @@ class Written:
     created: bool
 
 
-_INSERT = text(
-    """
-    INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline)
-    VALUES (:key, :step, :destination, CAST(:payload AS jsonb),
-            COALESCE(CAST(:available_at AS timestamptz), now()), :deadline)
-    ON CONFLICT (key, step) DO NOTHING
-    RETURNING id
-    """
-)
-
 # Compared in the database so that jsonb's normalisation (key order, whitespace) decides. A
 # purged key answers from the ledger, by the hash of the same canonical jsonb text the purge
 # stored. One statement, one snapshot: a purge commits the row's deletion and its ledger entry
@@ -54,17 +45,6 @@ _EXISTING = text(
             AND payload_hash = outbox_payload_digest(CAST(:payload AS jsonb))
      FROM outbox_key_ledger WHERE key = :key AND step = :step)
     LIMIT 1
-    """
-)
-
-_CANCEL = text(
-    """
-    UPDATE outbox_message
-    SET state = 'cancelled', completed_at = now(), claim_token = NULL
-    WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched')
-      -- Not `attempts = 0`: a replay resets attempts, but its earlier claims may have charged.
-      AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id)
-    RETURNING id
     """
 )
 
@@ -164,7 +144,7 @@ def write(
     """
     params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
     _ensure_schema(target)
-    inserted = target.execute(_INSERT, params).scalar()
+    inserted = transitions.insert(target, params)
     existing = None if inserted is not None else target.execute(_EXISTING, params).first()
     return _conclude(inserted, existing, key, step)
 
@@ -179,7 +159,7 @@ def cancel(target: Session | Connection, *, key: str, step: str) -> bool:
     """
     check_key_step(key, step, new_row=False)
     _ensure_schema(target)
-    return target.execute(_CANCEL, {"key": key, "step": step}).first() is not None
+    return transitions.cancel_by_key(target, key=key, step=step)
 
 
 async def write_async(
@@ -196,7 +176,7 @@ async def write_async(
     """The :func:`write` twin for ``AsyncSession`` / ``AsyncConnection`` (psycopg async)."""
     params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
     await _ensure_schema_async(target)
-    inserted = (await target.execute(_INSERT, params)).scalar()
+    inserted = await transitions.insert_async(target, params)
     existing = None if inserted is not None else (await target.execute(_EXISTING, params)).first()
     return _conclude(inserted, existing, key, step)
 
@@ -205,7 +185,7 @@ async def cancel_async(target: AsyncSession | AsyncConnection, *, key: str, step
     """The :func:`cancel` twin for ``AsyncSession`` / ``AsyncConnection``."""
     check_key_step(key, step, new_row=False)
     await _ensure_schema_async(target)
-    return (await target.execute(_CANCEL, {"key": key, "step": step})).first() is not None
+    return await transitions.cancel_by_key_async(target, key=key, step=step)
 
 
 async def _ensure_schema_async(target: AsyncSession | AsyncConnection) -> None:

@@ -1,4 +1,6 @@
-"""Claim due `pending` rows in batches, publish them in one Redis pipeline, mark them `dispatched`.
+"""Take due `pending` rows in batches, publish them in one Redis pipeline, mark them `dispatched`.
+
+The relay *takes* rows (:func:`outbox.transitions.dispatch_due`); only a consumer *claims* one.
 
 The UPDATE, the publish and the COMMIT happen in that order inside one transaction, so a row is
 never `dispatched` unless its publish succeeded: a crash between publish and commit leaves it
@@ -19,45 +21,13 @@ from typing import Any
 import psycopg
 import redis
 
-from outbox import settings, transport
+from outbox import settings, transitions, transport
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
 from outbox.logs import first_line
 from outbox.schema import NOTIFY_CHANNEL
 
 logger = logging.getLogger(__name__)
-
-# The ids are locked first (SKIP LOCKED, so several relays share the load) and handed to the
-# UPDATE as an array, which keeps the UPDATE a primary-key lookup whatever the statistics say.
-# Joined to a CTE instead, with a backlog of 100,000 analyzed pending rows the planner chose a
-# hash join over a sequential scan of the whole table for every batch (EXPLAIN ANALYZE: 57 of
-# 85 ms per 1,000 rows; 40-50 ms this way). The outer UPDATE has no `state = 'pending'` of its
-# own on purpose: the rows are locked, so it would add nothing, and it makes the partial pending
-# index eligible, which the planner picked before the table's first ANALYZE, scanning the whole
-# index for each id (1 s per 1,000-row batch).
-# All rows of a batch get the same dispatched_at (now() is the transaction's start time).
-CLAIM_SQL = """
-UPDATE outbox_message
-SET state = 'dispatched', dispatched_at = now()
-WHERE id = ANY(ARRAY(
-    SELECT id FROM outbox_message
-    WHERE state = 'pending' AND available_at <= now()
-    ORDER BY available_at, id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-))
-RETURNING id, destination, dispatched_at
-"""
-
-# Rows of a destination whose publication Redis refused go back to `pending`, due again after
-# this long: left due, they would come first in every batch and, a batch of them, starve the
-# other destinations' rows behind them. One statement, in the claim's transaction.
-_UNCLAIM_SQL = """
-UPDATE outbox_message
-SET state = 'pending', dispatched_at = NULL,
-    available_at = now() + %(retry_after)s * interval '1 second'
-WHERE id = ANY(%(ids)s) AND state = 'dispatched'
-"""
 
 #: Seconds before the rows of a destination Redis refused are tried again.
 PUBLISH_RETRY_SECONDS = 10.0
@@ -167,22 +137,22 @@ class Relay:
     # -- one batch -----------------------------------------------------------------------------
 
     def run_once(self) -> BatchResult:
-        """Claim, publish and commit one batch; returns what was published."""
+        """Take, publish and commit one batch (pending -> dispatched); returns what was published."""
         result = BatchResult()
         conn = self.conn
         if self.failover_guard is not None and self.failover_guard.halted:
             return result
         try:
             with conn.transaction():
-                rows = conn.execute(CLAIM_SQL, {"limit": self.batch_size}).fetchall()
-                # Inside the transaction: if the publish raises, the claim rolls back and the
+                rows = transitions.dispatch_due(conn, limit=self.batch_size)
+                # Inside the transaction: if the publish raises, the move rolls back and the
                 # rows stay pending.
                 published = transport.publish_batch(self.redis, self.namespace, rows)
                 if published.failed:
                     # Only the refused destinations' rows: the others were published and are
                     # marked dispatched by this same commit.
                     refused = [r[0] for r in rows if r[1] in published.failed]
-                    conn.execute(_UNCLAIM_SQL, {"ids": refused, "retry_after": PUBLISH_RETRY_SECONDS})
+                    transitions.undispatch(conn, ids=refused, retry_after_seconds=PUBLISH_RETRY_SECONDS)
         except psycopg.OperationalError:
             # Closed rather than dropped, so that no half-dead connection lingers until GC.
             conn.close()

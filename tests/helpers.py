@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 import redis
 
+from outbox import transitions
 from outbox.handlers import registry
 from outbox.settings import libpq_url
 from outbox.testing.embedded import free_port as free_port  # re-exported for the tests
@@ -25,6 +26,16 @@ def sql(services: Any, statement: str, params: Any = None) -> list[tuple[Any, ..
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
         cur = conn.execute(statement, params)
         return cur.fetchall() if cur.description else []
+
+
+def elapse(target: Any, seconds: float, ids: Iterable[int] | None = None) -> int:
+    """Make ``seconds`` pass for the rows ``ids`` (all rows when None): the one way a test moves
+    time (:func:`outbox.transitions.elapse`). ``target``: a psycopg connection, or the services."""
+    chosen = list(ids) if ids is not None else None
+    if isinstance(target, psycopg.Connection):
+        return transitions.elapse(target, seconds, ids=chosen)
+    with psycopg.connect(libpq_url(target.database_url), autocommit=True) as conn:
+        return transitions.elapse(conn, seconds, ids=chosen)
 
 
 def ids_by_state(services: Any) -> dict[str, set[int]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import relay_once
+from helpers import elapse, relay_once
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
@@ -213,6 +213,9 @@ def test_a_failed_step_stops_the_chain(clean, engine, chain):
     assert chain_rows(clean, "invoice:INV-BAD") == [("issue", "failed", 1, 1)]
 
 
+LEASE_SECONDS = 60
+
+
 def claim(services, chain: Chain, step: str, key: str) -> Delivery:
     """Claim a row as a consumer would, and build the Delivery its handler gets."""
     handler = chain.handlers[chain.module.DESTINATIONS[step]]
@@ -220,7 +223,9 @@ def claim(services, chain: Chain, step: str, key: str) -> Delivery:
         (row_id,) = conn.execute(
             "SELECT id FROM outbox_message WHERE key = %s AND step = %s", (key, step)
         ).fetchone()
-        claimed = fence.claim(conn, row_id=row_id, destination=handler.destination, lease_seconds=60)
+        claimed = fence.claim(
+            conn, row_id=row_id, destination=handler.destination, lease_seconds=LEASE_SECONDS
+        )
     assert claimed is not None
     return delivery_for(claimed, handler, Deliveries())  # closed by close_http_clients()
 
@@ -230,13 +235,10 @@ def expire_and_reconcile(services, chain: Chain) -> dict[str, int]:
     from reconciler.jobs import expire_leases, resolve_unknown
 
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        conn.execute(
-            "UPDATE outbox_message SET lease_expires_at = now() - interval '1 second' "
-            "WHERE state = 'in_flight'"
-        )
+        # The dead worker's lease runs out, then the first lookup's wait (one time_limit).
+        elapse(conn, LEASE_SECONDS + 1)
         assert expire_leases(conn, chain.handlers) == 1
-        # The first lookup waits one time_limit; pretend that time has passed.
-        conn.execute("UPDATE outbox_message SET available_at = now() WHERE state = 'unknown'")
+        elapse(conn, max(h.time_limit for h in chain.handlers.values()) + 1)
         return resolve_unknown(conn, chain.handlers)
 
 

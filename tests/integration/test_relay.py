@@ -18,12 +18,13 @@ import dramatiq
 import psycopg
 import pytest
 import redis
-from helpers import free_port, ids_by_state, published_row_ids, relay_once, sql, wait_for
+from helpers import elapse, free_port, ids_by_state, published_row_ids, relay_once, sql, wait_for
 
 from outbox import transport
 from outbox.settings import libpq_url
 from outbox.testing.embedded import embedded_redis
 from relay import Relay
+from relay.relay import PUBLISH_RETRY_SECONDS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,7 +163,7 @@ def test_an_error_reply_holds_back_only_its_destination_and_the_connection_stays
         assert result.published == 5 and dict(result.refused) == {"bad": 5}
         assert ids_by_state(clean) == {"dispatched": set(range(1, 6)), "pending": set(range(6, 11))}
         redis_client.delete(f"{clean.namespace}:bad")
-        sql(clean, "UPDATE outbox_message SET available_at = now() WHERE state = 'pending'")
+        elapse(clean, PUBLISH_RETRY_SECONDS)
         assert relay.drain() == 5
     finally:
         relay.close()
@@ -190,7 +191,7 @@ def test_rows_are_not_published_before_they_are_due(clean, redis_client):
     assert sorted(published) == sorted(states["dispatched"]) and len(published) == 30
     assert sql(clean, "SELECT count(dispatched_at) FROM outbox_message WHERE state = 'pending'") == [(0,)]
 
-    sql(clean, "UPDATE outbox_message SET available_at = now() - interval '1 second' WHERE state = 'pending'")
+    elapse(clean, 3600, later)
     second = run_cli(env, "relay", "--once")
     assert second.returncode == 0, second.stderr
     assert second.stdout.strip() == "relay published 10 rows"
@@ -362,7 +363,7 @@ def test_a_queue_failing_in_a_parallel_drain_holds_back_only_its_rows_and_loses_
         assert states == {"dispatched": set(range(1, 2001)), "pending": set(range(2001, 2101))}
         assert set(published_row_ids(redis_client, clean.namespace, ["good"])) == states["dispatched"]
         redis_client.delete(f"{clean.namespace}:bad")
-        sql(clean, "UPDATE outbox_message SET available_at = now() WHERE state = 'pending'")
+        elapse(clean, PUBLISH_RETRY_SECONDS)
         relay.drain()
     finally:
         relay.close()

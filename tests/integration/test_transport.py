@@ -11,11 +11,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import elapse
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox.settings import libpq_url
 from relay import Relay
+from relay.relay import PUBLISH_RETRY_SECONDS
 
 GOOD = "payments.charge"
 BROKEN = "mail.send"
@@ -66,7 +68,7 @@ def test_a_refused_destination_leaves_its_rows_pending_and_the_others_are_publis
         with caplog.at_level(logging.ERROR, logger="relay"):
             result = relay.run_once()
             # Due again (as if the retry delay had passed): refused again, not logged again.
-            db.execute("UPDATE outbox_message SET available_at = now() WHERE state = 'pending'")
+            elapse(db, PUBLISH_RETRY_SECONDS)
             again = relay.run_once()
     finally:
         relay.close()
@@ -101,10 +103,7 @@ def test_a_batch_full_of_refused_rows_does_not_starve_the_others(clean, engine, 
     ns = clean.namespace
     ids = write_interleaved(engine, 6)
     # The broken destination's rows are the oldest due: every batch would start with them.
-    db.execute(
-        "UPDATE outbox_message SET available_at = now() - interval '1 hour' WHERE destination = %s",
-        (BROKEN,),
-    )
+    elapse(db, 3600, ids[BROKEN])
     redis_client.set(f"{ns}:{BROKEN}", "a cache entry")
     relay = make_relay(clean, batch_size=4, parallel=1)
     try:

@@ -1,0 +1,964 @@
+"""Every change of an ``outbox_message`` row: one guarded statement per move, all of them here.
+
+The product's safety rests on this: a row moves only if it is still where the mover saw it (its
+state, its claim token, its dispatch time or failure time), in ONE statement, so two movers
+acting at once cannot both win. To check that, a reviewer reads this module alone: nothing else
+in ``outbox``, ``relay`` or ``reconciler`` writes ``outbox_message``
+(tests/unit/test_transitions_home.py greps for it). The state table in :mod:`outbox.states`
+names the function behind each move.
+
+====================================  ==============================  ============================
+function                              move                            called by
+====================================  ==============================  ============================
+:func:`insert`                        (none) -> pending               ``outbox.write``
+:func:`cancel_by_key`                 pending/dispatched -> cancelled ``outbox.cancel``
+:func:`dispatch_due`                  pending -> dispatched           relay (a batch)
+:func:`undispatch`                    dispatched -> pending           relay (Redis refused)
+:func:`claim`                         pending/dispatched -> in_flight consumer
+:func:`record`                        in_flight/unknown -> any        consumer (the call's outcome)
+:func:`release`                       in_flight/unknown -> pending    consumer (no call was made)
+:func:`fail_unhandled`                pending/dispatched -> failed    consumer (no handler)
+:func:`expire_leases`                 in_flight -> unknown            reconciler
+:func:`settle_unknown`                unknown -> sent/pending/failed  reconciler (a lookup)
+:func:`defer_unknown`                 unknown (asked again later)     reconciler
+:func:`park_unknown`                  unknown (waits for a human)     reconciler
+:func:`park_past_key_ttl`             unknown (waits for a human)     reconciler
+:func:`requeue`                       dispatched -> pending           reconciler (message lost)
+:func:`purge`                         sent/cancelled -> key ledger    reconciler
+:func:`mark_alerted`                  failed/unknown (alerted once)   reconciler
+:func:`replay_planned`                failed -> pending               ``outbox replay``
+:func:`replay_forced`                 failed -> pending               ``outbox replay --force``
+:func:`resolve_sent`                  unknown -> sent                 ``outbox resolve --sent``
+:func:`resolve_not_sent`              unknown -> pending              ``outbox resolve --not-sent``
+:func:`resolve_failed`                unknown -> failed               ``outbox resolve --failed``
+:func:`cancel_rows`                   pending/dispatched -> cancelled ``outbox cancel``
+:func:`close_abandoned`               any open -> cancelled/failed    ``outbox demo`` (its own rows)
+:func:`elapse`                        (instants only)                 tests: time passes
+====================================  ==============================  ============================
+
+Connections: the application's moves take the caller's SQLAlchemy ``Session``/``Connection``
+(the caller owns the transaction: nothing here commits), as do the operator's; the relay's,
+the consumer's and the reconciler's take psycopg connections, in autocommit mode unless said.
+
+One clock: every instant these statements compare is computed in SQL from the database's clock.
+Python passes intervals (a lease, a backoff, a wait before the first lookup), never a timestamp
+of its own; only the application's own ``available_at``/``deadline`` come from outside.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from . import outcomes, sanitize
+from .schema import NOTIFY_CHANNEL
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
+
+
+def _text(sql: str) -> Any:
+    # SQLAlchemy is imported when an application or operator move first runs, not with this
+    # module: the relay, the worker and the reconciler speak psycopg only.
+    from sqlalchemy import text
+
+    return text(sql)
+
+
+# == the application: write and cancel, in the caller's transaction ================================
+
+_INSERT = """
+INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline)
+VALUES (:key, :step, :destination, CAST(:payload AS jsonb),
+        COALESCE(CAST(:available_at AS timestamptz), now()), :deadline)
+ON CONFLICT (key, step) DO NOTHING
+RETURNING id
+"""
+
+_CANCEL_BY_KEY = """
+UPDATE outbox_message
+SET state = 'cancelled', completed_at = now(), claim_token = NULL
+WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched')
+  -- Not `attempts = 0`: a replay resets attempts, but its earlier claims may have charged.
+  AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id)
+RETURNING id
+"""
+
+
+def insert(target: Session | Connection, params: Mapping[str, Any]) -> int | None:
+    """(none) -> ``pending``: the new row's id, or None when ``(key, step)`` exists already (or is
+    in the key ledger: the insert guard trigger then inserts nothing)."""
+    return target.execute(_text(_INSERT), params).scalar()
+
+
+async def insert_async(target: AsyncSession | AsyncConnection, params: Mapping[str, Any]) -> int | None:
+    return (await target.execute(_text(_INSERT), params)).scalar()
+
+
+def cancel_by_key(target: Session | Connection, *, key: str, step: str) -> bool:
+    """``pending``/``dispatched`` -> ``cancelled``, only for a row no consumer ever claimed (no
+    fence row): once a call was attempted it may have taken effect."""
+    return target.execute(_text(_CANCEL_BY_KEY), {"key": key, "step": step}).first() is not None
+
+
+async def cancel_by_key_async(target: AsyncSession | AsyncConnection, *, key: str, step: str) -> bool:
+    return (await target.execute(_text(_CANCEL_BY_KEY), {"key": key, "step": step})).first() is not None
+
+
+# == the relay ======================================================================================
+
+# The ids are locked first (SKIP LOCKED, so several relays share the load) and handed to the
+# UPDATE as an array, which keeps the UPDATE a primary-key lookup whatever the statistics say.
+# Joined to a CTE instead, with a backlog of 100,000 analyzed pending rows the planner chose a
+# hash join over a sequential scan of the whole table for every batch (EXPLAIN ANALYZE: 57 of
+# 85 ms per 1,000 rows; 40-50 ms this way). The outer UPDATE has no `state = 'pending'` of its
+# own on purpose: the rows are locked, so it would add nothing, and it makes the partial pending
+# index eligible, which the planner picked before the table's first ANALYZE, scanning the whole
+# index for each id (1 s per 1,000-row batch).
+# All rows of a batch get the same dispatched_at (now() is the transaction's start time).
+DISPATCH_DUE_SQL = """
+UPDATE outbox_message
+SET state = 'dispatched', dispatched_at = now()
+WHERE id = ANY(ARRAY(
+    SELECT id FROM outbox_message
+    WHERE state = 'pending' AND available_at <= now()
+    ORDER BY available_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+))
+RETURNING id, destination, dispatched_at
+"""
+
+# Rows of a destination whose publication Redis refused go back to `pending`, due again after
+# this long: left due, they would come first in every batch and, a batch of them, starve the
+# other destinations' rows behind them. One statement, in the relay's transaction.
+_UNDISPATCH = """
+UPDATE outbox_message
+SET state = 'pending', dispatched_at = NULL,
+    available_at = now() + %(retry_after)s * interval '1 second'
+WHERE id = ANY(%(ids)s) AND state = 'dispatched'
+"""
+
+
+def dispatch_due(conn: psycopg.Connection[Any], *, limit: int) -> list[Any]:
+    """``pending`` -> ``dispatched`` for up to ``limit`` due rows, oldest due first; returns
+    ``(id, destination, dispatched_at)`` per row. Run it in the transaction that publishes the
+    rows: if the publish raises, the move rolls back with it. (The relay "takes" rows; only a
+    consumer "claims" one.)"""
+    return conn.execute(DISPATCH_DUE_SQL, {"limit": limit}).fetchall()
+
+
+def undispatch(conn: psycopg.Connection[Any], *, ids: Sequence[int], retry_after_seconds: float) -> None:
+    """``dispatched`` -> ``pending``, due ``retry_after_seconds`` from now: rows whose publication
+    Redis refused, in the transaction that took them."""
+    conn.execute(_UNDISPATCH, {"ids": list(ids), "retry_after": retry_after_seconds})
+
+
+# == the consumer ===================================================================================
+
+# The lease counts from when the row is held: the `held` CTE takes the row lock first, so the
+# `clock_timestamp()` of the UPDATE is read after any lock wait (the relay between its push and
+# its commit, an application transaction holding the row, even one that only ran SELECT … FOR
+# UPDATE), where the statement's `now()` would date from before it. A commit wait after the
+# statement is not covered here: the worker bounds that with its own monotonic clock.
+_CLAIM = """
+WITH held AS (
+    SELECT id FROM outbox_message
+    WHERE id = %(id)s
+      AND destination = %(destination)s
+      AND (state = 'dispatched' OR (state = 'pending' AND available_at <= now()))
+    FOR UPDATE
+), claimed AS (
+    UPDATE outbox_message m
+    SET state = 'in_flight',
+        claim_token = %(token)s,
+        attempts = m.attempts + 1,
+        claimed_at = clock_timestamp(),
+        lease_expires_at = clock_timestamp() + %(lease_seconds)s * interval '1 second'
+    FROM held
+    WHERE m.id = held.id
+      AND m.destination = %(destination)s
+      AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
+    RETURNING m.id, m.key, m.step, m.destination, m.payload, m.attempts, m.deadline, m.claim_token,
+              m.deadline <= clock_timestamp() AS deadline_passed
+), fence AS (
+    INSERT INTO outbox_attempt (message_id, attempt, claim_token)
+    SELECT id, attempts, claim_token FROM claimed
+)
+SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
+       COALESCE(deadline_passed, false)
+FROM claimed
+"""
+
+#: SQL fragments shared by the record and the reconciler's settlement of a lookup: when a
+#: row is due again (``%(delay)s`` seconds from the database's now, or NULL to keep
+#: ``available_at``), and whether a retry would fall on or after the row's deadline, in which
+#: case the row is failed instead (with ``%(deadline_error)s`` as its reason).
+DUE_SQL = "now() + CAST(%(delay)s AS float8) * interval '1 second'"
+PAST_DEADLINE_SQL = f"(%(state)s = 'pending' AND deadline IS NOT NULL AND {DUE_SQL} >= deadline)"
+NEW_STATE_SQL = f"(CASE WHEN {PAST_DEADLINE_SQL} THEN 'failed' ELSE %(state)s END)"
+
+# The message row moves only if this claim still owns it: a late recording after the lease was
+# taken over updates the attempt row alone, marked superseded. An `unknown` row with the same
+# token is this claim's own call, expired by the reconciler: the worker's answer is better
+# evidence than a lookup, so it may still settle it.
+_RECORD = f"""
+WITH moved AS (
+    UPDATE outbox_message
+    SET state = {NEW_STATE_SQL},
+        provider_ref = COALESCE(%(ref)s, provider_ref),
+        response = COALESCE(CAST(%(response)s AS jsonb), response),
+        last_error = CASE WHEN {PAST_DEADLINE_SQL} THEN %(deadline_error)s ELSE %(error)s END,
+        available_at = COALESCE({DUE_SQL}, available_at),
+        completed_at = CASE WHEN {NEW_STATE_SQL} IN ('sent', 'failed') THEN now() END,
+        unknown_since = CASE WHEN %(state)s = 'unknown' THEN COALESCE(unknown_since, now()) END,
+        dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
+        -- A row alerted while unknown and then settled must be able to alert again (failed).
+        alerted_at = NULL,
+        lease_expires_at = NULL
+    -- A confirmed answer also settles a row that a lookup sent back (pending, dispatched) or
+    -- failed while this claim's call was still on its way, as long as no newer claim owns it:
+    -- the provider's confirmation beats the lookup's earlier "not found".
+    WHERE id = %(id)s AND claim_token = %(token)s
+      AND (state IN ('in_flight', 'unknown')
+           OR (%(state)s = 'sent' AND state IN ('pending', 'dispatched', 'failed')))
+    RETURNING id, state, last_error
+)
+UPDATE outbox_attempt
+SET finished_at = now(),
+    -- An ambiguous call keeps "unknown" on its fence row even when the row fails (an idempotent
+    -- destination out of attempts or past its deadline): a later replay must see it
+    -- (outbox.outcomes).
+    outcome = COALESCE((SELECT CASE WHEN state = 'failed' AND %(outcome)s <> 'unknown' THEN 'failed'
+                                    ELSE %(outcome)s END FROM moved),
+                       'superseded:' || %(outcome)s),
+    http_status = %(http_status)s,
+    error = COALESCE((SELECT last_error FROM moved), %(error)s),
+    -- An ambiguous call retried on an idempotent destination (outbox.outcomes): covered by the
+    -- provider's deduplication, which is not a settlement for a later replay.
+    -- A late record keeps what a lookup or an operator settled meanwhile.
+    settled = CASE WHEN %(outcome)s = 'unknown' AND (SELECT state FROM moved) = 'pending'
+                        AND settled IS NULL
+                   THEN 'idempotent_retry' ELSE settled END,
+    settled_at = CASE WHEN %(outcome)s = 'unknown' AND (SELECT state FROM moved) = 'pending'
+                           AND settled IS NULL
+                      THEN now() ELSE settled_at END
+WHERE claim_token = %(token)s
+RETURNING (SELECT state FROM moved)
+"""
+
+# The claim is given back without a call: the row is due again at once (the relay re-publishes
+# it), the claim is not counted as an attempt, and the fence row says `released`. From `unknown`
+# too: the reconciler may have expired the lease meanwhile, but this claim knows no call was
+# made, which is better evidence than any lookup.
+_RELEASE = f"""
+WITH released AS (
+    UPDATE outbox_message
+    SET state = 'pending',
+        attempts = GREATEST(attempts - 1, 0),
+        releases = releases + 1,
+        available_at = now(),
+        dispatched_at = NULL,
+        lease_expires_at = NULL,
+        unknown_since = NULL,
+        alerted_at = NULL,
+        last_error = %(reason)s
+    WHERE id = %(id)s AND claim_token = %(token)s AND state IN ('in_flight', 'unknown')
+    RETURNING id, key, step, releases
+), fenced AS (
+    UPDATE outbox_attempt
+    SET outcome = 'released', finished_at = now(), error = %(reason)s
+    WHERE claim_token = %(token)s AND EXISTS (SELECT 1 FROM released)
+)
+SELECT key, step, releases, pg_notify('{NOTIFY_CHANNEL}', '') FROM released
+"""
+
+# For a message whose destination no handler in this deploy knows: never retried forever.
+_FAIL_UNHANDLED = """
+UPDATE outbox_message
+SET state = 'failed', completed_at = now(), last_error = %(error)s
+WHERE id = %(id)s AND state IN ('pending', 'dispatched')
+RETURNING id
+"""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    id: int
+    key: str
+    step: str
+    destination: str
+    payload: dict[str, Any]
+    attempt: int
+    deadline: datetime | None
+    token: uuid.UUID
+    #: The row's deadline had passed when the claim held it (on the database's clock).
+    deadline_passed: bool = False
+
+
+@dataclass(frozen=True)
+class Released:
+    key: str
+    step: str
+    #: How many claims of this row have been released so far, this one included.
+    releases: int
+
+
+def claim(
+    conn: psycopg.Connection[Any],
+    *,
+    row_id: int,
+    destination: str,
+    lease_seconds: float,
+    token: uuid.UUID | None = None,
+) -> Claimed | None:
+    """Move the row to `in_flight` under a new claim token and insert its fence row.
+
+    None when the row is not claimable (already claimed, settled, cancelled, not yet due, or
+    not for this destination): the run is then empty. Pass ``token`` to know it before the
+    statement is sent: if its reply is lost, the token says whether the claim committed.
+    """
+    row = conn.execute(
+        _CLAIM,
+        {
+            "token": token or uuid.uuid4(),
+            "lease_seconds": float(lease_seconds),
+            "id": row_id,
+            "destination": destination,
+        },
+    ).fetchone()
+    if row is None:
+        return None
+    return Claimed(*row)
+
+
+def record(
+    conn: psycopg.Connection[Any],
+    *,
+    row_id: int,
+    token: uuid.UUID,
+    state: str,
+    outcome: str,
+    ref: str | None = None,
+    response: dict[str, Any] | None = None,
+    error: str | None = None,
+    http_status: int | None = None,
+    delay_seconds: float | None = None,
+    deadline_error: str | None = None,
+) -> str | None:
+    """Record a claim's outcome; the state the row moved to, or None when a newer claim owns it.
+
+    ``delay_seconds``: the row is due again that long after the database's now (the backoff of
+    a retry, the wait before the first lookup of an unknown row). A retry that would fall on or
+    after the row's deadline fails the row instead, with ``deadline_error`` as its reason.
+
+    What the provider sent is stored through :mod:`outbox.sanitize` (storable, no card data).
+    Should the database still refuse it, the row is recorded without the response summary: a
+    confirmed charge must reach `sent`, never stay `in_flight` because of its summary.
+    """
+    params = {
+        **_stored(ref=ref, response=response, error=error, deadline_error=deadline_error),
+        "state": state,
+        "outcome": outcome,
+        "delay": float(delay_seconds) if delay_seconds is not None else None,
+        "http_status": http_status,
+        "id": row_id,
+        "token": token,
+    }
+    try:
+        row = conn.execute(_RECORD, params).fetchone()
+    except psycopg.DataError as exc:
+        # Autocommit: the refused statement changed nothing; the second one stores no summary.
+        params["response"] = sanitize.encode_response({"unstorable_response": type(exc).__name__})
+        # A database whose encoding is not UTF-8 refuses some characters: ASCII always fits.
+        if ref is not None and not str(params["ref"]).isascii():
+            params["ref"] = str(params["ref"]).encode("ascii", "backslashreplace").decode()
+        for name in ("error", "deadline_error"):
+            text = params[name]
+            if isinstance(text, str):
+                params[name] = text.encode("ascii", "replace").decode()
+        row = conn.execute(_RECORD, params).fetchone()
+    return row[0] if row else None
+
+
+def release(conn: psycopg.Connection[Any], *, row_id: int, token: uuid.UUID, reason: str) -> Released | None:
+    """Give back a claim that made no call; None when ``token`` does not own the row (the claim
+    never committed, or the row has moved on)."""
+    row = conn.execute(_RELEASE, {"id": row_id, "token": token, "reason": reason}).fetchone()
+    return Released(row[0], row[1], row[2]) if row else None
+
+
+def fail_unhandled(conn: psycopg.Connection[Any], *, row_id: int, error: str) -> bool:
+    """``pending``/``dispatched`` -> ``failed``: no handler in this deploy knows its destination."""
+    params = {"id": row_id, "error": sanitize.clean_text(error)}
+    return conn.execute(_FAIL_UNHANDLED, params).fetchone() is not None
+
+
+def _stored(
+    *, ref: str | None, response: dict[str, Any] | None, error: str | None, deadline_error: str | None
+) -> dict[str, Any]:
+    """What a provider or a lookup answered, as stored (:mod:`outbox.sanitize`: storable, no card
+    data); shared by :func:`record` and :func:`settle_unknown`."""
+    return {
+        "ref": sanitize.clean_ref(ref) if ref is not None else None,
+        "response": sanitize.encode_response(response),
+        "error": sanitize.clean_optional_text(error),
+        "deadline_error": sanitize.clean_optional_text(deadline_error or error),
+    }
+
+
+# == the reconciler =================================================================================
+
+# The claim token is kept: a late recording by the same claim is better evidence than a lookup
+# and may still settle the row (see :func:`record`). The fence row is closed in the same statement,
+# so an operator sees why the claim ended. The first lookup waits one time_limit of the row's
+# destination (on the database's clock): a call that overran its lease may still be landing at
+# the provider, and a lookup before it lands would find nothing and let the row be charged again.
+_EXPIRE_LEASES = """
+WITH waits AS (
+    SELECT * FROM unnest(CAST(%(destinations)s AS text[]), CAST(%(waits)s AS float8[]))
+        AS w(destination, seconds)
+), expired AS (
+    UPDATE outbox_message m
+    SET state = 'unknown',
+        unknown_since = now(),
+        available_at = now() + COALESCE(
+            (SELECT w.seconds FROM waits w WHERE w.destination = m.destination),
+            %(default_wait)s) * interval '1 second',
+        lease_expires_at = NULL,
+        last_error = %(error)s
+    WHERE state = 'in_flight' AND lease_expires_at < now()
+    RETURNING id, claim_token
+), fenced AS (
+    UPDATE outbox_attempt a
+    SET outcome = 'lease_expired', finished_at = now()
+    FROM expired e
+    WHERE a.claim_token = e.claim_token AND a.finished_at IS NULL
+    RETURNING a.id
+)
+SELECT (SELECT count(*) FROM expired), (SELECT count(*) FROM fenced)
+"""
+
+
+# A call of this row that the provider may hold and may have forgotten by now.
+_CALL_OLDER_THAN_KEY_TTL = f"""
+SELECT 1 FROM outbox_attempt a
+WHERE a.message_id = outbox_message.id AND {outcomes.may_have_taken_effect_sql("a")}
+  AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second'
+"""
+
+# Parks a row whose lookup said "not found" when a call is older than key_ttl; a new reason is
+# alerted again (alerted_at cleared), the same one only once.
+_PARK_PAST_KEY_TTL = f"""
+UPDATE outbox_message
+SET available_at = now() + %(seconds)s * interval '1 second',
+    alerted_at = CASE WHEN last_error IS DISTINCT FROM %(error)s THEN NULL ELSE alerted_at END,
+    last_error = %(error)s
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+  AND EXISTS ({_CALL_OLDER_THAN_KEY_TTL})
+RETURNING id
+"""
+
+
+# Resolution of an unknown row by a lookup: sent, pending (retry) or failed. The history entry
+# names what the reconciler saw, never the payload. A retry is due %(delay)s seconds from the
+# database's now, and fails the row instead when that falls on or after its deadline. A "not
+# found" (or an idempotent retry) marks the row's ambiguous fence rows in the same statement
+# (outbox.outcomes), and only while every call that may have taken effect is younger than the
+# destination's key_ttl (database clock): past it, the provider may have forgotten the call, and
+# the row does not move.
+_SETTLE_UNKNOWN = f"""
+WITH moved AS (
+UPDATE outbox_message
+SET state = {NEW_STATE_SQL},
+    provider_ref = COALESCE(%(ref)s, provider_ref),
+    response = COALESCE(CAST(%(response)s AS jsonb), response),
+    last_error = CASE WHEN {PAST_DEADLINE_SQL} THEN %(deadline_error)s ELSE %(error)s END,
+    available_at = COALESCE({DUE_SQL}, available_at),
+    dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
+    completed_at = CASE WHEN {NEW_STATE_SQL} IN ('sent', 'failed') THEN now() END,
+    lease_expires_at = NULL,
+    unknown_since = NULL,
+    -- A row alerted while unknown is alerted again if it ends up failed.
+    alerted_at = NULL,
+    history = history || jsonb_build_array(jsonb_build_object(
+        'at', now(), 'by', 'reconciler', 'action', 'lookup',
+        'result', CAST(%(result)s AS text), 'state', {NEW_STATE_SQL},
+        'provider_ref', CAST(%(ref)s AS text)))
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+  AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({_CALL_OLDER_THAN_KEY_TTL}))
+RETURNING id, state
+), settled AS (
+    UPDATE outbox_attempt a SET settled = %(settled)s, settled_at = now()
+    FROM moved
+    WHERE a.message_id = moved.id AND CAST(%(settled)s AS text) IS NOT NULL
+      AND {outcomes.unsettled_ambiguous_sql("a")}
+)
+SELECT state FROM moved
+"""
+
+# The next lookup waits as long as the row has already waited (10 s to 1 h): a provider that is
+# down for hours is not asked every few seconds, a blip is retried quickly.
+_DEFER_UNKNOWN = """
+UPDATE outbox_message
+SET available_at = now() + LEAST(3600, GREATEST(10,
+        EXTRACT(EPOCH FROM now() - COALESCE(unknown_since, now())))) * interval '1 second',
+    last_error = COALESCE(%(error)s, last_error)
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+RETURNING id
+"""
+
+_PARK_UNKNOWN = """
+UPDATE outbox_message
+SET available_at = now() + %(seconds)s * interval '1 second',
+    last_error = %(error)s
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+RETURNING id
+"""
+
+
+# One statement for the batch, each row guarded by its own state and dispatch time: a row that a
+# consumer claimed, or that was already re-queued and published again, does not match.
+_REQUEUE = """
+UPDATE outbox_message m
+SET state = 'pending', available_at = now(), dispatched_at = NULL
+FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(dispatched)s AS timestamptz[])) AS r(id, dispatched_at)
+WHERE m.id = r.id AND m.state = 'dispatched' AND m.dispatched_at = r.dispatched_at
+RETURNING m.id
+"""
+
+
+# The row moves into the key ledger in the statement that deletes it: no moment exists where the
+# key is in neither table (the insert guard would let a new row for it through). Its fence rows
+# are read here, in the statement's snapshot, before the cascade removes them.
+#
+# A transaction whose snapshot predates a row's insertion sees neither the row nor its ledger
+# entry, so the guard cannot stop it from inserting the key again; such a snapshot is older than
+# the row's completed_at. Rows completed after the oldest open client transaction began wait for
+# it to end. Sessions of other roles show no xact_start without pg_read_all_stats: the hold-back
+# would be blind to them, so without that privilege the reconciler does not run the purge.
+_PURGE = """
+WITH gone AS (
+    DELETE FROM outbox_message
+    WHERE id IN (
+        SELECT id FROM outbox_message
+        WHERE state IN ('sent', 'cancelled')
+          AND completed_at < now() - %(retention)s * interval '1 second'
+          AND completed_at < COALESCE(
+              (SELECT min(xact_start) FROM pg_stat_activity
+               WHERE datname = current_database() AND backend_type = 'client backend'
+                 AND pid <> pg_backend_pid()),
+              'infinity')
+        ORDER BY completed_at
+        LIMIT %(limit)s
+    )
+    AND state IN ('sent', 'cancelled')
+    RETURNING id, key, step, destination, payload, state, provider_ref, completed_at, history
+),
+ledgered AS (
+    INSERT INTO outbox_key_ledger AS l (
+        message_id, completed_at, attempts, confirmed, ambiguous,
+        key, step, destination, payload_hash, state, provider_ref)
+    SELECT g.id, g.completed_at, f.claims, f.confirmed,
+           f.ambiguous OR g.history @> '[{"action": "resolve", "from": "unknown"}]'::jsonb,
+           g.key, g.step, g.destination, outbox_payload_digest(g.payload),
+           g.state, g.provider_ref
+    FROM gone g CROSS JOIN LATERAL (
+        SELECT count(*) AS claims,
+               count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,
+               -- A claim that never recorded an outcome is as unknown as one that said so.
+               COALESCE(bool_or(a.outcome IS NULL
+                                OR a.outcome IN ('unknown', 'lease_expired',
+                                                 'superseded:unknown', 'superseded:lease_expired')),
+                        false) AS ambiguous
+        FROM outbox_attempt a WHERE a.message_id = g.id
+    ) f
+    -- Only reachable when something bypassed the insert guard (triggers disabled, replication
+    -- role): keep the evidence of both rows rather than lose the older one.
+    ON CONFLICT (key, step) DO UPDATE SET
+        message_id = EXCLUDED.message_id, completed_at = EXCLUDED.completed_at,
+        attempts = l.attempts + EXCLUDED.attempts, confirmed = l.confirmed + EXCLUDED.confirmed,
+        ambiguous = l.ambiguous OR EXCLUDED.ambiguous, destination = EXCLUDED.destination,
+        payload_hash = EXCLUDED.payload_hash, state = EXCLUDED.state,
+        provider_ref = EXCLUDED.provider_ref
+    RETURNING 1
+)
+SELECT count(*) FROM ledgered
+"""
+
+
+_MARK_ALERTED = """
+UPDATE outbox_message
+SET alerted_at = now()
+WHERE id = %(id)s AND state = %(state)s AND alerted_at IS NULL
+RETURNING id
+"""
+
+
+def expire_leases(
+    conn: psycopg.Connection[Any],
+    *,
+    waits_seconds: Mapping[str, float],
+    default_wait_seconds: float,
+    error: str,
+) -> int:
+    """``in_flight`` -> ``unknown`` for every row whose lease has expired; how many moved.
+
+    Its first lookup is due ``waits_seconds[destination]`` later (one ``time_limit`` of its
+    destination), ``default_wait_seconds`` for a destination not named. One statement, so it is
+    safe against a consumer recording at the same moment: whichever commits first wins, and the
+    other's guard no longer matches. On a connection inside a transaction the caller commits.
+    """
+    params = {
+        "error": error,
+        "destinations": list(waits_seconds),
+        "waits": [float(w) for w in waits_seconds.values()],
+        "default_wait": float(default_wait_seconds),
+    }
+    row = conn.execute(_EXPIRE_LEASES, params).fetchone()
+    return int(row[0]) if row else 0
+
+
+def settle_unknown(
+    conn: psycopg.Connection[Any],
+    *,
+    row_id: int,
+    token: uuid.UUID | None,
+    state: str,
+    result: str,
+    error: str | None = None,
+    ref: str | None = None,
+    response: dict[str, Any] | None = None,
+    delay_seconds: float | None = None,
+    deadline_error: str | None = None,
+    settled: str | None = None,
+    key_ttl: float | None = None,
+) -> str | None:
+    """``unknown`` -> ``state`` (sent, pending or failed) after a lookup: the state the row moved
+    to, or None when it had moved meanwhile (or, with ``key_ttl``, when a call that may have
+    taken effect is older than it). ``settled`` marks the row's ambiguous fence rows in the same
+    statement (:mod:`outbox.outcomes`)."""
+    params = {
+        **_stored(ref=ref, response=response, error=error, deadline_error=deadline_error),
+        "settled": settled,
+        "key_ttl": key_ttl,
+        "id": row_id,
+        "token": token,
+        "state": state,
+        "result": result,
+        "delay": delay_seconds,
+    }
+    moved = conn.execute(_SETTLE_UNKNOWN, params).fetchone()
+    return str(moved[0]) if moved is not None else None
+
+
+def park_past_key_ttl(
+    conn: psycopg.Connection[Any],
+    *,
+    row_id: int,
+    token: uuid.UUID | None,
+    seconds: float,
+    error: str,
+    key_ttl: float,
+) -> bool:
+    """An ``unknown`` row stays unknown, looked at again in ``seconds``, with ``error`` as its
+    reason, when one of its calls that may have taken effect is older than ``key_ttl``: the
+    provider may have forgotten it, and "not found" proves nothing. False when the row moved
+    meanwhile or no call is that old."""
+    params = {"id": row_id, "token": token, "seconds": seconds, "error": error, "key_ttl": key_ttl}
+    return conn.execute(_PARK_PAST_KEY_TTL, params).fetchone() is not None
+
+
+def park_unknown(
+    conn: psycopg.Connection[Any], *, row_id: int, token: uuid.UUID | None, seconds: float, error: str
+) -> bool:
+    """An ``unknown`` row waits ``seconds`` for a human (``outbox resolve``), with the reason."""
+    params = {"id": row_id, "token": token, "seconds": seconds, "error": sanitize.clean_text(error)}
+    return conn.execute(_PARK_UNKNOWN, params).fetchone() is not None
+
+
+def defer_unknown(
+    conn: psycopg.Connection[Any], *, row_id: int, token: uuid.UUID | None, error: str | None
+) -> bool:
+    """An ``unknown`` row is looked up again later (as long again as it has waited, 10 s to 1 h)."""
+    params = {"id": row_id, "token": token, "error": sanitize.clean_optional_text(error)}
+    return conn.execute(_DEFER_UNKNOWN, params).fetchone() is not None
+
+
+def requeue(conn: psycopg.Connection[Any], rows: Sequence[tuple[int, datetime]]) -> int:
+    """``dispatched`` -> ``pending`` for each ``(id, dispatched_at)`` still dispatched at that
+    time (its Redis message is gone); how many moved."""
+    if not rows:
+        return 0
+    params = {"ids": [r[0] for r in rows], "dispatched": [r[1] for r in rows]}
+    return len(conn.execute(_REQUEUE, params).fetchall())
+
+
+def purge(conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int) -> int:
+    """``sent``/``cancelled`` rows completed more than ``retention_seconds`` ago (and before the
+    oldest open client transaction began) leave the table for the key ledger, at most ``limit``;
+    how many moved. Needs a role that sees every session's ``xact_start`` (superuser or
+    ``pg_read_all_stats``): the caller checks."""
+    row = conn.execute(_PURGE, {"retention": float(retention_seconds), "limit": limit}).fetchone()
+    return int(row[0]) if row else 0
+
+
+def mark_alerted(conn: psycopg.Connection[Any], *, row_id: int, state: str) -> bool:
+    """A ``failed`` or ``unknown`` row was reported: not again until it changes."""
+    return conn.execute(_MARK_ALERTED, {"id": row_id, "state": state}).fetchone() is not None
+
+
+# == the operator: replay, resolve, cancel, in the caller's transaction ============================
+
+# `from` is the state the row had (SET expressions read the old row), `at` the database clock.
+HISTORY_ENTRY = """
+history = history || jsonb_build_array(jsonb_build_object(
+    'at', now(), 'by', CAST(:by AS text), 'action', CAST(:action AS text),
+    'reason', CAST(:reason AS text), 'from', state, 'to', CAST(:to_state AS text)) || CAST(:extra AS jsonb))
+"""
+
+# claim_token and provider_ref stay: they are the evidence of the earlier attempts. The replayed
+# row goes through the normal claim, which is what rules out a call for a row already sent.
+_REPLAY_SET = (
+    """
+SET state = 'pending', attempts = 0, available_at = now(),
+    dispatched_at = NULL, completed_at = NULL, alerted_at = NULL,
+    unknown_since = NULL, lease_expires_at = NULL,
+"""
+    + HISTORY_ENTRY
+)
+
+# The replay rules (outbox.outcomes): a fence row that may have taken effect, or an operator's
+# `resolve --failed` out of unknown, refuses the replay unless the row is forced by name.
+BLOCKING_ATTEMPT_SQL = (
+    f"SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql('a')}"
+)
+REPLAYABLE_SQL = f"NOT EXISTS ({BLOCKING_ATTEMPT_SQL}) AND NOT {outcomes.operator_failed_unknown_sql('m')}"
+
+
+# Acts on exactly the previewed rows: each one only if it is still failed with the failure the
+# preview saw (completed_at is set anew at every failure), and only if the rules still allow it.
+_REPLAY_PLANNED = f"""
+UPDATE outbox_message m {_REPLAY_SET}
+FROM unnest(CAST(:ids AS bigint[]), CAST(:versions AS timestamptz[])) AS p(id, failed_at)
+WHERE m.id = p.id AND m.state = 'failed' AND m.completed_at IS NOT DISTINCT FROM p.failed_at
+  AND {REPLAYABLE_SQL}
+RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
+"""
+
+# One row, named by the operator with a reason: the fence rows the preview showed are marked as
+# forced over in the same statement. A blocker the operator did not see refuses the whole thing.
+_REPLAY_FORCED = f"""
+WITH moved AS (
+    UPDATE outbox_message m {_REPLAY_SET}
+    WHERE m.id = :id AND m.state = 'failed'
+      AND m.completed_at IS NOT DISTINCT FROM CAST(:version AS timestamptz)
+      AND NOT EXISTS ({BLOCKING_ATTEMPT_SQL} AND a.id <> ALL(CAST(:seen AS bigint[])))
+    RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
+), forced AS (
+    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_FORCED}', settled_at = now()
+    FROM moved WHERE a.message_id = moved.id AND a.id = ANY(CAST(:seen AS bigint[]))
+)
+SELECT id, past_deadline FROM moved
+"""
+
+_RESOLVE_SENT = (
+    """
+UPDATE outbox_message
+SET state = 'sent', provider_ref = :ref, completed_at = now(), last_error = NULL,
+    unknown_since = NULL, lease_expires_at = NULL,
+"""
+    + HISTORY_ENTRY
+    + " WHERE id = :id AND state = 'unknown' RETURNING id"
+)
+# attempts stay: the earlier call is known not to have taken effect, but it counted. The row's
+# ambiguous fence rows are marked settled in the same statement (what lets a later replay through);
+# a call the provider confirmed is not "not sent", whatever anyone says, so it refuses.
+_RESOLVE_NOT_SENT = f"""
+WITH moved AS (
+    UPDATE outbox_message m
+    SET state = 'pending', available_at = now(), dispatched_at = NULL, completed_at = NULL,
+        unknown_since = NULL, lease_expires_at = NULL,
+    {HISTORY_ENTRY}
+    WHERE m.id = :id AND m.state = 'unknown'
+      AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id
+                      AND {outcomes.is_confirmed_sql("a")}
+                      AND a.settled IS DISTINCT FROM '{outcomes.OPERATOR_FORCED}')
+    RETURNING m.id
+), settled AS (
+    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_NOT_SENT}', settled_at = now()
+    FROM moved WHERE a.message_id = moved.id AND {outcomes.unsettled_ambiguous_sql("a")}
+)
+SELECT id FROM moved
+"""
+_RESOLVE_FAILED = (
+    """
+UPDATE outbox_message
+SET state = 'failed', last_error = :error, completed_at = now(),
+    unknown_since = NULL, lease_expires_at = NULL,
+"""
+    + HISTORY_ENTRY
+    + " WHERE id = :id AND state = 'unknown' RETURNING id"
+)
+
+
+# The operator's guard is wider than outbox.cancel's (:func:`cancel_by_key`: only a row no
+# consumer ever claimed): a pending or dispatched row whose every call is known not to have taken effect
+# (a safe outcome, or an ambiguous call settled). Without it a row re-pending after a failover,
+# or one of a retired destination with an earlier 503, could be stopped by nothing and would be
+# called again. A call that may have taken effect still refuses: cancelling would hide a charge.
+CANCELLABLE_SQL = f"""state IN ('pending', 'dispatched')
+    AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id
+                    AND NOT {outcomes.known_not_taken_effect_sql("a")})"""
+
+_CANCEL_ROWS = (
+    """
+UPDATE outbox_message
+SET state = 'cancelled', completed_at = now(), claim_token = NULL, last_error = :error,
+"""
+    + HISTORY_ENTRY
+    + f" WHERE id = ANY(:ids) AND {CANCELLABLE_SQL} RETURNING id"
+)
+
+
+def replay_planned(
+    connection: Connection,
+    *,
+    ids: Sequence[int],
+    versions: Sequence[datetime | None],
+    history: Mapping[str, Any],
+) -> list[Any]:
+    """``failed`` -> ``pending`` (attempts reset) for each of ``ids`` still failed with the
+    failure its preview saw (``versions``: its ``completed_at`` then) and still replayable under
+    the rules; returns ``(id, past_deadline)`` per row moved. ``history``: the entry's
+    ``action``, ``to_state``, ``by``, ``reason``, ``extra`` (JSON text)."""
+    params = {**history, "ids": list(ids), "versions": list(versions)}
+    return list(connection.execute(_text(_REPLAY_PLANNED), params))
+
+
+def replay_forced(
+    connection: Connection,
+    *,
+    row_id: int,
+    version: datetime | None,
+    seen: Sequence[int],
+    history: Mapping[str, Any],
+) -> Any | None:
+    """``failed`` -> ``pending`` for one row the rules refuse, named with a reason: only if no
+    blocking fence row other than ``seen`` (the ones the operator was shown) exists; those are
+    marked ``operator_forced``. ``(id, past_deadline)``, or None when it did not move."""
+    params = {**history, "id": row_id, "version": version, "seen": list(seen)}
+    return connection.execute(_text(_REPLAY_FORCED), params).first()
+
+
+def resolve_sent(connection: Connection, *, row_id: int, ref: str, history: Mapping[str, Any]) -> bool:
+    """``unknown`` -> ``sent`` with the provider's reference an operator found."""
+    params = {**history, "id": row_id, "ref": ref}
+    return connection.execute(_text(_RESOLVE_SENT), params).first() is not None
+
+
+def resolve_not_sent(connection: Connection, *, row_id: int, history: Mapping[str, Any]) -> bool:
+    """``unknown`` -> ``pending``, its ambiguous fence rows settled; refused (False) when a fence
+    row holds a call the provider confirmed."""
+    params = {**history, "id": row_id}
+    return connection.execute(_text(_RESOLVE_NOT_SENT), params).first() is not None
+
+
+def resolve_failed(connection: Connection, *, row_id: int, error: str, history: Mapping[str, Any]) -> bool:
+    """``unknown`` -> ``failed`` with the operator's reason (a later replay needs ``--force``)."""
+    params = {**history, "id": row_id, "error": error}
+    return connection.execute(_text(_RESOLVE_FAILED), params).first() is not None
+
+
+def cancel_rows(
+    connection: Connection, *, ids: Sequence[int], error: str | None, history: Mapping[str, Any]
+) -> set[int]:
+    """``pending``/``dispatched`` -> ``cancelled`` for each of ``ids`` none of whose calls may have
+    taken effect (:data:`CANCELLABLE_SQL`); the ids that moved."""
+    params = {**history, "error": error, "ids": list(ids)}
+    return {int(r[0]) for r in connection.execute(_text(_CANCEL_ROWS), params)}
+
+
+# == the demo =======================================================================================
+
+_CLOSE_ABANDONED_UNCLAIMED = """
+UPDATE outbox_message
+SET state = 'cancelled', completed_at = now(), claim_token = NULL, last_error = :reason
+WHERE destination = :destination AND state IN ('pending', 'dispatched')
+"""
+
+_CLOSE_ABANDONED_OPEN = """
+UPDATE outbox_message
+SET state = 'failed', completed_at = now(), lease_expires_at = NULL, last_error = :reason
+WHERE destination = :destination AND state IN ('in_flight', 'unknown')
+"""
+
+
+def close_abandoned(
+    connection: Connection, *, destination: str, unclaimed_reason: str, open_reason: str
+) -> tuple[int, int]:
+    """Close every open row of ``destination`` whose provider is gone for good (``outbox demo``:
+    the simulator of an interrupted earlier run): ``pending``/``dispatched`` -> ``cancelled``,
+    ``in_flight``/``unknown`` -> ``failed``. Never for a real provider: nobody checks whether
+    the calls took effect. Returns (cancelled, failed)."""
+    params = {"destination": destination}
+    cancelled = connection.execute(
+        _text(_CLOSE_ABANDONED_UNCLAIMED), {**params, "reason": unclaimed_reason}
+    ).rowcount
+    failed = connection.execute(_text(_CLOSE_ABANDONED_OPEN), {**params, "reason": open_reason}).rowcount
+    return int(cancelled), int(failed)
+
+
+# == tests: time passes ============================================================================
+
+# Every instant of the rows (and of their fence rows) moves back together, as if `seconds` had
+# passed on the database's clock: what was due in less than that is due, a lease that had less
+# left has expired, a call older than key_ttl is so. Nothing else changes, so no state is
+# reached that the product could not reach itself.
+_ELAPSE = """
+WITH moved AS (
+    UPDATE outbox_message
+    SET created_at = created_at - %(s)s * interval '1 second',
+        available_at = available_at - %(s)s * interval '1 second',
+        deadline = deadline - %(s)s * interval '1 second',
+        dispatched_at = dispatched_at - %(s)s * interval '1 second',
+        claimed_at = claimed_at - %(s)s * interval '1 second',
+        lease_expires_at = lease_expires_at - %(s)s * interval '1 second',
+        unknown_since = unknown_since - %(s)s * interval '1 second',
+        completed_at = completed_at - %(s)s * interval '1 second',
+        alerted_at = alerted_at - %(s)s * interval '1 second'
+    WHERE CAST(%(ids)s AS bigint[]) IS NULL OR id = ANY(CAST(%(ids)s AS bigint[]))
+    RETURNING id
+), fenced AS (
+    UPDATE outbox_attempt a
+    SET started_at = started_at - %(s)s * interval '1 second',
+        finished_at = finished_at - %(s)s * interval '1 second',
+        settled_at = settled_at - %(s)s * interval '1 second'
+    FROM moved WHERE a.message_id = moved.id
+)
+SELECT count(*) FROM moved
+"""
+
+
+def elapse(conn: Any, seconds: float, *, ids: Sequence[int] | None = None) -> int:
+    """For tests and the demo: make ``seconds`` pass for the rows ``ids`` (all rows when None) by
+    moving every instant they hold back by that much; how many rows. ``conn``: a psycopg
+    connection or a SQLAlchemy ``Connection``/``Session`` (the caller commits unless it is in
+    autocommit mode)."""
+    params = {"s": float(seconds), "ids": list(ids) if ids is not None else None}
+    if isinstance(conn, psycopg.Connection):
+        row = conn.execute(_ELAPSE, params).fetchone()
+    else:
+        row = conn.execute(_text(_ELAPSE.replace("%(s)s", ":s").replace("%(ids)s", ":ids")), params).first()
+    return int(row[0]) if row else 0
