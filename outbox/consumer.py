@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 
-from . import fence, policy
+from . import db, policy, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -170,7 +170,7 @@ class Executor:
             if name == "claim_conn":
                 # Known before any claim is sent: if a claim's reply is lost, this backend is
                 # the one to end before asking whether the claim committed.
-                self._local.claim_backend = fence.backend_identity(conn)
+                self._local.claim_backend = db.backend_identity(conn)
             setattr(self._local, name, conn)
             with self._all_lock:
                 self._all.append(conn)
@@ -225,7 +225,7 @@ class Executor:
         handler = self.handlers.get(destination)
         if handler is None:
             reason = f"no handler for destination {destination!r} in this deploy"
-            fence.fail_unhandled(self._conn("claim_conn"), row_id=row_id, error=reason)
+            transitions.fail_unhandled(self._conn("claim_conn"), row_id=row_id, error=reason)
             logger.error(
                 "outbox row %s failed: %s",
                 row_id,
@@ -240,7 +240,7 @@ class Executor:
         # a row lock or for the commit only shortens what is left, whatever the clocks say.
         sent_at = time.monotonic()
         try:
-            claimed = fence.claim(
+            claimed = transitions.claim(
                 conn,
                 row_id=row_id,
                 destination=destination,
@@ -326,7 +326,7 @@ class Executor:
         )
         return result
 
-    def _call(self, handler: Handler, claimed: fence.Claimed, sent_at: float) -> Decision | None:
+    def _call(self, handler: Handler, claimed: transitions.Claimed, sent_at: float) -> Decision | None:
         """The call's decision, or None when it was not started: the start check passed, but a
         pause since (SIGSTOP, a VM stall, a starved thread) took the process past the last
         instant a call may start, so its lease may already be running out.
@@ -364,7 +364,7 @@ class Executor:
         return decide_result(call.result)
 
     def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> RunResult:
-        released = fence.release(self._conn("claim_conn"), row_id=row_id, token=token, reason=reason)
+        released = transitions.release(self._conn("claim_conn"), row_id=row_id, token=token, reason=reason)
         if released is None:
             logger.warning(
                 "outbox row %s: claim not released, it no longer owns the row (%s)",
@@ -409,7 +409,7 @@ class Executor:
         while True:
             try:
                 conn = self._conn("claim_conn")
-                gone = fence.end_backend(
+                gone = db.end_backend(
                     conn, pid=pid, started=started, timeout_seconds=max(0.0, give_up_at - time.monotonic())
                 )
                 if gone:
@@ -444,7 +444,7 @@ class Executor:
         return result
 
     def _record(
-        self, claimed: fence.Claimed, decision: Decision, nxt: Next, deadline_error: str | None
+        self, claimed: transitions.Claimed, decision: Decision, nxt: Next, deadline_error: str | None
     ) -> str | None:
         # A failed record is not a lost outcome (the lease and the lookup recover it), but a
         # short database blip should not cost a lookup: try a few times within the lease.
@@ -454,7 +454,7 @@ class Executor:
         outcome = decision.outcome.value if nxt.state != "failed" or ambiguous else "failed"
         for attempt in range(3):
             try:
-                return fence.record_state(
+                return transitions.record(
                     self._conn("record_conn"),
                     row_id=claimed.id,
                     token=claimed.token,
@@ -475,7 +475,7 @@ class Executor:
         raise AssertionError("unreachable")
 
 
-def delivery_for(claimed: fence.Claimed, handler: Handler, deliveries: Deliveries) -> Delivery:
+def delivery_for(claimed: transitions.Claimed, handler: Handler, deliveries: Deliveries) -> Delivery:
     """What the handler sees of a claimed row."""
     return deliveries.delivery(
         handler,

@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 from sqlalchemy import Engine, text
 
-from .. import settings, transport
+from .. import settings, transitions, transport
 from ..exceptions import ConfigError
 from ..testing.embedded import embedded_postgres, embedded_redis
 from .base import DESTINATION
@@ -104,30 +104,13 @@ def settle_earlier_runs(engine: Engine) -> tuple[int, int]:
     the audit of this run could not attribute to any of its orders.
     """
     with engine.begin() as conn:
-        cancelled = conn.execute(
-            text(
-                """
-                UPDATE outbox_message
-                SET state = 'cancelled', completed_at = now(), claim_token = NULL,
-                    last_error = 'cancelled by a later outbox demo run'
-                WHERE destination = :destination AND state IN ('pending', 'dispatched')
-                """
-            ),
-            {"destination": DESTINATION},
-        ).rowcount
-        failed = conn.execute(
-            text(
-                """
-                UPDATE outbox_message
-                SET state = 'failed', completed_at = now(), lease_expires_at = NULL,
-                    last_error = 'left unfinished by an interrupted outbox demo run, whose '
-                                 'provider simulator is gone: its outcome cannot be known'
-                WHERE destination = :destination AND state IN ('in_flight', 'unknown')
-                """
-            ),
-            {"destination": DESTINATION},
-        ).rowcount
-    return cancelled, failed
+        return transitions.close_abandoned(
+            conn,
+            destination=DESTINATION,
+            unclaimed_reason="cancelled by a later outbox demo run",
+            open_reason="left unfinished by an interrupted outbox demo run, whose provider simulator "
+            "is gone: its outcome cannot be known",
+        )
 
 
 def delete_namespace(redis_url: str, namespace: str) -> int:
