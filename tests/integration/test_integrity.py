@@ -22,7 +22,7 @@ from outbox.consumer import Consumer, RunResult
 from outbox.handlers import close_http_clients, registry
 from outbox.settings import libpq_url
 from reconciler import AlertRow
-from reconciler.jobs import resolve_unknown
+from reconciler.jobs.resolve_unknown import resolve_unknown
 
 DEST = "payments.charge"
 OTHER = "mail.send"

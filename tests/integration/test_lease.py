@@ -34,8 +34,9 @@ from outbox.consumer import RELEASE_ALERT_THRESHOLD, Consumer, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.settings import libpq_url
 from reconciler import Reconciler
-from reconciler import jobs as reconciler_jobs
-from reconciler.jobs import expire_leases, resolve_unknown
+from reconciler.jobs import resolve_unknown as resolve_unknown_job
+from reconciler.jobs.expire_leases import expire_leases
+from reconciler.jobs.resolve_unknown import resolve_unknown
 
 DEST = "payments.charge"
 
@@ -408,7 +409,7 @@ def skewed_clock(request, monkeypatch) -> timedelta:
         def now(cls, tz: Any = None) -> Any:
             return datetime.now(tz) + offset
 
-    for module in (consumer, policy, fence, reconciler_jobs):
+    for module in (consumer, policy, fence, resolve_unknown_job):
         monkeypatch.setattr(module, "datetime", Skewed, raising=False)
     return offset
 

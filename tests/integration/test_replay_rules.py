@@ -19,7 +19,8 @@ from outbox.cli import main
 from outbox.consumer import Consumer
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.settings import libpq_url
-from reconciler.jobs import resolve_unknown, send_alerts
+from reconciler.jobs.resolve_unknown import resolve_unknown
+from reconciler.jobs.send_alerts import send_alerts
 
 DEST = "payments.charge"
 
