@@ -36,6 +36,7 @@ from outbox.heartbeat import DEFAULT_NO_CONSUMER_CYCLES
 from outbox.settings import DEFAULT_NAMESPACE, Settings
 
 from .alerts import AlertHook, log_alert
+from .jobs._common import MaintenanceJob
 from .jobs.expire_leases import ExpireLeases, ExpireLeasesConfig
 from .jobs.no_consumer import NoConsumer, NoConsumerConfig
 from .jobs.purge import Purge, PurgeConfig
@@ -128,7 +129,7 @@ class Reconciler:
         # Session-level advisory locks are re-entrant within a session: this keeps two threads
         # of this reconciler from both "acquiring" the same job on its one connection.
         self._running = {n: threading.Lock() for n in JOB_LOCK_IDS}
-        # When this reconciler last logged at INFO, and the idle runs since (see run_job).
+        # When this reconciler last logged at INFO, and the idle runs since (see _log_counts).
         self._quiet_lock = threading.Lock()
         self._last_info = time.monotonic()
         self._idle_runs = 0
@@ -207,9 +208,7 @@ class Reconciler:
 
     # -- the jobs ------------------------------------------------------------------------------
 
-    def _build_jobs(
-        self,
-    ) -> tuple[ExpireLeases | ResolveUnknown | Redispatch | Purge | SendAlerts | NoConsumer, ...]:
+    def _build_jobs(self) -> tuple[MaintenanceJob, ...]:
         """The jobs in the order ``run_once`` runs them: a row whose lease expires is looked up one
         time_limit later, by a later run."""
         return (
@@ -290,7 +289,7 @@ class Reconciler:
         with self._quiet_lock:
             now = time.monotonic()
             if not idle:
-                self._last_info = now
+                self._last_info, self._idle_runs = now, 0
             elif now - self._last_info >= IDLE_HEARTBEAT_SECONDS:
                 quiet_seconds, idle_runs = now - self._last_info, self._idle_runs + 1
                 self._last_info, self._idle_runs = now, 0

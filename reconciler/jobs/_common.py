@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import psycopg
@@ -37,3 +37,13 @@ def _require_autocommit(conn: psycopg.Connection[Any], job: str) -> None:
     # HTTP call, and one failing statement would undo the batch's earlier transitions.
     if not conn.autocommit:
         raise ValueError(f"{job} needs a psycopg connection in autocommit mode")
+
+
+class MaintenanceJob(Protocol):
+    """What the scheduler runs: a named job whose ``run_once`` returns the counts of what it did
+    (``{}`` when it had nothing to do)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]: ...
