@@ -1,11 +1,17 @@
 """The reconciler: expires leases, resolves `unknown` rows through the handlers' lookups,
 re-queues lost `dispatched` rows, purges old terminal rows and reports rows that need a human.
 
-``from reconciler.jobs import expire_leases`` works on its own (a plain psycopg connection).
+One module per job in ``reconciler.jobs`` (``from reconciler.jobs.expire_leases import
+expire_leases`` works on a plain psycopg connection); ``reconciler.scheduler`` runs them.
 """
 
 from reconciler.alerts import AlertHook, AlertRow, load_alert_hook, log_alert
-from reconciler.jobs import LookupClients, expire_leases, purge, redispatch, resolve_unknown, send_alerts
+from reconciler.jobs.expire_leases import expire_leases
+from reconciler.jobs.purge import purge
+from reconciler.jobs.redispatch import redispatch
+from reconciler.jobs.resolve_unknown import resolve_unknown
+from reconciler.jobs.send_alerts import send_alerts
+from reconciler.lookups import LookupClients
 from reconciler.scheduler import Job, Reconciler
 
 __all__ = [

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -33,13 +34,23 @@ from outbox.failover import FailoverGuard
 from outbox.handlers import Handler
 from outbox.settings import DEFAULT_NAMESPACE, DEFAULT_NO_CONSUMER_CYCLES, Settings
 
-from . import jobs
 from .alerts import AlertHook, log_alert
+from .jobs._common import MaintenanceJob
+from .jobs.expire_leases import ExpireLeases, ExpireLeasesConfig
+from .jobs.no_consumer import NoConsumer, NoConsumerConfig
+from .jobs.purge import Purge, PurgeConfig
+from .jobs.redispatch import DEFAULT_REDISPATCH_GRACE_SECONDS, Redispatch, RedispatchConfig
+from .jobs.resolve_unknown import ResolveUnknown, ResolveUnknownConfig
+from .jobs.send_alerts import SendAlerts, SendAlertsConfig
+from .lookups import LookupClients
 
 logger = logging.getLogger(__name__)
 
 #: First key of every reconciler advisory lock (``pg_locks.classid``): "ob" for outbox.
 LOCK_CLASS = 0x6F62
+
+#: An idle run logs at DEBUG; one INFO line this often says the reconciler is still there.
+IDLE_HEARTBEAT_SECONDS = 600.0
 
 JobFn = Callable[[psycopg.Connection[Any]], dict[str, int]]
 
@@ -87,7 +98,7 @@ class Reconciler:
         ledger_horizon_seconds: float = settings.DEFAULT_LEDGER_HORIZON_SECONDS,
         unknown_alert_after_seconds: float = settings.DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS,
         alert_hook: AlertHook = log_alert,
-        redispatch_grace_seconds: float = jobs.DEFAULT_REDISPATCH_GRACE_SECONDS,
+        redispatch_grace_seconds: float = DEFAULT_REDISPATCH_GRACE_SECONDS,
         name: str | None = None,
         no_consumer_cycles: int = DEFAULT_NO_CONSUMER_CYCLES,
         failover_guard: FailoverGuard | None = None,
@@ -108,7 +119,7 @@ class Reconciler:
         self.no_consumer_cycles = no_consumer_cycles
         #: Names this process in the log lines, so an operator sees which reconciler acted.
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self._lookup_clients = jobs.LookupClients()
+        self._lookup_clients = LookupClients()
         self._redis: redis.Redis | None = None
         self._redis_lock = threading.Lock()
         self._conns: dict[str, psycopg.Connection[Any]] = {}
@@ -117,14 +128,13 @@ class Reconciler:
         # Session-level advisory locks are re-entrant within a session: this keeps two threads
         # of this reconciler from both "acquiring" the same job on its one connection.
         self._running = {n: threading.Lock() for n in JOB_LOCK_IDS}
+        # When this reconciler last logged at INFO, and the idle runs since (see _log_counts).
+        self._quiet_lock = threading.Lock()
+        self._last_info = time.monotonic()
+        self._idle_runs = 0
         #: The jobs, by name, in the order ``run_once`` runs them.
         self.jobs: dict[str, Job] = {
-            "expire_leases": Job("expire_leases", JOB_LOCK_IDS["expire_leases"], self._expire_leases),
-            "resolve_unknown": Job("resolve_unknown", JOB_LOCK_IDS["resolve_unknown"], self._resolve_unknown),
-            "redispatch": Job("redispatch", JOB_LOCK_IDS["redispatch"], self._redispatch),
-            "purge": Job("purge", JOB_LOCK_IDS["purge"], self._purge),
-            "alerts": Job("alerts", JOB_LOCK_IDS["alerts"], self._alerts),
-            "no_consumer": Job("no_consumer", JOB_LOCK_IDS["no_consumer"], self._no_consumer),
+            job.name: Job(job.name, JOB_LOCK_IDS[job.name], job.run_once) for job in self._build_jobs()
         }
 
     @classmethod
@@ -197,46 +207,43 @@ class Reconciler:
 
     # -- the jobs ------------------------------------------------------------------------------
 
-    def _expire_leases(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        expired = jobs.expire_leases(conn, self.handlers)
-        return {"expired": expired} if expired else {}
-
-    def _resolve_unknown(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        return jobs.resolve_unknown(
-            conn,
-            self.handlers,
-            module=self.module,
-            clients=self._lookup_clients,
-            stop=self._stopping,
-            alert=self.alert_hook,
+    def _build_jobs(self) -> tuple[MaintenanceJob, ...]:
+        """The jobs in the order ``run_once`` runs them: a row whose lease expires is looked up one
+        time_limit later, by a later run."""
+        return (
+            ExpireLeases(ExpireLeasesConfig(handlers=self.handlers)),
+            ResolveUnknown(
+                ResolveUnknownConfig(),
+                handlers=self.handlers,
+                module=self.module,
+                clients=self._lookup_clients,
+                stop=self._stopping,
+                alert=self.alert_hook,
+            ),
+            Redispatch(
+                RedispatchConfig(
+                    redispatch_after_seconds=self.redispatch_after_seconds,
+                    grace_seconds=self.redispatch_grace_seconds,
+                ),
+                # Opened on first use: a reconciler whose jobs never reach Redis never connects.
+                redis_client=lambda: self.redis,
+                handlers=self.handlers,
+                namespace=self.namespace,
+                module=self.module,
+                stop=self._stopping,
+            ),
+            Purge(
+                PurgeConfig(
+                    retention_seconds=self.retention_seconds,
+                    ledger_horizon_seconds=self.ledger_horizon_seconds,
+                )
+            ),
+            SendAlerts(
+                SendAlertsConfig(unknown_alert_after_seconds=self.unknown_alert_after_seconds),
+                self.alert_hook,
+            ),
+            NoConsumer(NoConsumerConfig(cycles_before_alert=self.no_consumer_cycles), self.alert_hook),
         )
-
-    def _redispatch(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        return jobs.redispatch(
-            conn,
-            self.redis,
-            self.handlers,
-            namespace=self.namespace,
-            redispatch_after_seconds=self.redispatch_after_seconds,
-            module=self.module,
-            grace_seconds=self.redispatch_grace_seconds,
-            stop=self._stopping,
-        )
-
-    def _purge(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        return jobs.purge(
-            conn,
-            retention_seconds=self.retention_seconds,
-            ledger_horizon_seconds=self.ledger_horizon_seconds,
-        )
-
-    def _alerts(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        return jobs.send_alerts(
-            conn, self.alert_hook, unknown_alert_after_seconds=self.unknown_alert_after_seconds
-        )
-
-    def _no_consumer(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        return jobs.no_consumer(conn, self.alert_hook, cycles_before_alert=self.no_consumer_cycles)
 
     # -- running -------------------------------------------------------------------------------
 
@@ -267,13 +274,33 @@ class Reconciler:
                 )
             finally:
                 running.release()
-        logger.info(
-            "reconciler %s: %s",
-            name,
-            " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "nothing to do",
-            extra={"job": name, "reconciler": self.name, **counts},
-        )
+        self._log_counts(name, counts)
         return counts
+
+    def _log_counts(self, name: str, counts: dict[str, int]) -> None:
+        # An idle reconciler (nothing to do, or another one holds the job) would fill the log with
+        # one line per job every interval: those runs log at DEBUG, and one INFO line every
+        # IDLE_HEARTBEAT_SECONDS says the reconciler is alive. A run that acted, failed or was
+        # halted logs at INFO (its error, if any, is already logged at ERROR).
+        idle = not counts or counts == {"skipped": 1}
+        extra = {"job": name, "reconciler": self.name, **counts}
+        shown = " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "nothing to do"
+        with self._quiet_lock:
+            now = time.monotonic()
+            if not idle:
+                self._last_info, self._idle_runs = now, 0
+            elif now - self._last_info >= IDLE_HEARTBEAT_SECONDS:
+                quiet_seconds, idle_runs = now - self._last_info, self._idle_runs + 1
+                self._last_info, self._idle_runs = now, 0
+                logger.info(
+                    "reconciler idle: %s job runs with nothing to do in the last %.0f s",
+                    idle_runs,
+                    quiet_seconds,
+                    extra={"reconciler": self.name, "idle_runs": idle_runs},
+                )
+            else:
+                self._idle_runs += 1
+        logger.log(logging.DEBUG if idle else logging.INFO, "reconciler %s: %s", name, shown, extra=extra)
 
     def _locked(self, job: Job) -> dict[str, int]:
         conn = self._conn(job.name)

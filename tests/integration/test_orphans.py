@@ -28,7 +28,7 @@ from outbox.handlers import registry
 from outbox.heartbeat import Heartbeat
 from outbox.settings import Settings, libpq_url
 from reconciler.alerts import AlertRow
-from reconciler.jobs import redispatch
+from reconciler.jobs.redispatch import redispatch
 from reconciler.scheduler import Reconciler
 
 DEST = "payments.charge"

@@ -6,20 +6,18 @@ jobs, and the provider simulator, which does NOT deduplicate: a second call is a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
-import pytest
+from helpers import lookup_on
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox import fence, ops
 from outbox.cli import main
-from outbox.consumer import Executor
-from outbox.handlers import Handler, close_http_clients, registry
-from outbox.settings import libpq_url
-from reconciler.jobs import resolve_unknown, send_alerts
+from outbox.handlers import Handler
+from reconciler.jobs.resolve_unknown import resolve_unknown
+from reconciler.jobs.send_alerts import send_alerts
 
 DEST = "payments.charge"
 
@@ -33,17 +31,7 @@ def declare(provider: Any, *, key_ttl: float = 86400, max_attempts: int = 3, loo
         r.raise_for_status()
         return outbox.Confirmed(ref=r.json()["id"])
 
-    if lookup:
-
-        @charge.lookup
-        def find(d: outbox.Delivery) -> outbox.Confirmed | None:
-            r = d.http.get(f"{provider.url}/charges", params={"idempotency_key": d.idempotency_key})
-            if r.status_code == 404:
-                return None
-            r.raise_for_status()
-            return outbox.Confirmed(ref=r.json()["id"])
-
-    return charge
+    return lookup_on(charge, provider) if lookup else charge
 
 
 def write(engine: Any, key: str, amount: int = 1000) -> int:
@@ -101,26 +89,6 @@ def make_failed(db: psycopg.Connection[Any], row_id: int) -> None:
     assert fence.record(
         db, row_id=row_id, token=claimed.token, state="failed", outcome="failed", error="HTTP 402"
     )
-
-
-@pytest.fixture
-def db(clean: Any) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        yield conn
-
-
-@pytest.fixture
-def consumer(clean: Any) -> Iterator[Callable[[], Executor]]:
-    made: list[Executor] = []
-
-    def make() -> Executor:
-        made.append(Executor(clean.database_url, registry()))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
-    close_http_clients()
 
 
 # -- class 4: the runbook scenario ---------------------------------------------------------------

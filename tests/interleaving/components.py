@@ -90,7 +90,13 @@ class SkewedDatetime(datetime):
 
 #: Modules whose ``datetime.now()`` is a process's local clock. The product is being changed to
 #: compute every compared instant in SQL; a module that no longer reads the clock is unaffected.
-CLOCK_MODULES = ("outbox.consumer", "outbox.policy", "reconciler.jobs", "outbox.fence")
+CLOCK_MODULES = (
+    "outbox.consumer",
+    "outbox.policy",
+    "reconciler.jobs.resolve_unknown",
+    "reconciler.jobs.redispatch",
+    "outbox.fence",
+)
 
 
 def install_hooks(monkeypatch: pytest.MonkeyPatch, world: Any) -> None:

@@ -1,0 +1,126 @@
+"""Job 6, ``no_consumer``: destinations whose rows wait and that no live worker serves."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import psycopg
+
+from outbox import heartbeat
+from reconciler.alerts import AlertHook, AlertRow, log_alert
+
+from ._common import _nonzero, _require_autocommit
+
+logger = logging.getLogger(__name__)
+
+# One episode row per destination without a consumer: inserted at the first cycle, counted up at
+# each next one; `since` is kept from the first cycle.
+_EPISODE = """
+INSERT INTO outbox_no_consumer AS e (destination, since, cycles, rows_waiting)
+VALUES (%(destination)s, %(since)s, 1, %(rows)s)
+ON CONFLICT (destination) DO UPDATE
+SET cycles = e.cycles + 1, rows_waiting = EXCLUDED.rows_waiting
+RETURNING cycles, alerted_at
+"""
+
+# A consumer appeared, or nothing waits any more: the episode is over, the next one alerts again.
+_END_EPISODES = """
+DELETE FROM outbox_no_consumer WHERE destination <> ALL(%(destinations)s) RETURNING destination
+"""
+
+_MARK_EPISODE_ALERTED = """
+UPDATE outbox_no_consumer SET alerted_at = now()
+WHERE destination = %(destination)s AND alerted_at IS NULL
+RETURNING destination
+"""
+
+_FIRST_ROW = (
+    "SELECT key, step, state, EXTRACT(EPOCH FROM now() - created_at) FROM outbox_message WHERE id = %s"
+)
+
+_PURGE_HEARTBEATS = """
+DELETE FROM outbox_process WHERE last_seen_at < now() - %(retention)s * interval '1 second'
+"""
+
+
+def no_consumer(
+    conn: psycopg.Connection[Any],
+    hook: AlertHook = log_alert,
+    *,
+    cycles_before_alert: int = heartbeat.DEFAULT_NO_CONSUMER_CYCLES,
+) -> dict[str, int]:
+    """Find destinations with rows waiting (`pending` or `dispatched`) and no live worker
+    heartbeat serving their queue; alert each once per episode, after ``cycles_before_alert``
+    runs in a row (a worker restarting during a deploy is not an episode). The alert goes to
+    ``hook`` as an :class:`AlertRow` with state ``no_consumer``, naming the oldest waiting row
+    and saying "no consumer for D since T, K rows waiting". Also deletes the heartbeats of
+    processes not heard from for a day.
+
+    Counts: ``no_consumer`` (destinations), ``alerts``, ``hook_errors``, ``ended`` (episodes
+    over: a consumer appeared or nothing waits), ``heartbeats_purged``.
+    """
+    _require_autocommit(conn, "no_consumer")
+    counts: Counter[str] = Counter()
+    counts["heartbeats_purged"] = conn.execute(
+        _PURGE_HEARTBEATS, {"retention": heartbeat.HEARTBEAT_RETENTION_SECONDS}
+    ).rowcount
+    found = heartbeat.no_consumer(conn.execute(heartbeat.NO_CONSUMER_SQL).fetchall())
+    for ended in conn.execute(_END_EPISODES, {"destinations": [f.destination for f in found]}).fetchall():
+        counts["ended"] += 1
+        logger.info(
+            "destination %s has a consumer again, or nothing waits for one",
+            ended[0],
+            extra={"destination": ended[0]},
+        )
+    for gap in found:
+        counts["no_consumer"] += 1
+        row = conn.execute(
+            _EPISODE, {"destination": gap.destination, "since": gap.since, "rows": gap.rows_waiting}
+        ).fetchone()
+        if row is None or row[0] < cycles_before_alert or row[1] is not None:
+            continue
+        first = conn.execute(_FIRST_ROW, (gap.first_id,)).fetchone()
+        if first is None:
+            continue  # gone since the count: the next cycle sees the destination afresh
+        alert = AlertRow(
+            id=gap.first_id,
+            key=first[0],
+            step=first[1],
+            destination=gap.destination,
+            state="no_consumer",
+            reason=f"{gap.describe()}; start a worker serving it, or cancel the rows "
+            f"(outbox cancel --destination {gap.destination} --reason …)",
+            age=float(first[3]),
+        )
+        try:
+            hook(alert)
+        except Exception:
+            counts["hook_errors"] += 1
+            logger.exception(
+                "alert hook failed for destination %s; it will be reported again",
+                gap.destination,
+                extra={"destination": gap.destination},
+            )
+            continue
+        if conn.execute(_MARK_EPISODE_ALERTED, {"destination": gap.destination}).fetchone() is not None:
+            counts["alerts"] += 1
+    return _nonzero(counts)
+
+
+@dataclass(frozen=True)
+class NoConsumerConfig:
+    #: Runs in a row without a consumer before the alert: a restarting worker is not an episode.
+    cycles_before_alert: int = heartbeat.DEFAULT_NO_CONSUMER_CYCLES
+
+
+@dataclass(frozen=True)
+class NoConsumer:
+    name: ClassVar[str] = "no_consumer"
+    config: NoConsumerConfig
+    hook: AlertHook = log_alert
+
+    def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return no_consumer(conn, self.hook, cycles_before_alert=self.config.cycles_before_alert)

@@ -1,0 +1,196 @@
+"""Job 4, ``purge``: old `sent` and `cancelled` rows move into the key ledger; old ledger entries
+are dropped."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import psycopg
+
+from ._common import _require_autocommit
+
+logger = logging.getLogger(__name__)
+
+#: `DELETE … LIMIT` batches: each one is a short transaction that holds few row locks.
+PURGE_BATCH = 1000
+DEFAULT_PURGE_MAX_BATCHES = 20
+
+# The row moves into the key ledger in the statement that deletes it: no moment exists where the
+# key is in neither table (the insert guard would let a new row for it through). Its fence rows
+# are read here, in the statement's snapshot, before the cascade removes them.
+#
+# A transaction whose snapshot predates a row's insertion sees neither the row nor its ledger
+# entry, so the guard cannot stop it from inserting the key again; such a snapshot is older than
+# the row's completed_at. Rows completed after the oldest open client transaction began wait for
+# it to end. Sessions of other roles show no xact_start without pg_read_all_stats: the hold-back
+# would be blind to them, so without that privilege the purge does not run (_CAN_SEE_ALL_XACTS).
+_PURGE = """
+WITH gone AS (
+    DELETE FROM outbox_message
+    WHERE id IN (
+        SELECT id FROM outbox_message
+        WHERE state IN ('sent', 'cancelled')
+          AND completed_at < now() - %(retention)s * interval '1 second'
+          AND completed_at < COALESCE(
+              (SELECT min(xact_start) FROM pg_stat_activity
+               WHERE datname = current_database() AND backend_type = 'client backend'
+                 AND pid <> pg_backend_pid()),
+              'infinity')
+        ORDER BY completed_at
+        LIMIT %(limit)s
+    )
+    AND state IN ('sent', 'cancelled')
+    RETURNING id, key, step, destination, payload, state, provider_ref, completed_at, history
+),
+ledgered AS (
+    INSERT INTO outbox_key_ledger AS l (
+        message_id, completed_at, attempts, confirmed, ambiguous,
+        key, step, destination, payload_hash, state, provider_ref)
+    SELECT g.id, g.completed_at, f.claims, f.confirmed,
+           f.ambiguous OR g.history @> '[{"action": "resolve", "from": "unknown"}]'::jsonb,
+           g.key, g.step, g.destination, outbox_payload_digest(g.payload),
+           g.state, g.provider_ref
+    FROM gone g CROSS JOIN LATERAL (
+        SELECT count(*) AS claims,
+               count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,
+               -- A claim that never recorded an outcome is as unknown as one that said so.
+               COALESCE(bool_or(a.outcome IS NULL
+                                OR a.outcome IN ('unknown', 'lease_expired',
+                                                 'superseded:unknown', 'superseded:lease_expired')),
+                        false) AS ambiguous
+        FROM outbox_attempt a WHERE a.message_id = g.id
+    ) f
+    -- Only reachable when something bypassed the insert guard (triggers disabled, replication
+    -- role): keep the evidence of both rows rather than lose the older one.
+    ON CONFLICT (key, step) DO UPDATE SET
+        message_id = EXCLUDED.message_id, completed_at = EXCLUDED.completed_at,
+        attempts = l.attempts + EXCLUDED.attempts, confirmed = l.confirmed + EXCLUDED.confirmed,
+        ambiguous = l.ambiguous OR EXCLUDED.ambiguous, destination = EXCLUDED.destination,
+        payload_hash = EXCLUDED.payload_hash, state = EXCLUDED.state,
+        provider_ref = EXCLUDED.provider_ref
+    RETURNING 1
+)
+SELECT count(*) FROM ledgered
+"""
+
+# Superusers and members of pg_read_all_stats (pg_monitor is one) see every session's
+# xact_start; USAGE, not MEMBER: a NOINHERIT membership does not lend the privilege.
+CAN_SEE_ALL_XACTS = """
+SELECT r.rolsuper OR pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')
+FROM pg_roles r WHERE r.rolname = current_user
+"""
+
+#: The purge's count when it refused to run for want of the privilege above.
+PURGE_SKIPPED_NO_PRIVILEGE = "skipped_no_stats_privilege"
+
+
+def can_see_all_transactions(conn: psycopg.Connection[Any]) -> bool:
+    """True when this role sees the ``xact_start`` of every role's sessions, as the purge needs."""
+    row = conn.execute(CAN_SEE_ALL_XACTS).fetchone()
+    return bool(row and row[0])
+
+
+# Batches along the completed_at index: each is a short transaction, and the drop keeps pace with
+# the purge (the job runs both) without one long DELETE holding locks or bloating at once.
+_DROP_LEDGER = """
+DELETE FROM outbox_key_ledger
+WHERE (key, step) IN (
+    SELECT key, step FROM outbox_key_ledger
+    WHERE completed_at < now() - %(horizon)s * interval '1 second'
+    ORDER BY completed_at
+    LIMIT %(limit)s
+)
+AND completed_at < now() - %(horizon)s * interval '1 second'
+"""
+
+#: Ledger entries dropped per statement (narrow rows: a larger batch than the purge's).
+LEDGER_DROP_BATCH = 5000
+
+
+def _batches(run: Callable[[], int], max_batches: int, batch: int) -> tuple[int, int]:
+    total = batches = 0
+    for _ in range(max_batches):
+        done = run()
+        if done <= 0:
+            break
+        batches += 1
+        total += done
+        if done < batch:
+            break
+    return total, batches
+
+
+def purge(
+    conn: psycopg.Connection[Any],
+    *,
+    retention_seconds: float,
+    ledger_horizon_seconds: float | None = None,
+    max_batches: int = DEFAULT_PURGE_MAX_BATCHES,
+) -> dict[str, int]:
+    """Move `sent` and `cancelled` rows completed more than ``retention_seconds`` ago into the key
+    ledger (their attempt rows cascade), at most ``max_batches`` batches of 1000 per run; `failed`
+    rows stay until a human replays them. Then drop ledger entries completed more than
+    ``ledger_horizon_seconds`` ago (None: keep them). Counts: ``purged``, ``batches`` (statements
+    that moved rows), ``ledger_dropped``.
+
+    A role that is neither superuser nor a member of ``pg_read_all_stats`` (or ``pg_monitor``)
+    cannot see other roles' open transactions, so it cannot hold rows back for them: the purge
+    then moves nothing, logs an error and counts ``skipped_no_stats_privilege``."""
+    _require_autocommit(conn, "purge")
+    params = {"retention": float(retention_seconds), "limit": PURGE_BATCH}
+
+    def move() -> int:
+        row = conn.execute(_PURGE, params).fetchone()
+        return int(row[0]) if row else 0
+
+    counts: dict[str, int] = {}
+    if can_see_all_transactions(conn):
+        purged, batches = _batches(move, max_batches, PURGE_BATCH)
+        if purged:
+            counts = {"purged": purged, "batches": batches}
+    else:
+        role = conn.execute("SELECT current_user").fetchone()
+        logger.error(
+            "purge skipped: role %s can see neither other roles' open transactions nor whether an "
+            "old REPEATABLE READ snapshot could write a purged key again; run "
+            "GRANT pg_read_all_stats TO %s (or pg_monitor), or run the reconciler as a superuser",
+            role[0] if role else "?",
+            role[0] if role else "?",
+            extra={"job": "purge", "error": PURGE_SKIPPED_NO_PRIVILEGE},
+        )
+        counts[PURGE_SKIPPED_NO_PRIVILEGE] = 1
+    if ledger_horizon_seconds is not None:
+        # Never shorter than the retention: an entry must outlive the row it stands for.
+        horizon = max(float(ledger_horizon_seconds), float(retention_seconds))
+        drop = {"horizon": horizon, "limit": LEDGER_DROP_BATCH}
+        dropped, _ = _batches(
+            lambda: conn.execute(_DROP_LEDGER, drop).rowcount, max_batches, LEDGER_DROP_BATCH
+        )
+        if dropped:
+            counts["ledger_dropped"] = dropped
+    return counts
+
+
+@dataclass(frozen=True)
+class PurgeConfig:
+    retention_seconds: float = 7 * 86400.0
+    #: None keeps ledger entries for ever.
+    ledger_horizon_seconds: float | None = 90 * 86400.0
+    max_batches: int = DEFAULT_PURGE_MAX_BATCHES
+
+
+@dataclass(frozen=True)
+class Purge:
+    name: ClassVar[str] = "purge"
+    config: PurgeConfig
+
+    def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return purge(
+            conn,
+            retention_seconds=self.config.retention_seconds,
+            ledger_horizon_seconds=self.config.ledger_horizon_seconds,
+            max_batches=self.config.max_batches,
+        )

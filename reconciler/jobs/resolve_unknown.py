@@ -1,0 +1,510 @@
+"""Job 2, ``resolve_unknown``: each due `unknown` row's provider is asked, through the handler's
+lookup, whether the call took effect, and the row is settled accordingly.
+
+The connection is in autocommit mode: nothing is held open while a lookup talks to a provider.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, ClassVar, NamedTuple
+
+import psycopg
+
+from outbox import logs, outcomes, policy, sanitize
+from outbox.fence import DUE_SQL, NEW_STATE_SQL, PAST_DEADLINE_SQL
+from outbox.handlers import Confirmed, Handler, idempotency_key
+from outbox.validation import header_safe
+from reconciler.alerts import AlertHook, AlertRow, log_alert
+from reconciler.lookups import LookupClients
+
+from ._common import _describe, _nonzero, _require_autocommit, _short
+
+logger = logging.getLogger(__name__)
+
+#: Rows looked up per run, oldest due first; the rest wait for the next run.
+DEFAULT_RESOLVE_BATCH = 100
+#: A run stops starting lookups after this long, so one slow provider cannot hold the job.
+DEFAULT_RESOLVE_BUDGET_SECONDS = 60.0
+#: Lookups of one destination that may fail in a row before the others of that destination
+#: are deferred for this run: a provider that is down answers every lookup the same way.
+LOOKUP_FAILURES_BEFORE_DEFERRING = 3
+#: An unknown row nobody can resolve automatically is looked at again after this long.
+HUMAN_RECHECK_SECONDS = 3600.0
+
+_DUE_UNKNOWN = """
+SELECT id, key, step, destination, payload, attempts, deadline, claim_token
+FROM outbox_message
+WHERE state = 'unknown' AND available_at <= now()
+ORDER BY available_at, id
+LIMIT %(limit)s
+"""
+
+# A call of this row that the provider may hold and may have forgotten by now.
+_CALL_OLDER_THAN_KEY_TTL = f"""
+SELECT 1 FROM outbox_attempt a
+WHERE a.message_id = outbox_message.id AND {outcomes.may_have_taken_effect_sql("a")}
+  AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second'
+"""
+
+# Parks a row whose lookup said "not found" when a call is older than key_ttl; a new reason is
+# alerted again (alerted_at cleared), the same one only once.
+_PARK_PAST_KEY_TTL = f"""
+UPDATE outbox_message
+SET available_at = now() + %(seconds)s * interval '1 second',
+    alerted_at = CASE WHEN last_error IS DISTINCT FROM %(error)s THEN NULL ELSE alerted_at END,
+    last_error = %(error)s
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+  AND EXISTS ({_CALL_OLDER_THAN_KEY_TTL})
+RETURNING id
+"""
+
+# Resolution of an unknown row by a lookup: sent, pending (retry) or failed. The history entry
+# names what the reconciler saw, never the payload. A retry is due %(delay)s seconds from the
+# database's now, and fails the row instead when that falls on or after its deadline. A "not
+# found" (or an idempotent retry) marks the row's ambiguous fence rows in the same statement
+# (outbox.outcomes), and only while every call that may have taken effect is younger than the
+# destination's key_ttl (database clock): past it, the provider may have forgotten the call, and
+# the row does not move.
+_SETTLE_UNKNOWN = f"""
+WITH moved AS (
+UPDATE outbox_message
+SET state = {NEW_STATE_SQL},
+    provider_ref = COALESCE(%(ref)s, provider_ref),
+    response = COALESCE(CAST(%(response)s AS jsonb), response),
+    last_error = CASE WHEN {PAST_DEADLINE_SQL} THEN %(deadline_error)s ELSE %(error)s END,
+    available_at = COALESCE({DUE_SQL}, available_at),
+    dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
+    completed_at = CASE WHEN {NEW_STATE_SQL} IN ('sent', 'failed') THEN now() END,
+    lease_expires_at = NULL,
+    unknown_since = NULL,
+    -- A row alerted while unknown is alerted again if it ends up failed.
+    alerted_at = NULL,
+    history = history || jsonb_build_array(jsonb_build_object(
+        'at', now(), 'by', 'reconciler', 'action', 'lookup',
+        'result', CAST(%(result)s AS text), 'state', {NEW_STATE_SQL},
+        'provider_ref', CAST(%(ref)s AS text)))
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+  AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({_CALL_OLDER_THAN_KEY_TTL}))
+RETURNING id, state
+), settled AS (
+    UPDATE outbox_attempt a SET settled = %(settled)s, settled_at = now()
+    FROM moved
+    WHERE a.message_id = moved.id AND CAST(%(settled)s AS text) IS NOT NULL
+      AND {outcomes.unsettled_ambiguous_sql("a")}
+)
+SELECT state FROM moved
+"""
+
+# The next lookup waits as long as the row has already waited (10 s to 1 h): a provider that is
+# down for hours is not asked every few seconds, a blip is retried quickly.
+_DEFER_UNKNOWN = """
+UPDATE outbox_message
+SET available_at = now() + LEAST(3600, GREATEST(10,
+        EXTRACT(EPOCH FROM now() - COALESCE(unknown_since, now())))) * interval '1 second',
+    last_error = COALESCE(%(error)s, last_error)
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+RETURNING id
+"""
+
+_PARK_UNKNOWN = """
+UPDATE outbox_message
+SET available_at = now() + %(seconds)s * interval '1 second',
+    last_error = %(error)s
+WHERE id = %(id)s AND state = 'unknown'
+  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
+RETURNING id
+"""
+
+
+def _settle(
+    conn: psycopg.Connection[Any],
+    *,
+    row_id: int,
+    token: uuid.UUID | None,
+    state: str,
+    result: str,
+    error: str | None = None,
+    ref: str | None = None,
+    response: dict[str, Any] | None = None,
+    delay_seconds: float | None = None,
+    deadline_error: str | None = None,
+    settled: str | None = None,
+    key_ttl: float | None = None,
+) -> str | None:
+    """The state the row moved to, or None when it had moved meanwhile (or, with ``key_ttl``,
+    when a call that may have taken effect is older than it)."""
+    moved = conn.execute(
+        _SETTLE_UNKNOWN,
+        {
+            "settled": settled,
+            "key_ttl": key_ttl,
+            "id": row_id,
+            "token": token,
+            "state": state,
+            "result": result,
+            "error": sanitize.clean_optional_text(error),
+            "ref": sanitize.clean_ref(ref) if ref is not None else None,
+            "response": sanitize.encode_response(response),
+            "delay": delay_seconds,
+            "deadline_error": sanitize.clean_optional_text(deadline_error or error),
+        },
+    ).fetchone()
+    return str(moved[0]) if moved is not None else None
+
+
+def _settle_not_found(
+    conn: psycopg.Connection[Any],
+    handler: Handler,
+    *,
+    row_id: int,
+    token: uuid.UUID | None,
+    attempts: int,
+    deadline: datetime | None,
+    result: str,
+    error: str,
+    settled: str,
+) -> str | None:
+    """The call certainly did not take effect (or repeating it is harmless): retry or give up,
+    marking the row's ambiguous fence rows ``settled`` in the same statement.
+
+    Only while every call that may have taken effect is younger than ``handler.key_ttl``
+    (database clock): past it, "not found" may mean the provider forgot the call, and a retry
+    may charge twice, so the row stays ``unknown``, parked for a human with the reason (and
+    alerted once). Returns the new state, ``past_key_ttl`` when parked, or None when the row had
+    moved meanwhile."""
+    nxt = policy.retry_or_fail(handler, attempt=attempts, error=error)
+    moved = _settle(
+        conn,
+        row_id=row_id,
+        token=token,
+        state=nxt.state,
+        result=result,
+        error=nxt.error,
+        delay_seconds=nxt.delay_seconds,
+        deadline_error=policy.deadline_error(deadline, nxt.error),
+        settled=settled,
+        key_ttl=handler.key_ttl,
+    )
+    if moved is not None:
+        return moved
+    reason = (
+        f"needs a human: a call is older than key_ttl ({handler.key_ttl:g} s), so the provider may "
+        f"have forgotten it and 'not found' proves nothing; a retry could charge twice. Check the "
+        f"provider's records, then run outbox resolve {row_id} --sent REF or --not-sent"
+    )
+    params = {
+        "id": row_id,
+        "token": token,
+        "seconds": HUMAN_RECHECK_SECONDS,
+        "error": reason,
+        "key_ttl": handler.key_ttl,
+    }
+    if conn.execute(_PARK_PAST_KEY_TTL, params).fetchone() is None:
+        return None
+    logger.warning(
+        "outbox row %s on %s needs a human: %s after key_ttl, not retried",
+        row_id,
+        handler.destination,
+        result,
+        extra={"outbox_id": row_id, "destination": handler.destination},
+    )
+    return "past_key_ttl"
+
+
+def _park(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str) -> bool:
+    params = {
+        "id": row_id,
+        "token": token,
+        "seconds": HUMAN_RECHECK_SECONDS,
+        "error": sanitize.clean_text(error),
+    }
+    return conn.execute(_PARK_UNKNOWN, params).fetchone() is not None
+
+
+def _unsettleable(
+    conn: psycopg.Connection[Any],
+    alert: AlertHook | None,
+    row_id: int,
+    key: str,
+    step: str,
+    destination: str,
+    token: uuid.UUID | None,
+    exc: Exception,
+) -> None:
+    reason = sanitize.clean_text(
+        f"lookup answer could not be recorded ({type(exc).__name__}: {logs.first_line(exc)}); "
+        f"looked up again later; if it persists, check the provider and run outbox resolve {row_id}"
+    )
+    age = 0.0
+    try:
+        _defer(conn, row_id, token, reason)
+        found = conn.execute(
+            "SELECT EXTRACT(EPOCH FROM now() - created_at) FROM outbox_message WHERE id = %s", (row_id,)
+        ).fetchone()
+        age = float(found[0]) if found else 0.0
+    except (psycopg.OperationalError, psycopg.InterfaceError):
+        raise
+    except psycopg.Error as again:
+        # Even the deferral was refused: the row stays due; the alert below still goes out.
+        logger.error(
+            "outbox row %s could not be deferred either: %s",
+            row_id,
+            type(again).__name__,
+            extra={"outbox_id": row_id, "destination": destination},
+        )
+    row = AlertRow(
+        id=row_id, key=key, step=step, destination=destination, state="unknown", reason=reason, age=age
+    )
+    try:
+        (alert or log_alert)(row)
+    except Exception:
+        logger.exception("alert hook failed for outbox row %s", row_id, extra={"outbox_id": row_id})
+
+
+def _defer(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str | None) -> bool:
+    params = {"id": row_id, "token": token, "error": sanitize.clean_optional_text(error)}
+    return conn.execute(_DEFER_UNKNOWN, params).fetchone() is not None
+
+
+class _Due(NamedTuple):
+    """A due `unknown` row, as ``_DUE_UNKNOWN`` reads it."""
+
+    row_id: int
+    key: str
+    step: str
+    destination: str
+    payload: Any
+    attempts: int
+    deadline: datetime | None
+    token: uuid.UUID | None
+
+
+@dataclass
+class _Run:
+    """One run of the job: what every row's path reads, and the per-destination failure streaks."""
+
+    conn: psycopg.Connection[Any]
+    handlers: Mapping[str, Handler]
+    module: str
+    clients: LookupClients
+    time_budget_seconds: float
+    stop: threading.Event | None
+    started: float = field(default_factory=time.monotonic)
+    consecutive_failures: Counter[str] = field(default_factory=Counter)
+
+
+def resolve_unknown(
+    conn: psycopg.Connection[Any],
+    handlers: Mapping[str, Handler],
+    *,
+    module: str = "the handler module",
+    clients: LookupClients | None = None,
+    batch_size: int = DEFAULT_RESOLVE_BATCH,
+    time_budget_seconds: float = DEFAULT_RESOLVE_BUDGET_SECONDS,
+    stop: threading.Event | None = None,
+    alert: AlertHook | None = None,
+) -> dict[str, int]:
+    """Ask each due `unknown` row's provider, through the handler's lookup, whether the call
+    took effect, and settle the row accordingly.
+
+    Counts: ``sent`` (found), ``pending`` / ``failed`` (not found: retried, or out of attempts
+    or deadline), ``lookup_failed`` (the lookup raised; looked up again later), ``deferred``
+    (not looked up: its destination's lookups keep failing, or the time budget ran out),
+    ``interrupted`` (left due because ``stop`` was set: the process is shutting down),
+    ``needs_human`` (no lookup and not idempotent, or a key no Idempotency-Key header can
+    carry), ``past_key_ttl`` (not found, or idempotent without a lookup, but a call is older
+    than the destination's ``key_ttl``: parked for a human, never retried automatically),
+    ``no_handler`` (destination unknown to ``module``), ``raced`` (the row moved while we
+    looked; someone else settled it), ``unsettleable`` (the database refused the row's statement,
+    or its path raised: deferred with the reason and reported through ``alert``, default
+    :func:`~reconciler.alerts.log_alert`; the other rows proceed).
+    """
+    _require_autocommit(conn, "resolve_unknown")
+    own_clients = clients is None
+    lookup_clients = LookupClients() if clients is None else clients
+    counts: Counter[str] = Counter()
+    run = _Run(conn, handlers, module, lookup_clients, time_budget_seconds, stop)
+    try:
+        rows = conn.execute(_DUE_UNKNOWN, {"limit": batch_size}).fetchall()
+        for fields in rows:
+            row = _Due(*fields)
+            try:
+                counts[_resolve_row(run, row)] += 1
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                # A lost connection is not this row's fault: the job ends, the next run retries.
+                raise
+            except Exception as exc:
+                # One row the database will not take (or a bug on its path) must not hold back
+                # the others, of any destination: it is pushed back, with the reason, and alerted.
+                counts["unsettleable"] += 1
+                _unsettleable(conn, alert, row.row_id, row.key, row.step, row.destination, row.token, exc)
+    finally:
+        if own_clients:
+            lookup_clients.close()
+    return _nonzero(counts)
+
+
+def _resolve_row(run: _Run, row: _Due) -> str:
+    """Settle, defer or park one row; returns the count it adds to."""
+    conn, row_id, token, destination = run.conn, row.row_id, row.token, row.destination
+    if run.stop is not None and run.stop.is_set():
+        return "interrupted"
+    handler = run.handlers.get(destination)
+    if handler is None:
+        # Stays unknown: only this destination's own lookup (or a human) may conclude.
+        error = (
+            f"no handler for destination {destination} in {run.module}: its outcome cannot be "
+            f"looked up; deploy its handler, or check the provider and run "
+            f"outbox resolve {row_id} --sent REF / --not-sent"
+        )
+        return "no_handler" if _park(conn, row_id, token, error) else "raced"
+    if handler.lookup_fn is None:
+        return _without_lookup(conn, handler, row)
+    out_of_time = time.monotonic() - run.started > run.time_budget_seconds
+    if out_of_time or run.consecutive_failures[destination] >= LOOKUP_FAILURES_BEFORE_DEFERRING:
+        # Pushed back rather than left due, or they would fill every next batch and starve
+        # the rows of healthy destinations behind them.
+        return "deferred" if _defer(conn, row_id, token, None) else "raced"
+
+    if not header_safe(idempotency_key(row.key, row.step)):
+        # Written before keys were checked at write: no lookup can name it to the
+        # provider, and asking again every few seconds would never succeed.
+        error = (
+            f"needs a human: key {row.key!r} cannot be sent as an Idempotency-Key header "
+            "(not printable ASCII); check the provider, then run "
+            f"outbox resolve {row_id} --sent REF or --not-sent"
+        )
+        return "needs_human" if _park(conn, row_id, token, error) else "raced"
+    return _look_up(run, handler, row)
+
+
+def _without_lookup(conn: psycopg.Connection[Any], handler: Handler, row: _Due) -> str:
+    if handler.idempotent:
+        # The provider deduplicates on our Idempotency-Key: calling again is safe.
+        state = _settle_not_found(
+            conn,
+            handler,
+            row_id=row.row_id,
+            token=row.token,
+            attempts=row.attempts,
+            deadline=row.deadline,
+            result="no_lookup_idempotent",
+            error="outcome unknown; retried, the destination is idempotent",
+            settled=outcomes.IDEMPOTENT_RETRY,
+        )
+        return state or "raced"
+    key, step, destination, row_id = row.key, row.step, row.destination, row.row_id
+    error = (
+        f"needs a human: {destination} has no lookup and is not idempotent; check the "
+        f"provider, then run outbox resolve {row_id} --sent REF or --not-sent"
+    )
+    if not _park(conn, row_id, row.token, error):
+        return "raced"
+    logger.warning(
+        "outbox %s:%s on %s needs a human: no lookup, not idempotent",
+        key,
+        step,
+        destination,
+        extra={"outbox_id": row_id, "key": key, "step": step, "destination": destination},
+    )
+    return "needs_human"
+
+
+def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
+    """Ask the provider, then settle the row on its answer."""
+    conn, row_id, token, destination = run.conn, row.row_id, row.token, row.destination
+    assert handler.lookup_fn is not None  # checked by the caller
+    delivery = run.clients.delivery(
+        handler,
+        id=row_id,
+        key=row.key,
+        step=row.step,
+        payload=row.payload,
+        attempt=row.attempts,
+        deadline=row.deadline,
+    )
+    # No transaction is open here: the connection is in autocommit mode.
+    try:
+        found = handler.lookup_fn(delivery)
+        if found is not None and not isinstance(found, Confirmed):
+            raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
+    except Exception as exc:
+        run.consecutive_failures[destination] += 1
+        error = _short(f"lookup failed: {_describe(exc)}")
+        counted = "lookup_failed" if _defer(conn, row_id, token, error) else "raced"
+        logger.warning(
+            "outbox %s:%s on %s: %s",
+            row.key,
+            row.step,
+            destination,
+            error,
+            extra={"outbox_id": row_id, "destination": destination},
+        )
+        return counted
+    run.consecutive_failures[destination] = 0
+    if found is not None:
+        moved = _settle(
+            conn,
+            row_id=row_id,
+            token=token,
+            state="sent",
+            result="found",
+            ref=found.ref,
+            response=found.response,
+        )
+        return "sent" if moved else "raced"
+    state = _settle_not_found(
+        conn,
+        handler,
+        row_id=row_id,
+        token=token,
+        attempts=row.attempts,
+        deadline=row.deadline,
+        result="not_found",
+        # Why the call was ambiguous stays on its attempt row.
+        error="lookup: the provider has no record of the call",
+        settled=outcomes.LOOKUP_NOT_FOUND,
+    )
+    return state or "raced"
+
+
+@dataclass(frozen=True)
+class ResolveUnknownConfig:
+    batch_size: int = DEFAULT_RESOLVE_BATCH
+    time_budget_seconds: float = DEFAULT_RESOLVE_BUDGET_SECONDS
+
+
+@dataclass(frozen=True)
+class ResolveUnknown:
+    name: ClassVar[str] = "resolve_unknown"
+    config: ResolveUnknownConfig
+    handlers: Mapping[str, Handler]
+    #: Names the handler module in the reasons a human reads.
+    module: str
+    clients: LookupClients
+    #: Set on shutdown: the run leaves the remaining rows due.
+    stop: threading.Event | None = None
+    alert: AlertHook = log_alert
+
+    def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return resolve_unknown(
+            conn,
+            self.handlers,
+            module=self.module,
+            clients=self.clients,
+            batch_size=self.config.batch_size,
+            time_budget_seconds=self.config.time_budget_seconds,
+            stop=self.stop,
+            alert=self.alert,
+        )

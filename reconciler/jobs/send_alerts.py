@@ -1,0 +1,108 @@
+"""Job 5, ``alerts``: each `failed` row, and each row `unknown` for too long, is reported once.
+
+Named ``send_alerts`` beside ``reconciler.alerts``, which defines the hook the alerts go to.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import psycopg
+
+from reconciler.alerts import AlertHook, AlertRow, log_alert
+
+from ._common import _nonzero, _require_autocommit
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ALERT_BATCH = 100
+
+_ALERTABLE = """
+SELECT id, key, step, destination, state, last_error,
+       EXTRACT(EPOCH FROM now() - created_at) AS age,
+       EXTRACT(EPOCH FROM now() - unknown_since) AS unknown_for
+FROM outbox_message
+WHERE alerted_at IS NULL
+  AND (state = 'failed'
+       OR (state = 'unknown' AND unknown_since < now() - %(after)s * interval '1 second'))
+ORDER BY id
+LIMIT %(limit)s
+"""
+
+_MARK_ALERTED = """
+UPDATE outbox_message
+SET alerted_at = now()
+WHERE id = %(id)s AND state = %(state)s AND alerted_at IS NULL
+RETURNING id
+"""
+
+
+def send_alerts(
+    conn: psycopg.Connection[Any],
+    hook: AlertHook = log_alert,
+    *,
+    unknown_alert_after_seconds: float,
+    batch_size: int = DEFAULT_ALERT_BATCH,
+) -> dict[str, int]:
+    """Report each newly `failed` row, and each row `unknown` for longer than
+    ``unknown_alert_after_seconds``, once, through ``hook``; then mark it ``alerted_at``.
+
+    The hook runs before the mark: a crash in between repeats an alert rather than losing it.
+    A hook that raises leaves the row unmarked, so it is reported again next run.
+    Counts: ``alerts``, ``hook_errors``, ``raced``.
+    """
+    _require_autocommit(conn, "alerts")
+    counts: Counter[str] = Counter()
+    rows = conn.execute(
+        _ALERTABLE, {"after": float(unknown_alert_after_seconds), "limit": batch_size}
+    ).fetchall()
+    for row_id, key, step, destination, state, last_error, age, unknown_for in rows:
+        reason = last_error or "no reason recorded"
+        if state == "unknown":
+            reason = f"outcome unknown for {float(unknown_for):.0f} s: {reason}"
+        alert = AlertRow(
+            id=row_id,
+            key=key,
+            step=step,
+            destination=destination,
+            state=state,
+            reason=reason,
+            age=float(age),
+        )
+        try:
+            hook(alert)
+        except Exception:
+            counts["hook_errors"] += 1
+            logger.exception(
+                "alert hook failed for outbox row %s; it will be reported again",
+                row_id,
+                extra={"outbox_id": row_id, "destination": destination},
+            )
+            continue
+        marked = conn.execute(_MARK_ALERTED, {"id": row_id, "state": state}).fetchone()
+        counts["alerts" if marked is not None else "raced"] += 1
+    return _nonzero(counts)
+
+
+@dataclass(frozen=True)
+class SendAlertsConfig:
+    unknown_alert_after_seconds: float = 3600.0
+    batch_size: int = DEFAULT_ALERT_BATCH
+
+
+@dataclass(frozen=True)
+class SendAlerts:
+    name: ClassVar[str] = "alerts"
+    config: SendAlertsConfig
+    hook: AlertHook = log_alert
+
+    def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return send_alerts(
+            conn,
+            self.hook,
+            unknown_alert_after_seconds=self.config.unknown_alert_after_seconds,
+            batch_size=self.config.batch_size,
+        )
