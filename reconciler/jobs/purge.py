@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 
 import psycopg
 
+from outbox import transitions
+
 from ._common import _require_autocommit
 
 logger = logging.getLogger(__name__)
@@ -17,64 +19,6 @@ logger = logging.getLogger(__name__)
 #: `DELETE … LIMIT` batches: each one is a short transaction that holds few row locks.
 PURGE_BATCH = 1000
 DEFAULT_PURGE_MAX_BATCHES = 20
-
-# The row moves into the key ledger in the statement that deletes it: no moment exists where the
-# key is in neither table (the insert guard would let a new row for it through). Its fence rows
-# are read here, in the statement's snapshot, before the cascade removes them.
-#
-# A transaction whose snapshot predates a row's insertion sees neither the row nor its ledger
-# entry, so the guard cannot stop it from inserting the key again; such a snapshot is older than
-# the row's completed_at. Rows completed after the oldest open client transaction began wait for
-# it to end. Sessions of other roles show no xact_start without pg_read_all_stats: the hold-back
-# would be blind to them, so without that privilege the purge does not run (_CAN_SEE_ALL_XACTS).
-_PURGE = """
-WITH gone AS (
-    DELETE FROM outbox_message
-    WHERE id IN (
-        SELECT id FROM outbox_message
-        WHERE state IN ('sent', 'cancelled')
-          AND completed_at < now() - %(retention)s * interval '1 second'
-          AND completed_at < COALESCE(
-              (SELECT min(xact_start) FROM pg_stat_activity
-               WHERE datname = current_database() AND backend_type = 'client backend'
-                 AND pid <> pg_backend_pid()),
-              'infinity')
-        ORDER BY completed_at
-        LIMIT %(limit)s
-    )
-    AND state IN ('sent', 'cancelled')
-    RETURNING id, key, step, destination, payload, state, provider_ref, completed_at, history
-),
-ledgered AS (
-    INSERT INTO outbox_key_ledger AS l (
-        message_id, completed_at, attempts, confirmed, ambiguous,
-        key, step, destination, payload_hash, state, provider_ref)
-    SELECT g.id, g.completed_at, f.claims, f.confirmed,
-           f.ambiguous OR g.history @> '[{"action": "resolve", "from": "unknown"}]'::jsonb,
-           g.key, g.step, g.destination, outbox_payload_digest(g.payload),
-           g.state, g.provider_ref
-    FROM gone g CROSS JOIN LATERAL (
-        SELECT count(*) AS claims,
-               count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,
-               -- A claim that never recorded an outcome is as unknown as one that said so.
-               COALESCE(bool_or(a.outcome IS NULL
-                                OR a.outcome IN ('unknown', 'lease_expired',
-                                                 'superseded:unknown', 'superseded:lease_expired')),
-                        false) AS ambiguous
-        FROM outbox_attempt a WHERE a.message_id = g.id
-    ) f
-    -- Only reachable when something bypassed the insert guard (triggers disabled, replication
-    -- role): keep the evidence of both rows rather than lose the older one.
-    ON CONFLICT (key, step) DO UPDATE SET
-        message_id = EXCLUDED.message_id, completed_at = EXCLUDED.completed_at,
-        attempts = l.attempts + EXCLUDED.attempts, confirmed = l.confirmed + EXCLUDED.confirmed,
-        ambiguous = l.ambiguous OR EXCLUDED.ambiguous, destination = EXCLUDED.destination,
-        payload_hash = EXCLUDED.payload_hash, state = EXCLUDED.state,
-        provider_ref = EXCLUDED.provider_ref
-    RETURNING 1
-)
-SELECT count(*) FROM ledgered
-"""
 
 # Superusers and members of pg_read_all_stats (pg_monitor is one) see every session's
 # xact_start; USAGE, not MEMBER: a NOINHERIT membership does not lend the privilege.
@@ -140,11 +84,9 @@ def purge(
     cannot see other roles' open transactions, so it cannot hold rows back for them: the purge
     then moves nothing, logs an error and counts ``skipped_no_stats_privilege``."""
     _require_autocommit(conn, "purge")
-    params = {"retention": float(retention_seconds), "limit": PURGE_BATCH}
 
     def move() -> int:
-        row = conn.execute(_PURGE, params).fetchone()
-        return int(row[0]) if row else 0
+        return transitions.purge(conn, retention_seconds=retention_seconds, limit=PURGE_BATCH)
 
     counts: dict[str, int] = {}
     if can_see_all_transactions(conn):

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import psycopg
 import redis
 
-from outbox import transport
+from outbox import transitions, transport
 from outbox.handlers import Handler
 from outbox.schema import NOTIFY_CHANNEL
 
@@ -40,23 +40,6 @@ WHERE state = 'dispatched'
 ORDER BY dispatched_at, id
 LIMIT %(limit)s
 """
-
-# One statement for the batch, each row guarded by its own state and dispatch time: a row that a
-# consumer claimed, or that was already re-queued and published again, does not match.
-_REQUEUE = """
-UPDATE outbox_message m
-SET state = 'pending', available_at = now(), dispatched_at = NULL
-FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(dispatched)s AS timestamptz[])) AS r(id, dispatched_at)
-WHERE m.id = r.id AND m.state = 'dispatched' AND m.dispatched_at = r.dispatched_at
-RETURNING m.id
-"""
-
-
-def _requeue(conn: psycopg.Connection[Any], rows: list[tuple[int, datetime]]) -> int:
-    if not rows:
-        return 0
-    params = {"ids": [r[0] for r in rows], "dispatched": [r[1] for r in rows]}
-    return len(conn.execute(_REQUEUE, params).fetchall())
 
 
 def redispatch(
@@ -121,8 +104,8 @@ def redispatch(
 
         orphans.update(destination for _, destination, _, _ in rows if destination not in handlers)
         missing, unacked, workers = _lost(redis_client, namespace, rows, workers)
-        moved_missing = _requeue(conn, missing)
-        moved_unacked = _requeue(conn, unacked)
+        moved_missing = transitions.requeue(conn, missing)
+        moved_unacked = transitions.requeue(conn, unacked)
         counts["missing"] += moved_missing
         counts["unacked"] += moved_unacked
         counts["waiting"] += len(rows) - len(missing) - len(unacked)

@@ -18,8 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import psycopg
 
-from outbox import logs, outcomes, policy, sanitize
-from outbox.fence import DUE_SQL, NEW_STATE_SQL, PAST_DEADLINE_SQL
+from outbox import logs, outcomes, policy, sanitize, transitions
 from outbox.handlers import Confirmed, Handler, idempotency_key
 from outbox.validation import header_safe
 from reconciler.alerts import AlertHook, AlertRow, log_alert
@@ -47,121 +46,6 @@ ORDER BY available_at, id
 LIMIT %(limit)s
 """
 
-# A call of this row that the provider may hold and may have forgotten by now.
-_CALL_OLDER_THAN_KEY_TTL = f"""
-SELECT 1 FROM outbox_attempt a
-WHERE a.message_id = outbox_message.id AND {outcomes.may_have_taken_effect_sql("a")}
-  AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second'
-"""
-
-# Parks a row whose lookup said "not found" when a call is older than key_ttl; a new reason is
-# alerted again (alerted_at cleared), the same one only once.
-_PARK_PAST_KEY_TTL = f"""
-UPDATE outbox_message
-SET available_at = now() + %(seconds)s * interval '1 second',
-    alerted_at = CASE WHEN last_error IS DISTINCT FROM %(error)s THEN NULL ELSE alerted_at END,
-    last_error = %(error)s
-WHERE id = %(id)s AND state = 'unknown'
-  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
-  AND EXISTS ({_CALL_OLDER_THAN_KEY_TTL})
-RETURNING id
-"""
-
-# Resolution of an unknown row by a lookup: sent, pending (retry) or failed. The history entry
-# names what the reconciler saw, never the payload. A retry is due %(delay)s seconds from the
-# database's now, and fails the row instead when that falls on or after its deadline. A "not
-# found" (or an idempotent retry) marks the row's ambiguous fence rows in the same statement
-# (outbox.outcomes), and only while every call that may have taken effect is younger than the
-# destination's key_ttl (database clock): past it, the provider may have forgotten the call, and
-# the row does not move.
-_SETTLE_UNKNOWN = f"""
-WITH moved AS (
-UPDATE outbox_message
-SET state = {NEW_STATE_SQL},
-    provider_ref = COALESCE(%(ref)s, provider_ref),
-    response = COALESCE(CAST(%(response)s AS jsonb), response),
-    last_error = CASE WHEN {PAST_DEADLINE_SQL} THEN %(deadline_error)s ELSE %(error)s END,
-    available_at = COALESCE({DUE_SQL}, available_at),
-    dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
-    completed_at = CASE WHEN {NEW_STATE_SQL} IN ('sent', 'failed') THEN now() END,
-    lease_expires_at = NULL,
-    unknown_since = NULL,
-    -- A row alerted while unknown is alerted again if it ends up failed.
-    alerted_at = NULL,
-    history = history || jsonb_build_array(jsonb_build_object(
-        'at', now(), 'by', 'reconciler', 'action', 'lookup',
-        'result', CAST(%(result)s AS text), 'state', {NEW_STATE_SQL},
-        'provider_ref', CAST(%(ref)s AS text)))
-WHERE id = %(id)s AND state = 'unknown'
-  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
-  AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({_CALL_OLDER_THAN_KEY_TTL}))
-RETURNING id, state
-), settled AS (
-    UPDATE outbox_attempt a SET settled = %(settled)s, settled_at = now()
-    FROM moved
-    WHERE a.message_id = moved.id AND CAST(%(settled)s AS text) IS NOT NULL
-      AND {outcomes.unsettled_ambiguous_sql("a")}
-)
-SELECT state FROM moved
-"""
-
-# The next lookup waits as long as the row has already waited (10 s to 1 h): a provider that is
-# down for hours is not asked every few seconds, a blip is retried quickly.
-_DEFER_UNKNOWN = """
-UPDATE outbox_message
-SET available_at = now() + LEAST(3600, GREATEST(10,
-        EXTRACT(EPOCH FROM now() - COALESCE(unknown_since, now())))) * interval '1 second',
-    last_error = COALESCE(%(error)s, last_error)
-WHERE id = %(id)s AND state = 'unknown'
-  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
-RETURNING id
-"""
-
-_PARK_UNKNOWN = """
-UPDATE outbox_message
-SET available_at = now() + %(seconds)s * interval '1 second',
-    last_error = %(error)s
-WHERE id = %(id)s AND state = 'unknown'
-  AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
-RETURNING id
-"""
-
-
-def _settle(
-    conn: psycopg.Connection[Any],
-    *,
-    row_id: int,
-    token: uuid.UUID | None,
-    state: str,
-    result: str,
-    error: str | None = None,
-    ref: str | None = None,
-    response: dict[str, Any] | None = None,
-    delay_seconds: float | None = None,
-    deadline_error: str | None = None,
-    settled: str | None = None,
-    key_ttl: float | None = None,
-) -> str | None:
-    """The state the row moved to, or None when it had moved meanwhile (or, with ``key_ttl``,
-    when a call that may have taken effect is older than it)."""
-    moved = conn.execute(
-        _SETTLE_UNKNOWN,
-        {
-            "settled": settled,
-            "key_ttl": key_ttl,
-            "id": row_id,
-            "token": token,
-            "state": state,
-            "result": result,
-            "error": sanitize.clean_optional_text(error),
-            "ref": sanitize.clean_ref(ref) if ref is not None else None,
-            "response": sanitize.encode_response(response),
-            "delay": delay_seconds,
-            "deadline_error": sanitize.clean_optional_text(deadline_error or error),
-        },
-    ).fetchone()
-    return str(moved[0]) if moved is not None else None
-
 
 def _settle_not_found(
     conn: psycopg.Connection[Any],
@@ -184,7 +68,7 @@ def _settle_not_found(
     alerted once). Returns the new state, ``past_key_ttl`` when parked, or None when the row had
     moved meanwhile."""
     nxt = policy.retry_or_fail(handler, attempt=attempts, error=error)
-    moved = _settle(
+    moved = transitions.settle_unknown(
         conn,
         row_id=row_id,
         token=token,
@@ -203,14 +87,10 @@ def _settle_not_found(
         f"have forgotten it and 'not found' proves nothing; a retry could charge twice. Check the "
         f"provider's records, then run outbox resolve {row_id} --sent REF or --not-sent"
     )
-    params = {
-        "id": row_id,
-        "token": token,
-        "seconds": HUMAN_RECHECK_SECONDS,
-        "error": reason,
-        "key_ttl": handler.key_ttl,
-    }
-    if conn.execute(_PARK_PAST_KEY_TTL, params).fetchone() is None:
+    parked = transitions.park_past_key_ttl(
+        conn, row_id=row_id, token=token, seconds=HUMAN_RECHECK_SECONDS, error=reason, key_ttl=handler.key_ttl
+    )
+    if not parked:
         return None
     logger.warning(
         "outbox row %s on %s needs a human: %s after key_ttl, not retried",
@@ -223,13 +103,9 @@ def _settle_not_found(
 
 
 def _park(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str) -> bool:
-    params = {
-        "id": row_id,
-        "token": token,
-        "seconds": HUMAN_RECHECK_SECONDS,
-        "error": sanitize.clean_text(error),
-    }
-    return conn.execute(_PARK_UNKNOWN, params).fetchone() is not None
+    return transitions.park_unknown(
+        conn, row_id=row_id, token=token, seconds=HUMAN_RECHECK_SECONDS, error=error
+    )
 
 
 def _unsettleable(
@@ -273,8 +149,7 @@ def _unsettleable(
 
 
 def _defer(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str | None) -> bool:
-    params = {"id": row_id, "token": token, "error": sanitize.clean_optional_text(error)}
-    return conn.execute(_DEFER_UNKNOWN, params).fetchone() is not None
+    return transitions.defer_unknown(conn, row_id=row_id, token=token, error=error)
 
 
 class _Due(NamedTuple):
@@ -454,7 +329,7 @@ def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
         return counted
     run.consecutive_failures[destination] = 0
     if found is not None:
-        moved = _settle(
+        moved = transitions.settle_unknown(
             conn,
             row_id=row_id,
             token=token,

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
+from outbox import transitions
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
@@ -30,13 +31,6 @@ WHERE alerted_at IS NULL
        OR (state = 'unknown' AND unknown_since < now() - %(after)s * interval '1 second'))
 ORDER BY id
 LIMIT %(limit)s
-"""
-
-_MARK_ALERTED = """
-UPDATE outbox_message
-SET alerted_at = now()
-WHERE id = %(id)s AND state = %(state)s AND alerted_at IS NULL
-RETURNING id
 """
 
 
@@ -82,8 +76,8 @@ def send_alerts(
                 extra={"outbox_id": row_id, "destination": destination},
             )
             continue
-        marked = conn.execute(_MARK_ALERTED, {"id": row_id, "state": state}).fetchone()
-        counts["alerts" if marked is not None else "raced"] += 1
+        marked = transitions.mark_alerted(conn, row_id=row_id, state=state)
+        counts["alerts" if marked else "raced"] += 1
     return _nonzero(counts)
 
 

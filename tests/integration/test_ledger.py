@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 import outbox
+from outbox import transitions
 from outbox.settings import async_database_url, libpq_url
 from reconciler.jobs import purge as purge_job
 
@@ -321,8 +322,8 @@ def test_purge_in_progress_while_the_writer_inserts(clean, engine, isolation) ->
             eng.dispose()
 
     with psycopg.connect(libpq_url(clean.database_url)) as purger:
-        moved = purger.execute(purge_job._PURGE, {"retention": RETENTION, "limit": purge_job.PURGE_BATCH})
-        assert moved.rowcount != 0
+        moved = transitions.purge(purger, retention_seconds=RETENTION, limit=purge_job.PURGE_BATCH)
+        assert moved == 1
         thread = threading.Thread(target=writer)
         thread.start()
         # Either the writer is done (it did not wait) or it waits on the purge's lock: both are
