@@ -753,7 +753,6 @@ def _check_assignment(where: str, assignment: str) -> None:
 
 
 def _parse_outbox(where: str, argv: list[str]) -> None:
-    cli._load_extra_commands()
     parser = cli.build_parser()
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -769,7 +768,7 @@ def _parse_outbox(where: str, argv: list[str]) -> None:
     if getattr(args, "interval", None):
         assert settings.parse_seconds(args.interval, "--interval") > 0
     if getattr(args, "since", None):
-        from outbox.audit import parse_since
+        from outbox.ops.audit import parse_since
 
         parse_since(args.since)
     if getattr(args, "alert_hook", None):

@@ -13,7 +13,7 @@ from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox.audit import AuditReport, audit, parse_since
+from outbox.ops.audit import AuditReport, audit, parse_since
 from outbox.cli import main
 
 

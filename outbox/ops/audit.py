@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, text
 
-from . import outcomes, states
-from .exceptions import ConfigError
-from .settings import parse_seconds
+from .. import outcomes, states
+from ..exceptions import ConfigError
+from ..settings import parse_seconds
+from .tables import format_table
 
 #: Fence outcomes meaning the provider confirmed the call (see the module docstring).
 CONFIRMED_OUTCOMES = ("sent", "superseded:sent")
@@ -552,22 +552,3 @@ def audit(connection: Connection, since: datetime | timedelta | str | None = Non
         for v in _violations_of(r)
     ][: max(0, VIOLATION_LIST_LIMIT - len(violations))]
     return AuditReport(generated_at, moment, destinations, examples, violations)
-
-
-# -- plain text tables, shared by the operator commands ----------------------------------------------
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """An aligned text table: numbers right-aligned, text left-aligned, ``-`` for None."""
-    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
-    numeric = [
-        bool(rows) and all(isinstance(row[i], int | float) or row[i] is None for row in rows)
-        for i in range(len(headers))
-    ]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-
-    def line(values: Sequence[str]) -> str:
-        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
