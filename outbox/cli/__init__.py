@@ -27,22 +27,15 @@ DESCRIPTION = (
 )
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("outbox-relay")
-    except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-        return "0.0.0"
-
-
 class _VersionAction(argparse.Action):
     # Read only when asked: importlib.metadata costs start-up time on every other command.
     def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
         super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
-        print(f"outbox {_version()}")
+        import outbox
+
+        print(f"outbox {outbox.__version__}")
         parser.exit()
 
 
