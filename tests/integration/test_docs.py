@@ -736,9 +736,11 @@ def test_python_blocks_run(page: str, clean: Any, engine: Engine, provider: Any,
 
 
 def _known_variables() -> set[str]:
+    from outbox.cli.flags import LOG_LEVEL_ENV
+    from outbox.logs import LOG_FORMAT_ENV
     from reconciler.alerts import ALERT_HOOK_ENV
 
-    return {*settings.ENVIRONMENT, ALERT_HOOK_ENV}
+    return {*settings.ENVIRONMENT, ALERT_HOOK_ENV, LOG_LEVEL_ENV, LOG_FORMAT_ENV}
 
 
 def _check_assignment(where: str, assignment: str) -> None:
@@ -748,6 +750,14 @@ def _check_assignment(where: str, assignment: str) -> None:
     assert name in _known_variables(), f"{where}: {name} is not a variable outbox reads"
     if name in settings.ENVIRONMENT:
         settings.from_env({name: value})  # raises ConfigError for a bad value
+    elif name == "OUTBOX_LOG_LEVEL":
+        from outbox.cli.flags import log_level
+
+        log_level(value)  # raises for a bad level
+    elif name == "OUTBOX_LOG_FORMAT":
+        from outbox.logs import LOG_FORMATS
+
+        assert value in LOG_FORMATS, f"{where}: {name}={value}"
     else:
         assert re.fullmatch(r"[\w.]+:[\w.]+", value), f"{where}: {name}={value} is not module:function"
 
