@@ -39,17 +39,18 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def _selected(argv: Sequence[str]) -> Command | None:
-    """The subcommand named in argv (skipping the global flags and their values), if any."""
+def _selected(argv: Sequence[str]) -> tuple[Command | None, int]:
+    """The subcommand named in argv (skipping the global flags and their values), if any, and
+    its position."""
     skip = False
-    for token in argv:
+    for position, token in enumerate(argv):
         if skip:
             skip = False
         elif token in flags.WITH_VALUE:
             skip = True
         elif not token.startswith("-"):
-            return BY_NAME.get(token)
-    return None
+            return BY_NAME.get(token), position
+    return None, len(argv)
 
 
 def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser:
@@ -70,23 +71,23 @@ def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser
     return parser
 
 
-def _reject_misplaced(parser: argparse.ArgumentParser, argv: Sequence[str], command: Command) -> None:
+def _reject_misplaced(parser: argparse.ArgumentParser, leading: Sequence[str], command: Command) -> None:
     # A shared flag given before a subcommand that does not take it would be silently ignored.
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command.name]
-    for token in argv[: list(argv).index(command.name)]:
+    for token in leading:
         option = token.split("=", 1)[0]
         if option.startswith("--") and option not in sub._option_string_actions:
             if option in parser._option_string_actions and option not in ("--log-level", "--version"):
                 parser.error(f"{option} does not apply to `outbox {command.name}`")
 
 
-def _keep_leading(args: argparse.Namespace, argv: Sequence[str], command: Command) -> None:
+def _keep_leading(args: argparse.Namespace, leading: Sequence[str]) -> None:
     # A subcommand defining a shared flag itself, with a default (the demo's URLs), overwrites
     # the value given before the subcommand: given before and not after, it stands.
     pre = argparse.ArgumentParser(add_help=False)
     flags.add_global(pre)
     flags.add_shared(pre, flags.ALL)
-    given, _ = pre.parse_known_args(list(argv)[: list(argv).index(command.name)])
+    given, _ = pre.parse_known_args(list(leading))
     for name, value in vars(given).items():
         if getattr(args, name, None) in (None, False):
             setattr(args, name, value)
@@ -94,12 +95,12 @@ def _keep_leading(args: argparse.Namespace, argv: Sequence[str], command: Comman
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    selected = _selected(argv)
+    selected, position = _selected(argv)
     parser = build_parser([selected.name] if selected else [])
     args = parser.parse_args(argv)
     command = BY_NAME[args.command]
-    _reject_misplaced(parser, argv, command)
-    _keep_leading(args, argv, command)
+    _reject_misplaced(parser, argv[:position], command)
+    _keep_leading(args, argv[:position])
     try:
         flags.defaults(args)
         from .. import settings

@@ -6,41 +6,47 @@ Every action is one guarded statement per row, so a row that moved since the ope
 refused, never overwritten. The functions take a SQLAlchemy ``Connection`` and never commit: the
 caller owns the transaction. Looking never writes. Payloads may hold personal data, so they are
 only returned on request.
+
+The audit and the doctor are their own modules (``outbox.ops.audit.audit``,
+``outbox.ops.doctor.run_checks``); the names below are the inspect and action functions, loaded on
+first use.
 """
 
 from __future__ import annotations
 
-from .actions import (
-    ActionResult,
-    CancelPlan,
-    ReplayCandidate,
-    ReplayPlan,
-    cancel_rows,
-    default_actor,
-    execute_replay,
-    operator_text,
-    plan_replay,
-    replay,
-    replay_destination,
-    resolve,
-)
-from .audit import AuditReport, audit, parse_since
-from .inspect import (
-    DEFAULT_LIST_LIMIT,
-    LedgerDetail,
-    ListedRow,
-    RowDetail,
-    RowList,
-    StatusReport,
-    list_rows,
-    show,
-    status,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .actions import (
+        ActionResult,
+        CancelPlan,
+        ReplayCandidate,
+        ReplayPlan,
+        cancel_rows,
+        default_actor,
+        execute_replay,
+        operator_text,
+        plan_replay,
+        replay,
+        replay_destination,
+        resolve,
+    )
+    from .inspect import (
+        DEFAULT_LIST_LIMIT,
+        LedgerDetail,
+        ListedRow,
+        RowDetail,
+        RowList,
+        StatusReport,
+        list_rows,
+        show,
+        status,
+    )
 
 __all__ = [
     "DEFAULT_LIST_LIMIT",
     "ActionResult",
-    "AuditReport",
     "CancelPlan",
     "LedgerDetail",
     "ListedRow",
@@ -49,13 +55,11 @@ __all__ = [
     "RowDetail",
     "RowList",
     "StatusReport",
-    "audit",
     "cancel_rows",
     "default_actor",
     "execute_replay",
     "list_rows",
     "operator_text",
-    "parse_since",
     "plan_replay",
     "replay",
     "replay_destination",
@@ -63,3 +67,46 @@ __all__ = [
     "show",
     "status",
 ]
+
+# Loaded on first use: `outbox status` needs the queries of inspect, not those of actions.
+_HOME = {
+    **dict.fromkeys(
+        (
+            "ActionResult",
+            "CancelPlan",
+            "ReplayCandidate",
+            "ReplayPlan",
+            "cancel_rows",
+            "default_actor",
+            "execute_replay",
+            "operator_text",
+            "plan_replay",
+            "replay",
+            "replay_destination",
+            "resolve",
+        ),
+        "actions",
+    ),
+    **dict.fromkeys(
+        (
+            "DEFAULT_LIST_LIMIT",
+            "LedgerDetail",
+            "ListedRow",
+            "RowDetail",
+            "RowList",
+            "StatusReport",
+            "list_rows",
+            "show",
+            "status",
+        ),
+        "inspect",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value

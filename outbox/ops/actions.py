@@ -23,7 +23,6 @@ from sqlalchemy import Connection, text
 
 from .. import outcomes, sanitize, states
 from ..exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
-from ..schema import NOTIFY_CHANNEL
 from .inspect import require_destination
 from .tables import cell, format_table, indent, short
 
@@ -219,6 +218,8 @@ def _state(connection: Connection, row_id: int) -> str | None:
 
 def _notify(connection: Connection) -> None:
     """Wake the relays; delivered when the caller commits (the insert trigger does the same)."""
+    from ..schema import NOTIFY_CHANNEL  # the table definitions: only for the commands that act
+
     connection.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL})
 
 
