@@ -139,7 +139,7 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     handlers = load_handlers(args.module)
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     if args.processes > 1:
-        # --log-level is an option of `outbox` itself: it goes before the subcommand.
+        # The children log at the parent's level (from a flag or $OUTBOX_LOG_LEVEL alike).
         child_argv = [
             "--log-level",
             args.log_level,
