@@ -23,8 +23,8 @@ from sqlalchemy import Connection, text
 
 from .. import outcomes, sanitize, states
 from ..exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
+from . import tables
 from .inspect import require_destination
-from .tables import cell, format_table, indent, short
 
 # -- replay and resolve ------------------------------------------------------------------------------
 
@@ -318,30 +318,7 @@ class ReplayPlan:
         }
 
     def render(self) -> str:
-        scope = f"destination {self.destination}" if self.destination else "the rows named"
-        lines = [
-            f"replay preview for {scope}: {len(self.to_replay)} row(s) to replay, "
-            f"{len(self.refused) + len(self.missing)} refused"
-        ]
-        if self.to_replay:
-            lines += ["", "will replay (failed -> pending, attempts reset):"]
-            lines.append(
-                indent(
-                    format_table(
-                        ["id", "key", "step", "destination", "failed at", "last_error"],
-                        [
-                            [r.id, r.key, r.step, r.destination, cell(r.failed_at), short(r.last_error)]
-                            for r in self.to_replay
-                        ],
-                    )
-                )
-            )
-        if self.refused or self.missing:
-            lines += ["", "refused (left untouched):"]
-            lines += [f"  #{r.id} {r.key} {r.step}: {r.refusal()}" for r in self.refused]
-            lines += [f"  #{i}: no outbox row with id {i}" for i in self.missing]
-        lines += ["", f"plan {self.fingerprint}"]
-        return "\n".join(lines)
+        return tables.render_replay_plan(self)
 
 
 def _candidate(row: Any) -> ReplayCandidate:

@@ -5,7 +5,6 @@ lists of failed and unknown rows. Read-only queries returning data; the caller o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -15,7 +14,8 @@ from sqlalchemy import Connection, text
 from .. import heartbeat, states
 from ..exceptions import ConfigError, NotFound
 from ..heartbeat import NoConsumer
-from .tables import age, cell, format_table, indent, seconds, short
+from . import tables
+from .tables import seconds
 
 DEFAULT_LIST_LIMIT = 50
 
@@ -74,23 +74,7 @@ class StatusReport:
         }
 
     def render(self) -> str:
-        if not self.counts:
-            return "no outbox rows"
-        totals = self.totals()
-        rows: list[list[Any]] = [
-            [d, *(c[s] for s in states.ALL), sum(c.values()), age(self.oldest_pending_age[d])]
-            for d, c in self.counts.items()
-        ]
-        rows.append(
-            ["TOTAL", *(totals[s] for s in states.ALL), self.total, age(self.oldest_pending_age_seconds)]
-        )
-        table = format_table(["destination", *states.ALL, "total", "oldest pending"], rows)
-        summary = (
-            f"unknown: {totals[states.UNKNOWN]}   failed: {totals[states.FAILED]}   total: {self.total}   "
-            f"oldest due pending row: {age(self.oldest_pending_age_seconds) or 'none'}"
-        )
-        gaps = "".join(f"\n{n.describe()}" for n in self.no_consumer)
-        return f"{table}\n\n{summary}{gaps}"
+        return tables.render_status(self)
 
 
 def status(connection: Connection) -> StatusReport:
@@ -147,40 +131,7 @@ class RowDetail:
         return {"row": row, "attempts": self.attempts, "history": self.history}
 
     def render(self) -> str:
-        width = max(len(k) for k in self.row)
-        lines = [
-            f"{k.ljust(width)}  {cell(v, long=True) if v is not None else '-'}" for k, v in self.row.items()
-        ]
-        if self.payload is not None:
-            lines.append(f"{'payload'.ljust(width)}  {json.dumps(self.payload, ensure_ascii=False)}")
-        lines += ["", f"attempts ({len(self.attempts)} fence rows):"]
-        if self.attempts:
-            headers = [
-                "attempt",
-                "claim_token",
-                "started_at",
-                "finished_at",
-                "outcome",
-                "http_status",
-                "error",
-            ]
-            lines.append(
-                indent(format_table(headers, [[cell(a[h]) for h in headers] for a in self.attempts]))
-            )
-        else:
-            lines.append("  none: never claimed")
-        lines += ["", f"history ({len(self.history)} operator actions):"]
-        if self.history:
-            keys = ["at", "by", "action", "from", "to", "reason"]
-            extra = sorted({k for h in self.history for k in h} - set(keys))
-            lines.append(
-                indent(
-                    format_table(keys + extra, [[cell(h.get(k)) for k in keys + extra] for h in self.history])
-                )
-            )
-        else:
-            lines.append("  none")
-        return "\n".join(lines)
+        return tables.render_row(self)
 
 
 # A purged row's key: what the key ledger keeps of it (never the payload, only its hash).
@@ -204,17 +155,7 @@ class LedgerDetail:
         return {"purged": True, "ledger": dict(self.entry)}
 
     def render(self) -> str:
-        width = max(len(k) for k in self.entry)
-        lines = [
-            f"row {self.entry['id']} was purged; the key ledger keeps its key until the horizon "
-            "(OUTBOX_LEDGER_HORIZON), so writing it again answers as before the purge.",
-            "Its attempts, history and payload are gone; the payload's SHA-256 is kept.",
-            "",
-        ]
-        lines += [
-            f"{k.ljust(width)}  {'-' if v is None else cell(v, long=True)}" for k, v in self.entry.items()
-        ]
-        return "\n".join(lines)
+        return tables.render_ledger(self)
 
 
 def show(
@@ -300,22 +241,7 @@ class RowList:
         }
 
     def render(self) -> str:
-        where = f" for destination {self.destination}" if self.destination else ""
-        if not self.rows:
-            return f"no {self.state} rows{where}"
-        table = format_table(
-            ["id", "key", "step", "destination", "attempts", "age", "last_error"],
-            [
-                [r.id, r.key, r.step, r.destination, r.attempts, age(r.age_seconds), short(r.last_error)]
-                for r in self.rows
-            ],
-        )
-        more = (
-            f"\nshowing {len(self.rows)} of {self.matching}; use --limit"
-            if self.matching > len(self.rows)
-            else ""
-        )
-        return f"{table}{more}"
+        return tables.render_rows(self)
 
 
 def require_destination(connection: Connection, destination: str) -> None:
