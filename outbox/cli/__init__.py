@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Collection, Sequence
-from typing import cast
+from typing import NoReturn, cast
 
-from . import flags
-from .output import report_error
+from . import exits, flags
+from .output import fail, report_error
 from .registry import BY_NAME, COMMANDS, Command, load
 
 __all__ = ["main"]
@@ -25,6 +25,18 @@ DESCRIPTION = (
     "Exit codes: 0 done, 1 refused or check failed, 2 usage or configuration, 3 PostgreSQL "
     "or Redis unreachable (docs/cli.md)."
 )
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as the error document when ``--json`` was asked for."""
+
+    json_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.json_errors:
+            fail(f"{self.prog}: {message}", exits.CONFIG, as_json=True)
+            self.exit(exits.CONFIG)
+        super().error(message)
 
 
 class _VersionAction(argparse.Action):
@@ -56,7 +68,7 @@ def _selected(argv: Sequence[str]) -> tuple[Command | None, int]:
 def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser:
     """The parser. Only the subcommands named in ``only`` get their arguments (importing their
     modules); the others have their one-line help. ``None``: every subcommand, complete."""
-    parser = argparse.ArgumentParser(prog="outbox", description=DESCRIPTION)
+    parser = _Parser(prog="outbox", description=DESCRIPTION)
     parser.add_argument("--version", action=_VersionAction)
     flags.add_global(parser)
     flags.add_shared(parser, flags.ALL)
@@ -96,6 +108,7 @@ def _keep_leading(args: argparse.Namespace, leading: Sequence[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected, position = _selected(argv)
+    _Parser.json_errors = "--json" in argv
     parser = build_parser([selected.name] if selected else [])
     args = parser.parse_args(argv)
     command = BY_NAME[args.command]

@@ -7,6 +7,7 @@ import getpass
 
 from .. import settings
 from ..exceptions import ConfigError
+from . import exits
 
 _HELP = """
 Failover detection. Without options: show the database identity (system identifier, timeline)
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
             print(f"accepted: {current.describe()}")
             if previous is not None:
                 print(f"previously recorded: {previous.describe()}")
-            return 0
+            return exits.OK
         current, problems = read_identity(conn)
         row = conn.execute(_SHOW).fetchone()
     print(f"server:   {current.describe()}")
@@ -50,13 +51,13 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         print(f"  cannot read {problem}")
     if row is None:
         print("recorded: nothing yet (the first relay, worker or reconciler records it)")
-        return 0
+        return exits.OK
     recorded = Identity(row[0], row[1])
     print(f"recorded: {recorded.describe()} at {row[2]:%Y-%m-%d %H:%M:%S%z} by {row[3]} ({row[4]})")
     changes = _differs(recorded, current)
     if changes:
         print(f"DIFFERENT: {'; '.join(changes)} — relay, workers and reconciler are stopped")
         print("check the provider (runbook: After a failover), then: outbox failover --accept --reason …")
-        return 1
+        return exits.FAILED
     print("same history: nothing to do")
-    return 0
+    return exits.OK

@@ -75,7 +75,7 @@ def status(args: argparse.Namespace, cfg: settings.Settings) -> int:
         print_json(report.to_dict())
     else:
         out(report.render())
-    return 0
+    return exits.OK
 
 
 # show
@@ -116,7 +116,7 @@ def show(args: argparse.Namespace, cfg: settings.Settings) -> int:
         print_json(detail.to_dict())
     else:
         out(detail.render())
-    return 0
+    return exits.OK
 
 
 def _parse_id(raw: str, hint: str) -> int:
@@ -158,7 +158,7 @@ def list_rows(args: argparse.Namespace, cfg: settings.Settings) -> int:
         print_json(listed.to_dict())
     else:
         out(listed.render())
-    return 0
+    return exits.OK
 
 
 failed_arguments = _list_arguments(
@@ -363,7 +363,7 @@ def resolve(args: argparse.Namespace, cfg: settings.Settings) -> int:
         print_json(result.to_dict())
     else:
         out(result.message)
-    return 0
+    return exits.OK
 
 
 # cancel

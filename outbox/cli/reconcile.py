@@ -11,6 +11,7 @@ from reconciler.alerts import ALERT_HOOK_ENV
 from .. import settings
 from ..exceptions import ConfigError
 from ..signals import stop_event_on_signals
+from . import exits
 from .handlers import load_handlers
 
 logger = logging.getLogger(__name__)
@@ -143,10 +144,10 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
                 shown = " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "nothing to do"
                 print(f"{job}: {shown}")
             # A job that raised (database or Redis away) is already logged; cron should see it.
-            return 1 if any(counts.get("error") for counts in results.values()) else 0
+            return exits.FAILED if any(counts.get("error") for counts in results.values()) else exits.OK
         stop = stop_event_on_signals()
         reconciler.run_forever(stop, interval_seconds=interval)
-        return 0
+        return exits.OK
     finally:
         reconciler.failover_guard.stop()
         reconciler.close()

@@ -9,6 +9,7 @@ import os
 from .. import settings
 from ..exceptions import ConfigError
 from ..signals import stop_event_on_signals
+from . import exits
 from .handlers import load_handlers
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def migrate(args: argparse.Namespace, cfg: settings.Settings) -> int:
         print(f"outbox schema already at revision {after}; nothing to do")
     else:
         print(f"outbox schema migrated from {before or 'empty'} to revision {after}")
-    return 0
+    return exits.OK
 
 
 def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
@@ -105,10 +106,10 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
                 "relay published nothing: the database identity changed or could not be checked "
                 "(see `outbox failover`)"
             )
-            return 1
+            return exits.FAILED
         stopped = "; stopped by a signal before the backlog was drained" if stop.is_set() else ""
         print(f"relay published {total} rows{stopped}")
-        return 0
+        return exits.OK
     logger.info(
         "relay started: namespace=%s batch_size=%s claimers=%s poll_interval=%ss",
         cfg.namespace,
@@ -121,7 +122,7 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     finally:
         guard.stop()
     logger.info("relay stopped")
-    return 0
+    return exits.OK
 
 
 def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:

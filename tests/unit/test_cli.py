@@ -200,3 +200,13 @@ def test_log_format_from_the_environment(monkeypatch, capsys):
     monkeypatch.setenv("OUTBOX_LOG_FORMAT", "xml")
     with pytest.raises(outbox.ConfigError, match="OUTBOX_LOG_FORMAT"):
         configure("info")
+
+
+def test_a_usage_error_with_json_is_the_error_document(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["status", "--json", "--limit", "3"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == exits.CONFIG and err == ""
+    assert json.loads(out) == {
+        "error": {"message": "outbox: unrecognized arguments: --limit 3", "exit_code": exits.CONFIG}
+    }
