@@ -109,9 +109,15 @@ def test_a_bad_log_level_is_refused_by_the_parser(capsys):
 
 def test_a_flag_the_subcommand_does_not_take_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["--json", "migrate"])
+        cli.main(["--redis-url", "redis://localhost", "migrate"])
     assert exit_info.value.code == exits.CONFIG
-    assert "--json does not apply to `outbox migrate`" in capsys.readouterr().err
+    assert "--redis-url does not apply to `outbox migrate`" in capsys.readouterr().err
+    # Asked for JSON, the refusal is the error document.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--json", "migrate"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == exits.CONFIG and err == ""
+    assert "--json does not apply to `outbox migrate`" in json.loads(out)["error"]["message"]
 
 
 def test_json_errors_are_one_document_on_stdout(capsys, monkeypatch):
