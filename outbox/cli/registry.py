@@ -127,7 +127,7 @@ COMMANDS: tuple[Command, ...] = (
         "show or accept the database identity (failover detection)",
         "outbox.cli.failover:arguments",
         "outbox.cli.failover:run",
-        frozenset({DATABASE}),
+        _LOOK,
     ),
     # Tooling: the demo adds its own URL flags (they default to embedded servers).
     Command(
