@@ -29,9 +29,10 @@ from helpers import relay_once
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import audit, consumer, fence, ops, policy
+from outbox import consumer, fence, ops, policy
 from outbox.consumer import RELEASE_ALERT_THRESHOLD, Consumer, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
+from outbox.ops import audit
 from outbox.settings import libpq_url
 from reconciler import Reconciler
 from reconciler import jobs as reconciler_jobs
