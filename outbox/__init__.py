@@ -3,32 +3,39 @@
 Write an outbox row in your own SQLAlchemy transaction; the relay publishes it to Dramatiq on
 Redis; a consumer claims it, calls the provider with an Idempotency-Key derived from the business
 key, and records the confirmed answer. The database is the source of truth.
+
+The public API is what ``__all__`` lists, importable from ``outbox`` itself: ``write`` /
+``write_async`` and ``cancel`` / ``cancel_async``, the ``@handler`` decorator with ``Handler``,
+``Delivery`` and ``Confirmed``, and the exceptions (all subclasses of ``OutboxError``). Every other
+module (``outbox.relay``, ``outbox.ops``, ``outbox.cli``, …) is internal and may change.
+
+The names are loaded on first use (PEP 562), so that ``import outbox`` and the ``outbox``
+command start without SQLAlchemy, Dramatiq or httpx until something needs them.
 """
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-from .exceptions import (
-    AmbiguousError,
-    ConfigError,
-    InvalidMessage,
-    InvalidTransition,
-    KeyConflict,
-    NotFound,
-    NotMigrated,
-    OutboxError,
-    PermanentError,
-    RetryableError,
-    UnsafeBroker,
-)
-from .handlers import Confirmed, Delivery, Handler, handler
-from .write import Written, cancel, cancel_async, write, write_async
-
-try:
-    __version__ = version("outbox-relay")
-except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-    __version__ = "0.0.0"
+if TYPE_CHECKING:
+    from .exceptions import (
+        AmbiguousError,
+        ConfigError,
+        InvalidMessage,
+        InvalidTransition,
+        KeyConflict,
+        NotFound,
+        NotMigrated,
+        OutboxError,
+        PermanentError,
+        RetryableError,
+        UnsafeBroker,
+    )
+    from .handlers import Confirmed, Delivery, Handler, handler
+    from .write import Written, cancel, cancel_async, write, write_async
 
 __all__ = [
     "AmbiguousError",
@@ -53,3 +60,62 @@ __all__ = [
     "write",
     "write_async",
 ]
+
+# Where each public name lives.
+_HOME = {
+    **dict.fromkeys(
+        (
+            "AmbiguousError",
+            "ConfigError",
+            "InvalidMessage",
+            "InvalidTransition",
+            "KeyConflict",
+            "NotFound",
+            "NotMigrated",
+            "OutboxError",
+            "PermanentError",
+            "RetryableError",
+            "UnsafeBroker",
+        ),
+        "exceptions",
+    ),
+    **dict.fromkeys(("Confirmed", "Delivery", "Handler", "handler"), "handlers"),
+    **dict.fromkeys(("Written", "cancel", "cancel_async", "write", "write_async"), "write"),
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("outbox-relay")
+    except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0.0.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        value: Any = _version()
+    elif name in _HOME:
+        value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    # Importing the submodule outbox.write makes the import system bind it as `outbox.write`,
+    # hiding the function of that name (an eager `from .write import write` used to rebind it
+    # afterwards). The public name is the function: the binding is dropped, __getattr__ answers.
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _HOME and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,4 +1,8 @@
-"""Log lines as ``time level logger message key=value…``, with the ``extra=`` fields appended.
+"""Log lines as ``time level logger message key=value…``, with the ``extra=`` fields appended
+in logfmt: a value with a space, a quote, an ``=`` or a control character is double-quoted, with
+``\\``, ``\"`` and newlines escaped, so that every line splits back into its fields. With
+``OUTBOX_LOG_FORMAT=json`` each line is one JSON object instead: ``time``, ``level``, ``logger``,
+``message``, the ``extra=`` fields, and ``exception`` when there is one.
 
 Values that look like secrets are redacted: payloads and idempotency keys never reach a log, and
 the whole line (message, exception text, every field) goes through the rules of
@@ -9,12 +13,19 @@ digits, a field named like a credential is ``***``. Business keys are logged by 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import re
+from datetime import UTC, datetime
+from typing import Any
 
 from .sanitize import is_secret_name, redact_text
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+LOG_FORMAT_ENV = "OUTBOX_LOG_FORMAT"
+LOG_FORMATS = ("text", "json")
+_NEEDS_QUOTES = re.compile(r'[\s"=\\]|[\x00-\x1f\x7f]')
 _SECRET = re.compile(r"(authorization|idempotency[-_]key|password|secret|token|payload)", re.I)
 
 
@@ -35,22 +46,67 @@ def redact_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: ("***" if _is_secret(k) else v) for k, v in headers.items()}
 
 
+def logfmt_value(value: Any) -> str:
+    """A value as logfmt writes it: bare when it is one plain token, else quoted and escaped."""
+    text = str(value)
+    if text and not _NEEDS_QUOTES.search(text):
+        return text
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    return f'"{escaped}"'
+
+
+def _extras(record: logging.LogRecord) -> dict[str, Any]:
+    return {
+        name: ("***" if _is_secret(name) else value)
+        for name, value in record.__dict__.items()
+        if name not in _STANDARD and not name.startswith("_")
+    }
+
+
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         base = super().format(record)
-        extras = []
-        for name, value in record.__dict__.items():
-            if name in _STANDARD or name.startswith("_"):
-                continue
-            extras.append(f"{name}=***" if _is_secret(name) else f"{name}={value}")
+        extras = " ".join(f"{name}={logfmt_value(value)}" for name, value in _extras(record).items())
         # A driver's error can echo a statement's parameters, a handler's exception the
         # provider's answer: the same masking as at rest, on the finished line.
-        return redact_text(f"{base} {' '.join(extras)}" if extras else base)
+        return redact_text(f"{base} {extras}" if extras else base)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line, for log pipelines that parse JSON."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for name, value in _extras(record).items():
+            entry.setdefault(name, value)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exception"] = record.exc_text
+        # Masked on the finished line, as for text: a value's repr may carry what a field hid.
+        return redact_text(json.dumps(entry, ensure_ascii=False, default=str))
+
+
+def _formatter() -> logging.Formatter:
+    chosen = (os.environ.get(LOG_FORMAT_ENV) or "text").strip().lower()
+    if chosen not in LOG_FORMATS:
+        from .exceptions import ConfigError
+
+        raise ConfigError(f"{LOG_FORMAT_ENV}={chosen!r}: expected one of {', '.join(LOG_FORMATS)}")
+    if chosen == "json":
+        return JsonFormatter()
+    return KeyValueFormatter("%(asctime)s %(levelname)s %(name)s %(message)s")
 
 
 def configure(level: str = "INFO") -> None:
+    """Log to stderr at ``level`` (any case), as text or, with OUTBOX_LOG_FORMAT=json, JSON."""
     handler = logging.StreamHandler()
-    handler.setFormatter(KeyValueFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.setFormatter(_formatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from . import settings as _settings
 from . import transitions
-from .exceptions import KeyConflict
+from .exceptions import ConfigError, KeyConflict
 from .validation import check_aware, check_destination, check_key_step, encode_payload
 
 if TYPE_CHECKING:
@@ -95,6 +95,13 @@ def _engine_of(target: Session | Connection) -> Engine:
     return target.engine
 
 
+def _require_postgresql(engine: Engine) -> None:
+    # The statements use PostgreSQL's ON CONFLICT, jsonb and NOTIFY: another database would fail
+    # on the first of them with an error that names none of this.
+    if engine.dialect.name != "postgresql":
+        raise ConfigError(f"outbox needs PostgreSQL, got {engine.dialect.name}")
+
+
 def _ensure_schema(target: Session | Connection) -> None:
     """Check once per engine that the tables exist at the head revision.
 
@@ -104,6 +111,7 @@ def _ensure_schema(target: Session | Connection) -> None:
     engine = _engine_of(target)
     if engine in _checked_engines:
         return
+    _require_postgresql(engine)
     from .migrate import check_schema  # imports Alembic: only when an engine is first seen
 
     connection = target.connection() if isinstance(target, Session) else target
@@ -195,6 +203,7 @@ async def _ensure_schema_async(target: AsyncSession | AsyncConnection) -> None:
     engine = connection.engine.sync_engine
     if engine in _checked_engines:
         return
+    _require_postgresql(engine)
     from .migrate import check_schema
 
     await connection.run_sync(check_schema)

@@ -16,7 +16,7 @@ import httpx
 from sqlalchemy import Connection, text
 
 from .. import states
-from ..audit import AuditReport, audit
+from ..ops.audit import AuditReport, audit
 
 #: Table names the demo accepts: quoted nowhere, so kept to plain identifiers.
 TABLE_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}\Z")

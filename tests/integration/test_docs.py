@@ -738,9 +738,11 @@ def test_python_blocks_run(page: str, clean: Any, engine: Engine, provider: Any,
 
 
 def _known_variables() -> set[str]:
+    from outbox.cli.flags import LOG_LEVEL_ENV
+    from outbox.logs import LOG_FORMAT_ENV
     from reconciler.alerts import ALERT_HOOK_ENV
 
-    return {*settings.ENVIRONMENT, ALERT_HOOK_ENV}
+    return {*settings.ENVIRONMENT, ALERT_HOOK_ENV, LOG_LEVEL_ENV, LOG_FORMAT_ENV}
 
 
 def _check_assignment(where: str, assignment: str) -> None:
@@ -750,12 +752,19 @@ def _check_assignment(where: str, assignment: str) -> None:
     assert name in _known_variables(), f"{where}: {name} is not a variable outbox reads"
     if name in settings.ENVIRONMENT:
         settings.from_env({name: value})  # raises ConfigError for a bad value
+    elif name == "OUTBOX_LOG_LEVEL":
+        from outbox.cli.flags import log_level
+
+        log_level(value)  # raises for a bad level
+    elif name == "OUTBOX_LOG_FORMAT":
+        from outbox.logs import LOG_FORMATS
+
+        assert value in LOG_FORMATS, f"{where}: {name}={value}"
     else:
         assert re.fullmatch(r"[\w.]+:[\w.]+", value), f"{where}: {name}={value} is not module:function"
 
 
 def _parse_outbox(where: str, argv: list[str]) -> None:
-    cli._load_extra_commands()
     parser = cli.build_parser()
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -771,7 +780,7 @@ def _parse_outbox(where: str, argv: list[str]) -> None:
     if getattr(args, "interval", None):
         assert settings.parse_seconds(args.interval, "--interval") > 0
     if getattr(args, "since", None):
-        from outbox.audit import parse_since
+        from outbox.ops.audit import parse_since
 
         parse_since(args.since)
     if getattr(args, "alert_hook", None):

@@ -4,6 +4,7 @@ The shared server cannot fail over, so the recorded identity is changed instead.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +119,10 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
     # The operator sees it, and must say why accepting is safe.
     assert cli.main(["failover", "--database-url", clean.database_url]) == 1
     assert "DIFFERENT" in capsys.readouterr().out
+    assert cli.main(["failover", "--database-url", clean.database_url, "--json"]) == 1
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["same"] is False and shown["differences"]
+    assert shown["error"]["exit_code"] == 1 and "identity changed" in shown["error"]["message"]
     assert cli.main(["failover", "--database-url", clean.database_url, "--accept"]) == 2
     assert (
         cli.main(["failover", "--database-url", clean.database_url, "--accept", "--reason", "checked"]) == 0

@@ -30,10 +30,11 @@ from helpers import lookup_on, relay_once
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import audit, fence, ops, policy
 from outbox import consumer as consumer_module
+from outbox import fence, ops, policy
 from outbox.consumer import RELEASE_ALERT_THRESHOLD, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
+from outbox.ops import audit
 from outbox.settings import libpq_url
 from reconciler import Reconciler
 from reconciler.jobs import resolve_unknown as resolve_unknown_job

@@ -13,8 +13,8 @@ from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox.audit import AuditReport, audit, parse_since
 from outbox.cli import main
+from outbox.ops.audit import AuditReport, audit, parse_since
 
 
 def write(engine, key: str, destination: str = "payments.charge") -> int:

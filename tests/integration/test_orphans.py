@@ -23,9 +23,9 @@ import outbox
 from outbox import ops, transport
 from outbox.cli import main
 from outbox.db import make_engine
-from outbox.doctor import run_checks
 from outbox.handlers import registry
 from outbox.heartbeat import Heartbeat
+from outbox.ops.doctor import run_checks
 from outbox.settings import Settings, libpq_url
 from reconciler.alerts import AlertRow
 from reconciler.jobs.redispatch import redispatch

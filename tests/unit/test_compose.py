@@ -48,7 +48,6 @@ def environment_of(service: dict[str, Any]) -> dict[str, str]:
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
-    cli._load_extra_commands()
     parser = cli.build_parser()
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -113,7 +112,7 @@ def test_python_modules_exist_and_accept_their_flags(services):
 
 
 def documented_reconciler_variables() -> set[str]:
-    from reconciler import cli as reconciler_cli
+    from outbox.cli import reconcile as reconciler_cli
 
     return set(re.findall(r"\bOUTBOX_[A-Z_]+\b", reconciler_cli.DESCRIPTION))
 

@@ -14,8 +14,8 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
-from outbox import doctor
 from outbox.db import make_engine
+from outbox.ops import doctor
 from outbox.settings import Settings, libpq_url
 from reconciler.jobs.purge import PURGE_SKIPPED_NO_PRIVILEGE, purge
 

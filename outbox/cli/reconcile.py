@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Callable
 
-from outbox import settings
-from outbox.exceptions import ConfigError
+from reconciler.alerts import ALERT_HOOK_ENV
 
-from .alerts import ALERT_HOOK_ENV, load_alert_hook
+from .. import settings
+from ..exceptions import ConfigError
+from ..signals import stop_event_on_signals
+from . import exits
+from .handlers import load_handlers
 
 logger = logging.getLogger(__name__)
-
-HELP = "expire leases, resolve unknown rows, re-queue lost messages, purge, alert"
 
 DESCRIPTION = f"""\
 The reconciler: every interval it runs each job once, under a PostgreSQL advisory lock per job
@@ -26,13 +26,14 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
                    found -> sent; no record -> pending (retry) or failed (attempts/deadline
                    exhausted); lookup error -> stays unknown, asked again later. Without a
                    lookup: idempotent destinations are retried, others wait for a human
-                   (outbox resolve).
+                   (outbox resolve). A row whose destination MODULE has no handler for stays
+                   unknown, with the reason as its last error: never failed by the reconciler.
   redispatch       dispatched rows whose Redis message is gone -> pending, so the relay
                    publishes them again; a message a worker fetched and left unacked for longer
                    than OUTBOX_REDISPATCH_AFTER (default 300 s) is removed from Redis first, so
                    the new one replaces it. A message still waiting in its queue is never
                    re-published, whatever its age. Rows for a destination MODULE has no handler
-                   for are treated alike, and logged.
+                   for are re-dispatched alike and logged (count no_handler), never failed.
   purge            moves sent/cancelled rows older than OUTBOX_RETENTION (default 7d) into the
                    key ledger (key, step, destination, payload hash, final state, provider ref,
                    attempts) in the statement that deletes them, so writing the key again answers
@@ -57,16 +58,9 @@ Durations accept 30, 30s, 15m, 12h, 7d. SIGTERM/SIGINT finish the jobs in hand a
 """
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--database-url", help="PostgreSQL URL, postgresql://… (default: $OUTBOX_DATABASE_URL)"
-    )
-    parser.add_argument("--redis-url", help="Redis URL, redis://… (default: $OUTBOX_REDIS_URL)")
-    parser.add_argument(
-        "--namespace", help="prefix of the broker's Redis keys (default: $OUTBOX_NAMESPACE or outbox)"
-    )
     parser.add_argument(
         "module",
         metavar="MODULE",
@@ -121,13 +115,12 @@ def _ledger_horizon(args: argparse.Namespace, cfg: settings.Settings) -> float:
 
 
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    from outbox import transport
-    from outbox.cli import stop_event_on_signals
-    from outbox.failover import FailoverGuard
-    from outbox.handlers import load_module
-    from outbox.migrate import check_database
+    from reconciler.alerts import load_alert_hook
+    from reconciler.scheduler import Reconciler
 
-    from .scheduler import Reconciler
+    from .. import transport
+    from ..failover import FailoverGuard
+    from ..migrate import check_database
 
     # Checked before anything else: a missing URL is one clear line, never an embedded server.
     database_url = cfg.require_database_url()
@@ -139,7 +132,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     # An evicting Redis loses messages on its own; the redispatch job is the remedy, but the
     # deployment is still wrong, and every process says so the same way.
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
-    handlers = load_module(args.module)
+    handlers = load_handlers(args.module)
     reconciler = Reconciler.from_settings(cfg, handlers=handlers, module=args.module, alert_hook=hook)
     # Checked now and every OUTBOX_FAILOVER_CHECK_INTERVAL s: on another database history the
     # jobs stop until `outbox failover --accept` (outbox.failover).
@@ -151,18 +144,10 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
                 shown = " ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "nothing to do"
                 print(f"{job}: {shown}")
             # A job that raised (database or Redis away) is already logged; cron should see it.
-            return 1 if any(counts.get("error") for counts in results.values()) else 0
+            return exits.FAILED if any(counts.get("error") for counts in results.values()) else exits.OK
         stop = stop_event_on_signals()
         reconciler.run_forever(stop, interval_seconds=interval)
-        return 0
+        return exits.OK
     finally:
         reconciler.failover_guard.stop()
         reconciler.close()
-
-
-Command = Callable[[argparse.Namespace, settings.Settings], int]
-
-#: Plugged into the ``outbox`` console script by ``outbox.cli``.
-COMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Command]] = [
-    ("reconcile", HELP, add_arguments, run),
-]

@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, text
 
-from . import outcomes, states
-from .exceptions import ConfigError
-from .settings import parse_seconds
+from .. import outcomes, states
+from ..exceptions import ConfigError
+from ..settings import parse_seconds
+from . import tables
 
 #: Fence outcomes meaning the provider confirmed the call (see the module docstring).
 CONFIRMED_OUTCOMES = ("sent", "superseded:sent")
@@ -342,110 +342,7 @@ class AuditReport:
         }
 
     def render(self) -> str:
-        scope = (
-            f"messages with activity since {self.since.isoformat(timespec='seconds')}"
-            if self.since
-            else "all messages in the database"
-        )
-        lines = [f"outbox audit: {scope} (at {self.generated_at.isoformat(timespec='seconds')})", ""]
-        rows = [*sorted(self.destinations.values(), key=lambda d: d.destination), self.totals]
-        lines.append(
-            format_table(
-                ["destination", *states.ALL, "total"],
-                [[d.destination, *(d.states[s] for s in states.ALL), d.messages] for d in rows],
-            )
-        )
-        lines.append("")
-        lines.append(
-            format_table(
-                [
-                    "destination",
-                    "attempts",
-                    "confirmed calls",
-                    "sent rows",
-                    "claimed >1",
-                    "sent w/o ref",
-                    "confirmed >1",
-                    "confirmed, unsent",
-                    "not terminal",
-                ],
-                [
-                    [
-                        d.destination,
-                        d.attempts,
-                        d.confirmed_calls,
-                        d.sent,
-                        d.claimed_more_than_once,
-                        d.sent_without_ref,
-                        d.double_confirmed,
-                        d.confirmed_not_sent,
-                        d.not_terminal,
-                    ]
-                    for d in rows
-                ],
-            )
-        )
-        lines.append("")
-        if self.totals.purged.keys:
-            lines.append("purged keys (key ledger):")
-            lines.append(
-                format_table(
-                    [
-                        "destination",
-                        *states.TERMINAL,
-                        "attempts",
-                        "claimed >1",
-                        "sent w/o ref",
-                        "confirmed >1",
-                        "confirmed, unsent",
-                        "ambiguous",
-                    ],
-                    [
-                        [
-                            d.destination,
-                            *(d.purged.states.get(s, 0) for s in states.TERMINAL),
-                            d.purged.attempts,
-                            d.purged.claimed_more_than_once,
-                            d.purged.sent_without_ref,
-                            d.purged.double_confirmed,
-                            d.purged.confirmed_not_sent,
-                            d.purged.ambiguous,
-                        ]
-                        for d in rows
-                        if d.purged.keys
-                    ],
-                )
-            )
-            lines.append("")
-        multi = self.totals.claimed_more_than_once
-        if multi:
-            # Retries after a certain failure are normal; this list is where to look first when
-            # a customer reports two charges.
-            lines.append(f"keys claimed more than once: {multi} (retries; each claim is one fence row)")
-            for e in self.multi_claimed_examples:
-                lines.append(f"  #{e.id} {e.key} {e.step} [{e.destination}] {e.claims} claims, now {e.state}")
-        else:
-            lines.append("keys claimed more than once: 0")
-        lines.append("")
-        totals = self.totals
-        lines.append(
-            f"called again after an unsettled ambiguous call: {totals.recalled_unsettled}   "
-            f"forced replays (operator, with a reason): {totals.forced_replays}"
-        )
-        lines.append("")
-        if self.ok:
-            lines.append(
-                "OK: no violation: every sent row has a provider reference, no message was confirmed "
-                "twice, no confirmed call is missing from the rows, no call followed an unsettled "
-                "ambiguous one"
-            )
-        else:
-            lines.append(f"FAIL: {self.violation_count} violation(s):")
-            for v in self.violations:
-                lines.append(f"  #{v.id} {v.key} {v.step} [{v.destination}] {v.state}: {v.detail}")
-            if len(self.violations) < self.violation_count:
-                lines.append(f"  … {self.violation_count - len(self.violations)} more not listed")
-        return "\n".join(lines)
+        return tables.render_audit(self)
 
     def __str__(self) -> str:
         return self.render()
@@ -552,22 +449,3 @@ def audit(connection: Connection, since: datetime | timedelta | str | None = Non
         for v in _violations_of(r)
     ][: max(0, VIOLATION_LIST_LIMIT - len(violations))]
     return AuditReport(generated_at, moment, destinations, examples, violations)
-
-
-# -- plain text tables, shared by the operator commands ----------------------------------------------
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """An aligned text table: numbers right-aligned, text left-aligned, ``-`` for None."""
-    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
-    numeric = [
-        bool(rows) and all(isinstance(row[i], int | float) or row[i] is None for row in rows)
-        for i in range(len(headers))
-    ]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-
-    def line(values: Sequence[str]) -> str:
-        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])

@@ -18,13 +18,13 @@ import redis
 import sqlalchemy.exc
 from sqlalchemy import Connection, text
 
-from . import heartbeat, transport
-from .db import make_engine
-from .exceptions import ConfigError, NotMigrated, OutboxError
-from .handlers import Handler, load_module
-from .logs import first_line
-from .migrate import check_schema, schema_status
-from .settings import Settings, redact_url
+from .. import heartbeat, transport
+from ..db import make_engine
+from ..exceptions import ConfigError, NotMigrated, OutboxError
+from ..handlers import Handler, load_module
+from ..logs import first_line
+from ..migrate import check_schema, schema_status
+from ..settings import Settings, redact_url
 
 OK = "ok"
 FAIL = "FAIL"

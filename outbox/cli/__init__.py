@@ -1,0 +1,129 @@
+"""The ``outbox`` console script: one parser, built from the table of ``outbox.cli.registry``.
+
+Only the command asked for is imported (its arguments and its run function), so ``outbox
+--help`` and ``outbox status`` start without loading what other commands need. Every error ends
+as one line (one JSON document with ``--json``) and an exit code of ``outbox.cli.exits``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Collection, Sequence
+from typing import NoReturn, cast
+
+from . import exits, flags
+from .output import fail, report_error
+from .registry import BY_NAME, COMMANDS, Command, load
+
+__all__ = ["main"]
+
+DESCRIPTION = (
+    "Transactional outbox relay: rows written in your transaction are published to "
+    "Dramatiq on Redis, delivered at most once per claim, and reconciled when the "
+    "outcome is unknown. Settings come from OUTBOX_* environment variables; flags win. "
+    "Exit codes: 0 done, 1 refused or check failed, 2 usage or configuration, 3 PostgreSQL "
+    "or Redis unreachable (docs/cli.md)."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as the error document when ``--json`` was asked for."""
+
+    json_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.json_errors:
+            fail(f"{self.prog}: {message}", exits.CONFIG, as_json=True)
+            self.exit(exits.CONFIG)
+        super().error(message)
+
+
+class _VersionAction(argparse.Action):
+    # Read only when asked: importlib.metadata costs start-up time on every other command.
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        import outbox
+
+        print(f"outbox {outbox.__version__}")
+        parser.exit()
+
+
+def _selected(argv: Sequence[str]) -> tuple[Command | None, int]:
+    """The subcommand named in argv (skipping the global flags and their values), if any, and
+    its position."""
+    skip = False
+    for position, token in enumerate(argv):
+        if skip:
+            skip = False
+        elif token in flags.WITH_VALUE:
+            skip = True
+        elif not token.startswith("-"):
+            return BY_NAME.get(token), position
+    return None, len(argv)
+
+
+def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The parser. Only the subcommands named in ``only`` get their arguments (importing their
+    modules); the others have their one-line help. ``None``: every subcommand, complete."""
+    parser = _Parser(prog="outbox", description=DESCRIPTION)
+    parser.add_argument("--version", action=_VersionAction)
+    flags.add_global(parser)
+    flags.add_shared(parser, flags.ALL)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        if only is None or command.name in only:
+            flags.add_global(p)
+            flags.add_shared(p, command.flags)
+            cast(Callable[[argparse.ArgumentParser], None], load(command.arguments))(p)
+    return parser
+
+
+def _reject_misplaced(parser: argparse.ArgumentParser, leading: Sequence[str], command: Command) -> None:
+    # A shared flag given before a subcommand that does not take it would be silently ignored.
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command.name]
+    for token in leading:
+        option = token.split("=", 1)[0]
+        if option.startswith("--") and option not in sub._option_string_actions:
+            if option in parser._option_string_actions and option not in ("--log-level", "--version"):
+                parser.error(f"{option} does not apply to `outbox {command.name}`")
+
+
+def _keep_leading(args: argparse.Namespace, leading: Sequence[str]) -> None:
+    # A subcommand defining a shared flag itself, with a default (the demo's URLs), overwrites
+    # the value given before the subcommand: given before and not after, it stands.
+    pre = argparse.ArgumentParser(add_help=False)
+    flags.add_global(pre)
+    flags.add_shared(pre, flags.ALL)
+    given, _ = pre.parse_known_args(list(leading))
+    for name, value in vars(given).items():
+        if getattr(args, name, None) in (None, False):
+            setattr(args, name, value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected, position = _selected(argv)
+    _Parser.json_errors = "--json" in argv
+    parser = build_parser([selected.name] if selected else [])
+    args = parser.parse_args(argv)
+    command = BY_NAME[args.command]
+    _reject_misplaced(parser, argv[:position], command)
+    _keep_leading(args, argv[:position])
+    try:
+        flags.defaults(args)
+        from .. import settings
+        from ..logs import configure
+
+        configure(args.log_level)
+        cfg = settings.from_env(
+            database_url=args.database_url, redis_url=args.redis_url, namespace=args.namespace
+        )
+        run = cast(Callable[[argparse.Namespace, settings.Settings], int], load(command.run))
+        return int(run(args, cfg))
+    except Exception as exc:
+        return report_error(exc, as_json=bool(getattr(args, "json", False)))

@@ -1,0 +1,86 @@
+"""The flags shared by several commands, defined once.
+
+Each is accepted before and after the subcommand (``outbox --json status`` and ``outbox status
+--json``): the top-level parser and the subcommand's both define it with no default, so whichever
+the operator gave survives, and ``defaults`` fills in the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..exceptions import ConfigError
+
+DATABASE = "database"
+REDIS = "redis"
+JSON = "json"
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVEL_ENV = "OUTBOX_LOG_LEVEL"
+
+
+def log_level(value: str) -> str:
+    """A level name in any case (``debug``, ``Info``), as the logging module spells it."""
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(LOG_LEVELS)} (any case)")
+    return level
+
+
+def add_global(parser: argparse.ArgumentParser) -> None:
+    """--log-level: every command takes it, before or after the subcommand."""
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default=argparse.SUPPRESS,
+        metavar="LEVEL",
+        help=f"log verbosity: {', '.join(LOG_LEVELS)}, any case (default: ${LOG_LEVEL_ENV} or INFO)",
+    )
+
+
+def add_shared(parser: argparse.ArgumentParser, flags: frozenset[str]) -> None:
+    """The shared flags among ``flags`` (DATABASE, REDIS with --namespace, JSON)."""
+    if DATABASE in flags:
+        parser.add_argument(
+            "--database-url",
+            default=argparse.SUPPRESS,
+            help="PostgreSQL URL, postgresql://… (default: $OUTBOX_DATABASE_URL)",
+        )
+    if REDIS in flags:
+        parser.add_argument(
+            "--redis-url", default=argparse.SUPPRESS, help="Redis URL, redis://… (default: $OUTBOX_REDIS_URL)"
+        )
+        parser.add_argument(
+            "--namespace",
+            default=argparse.SUPPRESS,
+            help="prefix of the broker's Redis keys (default: $OUTBOX_NAMESPACE or outbox)",
+        )
+    if JSON in flags:
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help='print one JSON document on stdout (errors too: {"error": {"message", "exit_code"}})',
+        )
+
+
+ALL = frozenset({DATABASE, REDIS, JSON})
+
+#: Flags taking a value, to find the subcommand in argv before parsing (outbox.cli.main).
+WITH_VALUE = frozenset({"--log-level", "--database-url", "--redis-url", "--namespace"})
+
+
+def defaults(args: argparse.Namespace) -> None:
+    """Fill in the shared flags nobody gave; the log level from $OUTBOX_LOG_LEVEL."""
+    for name in ("database_url", "redis_url", "namespace"):
+        if not hasattr(args, name):
+            setattr(args, name, None)
+    if not hasattr(args, "json"):
+        args.json = False
+    if not hasattr(args, "log_level"):
+        raw = os.environ.get(LOG_LEVEL_ENV) or "INFO"
+        try:
+            args.log_level = log_level(raw)
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"{LOG_LEVEL_ENV}: {exc}") from None

@@ -1,0 +1,149 @@
+"""Every ``outbox`` subcommand, registered one way: one row of ``COMMANDS``.
+
+A row names the command, its one-line help, the shared flags it takes (``outbox.cli.flags``), and
+two dotted paths, ``module:function``: the function adding its own arguments and the function
+running it. Both are imported only when that command is the one asked for, so ``outbox --help``
+and ``outbox status`` import nothing they do not use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .flags import DATABASE, JSON, REDIS
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    #: ``module:function(parser)`` adding the command's own arguments and description.
+    arguments: str
+    #: ``module:function(args, settings) -> exit code``.
+    run: str
+    #: Shared flags the command takes (outbox.cli.flags): database, redis (with namespace), json.
+    flags: frozenset[str] = frozenset()
+
+
+_SERVICE = frozenset({DATABASE, REDIS})
+_LOOK = frozenset({DATABASE, JSON})
+
+COMMANDS: tuple[Command, ...] = (
+    # Services.
+    Command(
+        "migrate",
+        "apply the packaged migrations (alembic upgrade head)",
+        "outbox.cli.services:migrate_arguments",
+        "outbox.cli.services:migrate",
+        frozenset({DATABASE}),
+    ),
+    Command(
+        "relay",
+        "publish committed pending rows to Redis",
+        "outbox.cli.services:relay_arguments",
+        "outbox.cli.services:relay",
+        _SERVICE,
+    ),
+    Command(
+        "worker",
+        "run the handlers of MODULE as Dramatiq workers",
+        "outbox.cli.services:worker_arguments",
+        "outbox.cli.services:worker",
+        _SERVICE,
+    ),
+    Command(
+        "reconcile",
+        "expire leases, resolve unknown rows, re-queue lost messages, purge, alert",
+        "outbox.cli.reconcile:arguments",
+        "outbox.cli.reconcile:run",
+        _SERVICE,
+    ),
+    # Operator commands.
+    Command(
+        "status",
+        "counts by destination and state, oldest pending age",
+        "outbox.cli.operator:status_arguments",
+        "outbox.cli.operator:status",
+        _LOOK,
+    ),
+    Command(
+        "show",
+        "one row with its attempts and history: show ID, or show KEY STEP",
+        "outbox.cli.operator:show_arguments",
+        "outbox.cli.operator:show",
+        _LOOK,
+    ),
+    Command(
+        "failed",
+        "list failed rows (--destination, --limit)",
+        "outbox.cli.operator:failed_arguments",
+        "outbox.cli.operator:list_rows",
+        _LOOK,
+    ),
+    Command(
+        "unknown",
+        "list unknown rows (--destination, --limit)",
+        "outbox.cli.operator:unknown_arguments",
+        "outbox.cli.operator:list_rows",
+        _LOOK,
+    ),
+    Command(
+        "replay",
+        "failed -> pending again: replay ID… or --destination D",
+        "outbox.cli.operator:replay_arguments",
+        "outbox.cli.operator:replay",
+        _LOOK,
+    ),
+    Command(
+        "resolve",
+        "settle an unknown row: resolve ID --sent REF | --not-sent | --failed REASON",
+        "outbox.cli.operator:resolve_arguments",
+        "outbox.cli.operator:resolve",
+        _LOOK,
+    ),
+    Command(
+        "cancel",
+        "cancel rows no call may have charged: cancel ID… or --destination D (preview, then --yes)",
+        "outbox.cli.operator:cancel_arguments",
+        "outbox.cli.operator:cancel",
+        _LOOK,
+    ),
+    Command(
+        "doctor",
+        "check the contract's invariants against the database and Redis",
+        "outbox.cli.operator:doctor_arguments",
+        "outbox.cli.operator:doctor",
+        frozenset({DATABASE, REDIS, JSON}),
+    ),
+    Command(
+        "audit",
+        "attempts vs confirmed sends per destination; exit 1 on a violation",
+        "outbox.cli.operator:audit_arguments",
+        "outbox.cli.operator:audit",
+        _LOOK,
+    ),
+    Command(
+        "failover",
+        "show or accept the database identity (failover detection)",
+        "outbox.cli.failover:arguments",
+        "outbox.cli.failover:run",
+        _LOOK,
+    ),
+    # Tooling: the demo adds its own URL flags (they default to embedded servers).
+    Command(
+        "demo",
+        "run the whole pipeline with crashes injected, then audit it",
+        "outbox.demo.arguments:add_arguments",
+        "outbox.demo.run:run",
+    ),
+)
+
+BY_NAME = {c.name: c for c in COMMANDS}
+
+
+def load(dotted: str) -> object:
+    """``package.module:function`` → the function (imported now)."""
+    import importlib
+
+    module, _, attribute = dotted.partition(":")
+    return getattr(importlib.import_module(module), attribute)

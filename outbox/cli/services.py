@@ -1,0 +1,170 @@
+"""The services: ``outbox migrate``, ``outbox relay`` and ``outbox worker``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from .. import settings
+from ..exceptions import ConfigError
+from ..signals import stop_event_on_signals
+from . import exits
+from .handlers import load_handlers
+
+logger = logging.getLogger(__name__)
+
+
+def migrate_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "Create or upgrade the outbox tables. Safe to run twice, and concurrently."
+
+
+def relay_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "The relay sidecar: claims due pending rows in batches (SKIP LOCKED, so several "
+        "relays may run), publishes them to Dramatiq queues in one Redis pipeline per batch, "
+        "marks them dispatched. Wakes on NOTIFY, polls every OUTBOX_POLL_INTERVAL seconds as "
+        "a fallback. SIGTERM finishes the batch and exits 0. Refuses to start on a Redis "
+        "that may evict keys."
+    )
+    p.add_argument("--once", action="store_true", help="drain what is due now, then exit")
+    p.add_argument("--batch-size", type=int, help="rows per batch (default $OUTBOX_RELAY_BATCH_SIZE or 1000)")
+    p.add_argument(
+        "--claimers",
+        type=int,
+        help="connections claiming batches at once during a backlog (default $OUTBOX_RELAY_CLAIMERS or 2)",
+    )
+
+
+def worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Dramatiq worker for the @outbox.handler functions declared in MODULE: one queue per "
+        "destination. Each message is claimed, handled, recorded and only then acked. "
+        "Each process records a heartbeat (queues served, its clock) in the database every "
+        "OUTBOX_HEARTBEAT_INTERVAL (default 5 s), read by `outbox status`, `outbox doctor` "
+        "and the reconciler's no-consumer alert. SIGTERM finishes the messages in hand."
+    )
+    p.add_argument("module", help="importable module declaring the handlers, e.g. myapp.handlers")
+    p.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--threads", type=int, default=8, help="threads per process (default 8)")
+    p.add_argument("--queues", nargs="+", metavar="DESTINATION", help="only these destinations")
+
+
+def migrate(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..db import make_engine
+    from ..migrate import upgrade
+
+    engine = make_engine(cfg.require_database_url())
+    try:
+        before, after = upgrade(engine)
+    finally:
+        engine.dispose()
+    if before == after:
+        print(f"outbox schema already at revision {after}; nothing to do")
+    else:
+        print(f"outbox schema migrated from {before or 'empty'} to revision {after}")
+    return exits.OK
+
+
+def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from relay import Relay
+
+    from .. import transport
+    from ..failover import FailoverGuard
+    from ..migrate import check_database
+
+    # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
+    stop = stop_event_on_signals()
+    database_url = cfg.require_database_url()
+    redis_url = cfg.require_redis_url()
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.claimers is not None and args.claimers < 1:
+        raise ConfigError(f"--claimers must be at least 1, got {args.claimers}")
+    check_database(database_url)
+    transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
+    # Checked now and every OUTBOX_FAILOVER_CHECK_INTERVAL s: on another database history the
+    # relay publishes nothing until `outbox failover --accept` (outbox.failover).
+    guard = FailoverGuard(database_url, process="relay").start()
+    relay = Relay(
+        database_url=database_url,
+        redis_url=redis_url,
+        namespace=cfg.namespace,
+        batch_size=args.batch_size or cfg.relay_batch_size,
+        parallel=args.claimers or cfg.relay_claimers,
+        poll_interval_seconds=cfg.poll_interval_seconds,
+        failover_guard=guard,
+    )
+    if args.once:
+        try:
+            total = relay.drain(stop)
+        finally:
+            relay.close()
+            guard.stop()
+        if guard.halted:
+            print(
+                "relay published nothing: the database identity changed or could not be checked "
+                "(see `outbox failover`)"
+            )
+            return exits.FAILED
+        stopped = "; stopped by a signal before the backlog was drained" if stop.is_set() else ""
+        print(f"relay published {total} rows{stopped}")
+        return exits.OK
+    logger.info(
+        "relay started: namespace=%s batch_size=%s claimers=%s poll_interval=%ss",
+        cfg.namespace,
+        relay.batch_size,
+        relay.parallel,
+        cfg.poll_interval_seconds,
+    )
+    try:
+        relay.run_forever(stop)
+    finally:
+        guard.stop()
+    logger.info("relay stopped")
+    return exits.OK
+
+
+def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from .. import transport
+    from ..migrate import check_database
+    from ..worker import run_worker, supervise
+
+    # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
+    stop = stop_event_on_signals()
+    database_url = cfg.require_database_url()
+    redis_url = cfg.require_redis_url()
+    if args.processes < 1 or args.threads < 1:
+        raise ConfigError("--processes and --threads must be at least 1")
+    check_database(database_url)
+    handlers = load_handlers(args.module)
+    transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
+    if args.processes > 1:
+        # The children log at the parent's level (from a flag or $OUTBOX_LOG_LEVEL alike).
+        child_argv = [
+            "--log-level",
+            args.log_level,
+            "worker",
+            args.module,
+            "--processes",
+            "1",
+            "--threads",
+            str(args.threads),
+        ]
+        if args.queues:
+            child_argv += ["--queues", *args.queues]
+        # The children read the resolved settings from their environment, flags included.
+        os.environ.update(
+            OUTBOX_DATABASE_URL=database_url, OUTBOX_REDIS_URL=redis_url, OUTBOX_NAMESPACE=cfg.namespace
+        )
+        return supervise(child_argv, args.processes, stop)
+    return run_worker(
+        database_url=database_url,
+        redis_url=redis_url,
+        namespace=cfg.namespace,
+        handlers=handlers,
+        queues=args.queues,
+        threads=args.threads,
+        stop=stop,
+        heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
+    )

@@ -1,0 +1,641 @@
+"""Acting on rows: ``replay``, ``resolve`` and ``cancel``.
+
+Every action is one guarded statement per row (``UPDATE … WHERE id = :id AND state = …``), so a
+row that moved since the operator looked is refused, never overwritten; who did it and why is
+appended to the row's ``history``. The functions take a SQLAlchemy ``Connection`` and never
+commit: the caller owns the transaction (and a NOTIFY sent by an action is delivered when it
+commits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from .. import outcomes, sanitize, states
+from ..exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
+from . import tables
+from .inspect import require_destination
+
+# -- replay and resolve ------------------------------------------------------------------------------
+
+# `from` is the state the row had (SET expressions read the old row), `at` the database clock.
+_HISTORY_ENTRY = """
+history = history || jsonb_build_array(jsonb_build_object(
+    'at', now(), 'by', CAST(:by AS text), 'action', CAST(:action AS text),
+    'reason', CAST(:reason AS text), 'from', state, 'to', CAST(:to_state AS text)) || CAST(:extra AS jsonb))
+"""
+
+# claim_token and provider_ref stay: they are the evidence of the earlier attempts. The replayed
+# row goes through the normal claim, which is what rules out a call for a row already sent.
+_REPLAY_SET = (
+    """
+SET state = 'pending', attempts = 0, available_at = now(),
+    dispatched_at = NULL, completed_at = NULL, alerted_at = NULL,
+    unknown_since = NULL, lease_expires_at = NULL,
+"""
+    + _HISTORY_ENTRY
+)
+
+# The replay rules (outbox.outcomes): a fence row that may have taken effect, or an operator's
+# `resolve --failed` out of unknown, refuses the replay unless the row is forced by name.
+_BLOCKING_ATTEMPT = (
+    f"SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql('a')}"
+)
+_REPLAYABLE = f"NOT EXISTS ({_BLOCKING_ATTEMPT}) AND NOT {outcomes.operator_failed_unknown_sql('m')}"
+_FAILED_OUT_OF_UNKNOWN = (
+    "an operator failed it out of unknown (resolve --failed): nobody knows whether its call took effect"
+)
+
+# What a replay would do to each row, and why it refuses: read to preview, never to act (the
+# acting statements re-check every rule themselves).
+_PLAN_COLUMNS = f"""
+SELECT m.id, m.key, m.step, m.destination, m.state, m.completed_at, m.last_error,
+       m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline,
+       ARRAY(
+           SELECT CASE
+               WHEN {outcomes.is_confirmed_sql("a")} THEN
+                   format('attempt %s was confirmed by the provider (outcome %s)', a.attempt, a.outcome)
+               WHEN a.outcome IS NULL THEN
+                   format('attempt %s never recorded an outcome: its call may have taken effect', a.attempt)
+               ELSE format('attempt %s ended %s: its call may have taken effect, and neither a lookup '
+                           'nor an operator (resolve --not-sent) settled it', a.attempt, a.outcome)
+           END
+           FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql("a")}
+           ORDER BY a.started_at, a.id
+       ) || CASE WHEN {outcomes.operator_failed_unknown_sql("m")}
+                 THEN ARRAY[CAST(:failed_out_of_unknown AS text)] ELSE ARRAY[]::text[] END AS refusals,
+       ARRAY(SELECT a.id FROM outbox_attempt a
+             WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql("a")} ORDER BY a.id) AS blockers
+FROM outbox_message m
+"""
+_PLAN_IDS = text(f"{_PLAN_COLUMNS} WHERE m.id = ANY(CAST(:ids AS bigint[])) ORDER BY m.id")
+_PLAN_DESTINATION = text(
+    f"{_PLAN_COLUMNS} WHERE m.destination = :destination AND m.state = 'failed' ORDER BY m.id"
+)
+
+# Acts on exactly the previewed rows: each one only if it is still failed with the failure the
+# preview saw (completed_at is set anew at every failure), and only if the rules still allow it.
+_REPLAY_PLANNED = text(
+    f"""
+UPDATE outbox_message m {_REPLAY_SET}
+FROM unnest(CAST(:ids AS bigint[]), CAST(:versions AS timestamptz[])) AS p(id, failed_at)
+WHERE m.id = p.id AND m.state = 'failed' AND m.completed_at IS NOT DISTINCT FROM p.failed_at
+  AND {_REPLAYABLE}
+RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
+"""
+)
+
+# One row, named by the operator with a reason: the fence rows the preview showed are marked as
+# forced over in the same statement. A blocker the operator did not see refuses the whole thing.
+_REPLAY_FORCED = text(
+    f"""
+WITH moved AS (
+    UPDATE outbox_message m {_REPLAY_SET}
+    WHERE m.id = :id AND m.state = 'failed'
+      AND m.completed_at IS NOT DISTINCT FROM CAST(:version AS timestamptz)
+      AND NOT EXISTS ({_BLOCKING_ATTEMPT} AND a.id <> ALL(CAST(:seen AS bigint[])))
+    RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
+), forced AS (
+    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_FORCED}', settled_at = now()
+    FROM moved WHERE a.message_id = moved.id AND a.id = ANY(CAST(:seen AS bigint[]))
+)
+SELECT id, past_deadline FROM moved
+"""
+)
+
+_RESOLVE_SENT = text(
+    """
+UPDATE outbox_message
+SET state = 'sent', provider_ref = :ref, completed_at = now(), last_error = NULL,
+    unknown_since = NULL, lease_expires_at = NULL,
+"""
+    + _HISTORY_ENTRY
+    + " WHERE id = :id AND state = 'unknown' RETURNING id"
+)
+# attempts stay: the earlier call is known not to have taken effect, but it counted. The row's
+# ambiguous fence rows are marked settled in the same statement (what lets a later replay through);
+# a call the provider confirmed is not "not sent", whatever anyone says, so it refuses.
+_RESOLVE_NOT_SENT = text(
+    f"""
+WITH moved AS (
+    UPDATE outbox_message m
+    SET state = 'pending', available_at = now(), dispatched_at = NULL, completed_at = NULL,
+        unknown_since = NULL, lease_expires_at = NULL,
+    {_HISTORY_ENTRY}
+    WHERE m.id = :id AND m.state = 'unknown'
+      AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id
+                      AND {outcomes.is_confirmed_sql("a")}
+                      AND a.settled IS DISTINCT FROM '{outcomes.OPERATOR_FORCED}')
+    RETURNING m.id
+), settled AS (
+    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_NOT_SENT}', settled_at = now()
+    FROM moved WHERE a.message_id = moved.id AND {outcomes.unsettled_ambiguous_sql("a")}
+)
+SELECT id FROM moved
+"""
+)
+_CONFIRMED_ATTEMPT = text(
+    f"""
+SELECT a.attempt, a.outcome FROM outbox_attempt a
+WHERE a.message_id = :id AND {outcomes.is_confirmed_sql("a")}
+  AND a.settled IS DISTINCT FROM '{outcomes.OPERATOR_FORCED}'
+ORDER BY a.id LIMIT 1
+"""
+)
+_RESOLVE_FAILED = text(
+    """
+UPDATE outbox_message
+SET state = 'failed', last_error = :error, completed_at = now(),
+    unknown_since = NULL, lease_expires_at = NULL,
+"""
+    + _HISTORY_ENTRY
+    + " WHERE id = :id AND state = 'unknown' RETURNING id"
+)
+
+_STATE_OF = text("SELECT state FROM outbox_message WHERE id = :id")
+_NOTIFY = text("SELECT pg_notify(:channel, '')")
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    id: int
+    done: bool
+    message: str
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "done": self.done, "message": self.message, "warnings": self.warnings}
+
+
+#: An operator's reason is kept whole up to this length (a typed sentence, a pasted ticket).
+OPERATOR_TEXT_CHARS = 2000
+
+
+def default_actor() -> str:
+    """Who is acting: $USER, else the login name."""
+    with contextlib.suppress(Exception):
+        return os.environ.get("USER") or getpass.getuser()
+    return "unknown"
+
+
+def _history_params(action: str, to_state: str, by: str, reason: str | None, **extra: Any) -> dict[str, Any]:
+    return {
+        "action": action,
+        "to_state": to_state,
+        "by": by,
+        # Operators paste what the customer or the provider said: stored like any error text.
+        "reason": operator_text(reason),
+        "extra": json.dumps(extra),
+    }
+
+
+def operator_text(reason: str | None) -> str | None:
+    """An operator's --reason as stored (history, last_error): no card number, bounded."""
+    return sanitize.clean_optional_text(reason, max_chars=OPERATOR_TEXT_CHARS)
+
+
+def _refusal(connection: Connection, row_id: int, wanted: str, verb: str) -> OutboxError:
+    # Read only to explain a refusal: the guarded UPDATE already decided.
+    current = connection.execute(_STATE_OF, {"id": row_id}).scalar_one_or_none()
+    if current is None:
+        return NotFound(f"no outbox row with id {row_id}")
+    return InvalidTransition(f"row {row_id} is {current}, only {wanted} rows can be {verb}")
+
+
+def _state(connection: Connection, row_id: int) -> str | None:
+    return connection.execute(_STATE_OF, {"id": row_id}).scalar_one_or_none()
+
+
+def _notify(connection: Connection) -> None:
+    """Wake the relays; delivered when the caller commits (the insert trigger does the same)."""
+    from ..schema import NOTIFY_CHANNEL  # the table definitions: only for the commands that act
+
+    connection.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL})
+
+
+def _replayed(row: Any) -> ActionResult:
+    warnings = []
+    if row.past_deadline:
+        warnings.append(
+            "its deadline has passed: the consumer will fail it again without calling the provider"
+        )
+    return ActionResult(int(row.id), True, f"row {row.id} replayed: failed -> pending", warnings)
+
+
+@dataclass(frozen=True)
+class ReplayCandidate:
+    """One row a replay was asked about, as the preview saw it."""
+
+    id: int
+    key: str
+    step: str
+    destination: str
+    state: str
+    #: When it failed: the version the acting statement requires (a row that failed again since
+    #: the preview is a different failure, not the one the operator looked at).
+    failed_at: datetime | None
+    last_error: str | None
+    past_deadline: bool
+    #: Why the replay rules refuse it (empty: replayable).
+    refusals: list[str]
+    #: Ids of the fence rows behind the refusals: what a --force replay marks as forced over.
+    blockers: list[int]
+
+    @property
+    def replayable(self) -> bool:
+        return self.state == states.FAILED and not self.refusals
+
+    def refusal(self) -> str:
+        if self.state != states.FAILED:
+            return f"row {self.id} is {self.state}, only failed rows can be replayed"
+        return (
+            f"row {self.id} refused: {'; '.join(self.refusals)}. Replaying it could charge twice; "
+            f"if the provider confirms it cannot: outbox replay {self.id} --force --reason WHY"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "key": self.key,
+            "step": self.step,
+            "destination": self.destination,
+            "state": self.state,
+            "failed_at": self.failed_at,
+            "last_error": self.last_error,
+            "replayable": self.replayable,
+            "refusals": self.refusals,
+        }
+
+
+@dataclass
+class ReplayPlan:
+    """What ``outbox replay`` will do: the rows it will replay, the rows it refuses and why.
+
+    :func:`execute_replay` acts on exactly ``to_replay`` (by id and failure), never on a fresh
+    query; ``fingerprint`` names that set so that a later run can check it acts on what was read.
+    """
+
+    destination: str | None
+    force: bool
+    rows: list[ReplayCandidate]
+    #: Requested ids with no row.
+    missing: list[int] = field(default_factory=list)
+
+    @property
+    def to_replay(self) -> list[ReplayCandidate]:
+        if self.force:
+            return [r for r in self.rows if r.state == states.FAILED]
+        return [r for r in self.rows if r.replayable]
+
+    @property
+    def refused(self) -> list[ReplayCandidate]:
+        chosen = {r.id for r in self.to_replay}
+        return [r for r in self.rows if r.id not in chosen]
+
+    @property
+    def fingerprint(self) -> str:
+        chosen = sorted(f"{r.id}@{r.failed_at.isoformat() if r.failed_at else '-'}" for r in self.to_replay)
+        return hashlib.sha256(" ".join(chosen).encode()).hexdigest()[:12]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "destination": self.destination,
+            "force": self.force,
+            "plan": self.fingerprint,
+            "to_replay": [r.to_dict() for r in self.to_replay],
+            "refused": [{**r.to_dict(), "reason": r.refusal()} for r in self.refused],
+            "missing": self.missing,
+        }
+
+    def render(self) -> str:
+        return tables.render_replay_plan(self)
+
+
+def _candidate(row: Any) -> ReplayCandidate:
+    return ReplayCandidate(
+        id=int(row.id),
+        key=row.key,
+        step=row.step,
+        destination=row.destination,
+        state=row.state,
+        failed_at=row.completed_at,
+        last_error=row.last_error,
+        past_deadline=bool(row.past_deadline),
+        refusals=list(row.refusals),
+        blockers=[int(b) for b in row.blockers],
+    )
+
+
+def plan_replay(
+    connection: Connection,
+    ids: Sequence[int] = (),
+    *,
+    destination: str | None = None,
+    force: bool = False,
+) -> ReplayPlan:
+    """Preview a replay of ``ids``, or of every ``failed`` row of ``destination``; changes nothing.
+
+    The replay rules (:mod:`outbox.outcomes`): a row whose fence rows hold a confirmed call, or an
+    ambiguous one that no lookup's "not found" and no ``resolve --not-sent`` settled, or that an
+    operator failed out of ``unknown``, is refused, unless ``force``, which names exactly one row.
+    Raises :class:`NotFound` for a destination no row names (a typo must not read as "nothing to
+    replay") and :class:`ConfigError` for a force that is not about one row by id.
+    """
+    if bool(ids) == bool(destination):
+        raise ConfigError("replay takes row ids or --destination D, not both and not neither")
+    if force and (destination or len(set(ids)) != 1):
+        raise ConfigError(
+            "--force replays one row named by its id, never in bulk (not with --destination, not "
+            "with several ids): look at each such row with outbox show ID first"
+        )
+    params = {"failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN}
+    if destination:
+        require_destination(connection, destination)
+        found = connection.execute(_PLAN_DESTINATION, {**params, "destination": destination}).all()
+        return ReplayPlan(destination, force, [_candidate(r) for r in found])
+    wanted = list(dict.fromkeys(ids))  # a repeated id is one request
+    found = connection.execute(_PLAN_IDS, {**params, "ids": wanted}).all()
+    by_id = {int(r.id): _candidate(r) for r in found}
+    return ReplayPlan(
+        None, force, [by_id[i] for i in wanted if i in by_id], [i for i in wanted if i not in by_id]
+    )
+
+
+def execute_replay(
+    connection: Connection, plan: ReplayPlan, *, by: str | None = None, reason: str | None = None
+) -> list[ActionResult]:
+    """Replay exactly the rows of ``plan.to_replay``: each is one guarded move that re-checks the
+    rules and the failure the preview saw, so a row that changed since is left alone and said so.
+    A forced replay needs a ``reason`` and is recorded as such (``forced``, what it overrode) in
+    the row's history, and its fence rows are marked ``operator_forced``."""
+    actor = by or default_actor()
+    results: dict[int, ActionResult] = {r.id: ActionResult(r.id, False, r.refusal()) for r in plan.refused}
+    results.update({i: ActionResult(i, False, f"no outbox row with id {i}") for i in plan.missing})
+    chosen = plan.to_replay
+    moved: dict[int, Any] = {}
+    if plan.force and chosen:
+        if not (reason and reason.strip()):
+            raise ConfigError("--force needs --reason: why replaying this row cannot charge twice")
+        [row] = chosen
+        params = _history_params("replay", states.PENDING, actor, reason, forced=True, overrode=row.refusals)
+        seen = connection.execute(
+            _REPLAY_FORCED, {**params, "id": row.id, "version": row.failed_at, "seen": row.blockers}
+        ).first()
+        if seen is not None:
+            moved[int(seen.id)] = seen
+    elif chosen:
+        params = _history_params("replay", states.PENDING, actor, reason)
+        for done in connection.execute(
+            _REPLAY_PLANNED,
+            {**params, "ids": [c.id for c in chosen], "versions": [c.failed_at for c in chosen]},
+        ):
+            moved[int(done.id)] = done
+    for c in chosen:
+        results[c.id] = _replayed(moved[c.id]) if c.id in moved else _changed(connection, c, plan.force)
+    if moved:
+        _notify(connection)
+    order = [r.id for r in plan.rows] + plan.missing
+    return [results[i] for i in order]
+
+
+def _changed(connection: Connection, planned: ReplayCandidate, force: bool) -> ActionResult:
+    """Why a previewed row did not move: read only to explain, the guarded UPDATE decided."""
+    params = {"failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN, "ids": [planned.id]}
+    now = connection.execute(_PLAN_IDS, params).first()
+    if now is None:
+        return ActionResult(planned.id, False, f"no outbox row with id {planned.id}")
+    current = _candidate(now)
+    if current.state != states.FAILED:
+        message = f"row {planned.id} is now {current.state}: it changed since the preview, left alone"
+    elif current.failed_at != planned.failed_at:
+        message = f"row {planned.id} failed again since the preview: left alone, preview it again"
+    elif force:
+        message = (
+            f"row {planned.id} gained a reason to refuse since the preview "
+            f"({'; '.join(current.refusals)}): left alone, look at it again"
+        )
+    else:
+        message = current.refusal()
+    return ActionResult(planned.id, False, message)
+
+
+def replay(
+    connection: Connection,
+    ids: Sequence[int],
+    *,
+    by: str | None = None,
+    reason: str | None = None,
+    force: bool = False,
+) -> list[ActionResult]:
+    """``failed`` → ``pending`` for each id, attempts reset; other rows, and rows the replay
+    rules refuse, are left untouched (see :func:`plan_replay`). ``force`` (one id, with a
+    ``reason``) replays a row the rules refuse."""
+    return execute_replay(connection, plan_replay(connection, ids, force=force), by=by, reason=reason)
+
+
+def replay_destination(
+    connection: Connection, destination: str, *, by: str | None = None, reason: str | None = None
+) -> list[ActionResult]:
+    """Replay every ``failed`` row of ``destination`` the replay rules allow; the others are
+    returned refused. Raises :class:`NotFound` for a destination no row names."""
+    plan = plan_replay(connection, destination=destination)
+    return execute_replay(connection, plan, by=by, reason=reason)
+
+
+def resolve(
+    connection: Connection,
+    row_id: int,
+    *,
+    sent_ref: str | None = None,
+    not_sent: bool = False,
+    failed_reason: str | None = None,
+    by: str | None = None,
+    reason: str | None = None,
+) -> ActionResult:
+    """Settle an ``unknown`` row by hand, exactly one of: the provider has it (``sent_ref``), it
+    certainly has not (``not_sent``: back to pending, attempts kept, its ambiguous fence rows
+    marked settled, which is what lets a later replay through; refused when a fence row holds a
+    call the provider confirmed), or give up (``failed_reason``: a later replay is refused unless
+    forced). Raises :class:`InvalidTransition` (or :class:`NotFound`) and changes
+    nothing when the row is not ``unknown``."""
+    chosen = [sent_ref is not None, not_sent, failed_reason is not None]
+    if sum(chosen) != 1:
+        raise ConfigError("resolve needs exactly one of --sent REF, --not-sent, --failed REASON")
+    actor = by or default_actor()
+    if sent_ref is not None:
+        if not sent_ref.strip():
+            raise ConfigError("--sent needs the provider's reference, e.g. --sent ch_123")
+        # Stored by the same rules as a reference the worker records (outbox.sanitize).
+        sent_ref = sanitize.clean_ref(sent_ref)
+        statement, to_state = _RESOLVE_SENT, states.SENT
+        params = {
+            **_history_params("resolve", to_state, actor, reason, provider_ref=sent_ref),
+            "ref": sent_ref,
+        }
+    elif not_sent:
+        statement, to_state = _RESOLVE_NOT_SENT, states.PENDING
+        params = _history_params("resolve", to_state, actor, reason)
+    else:
+        assert failed_reason is not None
+        if not failed_reason.strip():
+            raise ConfigError("--failed needs a reason the next reader can act on")
+        # Stored as last_error: the same rules as every stored error text (no card number).
+        failed_reason = sanitize.clean_text(failed_reason, max_chars=2000)
+        statement, to_state = _RESOLVE_FAILED, states.FAILED
+        params = {
+            **_history_params("resolve", to_state, actor, reason, error=failed_reason),
+            "error": failed_reason,
+        }
+    if connection.execute(statement, {**params, "id": row_id}).first() is None:
+        confirmed = (
+            connection.execute(_CONFIRMED_ATTEMPT, {"id": row_id}).first()
+            if statement is _RESOLVE_NOT_SENT and _state(connection, row_id) == states.UNKNOWN
+            else None
+        )
+        if confirmed is not None:
+            raise InvalidTransition(
+                f"row {row_id}: attempt {confirmed.attempt} was confirmed by the provider (outcome "
+                f"{confirmed.outcome}), so it is not 'not sent'; find its reference and use --sent REF"
+            )
+        raise _refusal(connection, row_id, "unknown", "resolved")
+    if to_state == states.PENDING:
+        _notify(connection)
+    return ActionResult(row_id, True, f"row {row_id} resolved: unknown -> {to_state}")
+
+
+# -- cancel ------------------------------------------------------------------------------------------
+
+# The operator's guard is wider than outbox.cancel's (outbox/write.py: only a row no consumer
+# ever claimed): a pending or dispatched row whose every call is known not to have taken effect
+# (a safe outcome, or an ambiguous call settled). Without it a row re-pending after a failover,
+# or one of a retired destination with an earlier 503, could be stopped by nothing and would be
+# called again. A call that may have taken effect still refuses: cancelling would hide a charge.
+_CANCELLABLE = f"""state IN ('pending', 'dispatched')
+    AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id
+                    AND NOT {outcomes.known_not_taken_effect_sql("a")})"""
+
+_CANCEL_CANDIDATES = text(
+    f"""
+SELECT id, key, step, state, ({_CANCELLABLE}) AS cancellable
+FROM outbox_message
+WHERE destination = :destination AND state IN ('pending', 'dispatched', 'in_flight', 'unknown')
+  AND (CAST(:max_id AS bigint) IS NULL OR id <= CAST(:max_id AS bigint))
+ORDER BY id
+"""
+)
+
+_CANCEL_ROWS = text(
+    """
+UPDATE outbox_message
+SET state = 'cancelled', completed_at = now(), claim_token = NULL, last_error = :error,
+"""
+    + _HISTORY_ENTRY
+    + f" WHERE id = ANY(:ids) AND {_CANCELLABLE} RETURNING id"
+)
+
+
+@dataclass
+class CancelPlan:
+    """What ``outbox cancel`` did, or would do: rows cancelled (or to cancel) and rows refused."""
+
+    destination: str | None
+    applied: bool
+    #: (id, key, step, state before) of each row cancelled, or to be cancelled when not applied.
+    rows: list[tuple[int, str, str, str]]
+    #: (id, why) of each row that cannot be cancelled.
+    refused: list[tuple[int, str]]
+    #: The highest id previewed: ``--yes --max-id`` acts on no row written after the preview.
+    max_id: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "destination": self.destination,
+            "applied": self.applied,
+            "cancelled" if self.applied else "to_cancel": [
+                {"id": i, "key": k, "step": st, "state": state} for i, k, st, state in self.rows
+            ],
+            "refused": [{"id": i, "why": why} for i, why in self.refused],
+            "max_id": self.max_id,
+        }
+
+
+def _why_not_cancellable(state: str | None, row_id: int) -> str:
+    if state is None:
+        return f"no outbox row with id {row_id}"
+    if state in ("pending", "dispatched"):
+        return (
+            f"row {row_id} is {state} but a call for it may have taken effect (a fence row is "
+            "confirmed, or ambiguous and not settled): see outbox show "
+            f"{row_id}, and ask the provider"
+        )
+    return f"row {row_id} is {state}: only pending or dispatched rows can be cancelled"
+
+
+def cancel_rows(
+    connection: Connection,
+    ids: Sequence[int] = (),
+    *,
+    destination: str | None = None,
+    reason: str,
+    by: str | None = None,
+    apply: bool = True,
+    max_id: int | None = None,
+) -> CancelPlan:
+    """Cancel ``pending`` or ``dispatched`` rows none of whose calls may have taken effect (never
+    claimed, or every fence row safe or settled; wider than :func:`outbox.cancel`, which only
+    takes never-claimed rows), by id or every such row of ``destination`` (with ids no higher
+    than ``max_id`` when given). With
+    ``apply=False`` nothing changes: the plan says what would be cancelled and what is refused.
+    Each row moves in one guarded UPDATE; a row whose call may have taken effect since the
+    preview is refused."""
+    if not reason or not reason.strip():
+        raise ConfigError("cancel needs --reason: why these rows will never be sent")
+    if bool(ids) == (destination is not None):
+        raise ConfigError("cancel takes row ids or --destination D, not both and not neither")
+    rows: list[tuple[int, str, str, str]] = []
+    refused: list[tuple[int, str]] = []
+    if destination is not None:
+        require_destination(connection, destination)
+        for r in connection.execute(_CANCEL_CANDIDATES, {"destination": destination, "max_id": max_id}):
+            if r.cancellable:
+                rows.append((int(r.id), r.key, r.step, r.state))
+            else:
+                refused.append((int(r.id), _why_not_cancellable(r.state, int(r.id))))
+        wanted = [r[0] for r in rows]
+    else:
+        wanted = list(dict.fromkeys(ids))
+        if not apply:
+            raise ConfigError("a preview is for --destination; rows named by id are cancelled directly")
+        # Read only to report what each row was; the guarded UPDATE below decides.
+        found = connection.execute(
+            text("SELECT id, key, step, state FROM outbox_message WHERE id = ANY(:ids)"), {"ids": wanted}
+        )
+        rows = [(int(r.id), r.key, r.step, r.state) for r in found]
+    top = max([r[0] for r in rows] + [i for i, _ in refused], default=max_id) if destination else None
+    if not apply:
+        return CancelPlan(destination, False, rows, refused, top)
+    params = {
+        **_history_params("cancel", states.CANCELLED, by or default_actor(), reason),
+        "error": operator_text(f"cancelled by an operator: {reason}"),
+        "ids": wanted,
+    }
+    done = {int(r[0]) for r in connection.execute(_CANCEL_ROWS, params)}
+    details = {r[0]: r for r in rows}
+    cancelled: list[tuple[int, str, str, str]] = []
+    for row_id in wanted:
+        if row_id in done:
+            cancelled.append(details[row_id])
+        else:
+            state = connection.execute(_STATE_OF, {"id": row_id}).scalar_one_or_none()
+            refused.append((row_id, _why_not_cancellable(state, row_id)))
+    return CancelPlan(destination, True, cancelled, sorted(refused), top)

@@ -1,0 +1,311 @@
+"""Rendering the operator commands' data: aligned text tables, ages, cells, each report as text
+(the `render()` of the data classes of outbox.ops), and JSON."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+from .. import states
+
+if TYPE_CHECKING:
+    from .actions import ReplayPlan
+    from .audit import AuditReport
+    from .inspect import LedgerDetail, RowDetail, RowList, StatusReport
+
+
+def seconds(value: Decimal | float | None) -> float | None:
+    return None if value is None else round(float(value), 3)
+
+
+def age(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    s = max(int(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def short(value: str | None, width: int = 80) -> str | None:
+    if value is None:
+        return None
+    flat = " ".join(value.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def cell(value: Any, *, long: bool = False) -> Any:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC).isoformat(sep=" ", timespec="seconds")
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False, default=json_default)
+    if isinstance(value, str) and not long:
+        return short(value)
+    return value
+
+
+def indent(block: str) -> str:
+    return textwrap.indent(block, "  ")
+
+
+def json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, UUID):
+        return str(value)
+    if isinstance(value, Decimal):
+        return float(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """An aligned text table: numbers right-aligned, text left-aligned, ``-`` for None."""
+    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    numeric = [
+        bool(rows) and all(isinstance(row[i], int | float) or row[i] is None for row in rows)
+        for i in range(len(headers))
+    ]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def to_json(data: Any) -> str:
+    """One JSON document (indented; datetimes, UUIDs and decimals as JSON values)."""
+    return json.dumps(data, indent=2, ensure_ascii=False, default=json_default)
+
+
+# -- the operator commands' data as text ---------------------------------------------------------
+
+
+def render_status(report: StatusReport) -> str:
+    if not report.counts:
+        return "no outbox rows"
+    totals = report.totals()
+    rows: list[list[Any]] = [
+        [d, *(c[s] for s in states.ALL), sum(c.values()), age(report.oldest_pending_age[d])]
+        for d, c in report.counts.items()
+    ]
+    rows.append(
+        ["TOTAL", *(totals[s] for s in states.ALL), report.total, age(report.oldest_pending_age_seconds)]
+    )
+    table = format_table(["destination", *states.ALL, "total", "oldest pending"], rows)
+    summary = (
+        f"unknown: {totals[states.UNKNOWN]}   failed: {totals[states.FAILED]}   total: {report.total}   "
+        f"oldest due pending row: {age(report.oldest_pending_age_seconds) or 'none'}"
+    )
+    gaps = "".join(f"\n{n.describe()}" for n in report.no_consumer)
+    return f"{table}\n\n{summary}{gaps}"
+
+
+def render_row(detail: RowDetail) -> str:
+    width = max(len(k) for k in detail.row)
+    lines = [
+        f"{k.ljust(width)}  {cell(v, long=True) if v is not None else '-'}" for k, v in detail.row.items()
+    ]
+    if detail.payload is not None:
+        lines.append(f"{'payload'.ljust(width)}  {json.dumps(detail.payload, ensure_ascii=False)}")
+    lines += ["", f"attempts ({len(detail.attempts)} fence rows):"]
+    if detail.attempts:
+        headers = [
+            "attempt",
+            "claim_token",
+            "started_at",
+            "finished_at",
+            "outcome",
+            "http_status",
+            "error",
+        ]
+        lines.append(indent(format_table(headers, [[cell(a[h]) for h in headers] for a in detail.attempts])))
+    else:
+        lines.append("  none: never claimed")
+    lines += ["", f"history ({len(detail.history)} operator actions):"]
+    if detail.history:
+        keys = ["at", "by", "action", "from", "to", "reason"]
+        extra = sorted({k for h in detail.history for k in h} - set(keys))
+        lines.append(
+            indent(
+                format_table(keys + extra, [[cell(h.get(k)) for k in keys + extra] for h in detail.history])
+            )
+        )
+    else:
+        lines.append("  none")
+    return "\n".join(lines)
+
+
+def render_ledger(entry: LedgerDetail) -> str:
+    width = max(len(k) for k in entry.entry)
+    lines = [
+        f"row {entry.entry['id']} was purged; the key ledger keeps its key until the horizon "
+        "(OUTBOX_LEDGER_HORIZON), so writing it again answers as before the purge.",
+        "Its attempts, history and payload are gone; the payload's SHA-256 is kept.",
+        "",
+    ]
+    lines += [f"{k.ljust(width)}  {'-' if v is None else cell(v, long=True)}" for k, v in entry.entry.items()]
+    return "\n".join(lines)
+
+
+def render_rows(listed: RowList) -> str:
+    where = f" for destination {listed.destination}" if listed.destination else ""
+    if not listed.rows:
+        return f"no {listed.state} rows{where}"
+    table = format_table(
+        ["id", "key", "step", "destination", "attempts", "age", "last_error"],
+        [
+            [r.id, r.key, r.step, r.destination, r.attempts, age(r.age_seconds), short(r.last_error)]
+            for r in listed.rows
+        ],
+    )
+    more = (
+        f"\nshowing {len(listed.rows)} of {listed.matching}; use --limit"
+        if listed.matching > len(listed.rows)
+        else ""
+    )
+    return f"{table}{more}"
+
+
+def render_replay_plan(plan: ReplayPlan) -> str:
+    scope = f"destination {plan.destination}" if plan.destination else "the rows named"
+    lines = [
+        f"replay preview for {scope}: {len(plan.to_replay)} row(s) to replay, "
+        f"{len(plan.refused) + len(plan.missing)} refused"
+    ]
+    if plan.to_replay:
+        lines += ["", "will replay (failed -> pending, attempts reset):"]
+        lines.append(
+            indent(
+                format_table(
+                    ["id", "key", "step", "destination", "failed at", "last_error"],
+                    [
+                        [r.id, r.key, r.step, r.destination, cell(r.failed_at), short(r.last_error)]
+                        for r in plan.to_replay
+                    ],
+                )
+            )
+        )
+    if plan.refused or plan.missing:
+        lines += ["", "refused (left untouched):"]
+        lines += [f"  #{r.id} {r.key} {r.step}: {r.refusal()}" for r in plan.refused]
+        lines += [f"  #{i}: no outbox row with id {i}" for i in plan.missing]
+    lines += ["", f"plan {plan.fingerprint}"]
+    return "\n".join(lines)
+
+
+def render_audit(report: AuditReport) -> str:
+    scope = (
+        f"messages with activity since {report.since.isoformat(timespec='seconds')}"
+        if report.since
+        else "all messages in the database"
+    )
+    lines = [f"outbox audit: {scope} (at {report.generated_at.isoformat(timespec='seconds')})", ""]
+    rows = [*sorted(report.destinations.values(), key=lambda d: d.destination), report.totals]
+    lines.append(
+        format_table(
+            ["destination", *states.ALL, "total"],
+            [[d.destination, *(d.states[s] for s in states.ALL), d.messages] for d in rows],
+        )
+    )
+    lines.append("")
+    lines.append(
+        format_table(
+            [
+                "destination",
+                "attempts",
+                "confirmed calls",
+                "sent rows",
+                "claimed >1",
+                "sent w/o ref",
+                "confirmed >1",
+                "confirmed, unsent",
+                "not terminal",
+            ],
+            [
+                [
+                    d.destination,
+                    d.attempts,
+                    d.confirmed_calls,
+                    d.sent,
+                    d.claimed_more_than_once,
+                    d.sent_without_ref,
+                    d.double_confirmed,
+                    d.confirmed_not_sent,
+                    d.not_terminal,
+                ]
+                for d in rows
+            ],
+        )
+    )
+    lines.append("")
+    if report.totals.purged.keys:
+        lines.append("purged keys (key ledger):")
+        lines.append(
+            format_table(
+                [
+                    "destination",
+                    *states.TERMINAL,
+                    "attempts",
+                    "claimed >1",
+                    "sent w/o ref",
+                    "confirmed >1",
+                    "confirmed, unsent",
+                    "ambiguous",
+                ],
+                [
+                    [
+                        d.destination,
+                        *(d.purged.states.get(s, 0) for s in states.TERMINAL),
+                        d.purged.attempts,
+                        d.purged.claimed_more_than_once,
+                        d.purged.sent_without_ref,
+                        d.purged.double_confirmed,
+                        d.purged.confirmed_not_sent,
+                        d.purged.ambiguous,
+                    ]
+                    for d in rows
+                    if d.purged.keys
+                ],
+            )
+        )
+        lines.append("")
+    multi = report.totals.claimed_more_than_once
+    if multi:
+        # Retries after a certain failure are normal; this list is where to look first when
+        # a customer reports two charges.
+        lines.append(f"keys claimed more than once: {multi} (retries; each claim is one fence row)")
+        for e in report.multi_claimed_examples:
+            lines.append(f"  #{e.id} {e.key} {e.step} [{e.destination}] {e.claims} claims, now {e.state}")
+    else:
+        lines.append("keys claimed more than once: 0")
+    lines.append("")
+    totals = report.totals
+    lines.append(
+        f"called again after an unsettled ambiguous call: {totals.recalled_unsettled}   "
+        f"forced replays (operator, with a reason): {totals.forced_replays}"
+    )
+    lines.append("")
+    if report.ok:
+        lines.append(
+            "OK: no violation: every sent row has a provider reference, no message was confirmed "
+            "twice, no confirmed call is missing from the rows, no call followed an unsettled "
+            "ambiguous one"
+        )
+    else:
+        lines.append(f"FAIL: {report.violation_count} violation(s):")
+        for v in report.violations:
+            lines.append(f"  #{v.id} {v.key} {v.step} [{v.destination}] {v.state}: {v.detail}")
+        if len(report.violations) < report.violation_count:
+            lines.append(f"  … {report.violation_count - len(report.violations)} more not listed")
+    return "\n".join(lines)

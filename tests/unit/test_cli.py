@@ -1,0 +1,218 @@
+"""The ``outbox`` command line without services: what it imports, its shared flags, its errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import cli
+from outbox.cli import exits, flags
+from outbox.cli.handlers import load_handlers
+from outbox.logs import JsonFormatter, KeyValueFormatter, logfmt_value
+
+HEAVY = ("sqlalchemy", "dramatiq", "httpx", "psycopg", "redis", "alembic", "apscheduler")
+
+
+def imported_by(*argv: str) -> set[str]:
+    """The heavy top-level packages loaded by running `outbox ARGV` in a fresh interpreter."""
+    code = textwrap.dedent(
+        f"""
+        import contextlib, io, sys
+        from outbox.cli import main
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+            main({list(argv)!r})
+        print(" ".join(sorted({{m.split(".")[0] for m in sys.modules}})))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return set(proc.stdout.split()) & set(HEAVY)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["status", "--help"], ["--version"]])
+def test_help_imports_no_driver_or_broker(argv):
+    assert imported_by(*argv) == set()
+
+
+def test_import_outbox_is_lazy_and_keeps_its_public_names():
+    code = "import sys, outbox; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert set(proc.stdout.split()) & set(HEAVY) == set()
+    for name in outbox.__all__:
+        assert getattr(outbox, name) is not None, name
+    assert issubclass(outbox.ConfigError, outbox.OutboxError)
+    assert "public" in (outbox.__doc__ or "") and "__all__" in (outbox.__doc__ or "")
+
+
+def test_every_registered_command_builds_and_has_a_run_function():
+    parser = cli.build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == {c.name for c in cli.COMMANDS}
+    for command in cli.COMMANDS:
+        assert callable(cli.registry.load(command.run)), command.name
+
+
+def test_nothing_in_the_reconciler_imports_the_cli():
+    import reconciler
+
+    for path in Path(reconciler.__file__).parent.glob("*.py"):
+        assert "outbox.cli" not in path.read_text(encoding="utf-8"), path
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--log-level", "debug", "status", "--json"],
+        ["status", "--log-level", "Debug", "--json"],
+        ["--json", "status", "--log-level", "DEBUG"],
+        ["--log-level=debug", "--json", "status"],
+    ],
+)
+def test_global_flags_before_or_after_the_subcommand_in_any_case(argv):
+    args = cli.build_parser().parse_args(argv)
+    assert (args.command, args.log_level, args.json) == ("status", "DEBUG", True)
+
+
+def test_shared_url_flags_before_the_subcommand():
+    args = cli.build_parser().parse_args(["--database-url", "postgresql://h/db", "status"])
+    assert args.database_url == "postgresql://h/db"
+
+
+def test_log_level_from_the_environment(monkeypatch):
+    monkeypatch.setenv("OUTBOX_LOG_LEVEL", "warning")
+    args = argparse.Namespace()
+    flags.defaults(args)
+    assert args.log_level == "WARNING"
+    monkeypatch.setenv("OUTBOX_LOG_LEVEL", "loud")
+    with pytest.raises(outbox.ConfigError, match="OUTBOX_LOG_LEVEL"):
+        flags.defaults(argparse.Namespace())
+
+
+def test_a_bad_log_level_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--log-level", "loud", "status"])
+    assert exit_info.value.code == exits.CONFIG
+    assert "any case" in capsys.readouterr().err
+
+
+def test_a_flag_the_subcommand_does_not_take_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--redis-url", "redis://localhost", "migrate"])
+    assert exit_info.value.code == exits.CONFIG
+    assert "--redis-url does not apply to `outbox migrate`" in capsys.readouterr().err
+    # Asked for JSON, the refusal is the error document.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--json", "migrate"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == exits.CONFIG and err == ""
+    assert "--json does not apply to `outbox migrate`" in json.loads(out)["error"]["message"]
+
+
+def test_json_errors_are_one_document_on_stdout(capsys, monkeypatch):
+    monkeypatch.delenv("OUTBOX_DATABASE_URL", raising=False)
+    code = cli.main(["replay", "--json"])
+    out, err = capsys.readouterr()
+    assert code == exits.CONFIG and err == ""
+    assert json.loads(out) == {
+        "error": {
+            "message": "replay takes row ids or --destination D, not both and not neither",
+            "exit_code": exits.CONFIG,
+        }
+    }
+    code = cli.main(["status", "--json"])
+    out, err = capsys.readouterr()
+    assert code == exits.CONFIG and err == ""
+    assert "OUTBOX_DATABASE_URL" in json.loads(out)["error"]["message"]
+
+
+def test_unreachable_database_as_json(capsys):
+    code = cli.main(["status", "--json", "--database-url", "postgresql://postgres@127.0.0.1:1/x"])
+    out, err = capsys.readouterr()
+    assert code == exits.UNAVAILABLE and err == ""
+    error = json.loads(out)["error"]
+    assert error["exit_code"] == exits.UNAVAILABLE and error["message"].startswith("cannot reach PostgreSQL")
+
+
+def test_a_handler_module_raising_on_import_is_one_config_error(tmp_path, monkeypatch):
+    (tmp_path / "broken_handlers.py").write_text("raise RuntimeError('no API key\\nsecond line')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(outbox.ConfigError) as info:
+        load_handlers("broken_handlers")
+    assert str(info.value) == "handler module 'broken_handlers' raised RuntimeError on import: no API key"
+
+
+@pytest.mark.parametrize("use_session", [True, False])
+def test_write_refuses_sqlite_with_a_clear_error(use_session):
+    engine = create_engine("sqlite://")
+    try:
+        with Session(engine) if use_session else engine.connect() as target:
+            with pytest.raises(outbox.ConfigError, match="outbox needs PostgreSQL, got sqlite"):
+                outbox.write(target, key="order:1", step="charge", destination="payments.charge", payload={})
+    finally:
+        engine.dispose()
+
+
+def record(message: str = "claimed %s", *args: object, **extra: object) -> logging.LogRecord:
+    rec = logging.LogRecord("outbox.test", logging.INFO, __file__, 1, message, args, None)
+    rec.__dict__.update(extra)
+    return rec
+
+
+def test_logfmt_values_are_quoted_and_escaped():
+    assert logfmt_value("payments.charge") == "payments.charge"
+    assert logfmt_value("card declined") == '"card declined"'
+    assert logfmt_value('say "no"') == '"say \\"no\\""'
+    assert logfmt_value("a=b") == '"a=b"'
+    assert logfmt_value("line\nbreak") == '"line\\nbreak"'
+    assert logfmt_value("") == '""'
+    line = KeyValueFormatter("%(levelname)s %(name)s %(message)s").format(
+        record("row %s", 7, error="HTTP 500 body=x", token="abc", rows=3)
+    )
+    assert line == 'INFO outbox.test row 7 error="HTTP 500 body=x" token=*** rows=3'
+
+
+def test_json_log_lines():
+    line = JsonFormatter().format(record("row %s", 7, destination="payments.charge", password="p"))
+    entry = json.loads(line)
+    assert "\n" not in line
+    assert {k: entry[k] for k in ("level", "logger", "message", "destination", "password")} == {
+        "level": "INFO",
+        "logger": "outbox.test",
+        "message": "row 7",
+        "destination": "payments.charge",
+        "password": "***",
+    }
+    assert entry["time"].endswith("+00:00")
+
+
+def test_log_format_from_the_environment(monkeypatch, capsys):
+    from outbox.logs import configure
+
+    monkeypatch.setenv("OUTBOX_LOG_FORMAT", "json")
+    configure("info")
+    assert isinstance(logging.getLogger().handlers[0].formatter, JsonFormatter)
+    monkeypatch.setenv("OUTBOX_LOG_FORMAT", "xml")
+    with pytest.raises(outbox.ConfigError, match="OUTBOX_LOG_FORMAT"):
+        configure("info")
+
+
+def test_a_usage_error_with_json_is_the_error_document(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["status", "--json", "--limit", "3"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == exits.CONFIG and err == ""
+    assert json.loads(out) == {
+        "error": {"message": "outbox: unrecognized arguments: --limit 3", "exit_code": exits.CONFIG}
+    }
