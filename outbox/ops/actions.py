@@ -21,37 +21,13 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import outcomes, sanitize, states
+from .. import outcomes, sanitize, states, transitions
 from ..exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
 from . import tables
 from .inspect import require_destination
 
 # -- replay and resolve ------------------------------------------------------------------------------
 
-# `from` is the state the row had (SET expressions read the old row), `at` the database clock.
-_HISTORY_ENTRY = """
-history = history || jsonb_build_array(jsonb_build_object(
-    'at', now(), 'by', CAST(:by AS text), 'action', CAST(:action AS text),
-    'reason', CAST(:reason AS text), 'from', state, 'to', CAST(:to_state AS text)) || CAST(:extra AS jsonb))
-"""
-
-# claim_token and provider_ref stay: they are the evidence of the earlier attempts. The replayed
-# row goes through the normal claim, which is what rules out a call for a row already sent.
-_REPLAY_SET = (
-    """
-SET state = 'pending', attempts = 0, available_at = now(),
-    dispatched_at = NULL, completed_at = NULL, alerted_at = NULL,
-    unknown_since = NULL, lease_expires_at = NULL,
-"""
-    + _HISTORY_ENTRY
-)
-
-# The replay rules (outbox.outcomes): a fence row that may have taken effect, or an operator's
-# `resolve --failed` out of unknown, refuses the replay unless the row is forced by name.
-_BLOCKING_ATTEMPT = (
-    f"SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql('a')}"
-)
-_REPLAYABLE = f"NOT EXISTS ({_BLOCKING_ATTEMPT}) AND NOT {outcomes.operator_failed_unknown_sql('m')}"
 _FAILED_OUT_OF_UNKNOWN = (
     "an operator failed it out of unknown (resolve --failed): nobody knows whether its call took effect"
 )
@@ -83,67 +59,6 @@ _PLAN_DESTINATION = text(
     f"{_PLAN_COLUMNS} WHERE m.destination = :destination AND m.state = 'failed' ORDER BY m.id"
 )
 
-# Acts on exactly the previewed rows: each one only if it is still failed with the failure the
-# preview saw (completed_at is set anew at every failure), and only if the rules still allow it.
-_REPLAY_PLANNED = text(
-    f"""
-UPDATE outbox_message m {_REPLAY_SET}
-FROM unnest(CAST(:ids AS bigint[]), CAST(:versions AS timestamptz[])) AS p(id, failed_at)
-WHERE m.id = p.id AND m.state = 'failed' AND m.completed_at IS NOT DISTINCT FROM p.failed_at
-  AND {_REPLAYABLE}
-RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
-"""
-)
-
-# One row, named by the operator with a reason: the fence rows the preview showed are marked as
-# forced over in the same statement. A blocker the operator did not see refuses the whole thing.
-_REPLAY_FORCED = text(
-    f"""
-WITH moved AS (
-    UPDATE outbox_message m {_REPLAY_SET}
-    WHERE m.id = :id AND m.state = 'failed'
-      AND m.completed_at IS NOT DISTINCT FROM CAST(:version AS timestamptz)
-      AND NOT EXISTS ({_BLOCKING_ATTEMPT} AND a.id <> ALL(CAST(:seen AS bigint[])))
-    RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
-), forced AS (
-    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_FORCED}', settled_at = now()
-    FROM moved WHERE a.message_id = moved.id AND a.id = ANY(CAST(:seen AS bigint[]))
-)
-SELECT id, past_deadline FROM moved
-"""
-)
-
-_RESOLVE_SENT = text(
-    """
-UPDATE outbox_message
-SET state = 'sent', provider_ref = :ref, completed_at = now(), last_error = NULL,
-    unknown_since = NULL, lease_expires_at = NULL,
-"""
-    + _HISTORY_ENTRY
-    + " WHERE id = :id AND state = 'unknown' RETURNING id"
-)
-# attempts stay: the earlier call is known not to have taken effect, but it counted. The row's
-# ambiguous fence rows are marked settled in the same statement (what lets a later replay through);
-# a call the provider confirmed is not "not sent", whatever anyone says, so it refuses.
-_RESOLVE_NOT_SENT = text(
-    f"""
-WITH moved AS (
-    UPDATE outbox_message m
-    SET state = 'pending', available_at = now(), dispatched_at = NULL, completed_at = NULL,
-        unknown_since = NULL, lease_expires_at = NULL,
-    {_HISTORY_ENTRY}
-    WHERE m.id = :id AND m.state = 'unknown'
-      AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id
-                      AND {outcomes.is_confirmed_sql("a")}
-                      AND a.settled IS DISTINCT FROM '{outcomes.OPERATOR_FORCED}')
-    RETURNING m.id
-), settled AS (
-    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_NOT_SENT}', settled_at = now()
-    FROM moved WHERE a.message_id = moved.id AND {outcomes.unsettled_ambiguous_sql("a")}
-)
-SELECT id FROM moved
-"""
-)
 _CONFIRMED_ATTEMPT = text(
     f"""
 SELECT a.attempt, a.outcome FROM outbox_attempt a
@@ -152,16 +67,6 @@ WHERE a.message_id = :id AND {outcomes.is_confirmed_sql("a")}
 ORDER BY a.id LIMIT 1
 """
 )
-_RESOLVE_FAILED = text(
-    """
-UPDATE outbox_message
-SET state = 'failed', last_error = :error, completed_at = now(),
-    unknown_since = NULL, lease_expires_at = NULL,
-"""
-    + _HISTORY_ENTRY
-    + " WHERE id = :id AND state = 'unknown' RETURNING id"
-)
-
 _STATE_OF = text("SELECT state FROM outbox_message WHERE id = :id")
 _NOTIFY = text("SELECT pg_notify(:channel, '')")
 
@@ -388,16 +293,15 @@ def execute_replay(
             raise ConfigError("--force needs --reason: why replaying this row cannot charge twice")
         [row] = chosen
         params = _history_params("replay", states.PENDING, actor, reason, forced=True, overrode=row.refusals)
-        seen = connection.execute(
-            _REPLAY_FORCED, {**params, "id": row.id, "version": row.failed_at, "seen": row.blockers}
-        ).first()
+        seen = transitions.replay_forced(
+            connection, row_id=row.id, version=row.failed_at, seen=row.blockers, history=params
+        )
         if seen is not None:
             moved[int(seen.id)] = seen
     elif chosen:
         params = _history_params("replay", states.PENDING, actor, reason)
-        for done in connection.execute(
-            _REPLAY_PLANNED,
-            {**params, "ids": [c.id for c in chosen], "versions": [c.failed_at for c in chosen]},
+        for done in transitions.replay_planned(
+            connection, ids=[c.id for c in chosen], versions=[c.failed_at for c in chosen], history=params
         ):
             moved[int(done.id)] = done
     for c in chosen:
@@ -477,29 +381,26 @@ def resolve(
             raise ConfigError("--sent needs the provider's reference, e.g. --sent ch_123")
         # Stored by the same rules as a reference the worker records (outbox.sanitize).
         sent_ref = sanitize.clean_ref(sent_ref)
-        statement, to_state = _RESOLVE_SENT, states.SENT
-        params = {
-            **_history_params("resolve", to_state, actor, reason, provider_ref=sent_ref),
-            "ref": sent_ref,
-        }
+        to_state = states.SENT
+        history = _history_params("resolve", to_state, actor, reason, provider_ref=sent_ref)
+        moved = transitions.resolve_sent(connection, row_id=row_id, ref=sent_ref, history=history)
     elif not_sent:
-        statement, to_state = _RESOLVE_NOT_SENT, states.PENDING
-        params = _history_params("resolve", to_state, actor, reason)
+        to_state = states.PENDING
+        history = _history_params("resolve", to_state, actor, reason)
+        moved = transitions.resolve_not_sent(connection, row_id=row_id, history=history)
     else:
         assert failed_reason is not None
         if not failed_reason.strip():
             raise ConfigError("--failed needs a reason the next reader can act on")
         # Stored as last_error: the same rules as every stored error text (no card number).
         failed_reason = sanitize.clean_text(failed_reason, max_chars=2000)
-        statement, to_state = _RESOLVE_FAILED, states.FAILED
-        params = {
-            **_history_params("resolve", to_state, actor, reason, error=failed_reason),
-            "error": failed_reason,
-        }
-    if connection.execute(statement, {**params, "id": row_id}).first() is None:
+        to_state = states.FAILED
+        history = _history_params("resolve", to_state, actor, reason, error=failed_reason)
+        moved = transitions.resolve_failed(connection, row_id=row_id, error=failed_reason, history=history)
+    if not moved:
         confirmed = (
             connection.execute(_CONFIRMED_ATTEMPT, {"id": row_id}).first()
-            if statement is _RESOLVE_NOT_SENT and _state(connection, row_id) == states.UNKNOWN
+            if not_sent and _state(connection, row_id) == states.UNKNOWN
             else None
         )
         if confirmed is not None:
@@ -515,32 +416,14 @@ def resolve(
 
 # -- cancel ------------------------------------------------------------------------------------------
 
-# The operator's guard is wider than outbox.cancel's (outbox/write.py: only a row no consumer
-# ever claimed): a pending or dispatched row whose every call is known not to have taken effect
-# (a safe outcome, or an ambiguous call settled). Without it a row re-pending after a failover,
-# or one of a retired destination with an earlier 503, could be stopped by nothing and would be
-# called again. A call that may have taken effect still refuses: cancelling would hide a charge.
-_CANCELLABLE = f"""state IN ('pending', 'dispatched')
-    AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id
-                    AND NOT {outcomes.known_not_taken_effect_sql("a")})"""
-
 _CANCEL_CANDIDATES = text(
     f"""
-SELECT id, key, step, state, ({_CANCELLABLE}) AS cancellable
+SELECT id, key, step, state, ({transitions.CANCELLABLE_SQL}) AS cancellable
 FROM outbox_message
 WHERE destination = :destination AND state IN ('pending', 'dispatched', 'in_flight', 'unknown')
   AND (CAST(:max_id AS bigint) IS NULL OR id <= CAST(:max_id AS bigint))
 ORDER BY id
 """
-)
-
-_CANCEL_ROWS = text(
-    """
-UPDATE outbox_message
-SET state = 'cancelled', completed_at = now(), claim_token = NULL, last_error = :error,
-"""
-    + _HISTORY_ENTRY
-    + f" WHERE id = ANY(:ids) AND {_CANCELLABLE} RETURNING id"
 )
 
 
@@ -624,12 +507,12 @@ def cancel_rows(
     top = max([r[0] for r in rows] + [i for i, _ in refused], default=max_id) if destination else None
     if not apply:
         return CancelPlan(destination, False, rows, refused, top)
-    params = {
-        **_history_params("cancel", states.CANCELLED, by or default_actor(), reason),
-        "error": operator_text(f"cancelled by an operator: {reason}"),
-        "ids": wanted,
-    }
-    done = {int(r[0]) for r in connection.execute(_CANCEL_ROWS, params)}
+    done = transitions.cancel_rows(
+        connection,
+        ids=wanted,
+        error=operator_text(f"cancelled by an operator: {reason}"),
+        history=_history_params("cancel", states.CANCELLED, by or default_actor(), reason),
+    )
     details = {r[0]: r for r in rows}
     cancelled: list[tuple[int, str, str, str]] = []
     for row_id in wanted:

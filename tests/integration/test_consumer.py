@@ -17,7 +17,7 @@ from helpers import sql, worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import fence, ops, transport
+from outbox import ops, transitions, transport
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
 from outbox.settings import libpq_url
@@ -280,17 +280,17 @@ def test_late_record_after_takeover_changes_nothing(clean, engine, provider):
     charge_handler(provider)
     (row_id,) = write_rows(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        first = fence.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
+        first = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
         assert first is not None
         # The lease was taken over: the reconciler resolved it and a new claim owns the row.
         conn.execute(
             "UPDATE outbox_message SET state = 'pending', lease_expires_at = NULL WHERE id = %s",
             (row_id,),
         )
-        second = fence.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
+        second = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
         assert second is not None and second.token != first.token
         before = row(clean, row_id)
-        moved = fence.record(
+        moved = transitions.record(
             conn, row_id=row_id, token=first.token, state="sent", outcome="sent", ref="ch_late"
         )
         assert moved is False

@@ -16,7 +16,7 @@ from helpers import relay_once, wait_for, worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import fence
+from outbox import transitions
 from outbox.consumer import RunResult
 from outbox.handlers import registry
 from reconciler import AlertRow
@@ -77,9 +77,9 @@ def row(db: psycopg.Connection[Any], row_id: int) -> dict[str, Any]:
 
 
 def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DEST) -> None:
-    claimed = fence.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
+    claimed = transitions.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
     assert claimed is not None
-    assert fence.record(db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown")
+    assert transitions.record(db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown")
     db.execute(
         "UPDATE outbox_message SET available_at = now() - interval '1 second' WHERE id = %s", (row_id,)
     )

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import consumer as consumer_module
-from outbox import fence, ops, policy
+from outbox import ops, policy, transitions
 from outbox.consumer import RELEASE_ALERT_THRESHOLD, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.ops import audit
@@ -155,7 +155,7 @@ def test_claim_lease_counts_from_when_the_row_is_held(clean, engine, how):
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         with row_held(clean, row_id, how) as holder:
             thread, out = in_thread(
-                lambda: fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
+                lambda: transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
             )
             wait_until_waiting_on_a_lock(clean)
             time.sleep(1.5)
@@ -355,7 +355,7 @@ def test_an_expired_lease_is_looked_up_only_one_time_limit_later(clean, engine, 
     handler.lookup(counting)
     (row_id,) = write_rows(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        assert fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30) is not None
+        assert transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30) is not None
         conn.execute(
             "UPDATE outbox_message SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
             (row_id,),
@@ -390,7 +390,7 @@ def skewed_clock(request, monkeypatch) -> timedelta:
         def now(cls, tz: Any = None) -> Any:
             return datetime.now(tz) + offset
 
-    for module in (consumer_module, policy, fence, resolve_unknown_job):
+    for module in (consumer_module, policy, transitions, resolve_unknown_job):
         monkeypatch.setattr(module, "datetime", Skewed, raising=False)
     return offset
 
@@ -444,10 +444,10 @@ def test_a_reconciler_whose_clock_is_off_computes_every_instant_on_the_database_
     not_found, not_found_near_deadline, expired = write_rows(engine, 3)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         for row_id in (not_found, not_found_near_deadline, expired):
-            claimed = fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
+            claimed = transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
             assert claimed is not None
             if row_id != expired:
-                assert fence.record(
+                assert transitions.record(
                     conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="x"
                 )
         conn.execute(
@@ -706,7 +706,7 @@ def test_a_confirmed_answer_settles_a_row_the_lookup_sent_back_under_the_same_cl
     lookup_on(charge, provider)
     (row_id,) = write_rows(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = fence.claim(conn, row_id=row_id, destination=DEST, lease_seconds=3)
+        claimed = transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=3)
         assert claimed is not None
         # Three seconds pass (the lease), then one time_limit (the first lookup's wait).
         conn.execute(
@@ -716,7 +716,7 @@ def test_a_confirmed_answer_settles_a_row_the_lookup_sent_back_under_the_same_cl
         assert expire_leases(conn, registry()) == 1
         conn.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
         assert resolve_unknown(conn, registry()) == {"pending": 1}
-        state = fence.record_state(
+        state = transitions.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_late"
         )
     assert state == "sent"

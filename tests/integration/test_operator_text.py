@@ -13,7 +13,7 @@ from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import cli, fence, ops
+from outbox import cli, ops, transitions
 from outbox.settings import libpq_url
 
 DEST = "payments.charge"
@@ -58,9 +58,9 @@ def test_replay_and_resolve_reasons_are_masked(clean: Any, engine: Any, db: Any)
     failed = write(engine, "order:2")
     sql(clean, "UPDATE outbox_message SET state = 'failed', completed_at = now() WHERE id = %s", (failed,))
     unknown = write(engine, "order:3")
-    claimed = fence.claim(db, row_id=unknown, destination=DEST, lease_seconds=30)
+    claimed = transitions.claim(db, row_id=unknown, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert fence.record(db, row_id=unknown, token=claimed.token, state="unknown", outcome="unknown")
+    assert transitions.record(db, row_id=unknown, token=claimed.token, state="unknown", outcome="unknown")
     with engine.begin() as conn:
         assert ops.replay(conn, [failed], by="test", reason=SAID)[0].done
         ops.resolve(conn, unknown, sent_ref="ch_1", by="test", reason=SAID)

@@ -17,7 +17,7 @@ from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import fence
+from outbox import transitions
 from outbox.cli import main
 from outbox.schema import NOTIFY_CHANNEL
 from outbox.settings import libpq_url
@@ -157,9 +157,9 @@ def test_status_without_a_database_url_is_a_config_error(capsys, monkeypatch):
 def test_show_hides_the_payload_unless_asked(clean, engine, capsys):
     row_id = write(engine, "order:7")
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = fence.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
+        claimed = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
         assert claimed is not None
-        fence.record(
+        transitions.record(
             conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="boom"
         )
 
@@ -325,13 +325,13 @@ def test_replayed_row_goes_through_the_claim_and_a_sent_row_never_comes_back(cle
     assert run(clean, capsys, "replay", str(row_id))[0] == 0
 
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = fence.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
+        claimed = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
         assert claimed is not None and claimed.attempt == 1
-        assert fence.record(
+        assert transitions.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_9"
         )
         # A second delivery of the same message claims nothing.
-        assert fence.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60) is None
+        assert transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60) is None
 
     before = snapshot(clean, row_id)
     code, _, err = run(clean, capsys, "replay", str(row_id))
@@ -437,7 +437,7 @@ def test_resolve_not_sent_retries_and_wakes_the_relay(clean, engine, capsys):
     assert (after["state"], after["attempts"], after["dispatched_at"]) == ("pending", 1, None)
     # Claimable at once, through the normal claim.
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = fence.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
+        claimed = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
     assert claimed is not None and claimed.attempt == 2
 
 

@@ -17,7 +17,7 @@ import redis
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import fence
+from outbox import transitions
 from outbox.exceptions import ConfigError
 from outbox.settings import libpq_url
 from outbox.testing.embedded import embedded_redis
@@ -74,9 +74,9 @@ def state_of(services: Any, row_id: int) -> tuple[str, str | None]:
 def test_reconcile_once_resolves_alerts_prints_counts_and_exits_0(clean, engine, provider, tmp_path):
     unknown_id, failed_id = write_rows(engine, 2)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
-        claimed = fence.claim(db, row_id=unknown_id, destination=DEST, lease_seconds=30)
+        claimed = transitions.claim(db, row_id=unknown_id, destination=DEST, lease_seconds=30)
         assert claimed is not None
-        fence.record(db, row_id=unknown_id, token=claimed.token, state="unknown", outcome="unknown")
+        transitions.record(db, row_id=unknown_id, token=claimed.token, state="unknown", outcome="unknown")
         db.execute(
             "UPDATE outbox_message SET state = 'failed', completed_at = now(), last_error = 'card declined' "
             "WHERE id = %s",
@@ -166,7 +166,7 @@ def test_reconcile_loop_resolves_rows_and_stops_cleanly_on_sigterm(clean, engine
     (row_id,) = write_rows(engine, 1)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
         # The worker charged, then died before recording: its lease has run out.
-        assert fence.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
+        assert transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
         db.execute("UPDATE outbox_message SET lease_expires_at = now() - interval '1 second'")
     ref = charge_at_provider(provider, "order:0:charge")
     log = tmp_path / "reconcile.log"

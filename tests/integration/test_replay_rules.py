@@ -13,7 +13,7 @@ from helpers import lookup_on
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import fence, ops
+from outbox import ops, transitions
 from outbox.cli import main
 from outbox.handlers import Handler
 from reconciler.jobs.resolve_unknown import resolve_unknown
@@ -72,10 +72,10 @@ def charges(provider: Any, key: str) -> int:
     return int(provider.stats()["effects"].get(f"{key}:charge", 0))
 
 
-def make_unknown(db: psycopg.Connection[Any], row_id: int) -> fence.Claimed:
-    claimed = fence.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+def make_unknown(db: psycopg.Connection[Any], row_id: int) -> transitions.Claimed:
+    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert fence.record(
+    assert transitions.record(
         db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
     )
     db.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
@@ -84,9 +84,9 @@ def make_unknown(db: psycopg.Connection[Any], row_id: int) -> fence.Claimed:
 
 def make_failed(db: psycopg.Connection[Any], row_id: int) -> None:
     """A certain failure through the claim and the record: the provider said no (402)."""
-    claimed = fence.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert fence.record(
+    assert transitions.record(
         db, row_id=row_id, token=claimed.token, state="failed", outcome="failed", error="HTTP 402"
     )
 
@@ -138,13 +138,15 @@ def test_runbook_resolve_failed_then_replay_destination_refuses_and_the_provider
 
 def test_a_confirmed_call_on_a_failed_row_refuses_replay(clean, engine, db, capsys):
     row_id = write(engine, "order:1")
-    old = fence.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    old = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert old is not None
     db.execute("UPDATE outbox_message SET lease_expires_at = now() - interval '1 s' WHERE id = %s", (row_id,))
     db.execute("UPDATE outbox_message SET state = 'pending', available_at = now() WHERE id = %s", (row_id,))
     make_failed(db, row_id)  # a newer claim failed for certain...
     # ...and the old worker's call was confirmed after all (a late, superseded recording).
-    assert not fence.record(db, row_id=row_id, token=old.token, state="sent", outcome="sent", ref="ch_1")
+    assert not transitions.record(
+        db, row_id=row_id, token=old.token, state="sent", outcome="sent", ref="ch_1"
+    )
     code, _, err = cli(clean, capsys, "replay", str(row_id))
     assert code == 1 and "attempt 1 was confirmed by the provider (outcome superseded:sent)" in err
     assert get(db, row_id)["state"] == "failed"
@@ -198,9 +200,11 @@ def test_force_needs_one_named_row_and_a_reason_and_is_recorded(clean, engine, d
     assert get(db, other)["state"] == "failed"
 
     # The forced row's next call is an accepted risk on record, not an audit finding.
-    claimed = fence.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert fence.record(db, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_2")
+    assert transitions.record(
+        db, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_2"
+    )
     code, out, _ = cli(clean, capsys, "audit", "--json")
     data = json.loads(out)
     assert code == 0 and data["ok"] is True
@@ -375,9 +379,11 @@ def test_audit_finds_a_call_after_an_unsettled_ambiguous_one(clean, engine, db, 
         (recalled,),
     )
     for r in (settled, recalled):
-        claimed = fence.claim(db, row_id=r, destination=DEST, lease_seconds=30)
+        claimed = transitions.claim(db, row_id=r, destination=DEST, lease_seconds=30)
         assert claimed is not None
-        assert fence.record(db, row_id=r, token=claimed.token, state="sent", outcome="sent", ref=f"ch_{r}")
+        assert transitions.record(
+            db, row_id=r, token=claimed.token, state="sent", outcome="sent", ref=f"ch_{r}"
+        )
 
     code, out, _ = cli(clean, capsys, "audit", "--json")
     data = json.loads(out)

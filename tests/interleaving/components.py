@@ -95,7 +95,7 @@ CLOCK_MODULES = (
     "outbox.policy",
     "reconciler.jobs.resolve_unknown",
     "reconciler.jobs.redispatch",
-    "outbox.fence",
+    "outbox.transitions",
 )
 
 

@@ -11,7 +11,7 @@ from helpers import lookup_on
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import fence
+from outbox import transitions
 from outbox.handlers import Handler
 
 DEST = "payments.charge"
@@ -78,11 +78,11 @@ def fence_outcomes(db: psycopg.Connection[Any], row_id: int) -> list[str | None]
     return [r[0] for r in rows.fetchall()]
 
 
-def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DEST) -> fence.Claimed:
+def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DEST) -> transitions.Claimed:
     """Claim the row and record an ambiguous outcome, as a consumer whose read timed out does."""
-    claimed = fence.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
+    claimed = transitions.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
     assert claimed is not None
-    assert fence.record(
+    assert transitions.record(
         db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
     )
     return claimed
