@@ -125,5 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         run = cast(Callable[[argparse.Namespace, settings.Settings], int], load(command.run))
         return int(run(args, cfg))
+    except KeyboardInterrupt:
+        # The services stop on SIGINT through their own handlers; this is an operator command
+        # cut short, whose open transaction, if any, rolled back with the connection.
+        return fail("interrupted", exits.INTERRUPTED, as_json=bool(getattr(args, "json", False)))
     except Exception as exc:
         return report_error(exc, as_json=bool(getattr(args, "json", False)))

@@ -11,3 +11,6 @@ FAILED = 1
 CONFIG = 2
 #: A service cannot be reached: PostgreSQL or Redis.
 UNAVAILABLE = 3
+#: Interrupted (Ctrl-C) before the command finished: what it did so far is committed or not
+#: by its own transaction, never half.
+INTERRUPTED = 130

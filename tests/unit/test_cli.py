@@ -137,6 +137,21 @@ def test_json_errors_are_one_document_on_stdout(capsys, monkeypatch):
     assert "OUTBOX_DATABASE_URL" in json.loads(out)["error"]["message"]
 
 
+def test_ctrl_c_in_an_operator_command_is_one_line_and_exit_130(capsys, monkeypatch):
+    import outbox.cli.operator as operator
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(operator, "status", interrupted)
+    assert cli.main(["status", "--database-url", "postgresql://postgres@127.0.0.1:1/x"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "outbox: interrupted"
+    assert cli.main(["status", "--json", "--database-url", "postgresql://postgres@127.0.0.1:1/x"]) == 130
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": {"message": "interrupted", "exit_code": exits.INTERRUPTED}}
+
+
 def test_unreachable_database_as_json(capsys):
     code = cli.main(["status", "--json", "--database-url", "postgresql://postgres@127.0.0.1:1/x"])
     out, err = capsys.readouterr()
