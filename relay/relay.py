@@ -5,7 +5,7 @@ The relay *takes* rows (:func:`outbox.transitions.dispatch_due`); only a consume
 The UPDATE, the publish and the COMMIT happen in that order inside one transaction, so a row is
 never `dispatched` unless its publish succeeded: a crash between publish and commit leaves it
 `pending` and it is published again (consumers make that harmless); nothing is lost.
-Several relays, and the claimers of one relay draining a backlog, share the load through
+Several relays, and the connections of one relay draining a backlog, share the load through
 ``FOR UPDATE SKIP LOCKED``.
 """
 
@@ -48,7 +48,7 @@ class BatchResult:
 
 class _RefusalLog:
     """Rate-limits the ERROR line of a destination whose publication keeps failing; shared by a
-    relay and its helper claimers."""
+    relay and its helper connections."""
 
     def __init__(self, every_seconds: float = PUBLISH_ERROR_LOG_SECONDS) -> None:
         self.every_seconds = every_seconds
@@ -87,7 +87,7 @@ class Relay:
         namespace: str = settings.DEFAULT_NAMESPACE,
         batch_size: int = settings.DEFAULT_RELAY_BATCH_SIZE,
         poll_interval_seconds: float = settings.DEFAULT_POLL_INTERVAL_SECONDS,
-        parallel: int = settings.DEFAULT_RELAY_CLAIMERS,
+        parallel: int = settings.DEFAULT_RELAY_CONNECTIONS,
         failover_guard: FailoverGuard | None = None,
     ) -> None:
         self.database_url = database_url
@@ -97,7 +97,7 @@ class Relay:
         self.namespace = namespace
         self.batch_size = batch_size
         self.poll_interval_seconds = poll_interval_seconds
-        #: Claimers that drain a backlog together (see `drain`); 1 = strictly one batch at a time.
+        #: Connections that drain a backlog together (see `drain`); 1 = strictly one batch at a time.
         self.parallel = max(1, parallel)
         self._conn: psycopg.Connection[Any] | None = None
         self._listen: psycopg.Connection[Any] | None = None
@@ -168,11 +168,11 @@ class Relay:
     def drain(self, stop: threading.Event | None = None) -> int:
         """Publish batches while they come back full; returns how many rows went out.
 
-        When the first batch comes back full there is a backlog, and ``parallel`` claimers
+        When the first batch comes back full there is a backlog, and ``parallel`` connections
         (this relay and helpers with connections of their own, in threads) drain it together:
-        a batch spends most of its time waiting on PostgreSQL, and another claimer's Python and
+        a batch spends most of its time waiting on PostgreSQL, and another connection's Python and
         Redis work fits in that wait. On the 2-core bench machine, 100,000 rows went out at
-        27,000-34,000 rows/s with one claimer and 53,000-58,000 with two (bench/README.md).
+        27,000-34,000 rows/s with one connection and 53,000-58,000 with two (bench/README.md).
         SKIP LOCKED keeps their batches disjoint. A wake-up for a few rows stays one batch on
         this thread, so latency is not affected.
         """
@@ -226,7 +226,7 @@ class Relay:
                 errors.append(exc)
 
         threads = [
-            threading.Thread(target=work, args=(helper,), name=f"relay-claimer-{i + 2}", daemon=True)
+            threading.Thread(target=work, args=(helper,), name=f"relay-drain-{i + 2}", daemon=True)
             for i, helper in enumerate(self._helpers)
         ]
         for thread in threads:

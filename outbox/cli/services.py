@@ -30,9 +30,9 @@ def relay_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--once", action="store_true", help="drain what is due now, then exit")
     p.add_argument("--batch-size", type=int, help="rows per batch (default $OUTBOX_RELAY_BATCH_SIZE or 1000)")
     p.add_argument(
-        "--claimers",
+        "--connections",
         type=int,
-        help="connections claiming batches at once during a backlog (default $OUTBOX_RELAY_CLAIMERS or 2)",
+        help="connections taking batches at once during a backlog (default $OUTBOX_RELAY_CONNECTIONS or 2)",
     )
 
 
@@ -79,8 +79,8 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     redis_url = cfg.require_redis_url()
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.claimers is not None and args.claimers < 1:
-        raise ConfigError(f"--claimers must be at least 1, got {args.claimers}")
+    if args.connections is not None and args.connections < 1:
+        raise ConfigError(f"--connections must be at least 1, got {args.connections}")
     check_database(database_url)
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     # Checked now and every OUTBOX_FAILOVER_CHECK_INTERVAL s: on another database history the
@@ -91,7 +91,7 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         redis_url=redis_url,
         namespace=cfg.namespace,
         batch_size=args.batch_size or cfg.relay_batch_size,
-        parallel=args.claimers or cfg.relay_claimers,
+        parallel=args.connections or cfg.relay_connections,
         poll_interval_seconds=cfg.poll_interval_seconds,
         failover_guard=guard,
     )
@@ -111,7 +111,7 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         print(f"relay published {total} rows{stopped}")
         return exits.OK
     logger.info(
-        "relay started: namespace=%s batch_size=%s claimers=%s poll_interval=%ss",
+        "relay started: namespace=%s batch_size=%s connections=%s poll_interval=%ss",
         cfg.namespace,
         relay.batch_size,
         relay.parallel,

@@ -317,7 +317,7 @@ def test_stop_interrupts_a_long_poll_in_process(clean):
     assert relay._helpers == []
 
 
-def test_a_backlog_is_drained_by_parallel_claimers_each_row_once(clean, redis_client, caplog):
+def test_a_backlog_is_drained_by_parallel_connections_each_row_once(clean, redis_client, caplog):
     insert_rows(clean, 5000)
     relay = Relay(
         database_url=clean.database_url,
@@ -334,8 +334,8 @@ def test_a_backlog_is_drained_by_parallel_claimers_each_row_once(clean, redis_cl
     finally:
         relay.close()
     assert all(h._conn is None and h._redis is None for h in helpers), "helper connections left open"
-    claimers = {r.threadName for r in caplog.records if r.getMessage().startswith("relay published")}
-    assert len(claimers) >= 2, f"only {claimers} published: the backlog was not shared"
+    threads = {r.threadName for r in caplog.records if r.getMessage().startswith("relay published")}
+    assert len(threads) >= 2, f"only {threads} published: the backlog was not shared"
     published = published_row_ids(redis_client, clean.namespace, [DEST])
     assert len(published) == 5000 and set(published) == set(range(1, 5001))
     assert sql(clean, "SELECT state, count(*), count(dispatched_at) FROM outbox_message GROUP BY 1") == [
@@ -344,7 +344,7 @@ def test_a_backlog_is_drained_by_parallel_claimers_each_row_once(clean, redis_cl
 
 
 def test_a_queue_failing_in_a_parallel_drain_holds_back_only_its_rows_and_loses_nothing(clean, redis_client):
-    """The last rows of the backlog go to a queue whose key is not a list: whichever claimer
+    """The last rows of the backlog go to a queue whose key is not a list: whichever connection
     takes them gets WRONGTYPE; the drain publishes everything else, and no row may be dispatched
     unless its message is queued."""
     insert_rows(clean, 2000, destination="good", tag="g")
@@ -371,15 +371,17 @@ def test_a_queue_failing_in_a_parallel_drain_holds_back_only_its_rows_and_loses_
     assert set(published_row_ids(redis_client, clean.namespace, ["good", "bad"])) == set(range(1, 2101))
 
 
-def test_claimers_come_from_the_flag_over_the_variable_and_must_be_positive(clean, loop_relays):
-    refused = run_cli(clean.env(), "relay", "--once", "--claimers", "0")
+def test_connections_come_from_the_flag_over_the_variable_and_must_be_positive(clean, loop_relays):
+    refused = run_cli(clean.env(), "relay", "--once", "--connections", "0")
     assert refused.returncode == 2
-    assert "--claimers must be at least 1, got 0" in refused.stderr and "Traceback" not in refused.stderr
-    bad_env = run_cli(clean.env(OUTBOX_RELAY_CLAIMERS="two"), "relay", "--once")
-    assert bad_env.returncode == 2 and "OUTBOX_RELAY_CLAIMERS='two' is not a whole number" in bad_env.stderr
+    assert "--connections must be at least 1, got 0" in refused.stderr and "Traceback" not in refused.stderr
+    bad_env = run_cli(clean.env(OUTBOX_RELAY_CONNECTIONS="two"), "relay", "--once")
+    assert (
+        bad_env.returncode == 2 and "OUTBOX_RELAY_CONNECTIONS='two' is not a whole number" in bad_env.stderr
+    )
 
-    for args, expected in (((), "claimers=1"), (("--claimers", "3"), "claimers=3")):
-        proc, log = loop_relays(clean.env(OUTBOX_RELAY_CLAIMERS="1"), *args)
+    for args, expected in (((), "connections=1"), (("--connections", "3"), "connections=3")):
+        proc, log = loop_relays(clean.env(OUTBOX_RELAY_CONNECTIONS="1"), *args)
         wait_for(lambda log=log: "relay started" in log.read_text(), 30, "the relay to start")
         assert expected in log.read_text()
         proc.send_signal(signal.SIGTERM)

@@ -30,7 +30,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_NAMESPACE": ("shop-outbox.v1", "shop-outbox.v1", ["a b", "a:b", "x" * 65, " ", "ns/1"]),
     "OUTBOX_POLL_INTERVAL": ("2.5", 2.5, ["abc", "0", "-1", "1w", "s"]),
     "OUTBOX_RELAY_BATCH_SIZE": ("500", 500, ["abc", "0", "-5", "1.5", "1e3"]),
-    "OUTBOX_RELAY_CLAIMERS": ("4", 4, ["two", "0", "-1", "2.5"]),
+    "OUTBOX_RELAY_CONNECTIONS": ("4", 4, ["two", "0", "-1", "2.5"]),
     "OUTBOX_REDISPATCH_AFTER": ("15m", 900.0, ["fifteen", "0s", "15 minutes"]),
     "OUTBOX_RETENTION": ("30d", 2592000.0, ["7 days", "0d", "-7d"]),
     "OUTBOX_LEDGER_HORIZON": ("30d", 2592000.0, ["30 days", "0d", "-1d", "1d"]),
@@ -306,7 +306,7 @@ def test_every_default_is_defined_once_in_settings() -> None:
         relay["poll_interval_seconds"].default,
     ) == (
         settings.DEFAULT_RELAY_BATCH_SIZE,
-        settings.DEFAULT_RELAY_CLAIMERS,
+        settings.DEFAULT_RELAY_CONNECTIONS,
         settings.DEFAULT_POLL_INTERVAL_SECONDS,
     )
     reconciler = inspect.signature(Reconciler).parameters
