@@ -293,7 +293,7 @@ def test_late_record_after_takeover_changes_nothing(clean, engine, provider):
         moved = transitions.record(
             conn, row_id=row_id, token=first.token, state="sent", outcome="sent", ref="ch_late"
         )
-        assert moved is False
+        assert moved is None
         assert row(clean, row_id) == before
         outcomes = conn.execute(
             "SELECT claim_token, outcome FROM outbox_attempt WHERE message_id = %s ORDER BY id",

@@ -105,7 +105,7 @@ def test_late_record_after_a_newer_claim_changes_nothing_on_the_row(clean, engin
     moved = transitions.record(
         db, row_id=row_id, token=first.token, state="sent", outcome="sent", ref="ch_stale"
     )
-    assert moved is False
+    assert moved is None
     r = get(db, row_id)
     assert (r["state"], r["claim_token"], r["provider_ref"]) == ("in_flight", second.token, None)
     assert fence_outcomes(db, row_id) == ["superseded:sent", None]
