@@ -57,6 +57,14 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
+def describe_seconds(seconds: float) -> str:
+    """A duration as the help texts show it: ``7d``, ``1h``, ``15m``, ``300 s``, ``0.5 s``."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g} s"
+
+
 def parse_seconds(value: str, name: str) -> float:
     """``"90"``, ``"90s"``, ``"15m"``, ``"12h"``, ``"7d"`` → seconds."""
     match = _DURATION.match(value)

@@ -16,6 +16,15 @@ from .handlers import load_handlers
 
 logger = logging.getLogger(__name__)
 
+_d = settings.describe_seconds
+# The defaults, as the help text shows them (they live in outbox.settings).
+_REDISPATCH = _d(settings.DEFAULT_REDISPATCH_AFTER_SECONDS)
+_RETENTION = _d(settings.DEFAULT_RETENTION_SECONDS)
+_HORIZON = _d(settings.DEFAULT_LEDGER_HORIZON_SECONDS)
+_ALERT = _d(settings.DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS)
+_CYCLES = settings.DEFAULT_NO_CONSUMER_CYCLES
+_INTERVAL = _d(settings.DEFAULT_RECONCILE_INTERVAL_SECONDS)
+
 DESCRIPTION = f"""\
 The reconciler: every interval it runs each job once, under a PostgreSQL advisory lock per job
 (only one reconciler acts at a time; the others report "skipped").
@@ -30,28 +39,28 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
                    unknown, with the reason as its last error: never failed by the reconciler.
   redispatch       dispatched rows whose Redis message is gone -> pending, so the relay
                    publishes them again; a message a worker fetched and left unacked for longer
-                   than OUTBOX_REDISPATCH_AFTER (default 300 s) is removed from Redis first, so
+                   than OUTBOX_REDISPATCH_AFTER (default {_REDISPATCH}) is removed from Redis first, so
                    the new one replaces it. A message still waiting in its queue is never
                    re-published, whatever its age. Rows for a destination MODULE has no handler
                    for are re-dispatched alike and logged (count no_handler), never failed.
-  purge            moves sent/cancelled rows older than OUTBOX_RETENTION (default 7d) into the
+  purge            moves sent/cancelled rows older than OUTBOX_RETENTION (default {_RETENTION}) into the
                    key ledger (key, step, destination, payload hash, final state, provider ref,
                    attempts) in the statement that deletes them, so writing the key again answers
                    as before the purge; drops ledger entries older than OUTBOX_LEDGER_HORIZON
-                   (default 90d, at least the retention), in batches by age. Needs a role
+                   (default {_HORIZON}, at least the retention), in batches by age. Needs a role
                    that is superuser or a member of pg_read_all_stats (or pg_monitor), to wait
                    for other roles' open transactions; without it the purge moves nothing and
                    logs "purge skipped" (count skipped_no_stats_privilege; outbox doctor fails).
   alerts           reports each failed row, and each row unknown for longer than
-                   OUTBOX_UNKNOWN_ALERT_AFTER (default 1h), once, through the alert hook
+                   OUTBOX_UNKNOWN_ALERT_AFTER (default {_ALERT}), once, through the alert hook
                    (default: an ERROR log line naming key, step, destination and reason).
   no_consumer      destinations with rows waiting and no live worker heartbeat serving their
-                   queue for OUTBOX_NO_CONSUMER_CYCLES (default 3) runs: reported once per
+                   queue for OUTBOX_NO_CONSUMER_CYCLES (default {_CYCLES}) runs: reported once per
                    episode through the alert hook ("no consumer for D since T, K rows
                    waiting"); also deletes heartbeats older than a day.
 
 Environment: OUTBOX_DATABASE_URL, OUTBOX_REDIS_URL (both required), OUTBOX_NAMESPACE,
-OUTBOX_RECONCILE_INTERVAL (default 10 s), OUTBOX_REDISPATCH_AFTER, OUTBOX_RETENTION,
+OUTBOX_RECONCILE_INTERVAL (default {_INTERVAL}), OUTBOX_REDISPATCH_AFTER, OUTBOX_RETENTION,
 OUTBOX_LEDGER_HORIZON (--ledger-horizon wins), OUTBOX_UNKNOWN_ALERT_AFTER,
 OUTBOX_NO_CONSUMER_CYCLES, {ALERT_HOOK_ENV} (package.module:function; --alert-hook wins).
 Durations accept 30, 30s, 15m, 12h, 7d. SIGTERM/SIGINT finish the jobs in hand and exit 0.
@@ -71,7 +80,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         "--interval",
         metavar="S",
         help="seconds between two runs of each job, e.g. 10, 30s, 1m "
-        "(default: $OUTBOX_RECONCILE_INTERVAL or 10)",
+        f"(default: $OUTBOX_RECONCILE_INTERVAL or {settings.DEFAULT_RECONCILE_INTERVAL_SECONDS:g})",
     )
     parser.add_argument(
         "--once",
@@ -82,7 +91,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         "--ledger-horizon",
         metavar="DURATION",
         help="how long a purged key stays in the key ledger after its row completed, e.g. 90d; "
-        "past it, writing the key again makes a new call (default: $OUTBOX_LEDGER_HORIZON or 90d; "
+        "past it, writing the key again makes a new call "
+        f"(default: $OUTBOX_LEDGER_HORIZON or {_d(settings.DEFAULT_LEDGER_HORIZON_SECONDS)}; "
         "at least the retention)",
     )
     parser.add_argument(

@@ -15,24 +15,33 @@ from .handlers import load_handlers
 logger = logging.getLogger(__name__)
 
 
+#: As the help text shows it (the default lives in outbox.settings).
+_HEARTBEAT = settings.describe_seconds(settings.DEFAULT_HEARTBEAT_INTERVAL_SECONDS)
+
+
 def migrate_arguments(p: argparse.ArgumentParser) -> None:
     p.description = "Create or upgrade the outbox tables. Safe to run twice, and concurrently."
 
 
 def relay_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
-        "The relay sidecar: claims due pending rows in batches (SKIP LOCKED, so several "
+        "The relay sidecar: takes due pending rows in batches (SKIP LOCKED, so several "
         "relays may run), publishes them to Dramatiq queues in one Redis pipeline per batch, "
         "marks them dispatched. Wakes on NOTIFY, polls every OUTBOX_POLL_INTERVAL seconds as "
         "a fallback. SIGTERM finishes the batch and exits 0. Refuses to start on a Redis "
         "that may evict keys."
     )
     p.add_argument("--once", action="store_true", help="drain what is due now, then exit")
-    p.add_argument("--batch-size", type=int, help="rows per batch (default $OUTBOX_RELAY_BATCH_SIZE or 1000)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"rows per batch (default $OUTBOX_RELAY_BATCH_SIZE or {settings.DEFAULT_RELAY_BATCH_SIZE})",
+    )
     p.add_argument(
         "--connections",
         type=int,
-        help="connections taking batches at once during a backlog (default $OUTBOX_RELAY_CONNECTIONS or 2)",
+        help="connections taking batches at once during a backlog "
+        f"(default $OUTBOX_RELAY_CONNECTIONS or {settings.DEFAULT_RELAY_CONNECTIONS})",
     )
 
 
@@ -41,7 +50,7 @@ def worker_arguments(p: argparse.ArgumentParser) -> None:
         "Dramatiq worker for the @outbox.handler functions declared in MODULE: one queue per "
         "destination. Each message is claimed, handled, recorded and only then acked. "
         "Each process records a heartbeat (queues served, its clock) in the database every "
-        "OUTBOX_HEARTBEAT_INTERVAL (default 5 s), read by `outbox status`, `outbox doctor` "
+        f"OUTBOX_HEARTBEAT_INTERVAL (default {_HEARTBEAT}), read by `outbox status`, `outbox doctor` "
         "and the reconciler's no-consumer alert. SIGTERM finishes the messages in hand."
     )
     p.add_argument("module", help="importable module declaring the handlers, e.g. myapp.handlers")

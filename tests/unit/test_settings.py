@@ -314,3 +314,20 @@ def test_every_default_is_defined_once_in_settings() -> None:
         assert reconciler[name].default == fields[name], name
     assert reconciler["unknown_alert_after_seconds"].default == settings.DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS
     assert heartbeat.DEFAULT_HEARTBEAT_INTERVAL_SECONDS is settings.DEFAULT_HEARTBEAT_INTERVAL_SECONDS
+
+
+def test_help_texts_show_the_defaults_as_durations():
+    assert [settings.describe_seconds(s) for s in (7 * 86400, 3600, 300, 10, 0.5, 90 * 86400)] == [
+        "7d",
+        "1h",
+        "300 s",
+        "10 s",
+        "0.5 s",
+        "90d",
+    ]
+    from outbox.cli import reconcile
+
+    # The reconciler's help names the defaults outbox.settings holds, not copies of them.
+    assert f"OUTBOX_RETENTION (default {settings.describe_seconds(settings.DEFAULT_RETENTION_SECONDS)})" in (
+        reconcile.DESCRIPTION
+    )
