@@ -141,7 +141,13 @@ def render_row(detail: RowDetail) -> str:
         extra = sorted({k for h in detail.history for k in h} - {*keys, "after_attempt"})
         lines.append(
             indent(
-                format_table(keys + extra, [[cell(h.get(k)) for k in keys + extra] for h in detail.history])
+                format_table(
+                    keys + extra,
+                    [
+                        [cell(_parsed(h.get(k)) if k == "at" else h.get(k)) for k in keys + extra]
+                        for h in detail.history
+                    ],
+                )
             )
         )
     else:
