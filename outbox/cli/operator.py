@@ -119,8 +119,12 @@ def show_arguments(p: argparse.ArgumentParser) -> None:
         p,
         """
         One outbox row, by id (outbox show 42) or by business key and step
-        (outbox show order:42 charge): every column, every attempt (the fence rows: attempt,
-        claim token, started/finished, outcome, HTTP status, error) and the operator history.
+        (outbox show order:42 charge): every column, every attempt (the fence rows, in claim
+        order: #, attempt, claim token, started/finished, outcome, HTTP status, error) and the
+        operator history. A replay resets the attempt number, so # counts every claim of the row
+        (#1, #2, ...) and a line "-- replay by WHO at T, failed -> pending: REASON" marks where
+        each history entry falls between them (JSON: each attempt's number and run, each history
+        entry's after_attempt).
         The payload is replaced by its size and top-level keys, since it may hold personal data;
         pass --payload to print it. A key whose row was purged shows its key-ledger entry
         (final state, provider ref, attempts, ambiguous history, payload hash) until the ledger
@@ -543,6 +547,10 @@ def doctor_arguments(p: argparse.ArgumentParser) -> None:
                         "no consumer for D since T, K rows waiting"
           clocks        each live process's clock against the database's (from its heartbeat);
                         WARN past OUTBOX_CLOCK_SKEW_WARN (default 2 s)
+          failed        WARN (exit status unaffected) when rows are failed: how many, and
+                        `outbox failed` to look at them
+          unknown       WARN when rows are unknown for longer than OUTBOX_UNKNOWN_ALERT_AFTER
+                        (default 1h): how many, and `outbox unknown` to look at them
           purge         this role is superuser or a member of pg_read_all_stats (or pg_monitor);
                         a reconciler on a role without it skips the purge
           retention     no sent/cancelled row older than OUTBOX_RETENTION plus a day (else the
