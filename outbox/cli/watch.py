@@ -93,7 +93,7 @@ def _table(report: StatusReport, interval: float) -> Any:
 
     attention = (states.UNKNOWN, states.FAILED)
     table = Table(title=_title(report, interval), title_justify="left")
-    table.add_column("destination")
+    table.add_column("destination", no_wrap=True)
     for s in states.ALL:
         # The two states that wait for a person stand out.
         table.add_column(s, justify="right", style="bold red" if s in attention else None)
