@@ -25,7 +25,7 @@ from ..handlers import load_module
 from ..logs import first_line
 from ..migrate import schema_status
 from ..settings import Settings, redact_url
-from .tables import age
+from .tables import age, seconds
 
 OK = "ok"
 FAIL = "FAIL"
@@ -130,8 +130,10 @@ def _liveness_checks(conn: Connection, cfg: Settings) -> list[Check]:
 _ATTENTION = text(
     """
 SELECT count(*) FILTER (WHERE state = 'failed') AS failed,
+       EXTRACT(EPOCH FROM now() - min(completed_at) FILTER (WHERE state = 'failed')) AS failed_age,
        count(*) FILTER (WHERE state = 'unknown'
-                          AND unknown_since < now() - :after * interval '1 second') AS unknown
+                          AND unknown_since < now() - :after * interval '1 second') AS unknown,
+       EXTRACT(EPOCH FROM now() - min(unknown_since) FILTER (WHERE state = 'unknown')) AS unknown_age
 FROM outbox_message
 WHERE state IN ('failed', 'unknown')
 """
@@ -150,8 +152,8 @@ def _attention_checks(conn: Connection, cfg: Settings) -> list[Check]:
             Check(
                 "failed",
                 WARN,
-                f"{row.failed} failed row(s): look at them with `outbox failed`, fix the cause, "
-                "then `outbox replay`",
+                f"{row.failed} failed row(s) (oldest failed {age(seconds(row.failed_age)) or '?'} "
+                "ago): look at them with `outbox failed`, fix the cause, then `outbox replay`",
             )
         )
     else:
@@ -161,8 +163,9 @@ def _attention_checks(conn: Connection, cfg: Settings) -> list[Check]:
             Check(
                 "unknown",
                 WARN,
-                f"{row.unknown} row(s) unknown for more than {after} (OUTBOX_UNKNOWN_ALERT_AFTER): "
-                "look at them with `outbox unknown`, ask the provider, then `outbox resolve`",
+                f"{row.unknown} row(s) unknown for more than {after} (OUTBOX_UNKNOWN_ALERT_AFTER; "
+                f"oldest {age(seconds(row.unknown_age))}): look at them with `outbox unknown`, ask "
+                "the provider, then `outbox resolve`",
             )
         )
     else:

@@ -236,10 +236,14 @@ def test_failed_and_long_unknown_rows_warn_without_a_module(clean, engine, capsy
     assert code == 0, checks
     assert checks["handlers"][0] == "off"
     status, detail = checks["failed"]
-    assert status == "WARN" and detail.startswith("2 failed row(s)") and "`outbox failed`" in detail
+    assert (
+        status == "WARN"
+        and detail.startswith("2 failed row(s) (oldest failed ")
+        and "`outbox failed`" in detail
+    )
     status, detail = checks["unknown"]
     assert status == "WARN" and detail.startswith("1 row(s) unknown for more than 1h00m")
-    assert "OUTBOX_UNKNOWN_ALERT_AFTER" in detail and "`outbox unknown`" in detail
+    assert "OUTBOX_UNKNOWN_ALERT_AFTER; oldest 2h00m)" in detail and "`outbox unknown`" in detail
 
     monkeypatch.setenv("OUTBOX_UNKNOWN_ALERT_AFTER", "5m")
     code, checks = doctor(clean, capsys)
