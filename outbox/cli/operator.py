@@ -18,6 +18,8 @@ from .output import err, out, print_json
 if TYPE_CHECKING:
     from sqlalchemy import Connection
 
+    from ..ops.inspect import StatusReport
+
 
 @contextlib.contextmanager
 def _connection(cfg: settings.Settings, *, write: bool = False) -> Iterator[Connection]:
@@ -62,20 +64,51 @@ def status_arguments(p: argparse.ArgumentParser) -> None:
         relay is publishing. Then one line per destination with rows waiting (pending or
         dispatched) and no live worker serving its queue, from the workers' heartbeats:
         "no consumer for D since T, K rows waiting" (JSON: no_consumer). Read-only.
+
+        --watch refreshes it every --interval (default 2s) until Ctrl-C (exit 0): a live table
+        on a terminal (with rich installed, the demo extra; else the screen is redrawn), one
+        table per refresh when stdout is not a terminal, one JSON document per line with
+        --json. --count N stops after N refreshes.
         """,
     )
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C (exit 0)")
+    p.add_argument(
+        "--interval",
+        metavar="S",
+        help=f"with --watch: seconds between refreshes, or 30s, 1m (default {WATCH_INTERVAL})",
+    )
+    p.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
+
+
+#: The default --interval of `status --watch`.
+WATCH_INTERVAL = "2s"
 
 
 def status(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.inspect import status as status_of
 
-    with _connection(cfg) as conn:
-        report = status_of(conn)
-    if args.json:
-        print_json(report.to_dict())
-    else:
-        out(report.render())
-    return exits.OK
+    if not args.watch:
+        if args.interval is not None or args.count is not None:
+            raise ConfigError("--interval and --count go with --watch")
+        with _connection(cfg) as conn:
+            report = status_of(conn)
+        if args.json:
+            print_json(report.to_dict())
+        else:
+            out(report.render())
+        return exits.OK
+    interval = settings.parse_seconds(args.interval or WATCH_INTERVAL, "--interval")
+    if interval <= 0:
+        raise ConfigError("--interval must be above 0 seconds")
+    if args.count is not None and args.count < 1:
+        raise ConfigError("--count must be at least 1")
+    from .watch import watch
+
+    def take() -> StatusReport:
+        with _connection(cfg) as conn:
+            return status_of(conn)
+
+    return watch(take, interval=interval, count=args.count, as_json=args.json)
 
 
 # show
@@ -86,8 +119,12 @@ def show_arguments(p: argparse.ArgumentParser) -> None:
         p,
         """
         One outbox row, by id (outbox show 42) or by business key and step
-        (outbox show order:42 charge): every column, every attempt (the fence rows: attempt,
-        claim token, started/finished, outcome, HTTP status, error) and the operator history.
+        (outbox show order:42 charge): every column, every attempt (the fence rows, in claim
+        order: #, attempt, claim token, started/finished, outcome, HTTP status, error) and the
+        operator history. A replay resets the attempt number, so # counts every claim of the row
+        (#1, #2, ...) and a line "-- replay by WHO at T, failed -> pending: REASON" marks where
+        each history entry falls between them (JSON: each attempt's number and run, each history
+        entry's after_attempt).
         The payload is replaced by its size and top-level keys, since it may hold personal data;
         pass --payload to print it. A key whose row was purged shows its key-ledger entry
         (final state, provider ref, attempts, ambiguous history, payload hash) until the ledger
@@ -129,15 +166,26 @@ def _parse_id(raw: str, hint: str) -> int:
     return value
 
 
-# failed / unknown
+# list, and its shortcuts failed / unknown
 
 
-def _list_arguments(state: str, description: str) -> Callable[[argparse.ArgumentParser], None]:
+def _list_arguments(state: str | None, description: str) -> Callable[[argparse.ArgumentParser], None]:
     def add(p: argparse.ArgumentParser) -> None:
         from ..ops.inspect import DEFAULT_LIST_LIMIT
 
         _describe(p, description)
+        if state is None:
+            p.add_argument(
+                "--state",
+                action="extend",
+                nargs="+",
+                metavar="S",
+                help=f"only rows in these states (repeatable; default: every state): {', '.join(states.ALL)}",
+            )
         p.add_argument("--destination", help="only rows of this destination (exit 1 if no row names it)")
+        p.add_argument(
+            "--key-prefix", metavar="P", help="only rows whose key starts with P (taken literally)"
+        )
         p.add_argument(
             "--limit",
             type=int,
@@ -150,10 +198,16 @@ def _list_arguments(state: str, description: str) -> Callable[[argparse.Argument
 
 
 def list_rows(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..ops.inspect import check_states
     from ..ops.inspect import list_rows as rows_in
 
+    # `outbox failed` is `outbox list --state failed`; a bad state is refused before connecting.
+    asked = [args.list_state] if args.list_state else getattr(args, "state", None)
+    wanted = check_states(asked or states.ALL)
     with _connection(cfg) as conn:
-        listed = rows_in(conn, args.list_state, destination=args.destination, limit=args.limit)
+        listed = rows_in(
+            conn, wanted, destination=args.destination, key_prefix=args.key_prefix, limit=args.limit
+        )
     if args.json:
         print_json(listed.to_dict())
     else:
@@ -161,11 +215,25 @@ def list_rows(args: argparse.Namespace, cfg: settings.Settings) -> int:
     return exits.OK
 
 
+list_arguments = _list_arguments(
+    None,
+    """
+            List rows by state, destination and key prefix, longest in their state first: id, key,
+            step, destination, state, attempts, age (time in the state: since it became unknown,
+            was claimed, dispatched, failed or settled; a pending row's since it became due) and
+            last error. `outbox failed` and `outbox unknown` are `outbox list --state failed` and
+            `--state unknown`. Read-only.
+
+            outbox list --state pending dispatched --destination payments.charge
+            outbox list --key-prefix order:42 --json
+            """,
+)
 failed_arguments = _list_arguments(
     states.FAILED,
     """
             List failed rows, longest failed first: id, key, step, destination, attempts, age (time
-            since it failed) and last error. Fix the cause, then `outbox replay`. Read-only.
+            since it failed) and last error; `outbox list --state failed`. Fix the cause, then
+            `outbox replay`. Read-only.
             """,
 )
 unknown_arguments = _list_arguments(
@@ -173,7 +241,8 @@ unknown_arguments = _list_arguments(
     """
             List unknown rows (the call may or may not have taken effect), longest unknown first:
             id, key, step, destination, attempts, age (time since it became unknown) and last
-            error. Ask the provider, then `outbox resolve`. Read-only.
+            error; `outbox list --state unknown`. Ask the provider, then `outbox resolve`.
+            Read-only.
             """,
 )
 
@@ -478,6 +547,10 @@ def doctor_arguments(p: argparse.ArgumentParser) -> None:
                         "no consumer for D since T, K rows waiting"
           clocks        each live process's clock against the database's (from its heartbeat);
                         WARN past OUTBOX_CLOCK_SKEW_WARN (default 2 s)
+          failed        WARN (exit status unaffected) when rows are failed: how many, and
+                        `outbox failed` to look at them
+          unknown       WARN when rows are unknown for longer than OUTBOX_UNKNOWN_ALERT_AFTER
+                        (default 1h): how many, and `outbox unknown` to look at them
           purge         this role is superuser or a member of pg_read_all_stats (or pg_monitor);
                         a reconciler on a role without it skips the purge
           retention     no sent/cancelled row older than OUTBOX_RETENTION plus a day (else the

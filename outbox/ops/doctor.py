@@ -21,10 +21,11 @@ from sqlalchemy import Connection, text
 from .. import heartbeat, transport
 from ..db import make_engine
 from ..exceptions import ConfigError, NotMigrated, OutboxError
-from ..handlers import Handler, load_module
+from ..handlers import load_module
 from ..logs import first_line
-from ..migrate import check_schema, schema_status
+from ..migrate import schema_status
 from ..settings import Settings, redact_url
+from .tables import age, seconds
 
 OK = "ok"
 FAIL = "FAIL"
@@ -123,6 +124,52 @@ def _liveness_checks(conn: Connection, cfg: Settings) -> list[Check]:
         )
     else:
         checks.append(Check("relay", OK, f"no pending row is due for more than {LIVENESS_GRACE_SECONDS:g} s"))
+    return checks
+
+
+_ATTENTION = text(
+    """
+SELECT count(*) FILTER (WHERE state = 'failed') AS failed,
+       EXTRACT(EPOCH FROM now() - min(completed_at) FILTER (WHERE state = 'failed')) AS failed_age,
+       count(*) FILTER (WHERE state = 'unknown'
+                          AND unknown_since < now() - :after * interval '1 second') AS unknown,
+       EXTRACT(EPOCH FROM now() - min(unknown_since) FILTER (WHERE state = 'unknown')) AS unknown_age
+FROM outbox_message
+WHERE state IN ('failed', 'unknown')
+"""
+)
+
+
+def _attention_checks(conn: Connection, cfg: Settings) -> list[Check]:
+    """Rows waiting for a person: failed ones, and unknown ones the reconciler has not settled
+    within OUTBOX_UNKNOWN_ALERT_AFTER. Not broken invariants (WARN): the outbox did its job by
+    stopping there, but someone has to look."""
+    row = conn.execute(_ATTENTION, {"after": cfg.unknown_alert_after_seconds}).one()
+    after = age(cfg.unknown_alert_after_seconds)
+    checks = []
+    if row.failed:
+        checks.append(
+            Check(
+                "failed",
+                WARN,
+                f"{row.failed} failed row(s) (oldest failed {age(seconds(row.failed_age)) or '?'} "
+                "ago): look at them with `outbox failed`, fix the cause, then `outbox replay`",
+            )
+        )
+    else:
+        checks.append(Check("failed", OK, "no failed row"))
+    if row.unknown:
+        checks.append(
+            Check(
+                "unknown",
+                WARN,
+                f"{row.unknown} row(s) unknown for more than {after} (OUTBOX_UNKNOWN_ALERT_AFTER; "
+                f"oldest {age(seconds(row.unknown_age))}): look at them with `outbox unknown`, ask "
+                "the provider, then `outbox resolve`",
+            )
+        )
+    else:
+        checks.append(Check("unknown", OK, f"no row unknown for more than {after}"))
     return checks
 
 
@@ -244,14 +291,13 @@ def _database(cfg: Settings) -> Iterator[tuple[list[Check], Connection | None]]:
             return
         with conn:
             checks.append(Check("database", OK, f"reachable ({shown})"))
-            try:
-                check_schema(conn)
-            except NotMigrated as exc:
-                checks.append(Check("schema", FAIL, str(exc)))
-                yield checks, None
-                return
-            checks.append(Check("schema", OK, schema_status(conn).describe()))
-            yield checks, conn
+            # The range this code works with (outbox.migrate), not merely the head revision.
+            schema = schema_status(conn)
+            if schema.problem is not None:
+                checks.append(Check("schema", FAIL, str(NotMigrated(schema.problem))))
+            else:
+                checks.append(Check("schema", OK, schema.describe()))
+            yield checks, conn if schema.ok else None
     finally:
         engine.dispose()
 
@@ -319,20 +365,6 @@ def _redis_checks(cfg: Settings) -> list[Check]:
 # -- handlers ----------------------------------------------------------------------------------------
 
 
-def _handler_problems(h: Handler) -> list[str]:
-    """The declaration rules, again: a module may build `Handler` objects without `@handler`."""
-    problems = []
-    if h.time_limit >= h.lease_seconds:
-        problems.append(f"time_limit ({h.time_limit:g} s) is not below the lease ({h.lease_seconds:g} s)")
-    if not h.backoff or any(b <= 0 for b in h.backoff):
-        problems.append(f"every backoff entry must be > 0 s, got {h.backoff!r}")
-    elif h.total_backoff_seconds() >= h.key_ttl:
-        problems.append(
-            f"the backoffs add up to {h.total_backoff_seconds():g} s, not under key_ttl ({h.key_ttl:g} s)"
-        )
-    return [f"handler {h.destination}: {p}" for p in problems]
-
-
 def _module_checks(module: str, conn: Connection | None) -> list[Check]:
     try:
         handlers = load_module(module)
@@ -346,7 +378,8 @@ def _module_checks(module: str, conn: Connection | None) -> list[Check]:
             Check("handlers", FAIL, f"importing {module} raised {type(exc).__name__}: {exc}"),
             Check("destinations", SKIP, "handler module not loaded"),
         ]
-    problems = [p for h in handlers.values() for p in _handler_problems(h)]
+    # The rules of `@handler` (Handler.problems): a module may build `Handler` objects without it.
+    problems = [f"handler {h.destination}: {p}" for h in handlers.values() for p in h.problems()]
     checks = [
         Check("handlers", FAIL, "; ".join(problems))
         if problems
@@ -387,10 +420,21 @@ def run_checks(cfg: Settings, module: str | None = None) -> list[Check]:
         if conn is not None:
             checks += _liveness_checks(conn, cfg)
             checks += _transport_checks(conn, cfg)
+            checks += _attention_checks(conn, cfg)
             checks += _purge_checks(conn, cfg)
         else:
             checks += [
                 Check(n, SKIP, "database not usable")
-                for n in ("leases", "dispatched", "relay", "consumers", "clocks", "purge", "retention")
+                for n in (
+                    "leases",
+                    "dispatched",
+                    "relay",
+                    "consumers",
+                    "clocks",
+                    "failed",
+                    "unknown",
+                    "purge",
+                    "retention",
+                )
             ]
     return checks

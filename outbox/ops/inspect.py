@@ -1,10 +1,12 @@
 """Looking at the outbox: ``status``, ``show`` (a row, or a purged key's ledger entry) and the
-lists of failed and unknown rows. Read-only queries returning data; the caller owns the
-(read-only) transaction, and ``outbox.ops.tables`` or the CLI turns the data into text or JSON.
+lists of rows by state, destination and key prefix (``failed`` and ``unknown`` among them).
+Read-only queries returning data; the caller owns the (read-only) transaction, and
+``outbox.ops.tables`` or the CLI turns the data into text or JSON.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -108,18 +110,45 @@ _ROW_COLUMNS = """
 _SHOW_BY_ID = text(f"SELECT {_ROW_COLUMNS} FROM outbox_message WHERE id = :id")
 _SHOW_BY_KEY = text(f"SELECT {_ROW_COLUMNS} FROM outbox_message WHERE key = :key AND step = :step")
 _PAYLOAD = text("SELECT payload FROM outbox_message WHERE id = :id")
+# Claim order: a replay resets `attempts`, so the fence rows of two runs both say "attempt 1";
+# `number` counts every claim of the row, the way an operator tells them apart.
 _ATTEMPTS = text(
     """
-SELECT attempt, claim_token, started_at, finished_at, outcome, http_status, error
+SELECT row_number() OVER (ORDER BY started_at, id) AS number, attempt, claim_token, started_at,
+       finished_at, outcome, http_status, error
 FROM outbox_attempt WHERE message_id = :id ORDER BY started_at, id
 """
 )
 
 
+def _at(entry: dict[str, Any]) -> datetime | None:
+    try:
+        return datetime.fromisoformat(str(entry["at"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _place_history(attempts: list[dict[str, Any]], history: list[dict[str, Any]]) -> None:
+    """Give each fence row its run (1 + the replays before it) and each history entry
+    ``after_attempt``: the number of the last fence row claimed before it (0: before any)."""
+    for entry in history:
+        at = _at(entry)
+        # An entry at the very instant of a claim came first: the replay is what made it due.
+        entry["after_attempt"] = sum(1 for a in attempts if at is not None and a["started_at"] < at)
+    for a in attempts:
+        a["run"] = 1 + sum(
+            1 for h in history if h.get("action") == "replay" and h["after_attempt"] < a["number"]
+        )
+
+
 @dataclass
 class RowDetail:
     row: dict[str, Any]
+    #: The fence rows in claim order: ``number`` counts every claim of the row (#1, #2, ...),
+    #: ``attempt`` restarts at 1 after each replay, ``run`` counts the replays (1: the first run).
     attempts: list[dict[str, Any]]
+    #: The operator's (and the lookup's) actions, each with ``after_attempt``: the ``number`` of
+    #: the last fence row claimed before it (0: before any claim).
     history: list[dict[str, Any]]
     #: Only when asked for (`--payload`).
     payload: dict[str, Any] | None = None
@@ -188,28 +217,45 @@ def show(
     row = dict(found)
     history = list(row.pop("history") or [])
     attempts = [dict(a) for a in connection.execute(_ATTEMPTS, {"id": row["id"]}).mappings()]
+    _place_history(attempts, history)
     body = connection.execute(_PAYLOAD, {"id": row["id"]}).scalar_one() if payload else None
     return RowDetail(row, attempts, history, body)
 
 
-# -- failed / unknown lists --------------------------------------------------------------------------
+# -- lists: `list`, and its shortcuts `failed` and `unknown` --------------------------------------
 
 # Age is the time spent in the state, the number an on-call compares with alert thresholds:
-# `unknown_since` for unknown rows, `completed_at` (when it failed) for failed rows.
+# since it became unknown, was claimed, dispatched, failed or was settled; a pending row's since
+# it became due (negative: not yet due).
+_IN_STATE_SINCE = """
+COALESCE(CASE state WHEN 'unknown' THEN unknown_since
+                    WHEN 'in_flight' THEN claimed_at
+                    WHEN 'dispatched' THEN dispatched_at
+                    WHEN 'pending' THEN available_at
+                    ELSE completed_at END, created_at)
+"""
+# The key prefix is a `LIKE 'p%'` with the prefix's own `%`, `_` and `\` escaped: a left-anchored
+# pattern an index on key can serve (text_pattern_ops or the C collation).
 _LIST = text(
-    """
-SELECT id, key, step, destination, attempts, created_at, last_error,
-       EXTRACT(EPOCH FROM now() - COALESCE(
-           CASE WHEN state = 'unknown' THEN unknown_since ELSE completed_at END, created_at)) AS age,
+    f"""
+SELECT id, key, step, destination, state, attempts, created_at, last_error,
+       EXTRACT(EPOCH FROM now() - {_IN_STATE_SINCE}) AS age,
        count(*) OVER () AS matching
 FROM outbox_message
-WHERE state = :state AND (CAST(:destination AS text) IS NULL OR destination = CAST(:destination AS text))
-ORDER BY COALESCE(CASE WHEN state = 'unknown' THEN unknown_since ELSE completed_at END, created_at), id
+WHERE state = ANY(CAST(:states AS text[]))
+  AND (CAST(:destination AS text) IS NULL OR destination = CAST(:destination AS text))
+  AND (CAST(:key_like AS text) IS NULL OR key LIKE CAST(:key_like AS text) ESCAPE '\\')
+ORDER BY {_IN_STATE_SINCE}, id
 LIMIT :limit
 """
 )
 _DESTINATION_EXISTS = text("SELECT EXISTS (SELECT 1 FROM outbox_message WHERE destination = :d)")
 _DESTINATIONS = text("SELECT DISTINCT destination FROM outbox_message ORDER BY 1")
+
+
+def key_like(prefix: str) -> str:
+    """The ``LIKE`` pattern matching keys that start with ``prefix``, taken literally."""
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 @dataclass(frozen=True)
@@ -218,24 +264,34 @@ class ListedRow:
     key: str
     step: str
     destination: str
+    state: str
     attempts: int
     created_at: datetime
+    #: Seconds in its state (see the list query); negative for a pending row not yet due.
     age_seconds: float | None
     last_error: str | None
 
 
 @dataclass
 class RowList:
-    state: str
+    states: list[str]
     destination: str | None
     rows: list[ListedRow]
     #: How many rows match, beyond the limit.
     matching: int
+    key_prefix: str | None = None
+
+    @property
+    def state(self) -> str | None:
+        """The state listed, when there is one (``failed``, ``unknown``, ``list --state S``)."""
+        return self.states[0] if len(self.states) == 1 else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "state": self.state,
+            "states": self.states,
             "destination": self.destination,
+            "key_prefix": self.key_prefix,
             "matching": self.matching,
             "rows": [vars(r) for r in self.rows],
         }
@@ -254,20 +310,40 @@ def require_destination(connection: Connection, destination: str) -> None:
     )
 
 
+def check_states(names: Iterable[str]) -> list[str]:
+    """The states asked for, each once, in the order of the state table; a name that is not a
+    state is a :class:`ConfigError` listing them."""
+    wanted = list(names)
+    unknown = [s for s in wanted if s not in states.ALL]
+    if unknown:
+        raise ConfigError(f"unknown state {unknown[0]!r}; states are {', '.join(states.ALL)}")
+    return [s for s in states.ALL if s in wanted]
+
+
 def list_rows(
-    connection: Connection, state: str, *, destination: str | None = None, limit: int = DEFAULT_LIST_LIMIT
+    connection: Connection,
+    state: str | Sequence[str] | None = None,
+    *,
+    destination: str | None = None,
+    key_prefix: str | None = None,
+    limit: int = DEFAULT_LIST_LIMIT,
 ) -> RowList:
-    """Rows in ``state``, longest in that state first. Raises :class:`NotFound` for a destination
-    no row names."""
-    if state not in states.ALL:
-        raise ConfigError(f"unknown state {state!r}; states are {', '.join(states.ALL)}")
+    """Rows in ``state`` (one state, several, or None: every state), of ``destination``, whose
+    key starts with ``key_prefix``; longest in their state first. Raises :class:`ConfigError`
+    for a name that is not a state, :class:`NotFound` for a destination no row names."""
+    listed = check_states([state] if isinstance(state, str) else state or states.ALL)
     if limit < 1:
         raise ConfigError("--limit must be at least 1")
     if destination is not None:
         require_destination(connection, destination)
-    result = connection.execute(_LIST, {"state": state, "destination": destination, "limit": limit})
+    params = {
+        "states": listed,
+        "destination": destination,
+        "key_like": key_like(key_prefix) if key_prefix else None,
+        "limit": limit,
+    }
     rows, matching = [], 0
-    for r in result:
+    for r in connection.execute(_LIST, params):
         matching = int(r.matching)
         rows.append(
             ListedRow(
@@ -275,10 +351,11 @@ def list_rows(
                 r.key,
                 r.step,
                 r.destination,
+                r.state,
                 int(r.attempts),
                 r.created_at,
                 seconds(r.age),
                 r.last_error,
             )
         )
-    return RowList(state, destination, rows, matching)
+    return RowList(listed, destination, rows, matching, key_prefix or None)

@@ -118,32 +118,62 @@ def render_row(detail: RowDetail) -> str:
     ]
     if detail.payload is not None:
         lines.append(f"{'payload'.ljust(width)}  {json.dumps(detail.payload, ensure_ascii=False)}")
-    lines += ["", f"attempts ({len(detail.attempts)} fence rows):"]
+    lines += [
+        "",
+        f"attempts ({len(detail.attempts)} fence rows, in claim order; # counts every claim, "
+        "attempt restarts at each replay):",
+    ]
     if detail.attempts:
-        headers = [
-            "attempt",
-            "claim_token",
-            "started_at",
-            "finished_at",
-            "outcome",
-            "http_status",
-            "error",
-        ]
-        lines.append(indent(format_table(headers, [[cell(a[h]) for h in headers] for a in detail.attempts])))
+        headers = ["attempt", "claim_token", "started_at", "finished_at", "outcome", "http_status", "error"]
+        table = format_table(
+            ["#", *headers], [[a["number"], *(cell(a[h]) for h in headers)] for a in detail.attempts]
+        ).splitlines()
+        lines += [f"  {line}" for line in table[:2]]
+        for a, line in zip(detail.attempts, table[2:], strict=True):
+            lines += [f"  {mark}" for mark in _marks(detail.history, a["number"] - 1)]
+            lines.append(f"  {line}")
+        lines += [f"  {mark}" for mark in _marks(detail.history, len(detail.attempts))]
     else:
         lines.append("  none: never claimed")
     lines += ["", f"history ({len(detail.history)} operator actions):"]
     if detail.history:
         keys = ["at", "by", "action", "from", "to", "reason"]
-        extra = sorted({k for h in detail.history for k in h} - set(keys))
+        extra = sorted({k for h in detail.history for k in h} - {*keys, "after_attempt"})
         lines.append(
             indent(
-                format_table(keys + extra, [[cell(h.get(k)) for k in keys + extra] for h in detail.history])
+                format_table(
+                    keys + extra,
+                    [
+                        [cell(_parsed(h.get(k)) if k == "at" else h.get(k)) for k in keys + extra]
+                        for h in detail.history
+                    ],
+                )
             )
         )
     else:
         lines.append("  none")
     return "\n".join(lines)
+
+
+def _marks(history: Sequence[dict[str, Any]], after: int) -> list[str]:
+    """The history entries between fence row #after and the next one, as marker lines."""
+    marks = []
+    for h in history:
+        if h.get("after_attempt") != after:
+            continue
+        move = f"{h['from']} -> {h['to']}" if h.get("from") and h.get("to") else h.get("state")
+        why = f": {short(str(h['reason']), 60)}" if h.get("reason") else ""
+        by = f" by {h['by']}" if h.get("by") else ""
+        marks.append(f"-- {h.get('action', '?')}{by} at {cell(_parsed(h.get('at')))}, {move or '-'}{why}")
+    return marks
+
+
+def _parsed(value: Any) -> Any:
+    # The history's timestamps are JSON strings: shown like the fence rows' datetimes.
+    try:
+        return datetime.fromisoformat(str(value))
+    except ValueError:
+        return value
 
 
 def render_ledger(entry: LedgerDetail) -> str:
@@ -159,13 +189,31 @@ def render_ledger(entry: LedgerDetail) -> str:
 
 
 def render_rows(listed: RowList) -> str:
-    where = f" for destination {listed.destination}" if listed.destination else ""
-    if not listed.rows:
-        return f"no {listed.state} rows{where}"
-    table = format_table(
-        ["id", "key", "step", "destination", "attempts", "age", "last_error"],
+    where = "".join(
         [
-            [r.id, r.key, r.step, r.destination, r.attempts, age(r.age_seconds), short(r.last_error)]
+            f" for destination {listed.destination}" if listed.destination else "",
+            f" with a key starting {listed.key_prefix!r}" if listed.key_prefix else "",
+        ]
+    )
+    if not listed.rows:
+        named = listed.state or ("" if set(listed.states) == set(states.ALL) else "/".join(listed.states))
+        return f"no {named + ' ' if named else ''}rows{where}"
+    # The state column only when several states are listed: `outbox failed` says it already.
+    several = listed.state is None
+    state_column = ["state"] if several else []
+    table = format_table(
+        ["id", "key", "step", "destination", *state_column, "attempts", "age", "last_error"],
+        [
+            [
+                r.id,
+                r.key,
+                r.step,
+                r.destination,
+                *([r.state] if several else []),
+                r.attempts,
+                age(r.age_seconds),
+                short(r.last_error),
+            ]
             for r in listed.rows
         ],
     )

@@ -86,6 +86,8 @@ def _healthy(clean, capsys, module):
         "relay",
         "consumers",
         "clocks",
+        "failed",
+        "unknown",
         "purge",
         "retention",
     }
@@ -215,3 +217,60 @@ def test_a_lease_just_expired_is_not_yet_an_alarm(clean, engine, capsys):
     )
     code, checks = doctor(clean, capsys)
     assert code == 0 and checks["leases"][0] == "ok"
+
+
+def test_failed_and_long_unknown_rows_warn_without_a_module(clean, engine, capsys, monkeypatch):
+    failed = [write(engine, f"order:{i}") for i in range(2)]
+    old_unknown, new_unknown = write(engine, "order:7"), write(engine, "order:8")
+    sql(
+        clean, "UPDATE outbox_message SET state = 'failed', completed_at = now() WHERE id = ANY(%s)", [failed]
+    )
+    for row_id, since in ((old_unknown, "2 hours"), (new_unknown, "10 minutes")):
+        sql(
+            clean,
+            "UPDATE outbox_message SET state = 'unknown', claim_token = gen_random_uuid(), "
+            f"unknown_since = now() - interval '{since}' WHERE id = {row_id}",
+        )
+    code, checks = doctor(clean, capsys)
+    # Rows waiting for a person break no invariant: WARN, exit 0, with the command to look.
+    assert code == 0, checks
+    assert checks["handlers"][0] == "off"
+    status, detail = checks["failed"]
+    assert (
+        status == "WARN"
+        and detail.startswith("2 failed row(s) (oldest failed ")
+        and "`outbox failed`" in detail
+    )
+    status, detail = checks["unknown"]
+    assert status == "WARN" and detail.startswith("1 row(s) unknown for more than 1h00m")
+    assert "OUTBOX_UNKNOWN_ALERT_AFTER; oldest 2h00m)" in detail and "`outbox unknown`" in detail
+
+    monkeypatch.setenv("OUTBOX_UNKNOWN_ALERT_AFTER", "5m")
+    code, checks = doctor(clean, capsys)
+    assert code == 0 and checks["unknown"][0] == "WARN"
+    assert checks["unknown"][1].startswith("2 row(s) unknown for more than 5m00s")
+
+    flags = ["--database-url", clean.database_url, "--redis-url", clean.redis_url]
+    assert main(["doctor", *flags, "--namespace", clean.namespace]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:2] == ["WARN", "failed"] for line in lines)
+
+
+def test_handlers_are_checked_by_their_own_rules(clean, capsys, tmp_path, monkeypatch):
+    # One set of declaration rules, Handler.problems (also behind @handler): doctor asks it.
+    from outbox.handlers import Handler
+
+    module = handler_module(tmp_path, monkeypatch, HANDLERS)
+    monkeypatch.setattr(Handler, "problems", lambda self: ["the rule under test"])
+    code, checks = doctor(clean, capsys, module)
+    assert code == 1
+    assert checks["handlers"] == ("FAIL", "handler payments.charge: the rule under test")
+
+
+def test_schema_reports_the_range_this_code_works_with(clean, capsys):
+    from outbox.migrate import SCHEMA_OLDEST, head_revision
+
+    _, checks = doctor(clean, capsys)
+    status, detail = checks["schema"]
+    assert status == "ok"
+    assert f"this code works with {SCHEMA_OLDEST} to {head_revision()}" in detail
