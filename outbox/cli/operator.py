@@ -171,7 +171,7 @@ def _parse_id(raw: str, hint: str) -> int:
 
 def _list_arguments(state: str | None, description: str) -> Callable[[argparse.ArgumentParser], None]:
     def add(p: argparse.ArgumentParser) -> None:
-        from ..ops.inspect import DEFAULT_LIST_LIMIT
+        from ..settings import DEFAULT_LIST_LIMIT
 
         _describe(p, description)
         if state is None:

@@ -13,13 +13,13 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import heartbeat, states
+from .. import heartbeat, settings, states
 from ..exceptions import ConfigError, NotFound
 from ..heartbeat import NoConsumer
 from . import tables
 from .tables import seconds
 
-DEFAULT_LIST_LIMIT = 50
+DEFAULT_LIST_LIMIT = settings.DEFAULT_LIST_LIMIT
 
 # -- status ------------------------------------------------------------------------------------------
 
