@@ -13,7 +13,7 @@ import httpx
 import psycopg
 import pytest
 import redis
-from helpers import sql, worker_thread
+from helpers import elapse, worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
@@ -21,6 +21,7 @@ from outbox import ops, transitions, transport
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
 from outbox.settings import libpq_url
+from reconciler.jobs.expire_leases import expire_leases
 
 
 def charge_handler(provider, **options: Any):
@@ -111,8 +112,7 @@ def test_not_processed_retries_with_backoff_then_fails(clean, engine, provider, 
     assert r["available_at"] >= before + timedelta(seconds=0.9)
     # Not due yet: a stale message finds nothing to claim.
     assert c.deliver(row_id, "payments.charge") is RunResult.EMPTY
-    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        conn.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+    elapse(clean, 1, [row_id])  # its first backoff
     assert c.deliver(row_id, "payments.charge") is RunResult.FAILED
     r = row(clean, row_id)
     assert r["state"] == "failed" and "gave up after 2 attempts" in r["last_error"]
@@ -145,8 +145,7 @@ def test_idempotent_destination_retries_ambiguous_answers(clean, engine, provide
     (row_id,) = write_rows(engine)
     c = consumer()
     assert c.deliver(row_id, "payments.charge") is RunResult.PENDING
-    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        conn.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+    elapse(clean, 1, [row_id])  # its first backoff
     assert c.deliver(row_id, "payments.charge") is RunResult.SENT
     stats = provider.stats()
     assert stats["effects"] == {"order:0:charge": 1} and stats["deduplicated"] == 1
@@ -282,18 +281,19 @@ def test_late_record_after_takeover_changes_nothing(clean, engine, provider):
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         first = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
         assert first is not None
-        # The lease was taken over: the reconciler resolved it and a new claim owns the row.
-        conn.execute(
-            "UPDATE outbox_message SET state = 'pending', lease_expires_at = NULL WHERE id = %s",
-            (row_id,),
-        )
+        # The lease was taken over: it ran out, the reconciler expired it, an operator settled
+        # it as not sent, and a new claim owns the row.
+        elapse(conn, 31, [row_id])
+        assert expire_leases(conn, registry()) == 1
+        with engine.begin() as tx:
+            assert ops.resolve(tx, row_id, not_sent=True, by="test", reason="not at the provider").done
         second = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
         assert second is not None and second.token != first.token
         before = row(clean, row_id)
         moved = transitions.record(
             conn, row_id=row_id, token=first.token, state="sent", outcome="sent", ref="ch_late"
         )
-        assert moved is None
+        assert moved is None  # a newer claim owns the row
         assert row(clean, row_id) == before
         outcomes = conn.execute(
             "SELECT claim_token, outcome FROM outbox_attempt WHERE message_id = %s ORDER BY id",
@@ -440,7 +440,7 @@ def test_cancel_only_before_any_claim(clean, engine, provider, consumer):
 
     # A replay resets attempts to 0, but the row was claimed before: still not cancellable.
     for _ in range(2):
-        sql(clean, "UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+        elapse(clean, 5, [row_id])  # the longest backoff
         consumer().deliver(row_id, "payments.charge")
     assert row(clean, row_id)["state"] == "failed"
     with Session(engine) as s, s.begin():

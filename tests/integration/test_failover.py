@@ -14,7 +14,7 @@ from helpers import published_row_ids, relay_once, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import cli, failover
+from outbox import cli, failover, transitions
 from outbox.consumer import Executor, RunResult
 from outbox.failover import FailoverGuard
 from outbox.handlers import close_http_clients, registry
@@ -77,7 +77,10 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
     assert guard.check_now() is False
     relay_once(clean)  # row ids[0..2] dispatched before the "failover"
     sql(clean, change)
-    sql(clean, "UPDATE outbox_message SET state = 'pending', dispatched_at = NULL WHERE id = %s", (ids[2],))
+    # The restored database lost the dispatch of ids[2]: pending again, as the relay's own undo
+    # leaves a row whose publication failed.
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
+        transitions.undispatch(db, ids=[ids[2]], retry_after_seconds=0)
     redis_client.flushdb()
 
     assert guard.check_now() is True
@@ -159,11 +162,9 @@ def test_a_new_connection_is_checked_before_its_first_claim_or_batch(
     finally:
         relay.close()
     assert guard.halted
-    sql(
-        clean,
-        "UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() WHERE id = %s",
-        (ids[0],),
-    )
+    # Dispatched by a relay that had not noticed yet.
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
+        assert [r[0] for r in transitions.dispatch_due(db, limit=1)] == [ids[0]]
     consumer = Executor(clean.database_url, registry(), failover_guard=guard)
     try:
         assert consumer.deliver(ids[0], DEST) is RunResult.HALTED

@@ -12,7 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import relay_once, wait_for, worker_thread
+from helpers import elapse, relay_once, wait_for, worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
@@ -80,9 +80,7 @@ def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DE
     claimed = transitions.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
     assert claimed is not None
     assert transitions.record(db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown")
-    db.execute(
-        "UPDATE outbox_message SET available_at = now() - interval '1 second' WHERE id = %s", (row_id,)
-    )
+    elapse(db, 1, [row_id])  # its first lookup is due
 
 
 # -- class 5: poison from the provider ---------------------------------------------------------------

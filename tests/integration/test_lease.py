@@ -26,7 +26,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
 import pytest
-from helpers import lookup_on, relay_once
+from helpers import elapse, lookup_on, relay_once
 from sqlalchemy.orm import Session
 
 import outbox
@@ -109,10 +109,8 @@ def row_held(services: Any, row_id: int, how: str) -> Iterator[psycopg.Connectio
         if how == "lock":
             holder.execute("SELECT id FROM outbox_message WHERE id = %s FOR UPDATE", (row_id,))
         else:
-            holder.execute(
-                "UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() WHERE id = %s",
-                (row_id,),
-            )
+            # The relay's own move; the row is the only one due.
+            assert [r[0] for r in transitions.dispatch_due(holder, limit=1)] == [row_id]
         yield holder
         holder.commit()
 
@@ -356,10 +354,7 @@ def test_an_expired_lease_is_looked_up_only_one_time_limit_later(clean, engine, 
     (row_id,) = write_rows(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         assert transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30) is not None
-        conn.execute(
-            "UPDATE outbox_message SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
-            (row_id,),
-        )
+        elapse(conn, 31, [row_id])  # the lease runs out
     with Reconciler(
         database_url=clean.database_url,
         redis_url=clean.redis_url,
@@ -441,7 +436,11 @@ def test_a_reconciler_whose_clock_is_off_computes_every_instant_on_the_database_
     clean, engine, provider, skewed_clock
 ):
     handler = declare_charge(provider, time_limit=2, backoff=(60, 120), max_attempts=3)
-    not_found, not_found_near_deadline, expired = write_rows(engine, 3)
+    not_found, expired = write_rows(engine, 2)
+    # 30 minutes left on the database's clock: a retry after the backoff still fits.
+    (not_found_near_deadline,) = write_rows(
+        engine, prefix="near", deadline=db_now(clean) + timedelta(minutes=30)
+    )
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         for row_id in (not_found, not_found_near_deadline, expired):
             claimed = transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
@@ -450,20 +449,13 @@ def test_a_reconciler_whose_clock_is_off_computes_every_instant_on_the_database_
                 assert transitions.record(
                     conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="x"
                 )
-        conn.execute(
-            "UPDATE outbox_message SET deadline = now() + interval '30 minutes' WHERE id = %s",
-            (not_found_near_deadline,),
-        )
         # The lookups find nothing at the provider: both rows are retried after their backoff.
         assert resolve_unknown(conn, {DEST: handler}) == {"pending": 2}
         for row_id in (not_found, not_found_near_deadline):
             r = row(clean, row_id)
             assert r["state"] == "pending" and 58 <= seconds_from_now(r, "available_at") <= 61
 
-        conn.execute(
-            "UPDATE outbox_message SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
-            (expired,),
-        )
+        elapse(conn, 31, [expired])  # its lease runs out
         assert expire_leases(conn, {DEST: handler}) == 1
     r = row(clean, expired)
     assert r["state"] == "unknown" and 1.0 <= seconds_from_now(r, "available_at") <= 2.5
@@ -709,12 +701,9 @@ def test_a_confirmed_answer_settles_a_row_the_lookup_sent_back_under_the_same_cl
         claimed = transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=3)
         assert claimed is not None
         # Three seconds pass (the lease), then one time_limit (the first lookup's wait).
-        conn.execute(
-            "UPDATE outbox_message SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
-            (row_id,),
-        )
+        elapse(conn, 3 + 1, [row_id])
         assert expire_leases(conn, registry()) == 1
-        conn.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+        elapse(conn, 1, [row_id])
         assert resolve_unknown(conn, registry()) == {"pending": 1}
         state = transitions.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_late"

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import sql, wait_for
+from helpers import elapse, sql, wait_for
 from sqlalchemy import Engine, text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
@@ -39,6 +39,8 @@ def make_sent(
     services: Any, row_id: int, *, days_ago: float = 8, outcomes: tuple[str, ...] = ("sent",)
 ) -> None:
     """Settle a row `sent` long enough ago to be purged, with one fence row per outcome."""
+    # A state built directly, not through claims: whatever fence rows the ledger must summarise,
+    # some of which (a failed call on a sent row) the product cannot reach.
     for n, outcome in enumerate(outcomes, 1):
         sql(
             services,
@@ -49,9 +51,10 @@ def make_sent(
     sql(
         services,
         "UPDATE outbox_message SET state = 'sent', provider_ref = %s, attempts = %s, "
-        "completed_at = now() - %s * interval '1 day' WHERE id = %s",
-        (f"ch_{row_id}", len(outcomes), days_ago, row_id),
+        "completed_at = now() WHERE id = %s",
+        (f"ch_{row_id}", len(outcomes), row_id),
     )
+    elapse(services, days_ago * 86400, [row_id])
 
 
 def purge(services: Any, **kwargs: Any) -> dict[str, int]:
@@ -177,6 +180,7 @@ def test_ledger_entry_records_the_history(clean, engine) -> None:
     make_sent(clean, expired.id, outcomes=("lease_expired",))
     resolved = write_committed(engine, "order:9")
     make_sent(clean, resolved.id, outcomes=("failed",))
+    # A state the product cannot reach: a failed call on a row an operator resolved as sent.
     sql(
         clean,
         """UPDATE outbox_message SET history = '[{"action": "resolve", "from": "unknown", "to": "sent"}]'

@@ -56,7 +56,11 @@ def test_cancel_reason_is_masked_in_last_error_and_history(clean: Any, engine: A
 
 def test_replay_and_resolve_reasons_are_masked(clean: Any, engine: Any, db: Any) -> None:
     failed = write(engine, "order:2")
-    sql(clean, "UPDATE outbox_message SET state = 'failed', completed_at = now() WHERE id = %s", (failed,))
+    declined = transitions.claim(db, row_id=failed, destination=DEST, lease_seconds=30)
+    assert declined is not None
+    assert transitions.record(
+        db, row_id=failed, token=declined.token, state="failed", outcome="failed", error="card declined"
+    )
     unknown = write(engine, "order:3")
     claimed = transitions.claim(db, row_id=unknown, destination=DEST, lease_seconds=30)
     assert claimed is not None

@@ -14,6 +14,7 @@ import httpx
 import psycopg
 import pytest
 import redis
+from helpers import elapse
 from sqlalchemy.orm import Session
 
 import outbox
@@ -77,10 +78,10 @@ def test_reconcile_once_resolves_alerts_prints_counts_and_exits_0(clean, engine,
         claimed = transitions.claim(db, row_id=unknown_id, destination=DEST, lease_seconds=30)
         assert claimed is not None
         transitions.record(db, row_id=unknown_id, token=claimed.token, state="unknown", outcome="unknown")
-        db.execute(
-            "UPDATE outbox_message SET state = 'failed', completed_at = now(), last_error = 'card declined' "
-            "WHERE id = %s",
-            (failed_id,),
+        claimed = transitions.claim(db, row_id=failed_id, destination=DEST, lease_seconds=30)
+        assert claimed is not None
+        assert transitions.record(
+            db, row_id=failed_id, token=claimed.token, state="failed", outcome="failed", error="card declined"
         )
     ref = charge_at_provider(provider, "order:0:charge")
     (tmp_path / "reconcile_hook.py").write_text(HOOK_MODULE)
@@ -167,7 +168,7 @@ def test_reconcile_loop_resolves_rows_and_stops_cleanly_on_sigterm(clean, engine
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
         # The worker charged, then died before recording: its lease has run out.
         assert transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
-        db.execute("UPDATE outbox_message SET lease_expires_at = now() - interval '1 second'")
+        elapse(db, 31, [row_id])
     ref = charge_at_provider(provider, "order:0:charge")
     log = tmp_path / "reconcile.log"
     with log.open("wb") as out:

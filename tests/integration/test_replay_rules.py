@@ -9,13 +9,14 @@ import json
 from typing import Any
 
 import psycopg
-from helpers import lookup_on
+from helpers import elapse, lookup_on
 from sqlalchemy.orm import Session
 
 import outbox
 from outbox import ops, transitions
 from outbox.cli import main
 from outbox.handlers import Handler
+from reconciler.jobs.expire_leases import expire_leases
 from reconciler.jobs.resolve_unknown import resolve_unknown
 from reconciler.jobs.send_alerts import send_alerts
 
@@ -78,7 +79,7 @@ def make_unknown(db: psycopg.Connection[Any], row_id: int) -> transitions.Claime
     assert transitions.record(
         db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
     )
-    db.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+    elapse(db, 1, [row_id])  # its first lookup is due
     return claimed
 
 
@@ -140,8 +141,10 @@ def test_a_confirmed_call_on_a_failed_row_refuses_replay(clean, engine, db, caps
     row_id = write(engine, "order:1")
     old = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert old is not None
-    db.execute("UPDATE outbox_message SET lease_expires_at = now() - interval '1 s' WHERE id = %s", (row_id,))
-    db.execute("UPDATE outbox_message SET state = 'pending', available_at = now() WHERE id = %s", (row_id,))
+    # Its lease runs out, the reconciler expires it, and an operator settles it as not sent.
+    elapse(db, 31, [row_id])
+    assert expire_leases(db) == 1
+    assert cli(clean, capsys, "resolve", str(row_id), "--not-sent")[0] == 0
     make_failed(db, row_id)  # a newer claim failed for certain...
     # ...and the old worker's call was confirmed after all (a late, superseded recording).
     assert not transitions.record(
@@ -262,7 +265,8 @@ def test_execute_acts_on_exactly_the_previewed_rows(clean, engine, db):
     # one whose old call turns out confirmed (a late recording).
     newcomer = write(engine, "order:new")
     make_failed(db, newcomer)
-    db.execute("UPDATE outbox_message SET state = 'pending', available_at = now() WHERE id = %s", (rows[1],))
+    with engine.begin() as conn:
+        assert ops.replay(conn, [rows[1]], by="bob", reason="retry it")[0].done
     make_failed(db, rows[1])
     db.execute("UPDATE outbox_attempt SET outcome = 'superseded:sent' WHERE message_id = %s", (rows[2],))
 
@@ -305,11 +309,8 @@ def test_not_found_past_key_ttl_parks_for_a_human_and_alerts(clean, engine, db, 
     row_id = write(engine, "order:1")
     make_unknown(db, row_id)
     # The first call is older than the provider's key lifetime (database clock).
-    db.execute(
-        "UPDATE outbox_attempt SET started_at = now() - interval '3601 seconds' WHERE message_id = %s",
-        (row_id,),
-    )
-    db.execute("UPDATE outbox_message SET alerted_at = now() WHERE id = %s", (row_id,))
+    elapse(db, 3601, [row_id])
+    assert transitions.mark_alerted(db, row_id=row_id, state="unknown")
 
     assert resolve_unknown(db, {DEST: handler}) == {"past_key_ttl": 1}
     parked = get(db, row_id)
@@ -327,7 +328,7 @@ def test_not_found_past_key_ttl_parks_for_a_human_and_alerts(clean, engine, db, 
     assert send_alerts(db, seen.append, unknown_alert_after_seconds=0) == {"alerts": 1}
     assert "needs a human" in seen[0].reason
     # Looked up again an hour later, same answer: parked again, not alerted twice.
-    db.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+    elapse(db, 3600, [row_id])
     assert resolve_unknown(db, {DEST: handler}) == {"past_key_ttl": 1}
     assert send_alerts(db, seen.append, unknown_alert_after_seconds=0) == {}
 
@@ -374,6 +375,7 @@ def test_audit_finds_a_call_after_an_unsettled_ambiguous_one(clean, engine, db, 
     assert cli(clean, capsys, "resolve", str(settled), "--not-sent")[0] == 0
     # An unsettled one, then a new call (what replay after `resolve --failed` used to do).
     assert cli(clean, capsys, "resolve", str(recalled), "--failed", "provider cannot tell")[0] == 0
+    # A state the product cannot reach any more: what replay after `resolve --failed` used to do.
     db.execute(
         "UPDATE outbox_message SET state = 'pending', available_at = now(), attempts = 0 WHERE id = %s",
         (recalled,),
@@ -402,7 +404,8 @@ def test_force_on_a_row_with_nothing_to_override_and_rows_failed_without_a_time(
     forced, bulk = write(engine, "order:1"), [write(engine, f"order:{i}") for i in (2, 3)]
     make_failed(db, forced)
     for r in bulk:
-        # Failed by plain SQL, with no completed_at: still replayed by id, exactly once.
+        # A state the product cannot reach: failed by plain SQL, with no completed_at; still
+        # replayed by id, exactly once.
         db.execute("UPDATE outbox_message SET state = 'failed', completed_at = NULL WHERE id = %s", (r,))
     code, _, err = cli(clean, capsys, "replay", str(forced), "--force", "--reason", "re-run it")
     assert code == 0, err

@@ -57,7 +57,8 @@ def test_the_database_refuses_a_new_colon_step_and_old_rows_keep_working(at_0006
         [(claimed,)] = conn.execute(INSERT, ("order:2", "refund:3")).fetchall()
     upgrade(at_0006)
     with psycopg.connect(_libpq(at_0006), autocommit=True) as conn:
-        # Old rows keep moving (NOT VALID alone would check every later UPDATE of them).
+        # Old rows keep moving (NOT VALID alone would check every later UPDATE of them). Plain
+        # SQL on purpose: what is tested is the schema's CHECK on any UPDATE of a legacy row.
         conn.execute(
             "UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() WHERE id = %s", (old,)
         )

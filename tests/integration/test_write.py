@@ -19,6 +19,7 @@ from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.orm import Session
 
 import outbox
+from outbox import transitions
 from outbox.db import make_engine
 from outbox.settings import libpq_url
 
@@ -365,25 +366,32 @@ def test_concurrent_writers_of_the_same_key(clean, engine, first_commits, second
 
 # -- cancel --------------------------------------------------------------------------------------
 
-#: How each state is forced (the columns its CHECK constraints require).
-FORCE_STATE = {
-    "pending": "state = 'pending'",
-    "dispatched": "state = 'dispatched', dispatched_at = now()",
-    "in_flight": "state = 'in_flight', attempts = 1, claimed_at = now(), claim_token = gen_random_uuid(), "
-    "lease_expires_at = now() + interval '1 minute'",
-    "unknown": "state = 'unknown', attempts = 1, unknown_since = now()",
-    "sent": "state = 'sent', attempts = 1, provider_ref = 'ch_1', completed_at = now()",
-    "failed": "state = 'failed', attempts = 3, last_error = 'card declined', completed_at = now()",
-    "cancelled": "state = 'cancelled', completed_at = now()",
-}
-
 
 def written_in_state(url: str, engine: Engine, state: str) -> int:
+    """A row taken to ``state`` by the product's own moves: the relay's, a consumer's claim and
+    record, the application's cancel."""
     with connection_tx(engine) as c:
         row_id = write(c).id
         c.commit()
-    with observe(url) as conn:
-        conn.execute(f"UPDATE outbox_message SET {FORCE_STATE[state]} WHERE id = %s", (row_id,))
+    if state == "cancelled":
+        with session_tx(engine) as s:
+            assert outbox.cancel(s, key="order:42", step="charge")
+            s.commit()
+        return row_id
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        if state == "pending":
+            return row_id
+        assert [r[0] for r in transitions.dispatch_due(conn, limit=1)] == [row_id]
+        if state == "dispatched":
+            return row_id
+        claimed = transitions.claim(conn, row_id=row_id, destination=DESTINATION, lease_seconds=60)
+        assert claimed is not None
+        if state == "in_flight":
+            return row_id
+        outcome = {"sent": {"ref": "ch_1"}, "failed": {"error": "card declined"}}.get(state, {})
+        assert transitions.record(
+            conn, row_id=row_id, token=claimed.token, state=state, outcome=state, **outcome
+        )
     return row_id
 
 

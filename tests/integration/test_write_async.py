@@ -133,6 +133,8 @@ async def test_cancel_async(clean, async_engine, open_tx, state, cancelled) -> N
         await write(tx)
         await tx.commit()
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        # A state the product cannot reach (a claim token on a row never claimed): cancel must
+        # still clear it, and refuse an in_flight row by its state alone.
         conn.execute(
             "UPDATE outbox_message SET state = %s, claim_token = gen_random_uuid(), "
             "lease_expires_at = now() + interval '1 minute'",

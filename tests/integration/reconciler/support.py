@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 import psycopg
-from helpers import lookup_on
+from helpers import elapse, lookup_on
 from sqlalchemy.orm import Session
 
 import outbox
@@ -16,6 +16,9 @@ from outbox.handlers import Handler
 
 DEST = "payments.charge"
 MODULE = "tests.reconciler_handlers"
+#: The charge handler's time_limit, and the lease of every claim in these tests.
+TIME_LIMIT = 5
+LEASE_SECONDS = 30
 
 # -- helpers ---------------------------------------------------------------------------------------
 
@@ -30,7 +33,7 @@ def declare_charge(
     lookup_calls: list[int] | None = None,
 ) -> Handler:
     @outbox.handler(
-        destination, time_limit=5, max_attempts=max_attempts, backoff=(30, 60), idempotent=idempotent
+        destination, time_limit=TIME_LIMIT, max_attempts=max_attempts, backoff=(30, 60), idempotent=idempotent
     )
     def charge(d: outbox.Delivery) -> outbox.Confirmed:
         r = d.http.post(
@@ -89,6 +92,16 @@ def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DE
 
 
 def expire_lease_now(db: psycopg.Connection[Any], row_id: int) -> None:
-    db.execute(
-        "UPDATE outbox_message SET lease_expires_at = now() - interval '1 second' WHERE id = %s", (row_id,)
+    """The claim's lease (``LEASE_SECONDS``) runs out."""
+    elapse(db, LEASE_SECONDS + 1, [row_id])
+
+
+def settle(
+    db: psycopg.Connection[Any], row_id: int, state: str, *, ref: str | None = None, error: str | None = None
+) -> None:
+    """Claim the row and record a certain outcome (``sent`` or ``failed``), as a consumer does."""
+    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=LEASE_SECONDS)
+    assert claimed is not None
+    assert transitions.record(
+        db, row_id=row_id, token=claimed.token, state=state, outcome=state, ref=ref, error=error
     )

@@ -6,11 +6,11 @@ from __future__ import annotations
 from datetime import timedelta
 
 import psycopg
-from helpers import relay_once
+from helpers import elapse, relay_once
 
 import outbox
 from outbox import transitions
-from outbox.settings import libpq_url
+from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS, libpq_url
 from reconciler.jobs.expire_leases import LEASE_EXPIRED_ERROR, expire_leases
 from reconciler.jobs.resolve_unknown import resolve_unknown
 
@@ -93,11 +93,11 @@ def test_late_record_after_a_newer_claim_changes_nothing_on_the_row(clean, engin
     assert first is not None
     expire_lease_now(db, row_id)
     assert expire_leases(db) == 1
-    # Its first lookup waits one time_limit; pretend that time has passed.
-    db.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+    # Its first lookup waits one time_limit (the default: no handlers named); that time passes.
+    elapse(db, DEFAULT_TIME_LIMIT_SECONDS, [row_id])
     # The provider has no charge yet: the reconciler concludes "not taken effect" and retries.
     assert resolve_unknown(db, {DEST: handler}) == {"pending": 1}
-    db.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+    elapse(db, handler.backoff_seconds(1), [row_id])  # its first backoff
     assert relay_once(clean) == 1
     second = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert second is not None and second.attempt == 2
@@ -105,7 +105,7 @@ def test_late_record_after_a_newer_claim_changes_nothing_on_the_row(clean, engin
     moved = transitions.record(
         db, row_id=row_id, token=first.token, state="sent", outcome="sent", ref="ch_stale"
     )
-    assert moved is None
+    assert moved is None  # a newer claim owns the row
     r = get(db, row_id)
     assert (r["state"], r["claim_token"], r["provider_ref"]) == ("in_flight", second.token, None)
     assert fence_outcomes(db, row_id) == ["superseded:sent", None]

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import uuid
 
+from helpers import elapse
+from sqlalchemy.orm import Session
+
+import outbox
 from reconciler.jobs.purge import purge
 
 from .support import (
+    settle,
     write_rows,
 )
 
@@ -27,23 +32,17 @@ def test_purge_deletes_old_terminal_rows_in_bounded_batches(clean, engine, db):
         (old_sent, uuid.uuid4()),
     )
     ids = write_rows(engine, 4)
-    db.execute(
-        "UPDATE outbox_message SET state = 'cancelled', completed_at = now() - interval '2 hours' "
-        "WHERE id = %s",
-        (ids[0],),
-    )
-    db.execute(
-        "UPDATE outbox_message SET state = 'sent', provider_ref = 'x', completed_at = now() WHERE id = %s",
-        (ids[1],),
-    )
-    db.execute(
-        "UPDATE outbox_message SET state = 'failed', completed_at = now() - interval '2 hours' WHERE id = %s",
-        (ids[2],),
-    )
+    with Session(engine) as s, s.begin():
+        assert outbox.cancel(s, key="order:0", step="charge")
+    settle(db, ids[1], "sent", ref="x")
+    settle(db, ids[2], "failed", error="card declined")
+    elapse(db, 2 * 3600, [ids[0], ids[2]])
 
     assert purge(db, retention_seconds=3600, max_batches=2) == {"purged": 2000, "batches": 2}
     assert purge(db, retention_seconds=3600) == {"purged": 501, "batches": 1}
     assert purge(db, retention_seconds=3600) == {}
     left = db.execute("SELECT id, state FROM outbox_message ORDER BY id").fetchall()
     assert left == [(ids[1], "sent"), (ids[2], "failed"), (ids[3], "pending")]
-    assert db.execute("SELECT count(*) FROM outbox_attempt").fetchone() == (0,)
+    # The purged row's fence row went with it; the kept rows' own claims remain.
+    fenced = db.execute("SELECT message_id FROM outbox_attempt ORDER BY message_id").fetchall()
+    assert fenced == [(ids[1],), (ids[2],)]

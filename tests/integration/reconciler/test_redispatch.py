@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import psycopg
 import pytest
-from helpers import relay_once, worker_thread
+from helpers import elapse, relay_once, worker_thread
 
 from outbox import transport
 from outbox.handlers import registry
@@ -38,10 +38,7 @@ def test_redispatch_requeues_lost_messages_and_leaves_waiting_ones_whatever_thei
     redis_client.delete(*redis_client.keys(f"{clean.namespace}:*"))
     ages = {ids[0]: 60, ids[1]: 600, ids[2]: 60, ids[3]: 0, ids[4]: 60}
     for row_id, age in ages.items():
-        db.execute(
-            "UPDATE outbox_message SET dispatched_at = now() - %s * interval '1 second' WHERE id = %s",
-            (age, row_id),
-        )
+        elapse(db, age, [row_id])
     at = {r: get(db, r)["dispatched_at"] for r in ids}
     # Row 0: lost. Row 1: still in its queue, unclaimed for 10 min (issue 9 class 7: a message
     # waiting in its queue is never re-published, whatever its age). Row 2: waiting in a long queue.
@@ -88,7 +85,7 @@ def test_an_unreachable_redis_never_means_the_message_is_gone(
     declare_charge(provider)
     (row_id,) = write_rows(engine, 1)
     assert relay_once(clean) == 1
-    db.execute("UPDATE outbox_message SET dispatched_at = now() - interval '1 hour'")
+    elapse(db, 3600, [row_id])
     reconciler = reconcilers(redis_url="redis://127.0.0.1:1/11")
     with caplog.at_level(logging.ERROR, logger="reconciler"):
         result = reconciler.run_once()
@@ -111,7 +108,7 @@ def test_redis_flushed_under_5000_dispatched_rows_loses_nothing_and_charges_once
     assert relay_once(clean) == n
     redis_client.flushdb()
     # The flush happened a while after the dispatch: past the grace, well within redispatch_after.
-    db.execute("UPDATE outbox_message SET dispatched_at = dispatched_at - interval '1 minute'")
+    elapse(db, 60)
 
     assert reconcilers().run_job("redispatch") == {"missing": n}
     assert db.execute("SELECT state, count(*) FROM outbox_message GROUP BY 1").fetchall() == [("pending", n)]

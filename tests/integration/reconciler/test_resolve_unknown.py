@@ -6,13 +6,16 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
+from helpers import elapse
 
+from outbox import transitions
 from outbox.consumer import RunResult
 from outbox.settings import libpq_url
 from reconciler.jobs.resolve_unknown import resolve_unknown
 
 from .support import (
     DEST,
+    TIME_LIMIT,
     declare_charge,
     get,
     make_unknown,
@@ -24,21 +27,26 @@ from .support import (
 
 def test_resolve_unknown_settles_found_not_found_and_exhausted_rows(clean, engine, db, provider, consumer):
     handler = declare_charge(provider, max_attempts=2)
-    ids = write_rows(engine, 4)
+    ids = write_rows(engine, 3)
+    # Row 3's deadline is about to pass: no time for a retry.
+    ids += write_rows(engine, 1, start=3, deadline=datetime.now(UTC) + timedelta(seconds=5))
     # Row 0: the provider charged, then the connection dropped: a real ambiguous outcome.
     provider.configure(fault_keys={"order:0:charge": "drop_after"})
     assert consumer().deliver(ids[0], DEST) is RunResult.UNKNOWN
     # Its first lookup waits one time_limit (the provider may still be executing the call);
     # pretend that time has passed.
     assert get(db, ids[0])["available_at"] > datetime.now(UTC)
-    db.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (ids[0],))
+    elapse(db, TIME_LIMIT, [ids[0]])
     # Row 1: timed out before the provider processed it. Row 2: the same, on its last attempt.
     make_unknown(db, ids[1])
+    retried = transitions.claim(db, row_id=ids[2], destination=DEST, lease_seconds=30)
+    assert retried is not None  # its first attempt got a 503, retried at once
+    assert transitions.record(
+        db, row_id=ids[2], token=retried.token, state="pending", outcome="retry", delay_seconds=0
+    )
     make_unknown(db, ids[2])
-    db.execute("UPDATE outbox_message SET attempts = 2 WHERE id = %s", (ids[2],))
     # Row 3: timed out, but its deadline is about to pass: no time for a retry.
     make_unknown(db, ids[3])
-    db.execute("UPDATE outbox_message SET deadline = now() + interval '5 seconds' WHERE id = %s", (ids[3],))
 
     before = datetime.now(UTC)
     assert resolve_unknown(db, {DEST: handler}) == {"sent": 1, "pending": 1, "failed": 2}
@@ -69,9 +77,7 @@ def test_failing_lookups_keep_rows_unknown_with_growing_backoff(clean, engine, d
     ids = write_rows(engine, 5)
     for row_id in ids:
         make_unknown(db, row_id)
-    db.execute(
-        "UPDATE outbox_message SET unknown_since = now() - interval '10 minutes' WHERE id = %s", (ids[0],)
-    )
+    elapse(db, 600, [ids[0]])
     provider.configure(lookup_fail=True)
 
     # After three failures in a row the destination's other rows are not asked this run.

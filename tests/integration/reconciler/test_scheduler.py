@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 import psycopg
-from helpers import relay_once
+from helpers import elapse, relay_once
 
 from outbox import transitions
 from outbox.settings import libpq_url
@@ -17,12 +17,14 @@ from reconciler.scheduler import JOB_LOCK_IDS, LOCK_CLASS
 
 from .support import (
     DEST,
+    TIME_LIMIT,
     charge_at_provider,
     declare_charge,
     expire_lease_now,
     fence_outcomes,
     get,
     make_unknown,
+    settle,
     write_rows,
 )
 
@@ -55,20 +57,15 @@ def test_two_reconcilers_at_once_act_once_per_job(clean, engine, db, provider, r
     # redispatch: 3 dispatched rows whose messages are gone.
     lost = write_rows(engine, 3, start=7)
     assert relay_once(clean) == 3
-    db.execute(
-        "UPDATE outbox_message SET dispatched_at = now() - interval '1 minute' WHERE id = ANY(%s)", (lost,)
-    )
+    elapse(db, 60, lost)
     # purge: 5 old sent rows. alerts: 2 failed rows.
     old = write_rows(engine, 5, start=10)
-    db.execute(
-        "UPDATE outbox_message SET state = 'sent', provider_ref = 'ch', "
-        "completed_at = now() - interval '30 days' WHERE id = ANY(%s)",
-        (old,),
-    )
+    for row_id in old:
+        settle(db, row_id, "sent", ref="ch")
+    elapse(db, 30 * 86400, old)
     failed = write_rows(engine, 2, start=15)
-    db.execute(
-        "UPDATE outbox_message SET state = 'failed', completed_at = now() WHERE id = ANY(%s)", (failed,)
-    )
+    for row_id in failed:
+        settle(db, row_id, "failed", error="card declined")
 
     # Each job, once it holds its lock, waits until the other reconciler has tried the same job:
     # the two overlap on every job, whatever the thread scheduling.
@@ -161,7 +158,7 @@ def test_run_once_takes_an_expired_claim_through_to_sent(clean, engine, db, prov
     # The worker might still have been in its call: the first lookup waits one time_limit.
     assert result["resolve_unknown"] == {}
     assert set(result) == set(JOB_LOCK_IDS)
-    db.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
+    elapse(db, TIME_LIMIT, [row_id])
     assert reconciler.run_once()["resolve_unknown"] == {"sent": 1}
     r = get(db, row_id)
     assert (r["state"], r["provider_ref"]) == ("sent", "ch_1")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 
+from helpers import elapse
+
+from outbox import transitions
 from reconciler import AlertRow
 from reconciler.jobs.send_alerts import send_alerts
 
@@ -11,6 +14,7 @@ from .support import (
     DEST,
     get,
     make_unknown,
+    settle,
     write_rows,
 )
 
@@ -19,17 +23,12 @@ from .support import (
 
 def test_alerts_report_failed_and_long_unknown_rows_once(clean, engine, db, caplog):
     ids = write_rows(engine, 4)
-    db.execute(
-        "UPDATE outbox_message SET state = 'failed', completed_at = now(), last_error = 'card declined' "
-        "WHERE id = ANY(%s)",
-        ([ids[0], ids[3]],),
-    )
-    db.execute("UPDATE outbox_message SET alerted_at = now() WHERE id = %s", (ids[3],))
+    for row_id in (ids[0], ids[3]):
+        settle(db, row_id, "failed", error="card declined")
+    assert transitions.mark_alerted(db, row_id=ids[3], state="failed")
     make_unknown(db, ids[1])
     make_unknown(db, ids[2])
-    db.execute(
-        "UPDATE outbox_message SET unknown_since = now() - interval '2 hours' WHERE id = %s", (ids[1],)
-    )
+    elapse(db, 7200, [ids[1]])
 
     seen: list[AlertRow] = []
     assert send_alerts(db, seen.append, unknown_alert_after_seconds=3600) == {"alerts": 2}
@@ -45,6 +44,7 @@ def test_alerts_report_failed_and_long_unknown_rows_once(clean, engine, db, capl
     assert len(seen) == 2
 
     # A broken hook loses nothing: the row is reported again once the hook works.
+    # A state built directly, no product move leads back to it: ids[0] as if never reported.
     db.execute("UPDATE outbox_message SET alerted_at = NULL WHERE id = %s", (ids[0],))
 
     def broken(row: AlertRow) -> None:
