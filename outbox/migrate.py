@@ -44,9 +44,11 @@ def current_revision(connection: Connection) -> str | None:
 #: The oldest schema revision this code works with; the newest is :func:`head_revision`. Raise
 #: it when the code starts to need what a revision added (a table, a column, a constraint it
 #: relies on). 0006 adds ``outbox_db_identity``, which the failover check of the relay, the
-#: worker and the reconciler reads and writes. 0007 adds only a CHECK that backs up a rule
-#: ``outbox.write`` enforces itself (no ':' in a new step); nothing here reads or relies on it.
-SCHEMA_OLDEST = "0006"
+#: worker and the reconciler reads and writes; 0007 adds the CHECK that keeps a plain-SQL writer
+#: from inserting a step with ':' (two rows would send the same Idempotency-Key, and a
+#: deduplicating provider would answer the second with the first one's charge): the guarantee
+#: (docs/guarantee.md) relies on it, so a database without it is refused.
+SCHEMA_OLDEST = "0007"
 
 #: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``): the
 #: oldest code, named by the newest revision it knows, that may still run on the database.

@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 
+import psycopg
 import pytest
 import redis
 from databases import fresh_database
@@ -38,6 +39,7 @@ from outbox.migrate import (
     schema_status,
     upgrade,
 )
+from outbox.settings import libpq_url
 from outbox.transport import delete_namespace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -294,7 +296,7 @@ def test_this_code_runs_on_the_oldest_schema_it_declares(
     monkeypatch.setenv("SHOP_PROVIDER_URL", provider.url)
     import importlib
 
-    import examples.shop.handlers as shop
+    import outbox.demo.handlers as shop
 
     importlib.reload(shop)
     from outbox.handlers import registry
@@ -578,3 +580,26 @@ def test_migrate_of_an_older_release_on_a_newer_schema_is_a_no_op(database, serv
     assert f"already at revision {newer}; nothing to do" in proc.stdout
     with database.connect() as conn:
         assert current_revision(conn) == newer
+
+
+def test_every_schema_the_code_accepts_refuses_a_colon_step_from_plain_sql(services) -> None:
+    """(attack on issue 10) The guarantee's "a key is one header" rests on the step CHECK of
+    revision 0007: a schema the code accepts must have it, or a plain-SQL writer could insert
+    ("order:1", "refund:2") beside ("order:1:refund", "2"), both sending "order:1:refund:2"."""
+    insert = (
+        "INSERT INTO outbox_message (key, step, destination, payload) "
+        "VALUES (%s, %s, 'payments.refund', '{}') RETURNING id"
+    )
+    with fresh_database(services.database_url, "outbox_oldest_check") as url:
+        engine = make_engine(url)
+        try:
+            upgrade(engine, SCHEMA_OLDEST)
+            with engine.connect() as conn:
+                check_schema(conn)
+                assert schema_status(conn).ok
+        finally:
+            engine.dispose()
+        with psycopg.connect(libpq_url(url), autocommit=True) as c:
+            c.execute(insert, ("order:1:refund", "2"))
+            with pytest.raises(psycopg.errors.CheckViolation):
+                c.execute(insert, ("order:1", "refund:2"))
