@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import uuid
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import sql
+from helpers import elapse, sql
 from sqlalchemy.orm import Session
 
 import outbox
@@ -25,45 +26,66 @@ from outbox.settings import libpq_url
 PERSONAL = {"email": "alice@example.com", "amount_cents": 1000, "currency": "EUR"}
 
 
-def write(engine, key: str, *, destination: str = "payments.charge", step: str = "charge") -> int:
+def write(
+    engine,
+    key: str,
+    *,
+    destination: str = "payments.charge",
+    step: str = "charge",
+    deadline: datetime | None = None,
+) -> int:
     with Session(engine) as s, s.begin():
-        return outbox.write(s, key=key, step=step, destination=destination, payload=PERSONAL).id
+        return outbox.write(
+            s, key=key, step=step, destination=destination, payload=PERSONAL, deadline=deadline
+        ).id
 
 
-def force(services, row_id: int, assignments: str, params: tuple[Any, ...] = ()) -> None:
-    sql(services, f"UPDATE outbox_message SET {assignments} WHERE id = %s", (*params, row_id))
+def connect(services) -> psycopg.Connection[Any]:
+    return psycopg.connect(libpq_url(services.database_url), autocommit=True)
 
 
-def make_failed(services, row_id: int, error: str = "card declined") -> None:
-    token = uuid.uuid4()
-    force(
-        services,
-        row_id,
-        "state = 'failed', attempts = 3, last_error = %s, completed_at = now(), "
-        "alerted_at = now(), claim_token = %s",
-        (error, token),
-    )
+def claim(conn: psycopg.Connection[Any], row_id: int) -> transitions.Claimed:
+    """A consumer's claim of the row, for the row's own destination."""
+    [(destination,)] = conn.execute(
+        "SELECT destination FROM outbox_message WHERE id = %s", (row_id,)
+    ).fetchall()
+    claimed = transitions.claim(conn, row_id=row_id, destination=destination, lease_seconds=60)
+    assert claimed is not None
+    return claimed
 
 
-def make_unknown(services, row_id: int) -> uuid.UUID:
-    token = uuid.uuid4()
-    force(
-        services,
-        row_id,
-        "state = 'unknown', attempts = 1, last_error = 'ReadTimeout', unknown_since = now(), "
-        "dispatched_at = now(), claim_token = %s",
-        (token,),
-    )
-    return token
+def make_failed(services, row_id: int, error: str = "card declined", *, ref: str | None = None) -> None:
+    """A claim the provider refuses for good, then reported, as the consumer and reconciler do."""
+    with connect(services) as conn:
+        claimed = claim(conn, row_id)
+        moved = transitions.record(
+            conn, row_id=row_id, token=claimed.token, state="failed", outcome="failed", error=error, ref=ref
+        )
+        assert moved == "failed"
+        assert transitions.mark_alerted(conn, row_id=row_id, state="failed")
+
+
+def make_unknown(services, row_id: int, *, dispatched: bool = False) -> uuid.UUID:
+    """A claim whose call timed out; ``dispatched``: the relay published the row first (it must
+    be the only due row)."""
+    with connect(services) as conn:
+        if dispatched:
+            assert [r[0] for r in transitions.dispatch_due(conn, limit=1)] == [row_id]
+        claimed = claim(conn, row_id)
+        moved = transitions.record(
+            conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
+        )
+        assert moved == "unknown"
+        return claimed.token
 
 
 def make_sent(services, row_id: int, ref: str = "ch_1") -> None:
-    force(
-        services,
-        row_id,
-        "state = 'sent', attempts = 1, provider_ref = %s, completed_at = now(), claim_token = %s",
-        (ref, uuid.uuid4()),
-    )
+    with connect(services) as conn:
+        claimed = claim(conn, row_id)
+        moved = transitions.record(
+            conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref=ref
+        )
+        assert moved == "sent"
 
 
 def snapshot(services, row_id: int) -> tuple[Any, ...]:
@@ -102,7 +124,7 @@ def test_status_counts_by_destination_and_state(clean, engine, capsys):
     make_unknown(clean, ids[2])
     make_sent(clean, mail)
     # One pending row due for two minutes: the oldest pending age must see it.
-    force(clean, ids[3], "available_at = now() - interval '120 seconds'")
+    elapse(clean, 120, [ids[3]])
 
     code, out, _ = run(clean, capsys, "status", "--json")
     assert code == 0
@@ -208,7 +230,7 @@ def test_failed_and_unknown_lists(clean, engine, capsys):
     make_failed(clean, ids[1], "gave up after 3 attempts")
     make_failed(clean, mail, "mailbox full")
     make_unknown(clean, ids[2])
-    force(clean, ids[0], "completed_at = now() - interval '2 hours'")
+    elapse(clean, 2 * 3600, [ids[0]])
 
     code, out, _ = run(clean, capsys, "failed", "--json")
     assert code == 0
@@ -252,9 +274,8 @@ def test_lists_refuse_an_unknown_destination(clean, engine, capsys):
 
 def test_replay_moves_failed_to_pending_and_wakes_the_relay(clean, engine, capsys):
     row_id = write(engine, "order:1")
-    make_failed(clean, row_id)
+    make_failed(clean, row_id, ref="ch_partial")
     before = row(clean, row_id)
-    force(clean, row_id, "provider_ref = 'ch_partial'")
 
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as listener:
         listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
@@ -337,7 +358,8 @@ def test_replayed_row_goes_through_the_claim_and_a_sent_row_never_comes_back(cle
     code, _, err = run(clean, capsys, "replay", str(row_id))
     assert code == 1 and f"row {row_id} is sent, only failed rows can be replayed" in err
     assert snapshot(clean, row_id) == before
-    assert sql(clean, "SELECT count(*) FROM outbox_attempt WHERE message_id = %s", (row_id,)) == [(1,)]
+    # One fence row per claim: the failed run's and the replayed one's; the refused claim added none.
+    assert sql(clean, "SELECT count(*) FROM outbox_attempt WHERE message_id = %s", (row_id,)) == [(2,)]
 
 
 def test_replay_a_whole_destination(clean, engine, capsys):
@@ -385,9 +407,9 @@ def test_replay_a_whole_destination(clean, engine, capsys):
 
 
 def test_replay_warns_when_the_deadline_has_passed(clean, engine, capsys):
-    row_id = write(engine, "order:1")
+    row_id = write(engine, "order:1", deadline=datetime.now(UTC) + timedelta(minutes=1))
     make_failed(clean, row_id)
-    force(clean, row_id, "deadline = now() - interval '1 hour'")
+    elapse(clean, 3600 + 60, [row_id])  # the deadline passed an hour ago
     code, out, _ = run(clean, capsys, "replay", str(row_id))
     assert code == 0 and "deadline has passed" in out
 
@@ -426,7 +448,8 @@ def test_resolve_sent(clean, engine, capsys):
 
 def test_resolve_not_sent_retries_and_wakes_the_relay(clean, engine, capsys):
     row_id = write(engine, "order:1")
-    make_unknown(clean, row_id)
+    make_unknown(clean, row_id, dispatched=True)
+    assert row(clean, row_id)["dispatched_at"] is not None
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as listener:
         listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
         code, out, _ = run(clean, capsys, "resolve", str(row_id), "--not-sent", "--json")

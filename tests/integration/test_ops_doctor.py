@@ -8,12 +8,15 @@ import textwrap
 import uuid
 from typing import Any
 
-from helpers import sql, wait_for
+import psycopg
+from helpers import elapse, sql, wait_for
 from sqlalchemy.orm import Session
 
 import outbox
+from outbox import transitions
 from outbox.cli import main
 from outbox.heartbeat import Heartbeat
+from outbox.settings import libpq_url
 
 HANDLERS = """
 import outbox
@@ -55,6 +58,28 @@ def handler_module(tmp_path, monkeypatch, source: str) -> str:
 def write(engine, key: str, destination: str = "payments.charge") -> int:
     with Session(engine) as s, s.begin():
         return outbox.write(s, key=key, step="charge", destination=destination, payload={"n": 1}).id
+
+
+def connect(services) -> psycopg.Connection[Any]:
+    return psycopg.connect(libpq_url(services.database_url), autocommit=True)
+
+
+def claim(conn: psycopg.Connection[Any], row_id: int, *, lease_seconds: float = 30) -> transitions.Claimed:
+    claimed = transitions.claim(
+        conn, row_id=row_id, destination="payments.charge", lease_seconds=lease_seconds
+    )
+    assert claimed is not None
+    return claimed
+
+
+def settle(conn: psycopg.Connection[Any], row_id: int, state: str) -> None:
+    """Claim the row and record ``state`` (``failed`` or ``unknown``), as a consumer does."""
+    claimed = claim(conn, row_id)
+    error = "card declined" if state == "failed" else "ReadTimeout"
+    moved = transitions.record(
+        conn, row_id=row_id, token=claimed.token, state=state, outcome=state, error=error
+    )
+    assert moved == state
 
 
 def test_healthy_deployment_passes(clean, engine, capsys, tmp_path, monkeypatch):
@@ -175,10 +200,8 @@ def test_destination_without_handler_fails(clean, engine, capsys, tmp_path, monk
     write(engine, "order:1")
     write(engine, "user:1", destination="mail.welcome")
     write(engine, "user:2", destination="sms.old")
-    sql(
-        clean,
-        "UPDATE outbox_message SET state = 'cancelled', completed_at = now() WHERE destination = 'sms.old'",
-    )
+    with Session(engine) as s, s.begin():
+        assert outbox.cancel(s, key="user:2", step="charge")
     module = handler_module(tmp_path, monkeypatch, HANDLERS)
     code, checks = doctor(clean, capsys, module)
     assert code == 1
@@ -190,17 +213,14 @@ def test_destination_without_handler_fails(clean, engine, capsys, tmp_path, monk
 
 def test_liveness_hints_name_the_process_that_is_not_running(clean, engine, capsys):
     pending, in_flight, dispatched = (write(engine, f"order:{i}") for i in range(3))
-    sql(clean, f"UPDATE outbox_message SET available_at = now() - interval '5 minutes' WHERE id = {pending}")
-    sql(
-        clean,
-        "UPDATE outbox_message SET state = 'in_flight', claim_token = gen_random_uuid(), "
-        f"lease_expires_at = now() - interval '3 minutes' WHERE id = {in_flight}",
-    )
-    sql(
-        clean,
-        "UPDATE outbox_message SET state = 'dispatched', "
-        f"dispatched_at = now() - interval '30 minutes' WHERE id = {dispatched}",
-    )
+    with connect(clean) as conn:
+        claim(conn, in_flight, lease_seconds=30)
+        # The relay publishes the oldest due row first: make `dispatched` the oldest, alone.
+        elapse(conn, 1, [dispatched])
+        assert [r[0] for r in transitions.dispatch_due(conn, limit=1)] == [dispatched]
+        elapse(conn, 5 * 60, [pending])  # due for 5 minutes
+        elapse(conn, 30 + 3 * 60, [in_flight])  # its lease ran out 3 minutes ago
+        elapse(conn, 30 * 60, [dispatched])  # dispatched 30 minutes ago
     code, checks = doctor(clean, capsys)
     assert code == 1
     assert checks["relay"][0] == "FAIL" and "the relay is not running" in checks["relay"][1]
@@ -210,11 +230,9 @@ def test_liveness_hints_name_the_process_that_is_not_running(clean, engine, caps
 
 def test_a_lease_just_expired_is_not_yet_an_alarm(clean, engine, capsys):
     row_id = write(engine, "order:1")
-    sql(
-        clean,
-        "UPDATE outbox_message SET state = 'in_flight', claim_token = gen_random_uuid(), "
-        f"lease_expires_at = now() - interval '30 seconds' WHERE id = {row_id}",
-    )
+    with connect(clean) as conn:
+        claim(conn, row_id, lease_seconds=30)
+        elapse(conn, 30 + 30, [row_id])  # its lease ran out 30 seconds ago
     code, checks = doctor(clean, capsys)
     assert code == 0 and checks["leases"][0] == "ok"
 
@@ -222,15 +240,12 @@ def test_a_lease_just_expired_is_not_yet_an_alarm(clean, engine, capsys):
 def test_failed_and_long_unknown_rows_warn_without_a_module(clean, engine, capsys, monkeypatch):
     failed = [write(engine, f"order:{i}") for i in range(2)]
     old_unknown, new_unknown = write(engine, "order:7"), write(engine, "order:8")
-    sql(
-        clean, "UPDATE outbox_message SET state = 'failed', completed_at = now() WHERE id = ANY(%s)", [failed]
-    )
-    for row_id, since in ((old_unknown, "2 hours"), (new_unknown, "10 minutes")):
-        sql(
-            clean,
-            "UPDATE outbox_message SET state = 'unknown', claim_token = gen_random_uuid(), "
-            f"unknown_since = now() - interval '{since}' WHERE id = {row_id}",
-        )
+    with connect(clean) as conn:
+        for row_id in failed:
+            settle(conn, row_id, "failed")
+        for row_id, since in ((old_unknown, 2 * 3600), (new_unknown, 10 * 60)):
+            settle(conn, row_id, "unknown")
+            elapse(conn, since, [row_id])
     code, checks = doctor(clean, capsys)
     # Rows waiting for a person break no invariant: WARN, exit 0, with the command to look.
     assert code == 0, checks

@@ -83,6 +83,7 @@ def test_show_tells_apart_the_fence_rows_of_a_replayed_row(clean, engine, capsys
 
 def test_show_places_history_before_any_claim(clean, engine, capsys):
     row_id = write(engine, "order:1")
+    # A state the product cannot reach: unknown with no claim at all, so the entry precedes every attempt.
     sql(clean, "UPDATE outbox_message SET state = 'unknown', unknown_since = now() WHERE id = %s", (row_id,))
     code, _, err = run(clean, capsys, "resolve", str(row_id), "--failed", "cannot tell", "--by", "bo")
     assert code == 0, err
@@ -99,7 +100,7 @@ def test_list_by_state_destination_and_key_prefix(clean, engine, capsys):
     b = write(engine, "order:12")
     c = write(engine, "order_1")  # `_` is a LIKE wildcard: the prefix must take it literally
     d = write(engine, "user:1", destination="mail.welcome", step="welcome")
-    sql(clean, "UPDATE outbox_message SET state = 'failed', completed_at = now() WHERE id = %s", (b,))
+    fail_once(clean, b, status=402, error="card declined")
 
     code, out, _ = run(clean, capsys, "list", "--json")
     assert code == 0
