@@ -8,13 +8,17 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import pytest
-from helpers import sql
+from helpers import elapse, sql
 from sqlalchemy.orm import Session
 
 import outbox
+from outbox import transitions
 from outbox.cli import main
 from outbox.ops.audit import AuditReport, audit, parse_since
+from outbox.settings import libpq_url
+from reconciler.jobs.expire_leases import expire_leases
 
 
 def write(engine, key: str, destination: str = "payments.charge") -> int:
@@ -22,8 +26,44 @@ def write(engine, key: str, destination: str = "payments.charge") -> int:
         return outbox.write(s, key=key, step="charge", destination=destination, payload={"n": 1}).id
 
 
+def connect(services) -> psycopg.Connection[Any]:
+    return psycopg.connect(libpq_url(services.database_url), autocommit=True)
+
+
+def claim(conn: psycopg.Connection[Any], row_id: int) -> transitions.Claimed:
+    """A consumer's claim of the row, for the row's own destination."""
+    [(destination,)] = conn.execute(
+        "SELECT destination FROM outbox_message WHERE id = %s", (row_id,)
+    ).fetchall()
+    claimed = transitions.claim(conn, row_id=row_id, destination=destination, lease_seconds=30)
+    assert claimed is not None
+    return claimed
+
+
 def settle(services, row_id: int, state: str, *outcomes: str, ref: str | None = None) -> None:
-    """Put the row in ``state`` with one fence row per outcome, as consumers would have left it."""
+    """One claim per outcome, recorded as a consumer does: ``retry`` sends the row back to
+    pending, due at once; the last outcome leaves it in ``state``."""
+    errors = {"retry": "timeout", "failed": "card declined", "unknown": "ReadTimeout"}
+    with connect(services) as conn:
+        for outcome in outcomes:
+            claimed = claim(conn, row_id)
+            moved = transitions.record(
+                conn,
+                row_id=row_id,
+                token=claimed.token,
+                state="pending" if outcome == "retry" else state,
+                outcome=outcome,
+                ref=ref if outcome == "sent" else None,
+                error=errors.get(outcome),
+                delay_seconds=0 if outcome == "retry" else None,
+            )
+            assert moved == ("pending" if outcome == "retry" else state)
+
+
+def forge(services, row_id: int, state: str, *outcomes: str, ref: str | None = None) -> None:
+    """Put the row in ``state`` with one fence row per outcome, written directly: evidence the
+    guarded moves cannot produce (a double call, a confirmed call on an unsent row, an empty
+    reference) and the audit must still find."""
     for attempt, outcome in enumerate(outcomes, start=1):
         sql(
             services,
@@ -92,7 +132,8 @@ def test_two_confirmed_attempts_for_one_message_is_a_violation(clean, engine, ca
     ok = write(engine, "order:1")
     double = write(engine, "order:2")
     settle(clean, ok, "sent", "sent", ref="ch_1")
-    settle(clean, double, "sent", "sent", "sent", ref="ch_2")
+    # A state the product cannot reach: two confirmed claims of one row.
+    forge(clean, double, "sent", "sent", "sent", ref="ch_2")
 
     code, data = run_audit(clean, capsys)
     assert code == 1 and data["ok"] is False
@@ -108,7 +149,21 @@ def test_two_confirmed_attempts_for_one_message_is_a_violation(clean, engine, ca
 def test_a_late_confirmation_that_lost_the_race_still_counts(clean, engine, capsys):
     # The first claim was taken over, then its call came back confirmed: the provider did it.
     row_id = write(engine, "order:1")
-    settle(clean, row_id, "sent", "superseded:sent", "sent", ref="ch_1")
+    with connect(clean) as conn:
+        old = claim(conn, row_id)
+        # Its lease runs out, the reconciler expires it, and an operator settles it as not sent.
+        elapse(conn, 31, [row_id])
+        assert expire_leases(conn) == 1
+        assert main(["resolve", str(row_id), "--not-sent", "--database-url", clean.database_url]) == 0
+        newer = claim(conn, row_id)
+        assert transitions.record(
+            conn, row_id=row_id, token=newer.token, state="sent", outcome="sent", ref="ch_1"
+        )
+        # The old worker's call was confirmed after all: a late, superseded recording.
+        assert not transitions.record(
+            conn, row_id=row_id, token=old.token, state="sent", outcome="sent", ref="ch_0"
+        )
+    capsys.readouterr()
     code, data = run_audit(clean, capsys)
     assert code == 1
     [violation] = data["violations"]
@@ -117,7 +172,8 @@ def test_a_late_confirmation_that_lost_the_race_still_counts(clean, engine, caps
 
 def test_confirmed_attempt_on_a_row_that_is_not_sent_is_a_violation(clean, engine, capsys):
     row_id = write(engine, "order:1")
-    settle(clean, row_id, "failed", "sent")
+    # A state the product cannot reach: a confirmed record moves a failed row to sent.
+    forge(clean, row_id, "failed", "sent")
     code, data = run_audit(clean, capsys)
     assert code == 1
     [violation] = data["violations"]
@@ -131,7 +187,8 @@ def test_confirmed_attempt_on_a_row_that_is_not_sent_is_a_violation(clean, engin
 def test_sent_without_provider_reference_is_a_violation(clean, engine, capsys):
     # The CHECK constraint forbids NULL; an empty reference slips through it but is no evidence.
     row_id = write(engine, "order:1")
-    settle(clean, row_id, "sent", "sent", ref="")
+    # A state the product cannot reach: Confirmed refuses an empty reference.
+    forge(clean, row_id, "sent", "sent", ref="")
     code, data = run_audit(clean, capsys)
     assert code == 1
     assert data["totals"]["sent_without_provider_ref"] == 1
@@ -140,18 +197,9 @@ def test_sent_without_provider_reference_is_a_violation(clean, engine, capsys):
 
 def test_since_limits_the_audit_to_recent_activity(clean, engine, capsys):
     old, old_but_claimed, recent = (write(engine, f"order:{i}") for i in range(3))
-    sql(
-        clean,
-        "UPDATE outbox_message SET created_at = now() - interval '10 days' WHERE id IN (%s, %s)",
-        (old, old_but_claimed),
-    )
-    settle(clean, old, "sent", "sent", "sent", ref="ch_old")  # a double call, ten days ago
-    sql(
-        clean,
-        "UPDATE outbox_attempt SET started_at = now() - interval '10 days' WHERE message_id = %s",
-        (old,),
-    )
-    sql(clean, "UPDATE outbox_message SET completed_at = now() - interval '10 days' WHERE id = %s", (old,))
+    # A state the product cannot reach: a double call, then ten days pass for it.
+    forge(clean, old, "sent", "sent", "sent", ref="ch_old")
+    elapse(clean, 10 * 24 * 3600, [old, old_but_claimed])
     settle(clean, old_but_claimed, "pending", "retry")  # written long ago, claimed today
     assert recent
 
