@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,47 @@ def test_a_usage_error_with_json_is_the_error_document(capsys):
     assert json.loads(out) == {
         "error": {"message": "outbox: unrecognized arguments: --limit 3", "exit_code": exits.CONFIG}
     }
+
+
+def _stamp_a_card_check_accepts(render) -> float:
+    # A timestamp whose digits, read as one run, pass the card check (about one in ten of the
+    # 20:00-23:59 ones): the formatters must print it as it is.
+    from outbox.sanitize import redact_text
+
+    for ms in range(0, 4 * 3600 * 1000, 997):
+        created = 1796075200.0 + ms / 1000  # 2026-11-30 20:00:00 UTC onwards
+        if redact_text(render(created)) != render(created):
+            return created
+    raise AssertionError("no such timestamp found")
+
+
+def test_log_timestamps_are_never_masked_as_card_numbers(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    import time as time_module
+
+    time_module.tzset()
+    try:
+        iso = _stamp_a_card_check_accepts(
+            lambda t: datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+        )
+        entry = record("row %s", 7)
+        entry.created = iso
+        line = json.loads(JsonFormatter().format(entry))
+        assert line["time"] == datetime.fromtimestamp(iso, UTC).isoformat(timespec="milliseconds")
+        assert line["message"] == "row 7"
+
+        formatter = KeyValueFormatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+        def asctime(t: float) -> str:
+            r = record("x")
+            r.created, r.msecs = t, int((t % 1) * 1000)
+            return formatter.formatTime(r)
+
+        text_stamp = _stamp_a_card_check_accepts(asctime)
+        entry = record("card 4111 1111 1111 1111")
+        entry.created, entry.msecs = text_stamp, int((text_stamp % 1) * 1000)
+        text = formatter.format(entry)
+        assert text.startswith(asctime(text_stamp)) and "4111 1111" not in text
+    finally:
+        monkeypatch.delenv("TZ")
+        time_module.tzset()
