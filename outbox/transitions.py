@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 def _text(sql: str) -> Any:
     # SQLAlchemy is imported when an application or operator move first runs, not with this
     # module: the relay, the worker and the reconciler speak psycopg only. One construct per
-    # statement, made once: building it per call cost `outbox.write` ~0.09 ms of CPU per call.
+    # statement, made once: `outbox.write` runs in the application's hot path.
     from sqlalchemy import text
 
     return text(sql)
