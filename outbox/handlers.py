@@ -160,9 +160,10 @@ class Handler:
 
     def backoff_seconds(self, attempt: int) -> float:
         """Delay before attempt ``attempt + 1`` (attempt counts from 1)."""
-        return self.backoff[min(attempt - 1, len(self.backoff) - 1)]
+        return _delay(self.backoff, attempt)
 
     def total_backoff_seconds(self) -> float:
+        """The backoffs of every retry added up (docs/timings.md): under ``key_ttl``."""
         return sum(self.backoff_seconds(a) for a in range(1, self.max_attempts))
 
     def timeouts(self) -> httpx.Timeout:
@@ -182,6 +183,11 @@ class Handler:
             key_ttl=self.key_ttl,
             lease_seconds=self.lease_seconds,
         )
+
+
+def _delay(backoff: tuple[float, ...], attempt: int) -> float:
+    # The last entry repeats for the attempts beyond the list.
+    return backoff[min(attempt - 1, len(backoff) - 1)]
 
 
 def declaration_problems(
@@ -226,7 +232,7 @@ def declaration_problems(
                 "around the call"
             )
     if attempts_ok and delays:
-        total = sum(delays[min(a - 1, len(delays) - 1)] for a in range(1, max_attempts))
+        total = sum(_delay(delays, a) for a in range(1, max_attempts))
         if total >= key_ttl:
             problems.append(
                 f"the backoffs add up to {total:g} s over {max_attempts} attempts, not under key_ttl "

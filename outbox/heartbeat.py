@@ -27,7 +27,6 @@ import psycopg
 from .db import connect_raw
 from .logs import first_line
 from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
-from .settings import DEFAULT_NO_CONSUMER_CYCLES as DEFAULT_NO_CONSUMER_CYCLES
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,8 @@ class Decision:
     response: dict[str, Any] | None = None
 
 
-def _short(text: str) -> str:
-    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 1] + "…"
+def _short(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def classify_status(status: int) -> Outcome:
@@ -139,8 +139,7 @@ def decide_exception(handler: Handler, exc: BaseException, *, last_status: int |
             status = last_status
         if status is not None and f"HTTP {status}" not in reason:
             suffix = f" (HTTP {status})"
-            room = _MAX_ERROR_CHARS - len(suffix)
-            reason = (reason if len(reason) <= room else reason[: room - 1] + "…") + suffix
+            reason = _short(reason, _MAX_ERROR_CHARS - len(suffix)) + suffix
     return Decision(outcome, error=reason, http_status=status)
 
 

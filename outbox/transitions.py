@@ -55,6 +55,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from sqlalchemy import text
 
 from . import outcomes, sanitize
 from .schema import NOTIFY_CHANNEL
@@ -67,11 +68,7 @@ if TYPE_CHECKING:
 
 @functools.cache
 def _text(sql: str) -> Any:
-    # SQLAlchemy is imported when an application or operator move first runs, not with this
-    # module: the relay, the worker and the reconciler speak psycopg only. One construct per
-    # statement, made once: `outbox.write` runs in the application's hot path.
-    from sqlalchemy import text
-
+    # One construct per statement, made once: `outbox.write` runs in the application's hot path.
     return text(sql)
 
 

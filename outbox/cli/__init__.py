@@ -93,18 +93,6 @@ def _reject_misplaced(parser: argparse.ArgumentParser, leading: Sequence[str], c
                 parser.error(f"{option} does not apply to `outbox {command.name}`")
 
 
-def _keep_leading(args: argparse.Namespace, leading: Sequence[str]) -> None:
-    # A subcommand defining a shared flag itself, with a default (the demo's URLs), overwrites
-    # the value given before the subcommand: given before and not after, it stands.
-    pre = argparse.ArgumentParser(add_help=False)
-    flags.add_global(pre)
-    flags.add_shared(pre, flags.ALL)
-    given, _ = pre.parse_known_args(list(leading))
-    for name, value in vars(given).items():
-        if getattr(args, name, None) in (None, False):
-            setattr(args, name, value)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected, position = _selected(argv)
@@ -113,7 +101,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = BY_NAME[args.command]
     _reject_misplaced(parser, argv[:position], command)
-    _keep_leading(args, argv[:position])
     try:
         flags.defaults(args)
         from .. import settings

@@ -108,15 +108,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_SEED,
         help=f"seed of the provider's faults and the orders (default {DEFAULT_SEED})",
     )
+    # SUPPRESS, like the shared flags: a value given before `demo` (outbox --redis-url … demo)
+    # is not overwritten by this parser's default.
     parser.add_argument(
         "--database-url",
+        default=argparse.SUPPRESS,
         help="PostgreSQL of yours, postgresql://… (default: $OUTBOX_DATABASE_URL, else an embedded server)",
     )
     parser.add_argument(
-        "--redis-url", help="Redis of yours, redis://… (default: $OUTBOX_REDIS_URL, else an embedded server)"
+        "--redis-url",
+        default=argparse.SUPPRESS,
+        help="Redis of yours, redis://… (default: $OUTBOX_REDIS_URL, else an embedded server)",
     )
     parser.add_argument(
         "--namespace",
+        default=argparse.SUPPRESS,
         help=f"Redis key prefix of the demo's queues (default {DEMO_NAMESPACE}; never $OUTBOX_NAMESPACE, "
         "which is your application's)",
     )

@@ -379,7 +379,7 @@ def _module_checks(module: str, conn: Connection | None) -> list[Check]:
             Check("destinations", SKIP, "handler module not loaded"),
         ]
     # The rules of `@handler` (Handler.problems): a module may build `Handler` objects without it.
-    problems = [f"handler {h.destination}: {p}" for h in handlers.values() for p in h.problems()]
+    problems = [f"handler {p}" for h in handlers.values() for p in h.problems()]  # p names it
     checks = [
         Check("handlers", FAIL, "; ".join(problems))
         if problems

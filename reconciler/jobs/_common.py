@@ -8,11 +8,7 @@ from typing import Any, Protocol
 import httpx
 import psycopg
 
-_MAX_ERROR_CHARS = 500
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 1] + "…"
+from outbox.policy import _short as _short  # the same bound as every stored error text
 
 
 def _nonzero(counts: Counter[str]) -> dict[str, int]:

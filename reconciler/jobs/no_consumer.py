@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import heartbeat
+from outbox import heartbeat, settings
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
@@ -50,7 +50,7 @@ def no_consumer(
     conn: psycopg.Connection[Any],
     hook: AlertHook = log_alert,
     *,
-    cycles_before_alert: int = heartbeat.DEFAULT_NO_CONSUMER_CYCLES,
+    cycles_before_alert: int = settings.DEFAULT_NO_CONSUMER_CYCLES,
 ) -> dict[str, int]:
     """Find destinations with rows waiting (`pending` or `dispatched`) and no live worker
     heartbeat serving their queue; alert each once per episode, after ``cycles_before_alert``
@@ -113,7 +113,7 @@ def no_consumer(
 @dataclass(frozen=True)
 class NoConsumerConfig:
     #: Runs in a row without a consumer before the alert: a restarting worker is not an episode.
-    cycles_before_alert: int = heartbeat.DEFAULT_NO_CONSUMER_CYCLES
+    cycles_before_alert: int = settings.DEFAULT_NO_CONSUMER_CYCLES
 
 
 @dataclass(frozen=True)

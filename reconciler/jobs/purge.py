@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import transitions
+from outbox import settings, transitions
 
 from ._common import _require_autocommit
 
@@ -118,9 +118,9 @@ def purge(
 
 @dataclass(frozen=True)
 class PurgeConfig:
-    retention_seconds: float = 7 * 86400.0
+    retention_seconds: float = settings.DEFAULT_RETENTION_SECONDS
     #: None keeps ledger entries for ever.
-    ledger_horizon_seconds: float | None = 90 * 86400.0
+    ledger_horizon_seconds: float | None = settings.DEFAULT_LEDGER_HORIZON_SECONDS
     max_batches: int = DEFAULT_PURGE_MAX_BATCHES
 
 

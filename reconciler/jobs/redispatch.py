@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import psycopg
 import redis
 
-from outbox import transitions, transport
+from outbox import settings, transitions, transport
 from outbox.handlers import Handler
 from outbox.schema import NOTIFY_CHANNEL
 
@@ -184,7 +184,7 @@ def _report_orphans(orphans: Counter[str], module: str, counts: Counter[str]) ->
 @dataclass(frozen=True)
 class RedispatchConfig:
     #: A `dispatched` row whose message a worker fetched and never acked is re-queued after this.
-    redispatch_after_seconds: float = 300.0
+    redispatch_after_seconds: float = settings.DEFAULT_REDISPATCH_AFTER_SECONDS
     grace_seconds: float = DEFAULT_REDISPATCH_GRACE_SECONDS
     batch_size: int = DEFAULT_REDISPATCH_BATCH
     max_batches: int = DEFAULT_REDISPATCH_MAX_BATCHES

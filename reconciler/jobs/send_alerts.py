@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import transitions
+from outbox import settings, transitions
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
@@ -83,7 +83,7 @@ def send_alerts(
 
 @dataclass(frozen=True)
 class SendAlertsConfig:
-    unknown_alert_after_seconds: float = 3600.0
+    unknown_alert_after_seconds: float = settings.DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS
     batch_size: int = DEFAULT_ALERT_BATCH
 
 

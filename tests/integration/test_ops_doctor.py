@@ -276,7 +276,8 @@ def test_handlers_are_checked_by_their_own_rules(clean, capsys, tmp_path, monkey
     from outbox.handlers import Handler
 
     module = handler_module(tmp_path, monkeypatch, HANDLERS)
-    monkeypatch.setattr(Handler, "problems", lambda self: ["the rule under test"])
+    # problems() names the destination in each sentence (declaration_problems): doctor adds no copy.
+    monkeypatch.setattr(Handler, "problems", lambda self: [f"{self.destination}: the rule under test"])
     code, checks = doctor(clean, capsys, module)
     assert code == 1
     assert checks["handlers"] == ("FAIL", "handler payments.charge: the rule under test")
