@@ -167,10 +167,16 @@ def check(conn: psycopg.Connection[Any], *, process: str) -> Verdict:
             "pg_control_checkpoint() to this role",
             unavailable=True,
         )
-    row = conn.execute(
-        _RECORD, {"sysid": current.system_identifier, "timeline": current.timeline, "by": process}
-    ).fetchone()
-    assert row is not None  # the statement inserts the row when it is missing
+    params = {"sysid": current.system_identifier, "timeline": current.timeline, "by": process}
+    row = conn.execute(_RECORD, params).fetchone()
+    if row is None:
+        # Another process recorded the row first, on an empty table (the relay, a worker and the
+        # reconciler starting together): our INSERT waited for its commit and conflicted, but the
+        # statement's snapshot predates that commit, so its SELECT saw no row. A new statement
+        # sees it.
+        row = conn.execute(_RECORD, params).fetchone()
+    if row is None:
+        raise psycopg.OperationalError("the database identity row could not be read or recorded")
     recorded = Identity(row[0], row[1])
     changes = _differs(recorded, current)
     if not changes:

@@ -172,3 +172,42 @@ def test_a_new_connection_is_checked_before_its_first_claim_or_batch(
         consumer.close()
         close_http_clients()
     assert sql(clean, "SELECT state, attempts FROM outbox_message") == [("dispatched", 0)]
+
+
+def test_processes_recording_the_identity_at_once_both_start(clean: Any) -> None:
+    """The relay, a worker and the reconciler start together on a fresh database (the demo): one
+    records the identity row; the other's INSERT waits for that commit and conflicts, and its
+    statement's snapshot predates the row. It must read the row, not crash (it did: "unexpected
+    AssertionError" from `outbox relay`)."""
+    import threading
+
+    sql(clean, "DELETE FROM outbox_db_identity")
+    url = libpq_url(clean.database_url)
+    with psycopg.connect(url) as first, psycopg.connect(url, autocommit=True) as second:
+        identity, _ = failover.read_identity(first)
+        params = {"sysid": identity.system_identifier, "timeline": identity.timeline, "by": "first"}
+        assert first.execute(failover._RECORD, params).fetchone() is not None  # not committed yet
+        verdicts: list[Any] = []
+        errors: list[BaseException] = []
+
+        def check() -> None:
+            try:
+                verdicts.append(failover.check(second, process="second"))
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=check)
+        thread.start()
+        # The second check is waiting on the first one's uncommitted row.
+        wait = (
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        for _ in range(200):
+            if sql(clean, wait)[0][0] >= 1:
+                break
+            threading.Event().wait(0.02)
+        first.commit()
+        thread.join(10)
+    assert errors == [] and len(verdicts) == 1
+    assert verdicts[0].ok and verdicts[0].recorded == identity
