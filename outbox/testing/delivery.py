@@ -1,0 +1,145 @@
+"""Deliver and reconcile in-process, through the real path: for the tests of users' own code.
+
+``deliver`` runs each due row through the worker's own claim → call → record
+(:class:`outbox.consumer.Executor`, no broker); ``reconcile_once`` runs the reconciler's jobs
+that need no broker (expire leases, resolve unknown rows through the lookups);
+``crash_after_call`` makes the call and then dies before recording, as a worker killed between
+the provider's answer and its commit; ``pass_time`` makes time pass for the rows.
+
+A test of a handler with a lookup can then say, in a few lines, that a crash after the call
+charges once::
+
+    crash_after_call(handlers, database_url=url)   # charged, never recorded
+    pass_time(lease_seconds + time_limit + 1, database_url=url)
+    reconcile_once(handlers, database_url=url)     # the lookup finds the charge: sent
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+import psycopg
+
+from .. import transitions
+from ..consumer import Executor, RunResult
+from ..handlers import Deliveries, Handler, load_module, registry
+from ..settings import libpq_url
+
+#: Rows ``deliver`` takes per round, and rounds at most (a row retried at once comes back).
+_BATCH = 1000
+_MAX_ROUNDS = 50
+
+_DUE = """
+SELECT id, destination FROM outbox_message
+WHERE state = 'dispatched' OR (state = 'pending' AND available_at <= now())
+ORDER BY available_at, id
+LIMIT %(limit)s
+"""
+
+Handlers = Mapping[str, Handler] | ModuleType | str | None
+
+
+def _handlers(handlers: Handlers) -> dict[str, Handler]:
+    """A mapping as given; a module (or its name): the handlers it declared; None: all declared."""
+    if handlers is None:
+        return registry()
+    if isinstance(handlers, str):
+        return load_module(handlers)
+    if isinstance(handlers, ModuleType):
+        importlib.import_module(handlers.__name__)
+        declared = registry()
+        mine = {d: h for d, h in declared.items() if getattr(h.fn, "__module__", None) == handlers.__name__}
+        return mine or declared
+    return dict(handlers)
+
+
+def deliver(handlers: Handlers = None, *, database_url: str) -> dict[int, RunResult]:
+    """Run every due row (``pending`` and due, or ``dispatched``) through the worker's delivery,
+    until none is due; each row's last outcome. A row whose retry is due later is left pending:
+    make time pass (:func:`pass_time`) and call again."""
+    executor = Executor(database_url, _handlers(handlers))
+    results: dict[int, RunResult] = {}
+    try:
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+            for _ in range(_MAX_ROUNDS):
+                due = conn.execute(_DUE, {"limit": _BATCH}).fetchall()
+                ran = 0
+                for row_id, destination in due:
+                    result = executor.deliver(int(row_id), str(destination))
+                    results[int(row_id)] = result
+                    ran += result is not RunResult.EMPTY
+                if not ran:
+                    break
+    finally:
+        executor.close()
+    return results
+
+
+def crash_after_call(handlers: Handlers = None, *, database_url: str) -> list[int]:
+    """Claim each due row and call its handler as the worker would, then "die": the outcome is
+    never recorded, the rows stay ``in_flight`` until their lease expires. The ids called."""
+    table = _handlers(handlers)
+    deliveries = Deliveries()
+    called: list[int] = []
+    try:
+        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+            for row_id, destination in conn.execute(_DUE, {"limit": _BATCH}).fetchall():
+                handler = table.get(destination)
+                if handler is None:
+                    continue
+                claimed = transitions.claim(
+                    conn, row_id=row_id, destination=destination, lease_seconds=handler.lease_seconds
+                )
+                if claimed is None:
+                    continue
+                delivery = deliveries.delivery(
+                    handler,
+                    id=claimed.id,
+                    key=claimed.key,
+                    step=claimed.step,
+                    payload=claimed.payload,
+                    attempt=claimed.attempt,
+                    deadline=claimed.deadline,
+                )
+                try:
+                    handler.fn(delivery)
+                except Exception:  # whatever it answered, nobody records it
+                    pass
+                called.append(int(row_id))
+    finally:
+        deliveries.close()
+    return called
+
+
+def reconcile_once(handlers: Handlers = None, *, database_url: str) -> dict[str, dict[str, int]]:
+    """Run the reconciler's broker-free jobs once, in order: expire leases, then resolve the
+    unknown rows that are due through the handlers' lookups. Counts per job."""
+    from reconciler.jobs.expire_leases import expire_leases
+    from reconciler.jobs.resolve_unknown import resolve_unknown
+
+    table = _handlers(handlers)
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        expired = expire_leases(conn, table)
+        resolved = resolve_unknown(conn, table)
+    return {"expire_leases": {"expired": expired} if expired else {}, "resolve_unknown": resolved}
+
+
+def pass_time(seconds: float, *, database_url: str, ids: list[int] | None = None) -> int:
+    """Make ``seconds`` pass for the rows (all when ``ids`` is None): leases expire, retries and
+    first lookups fall due (:func:`outbox.transitions.elapse`). How many rows."""
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        return transitions.elapse(conn, seconds, ids=ids)
+
+
+def rows(database_url: str) -> list[dict[str, Any]]:
+    """Every outbox row, oldest first, as dictionaries."""
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        cur = conn.execute(
+            "SELECT id, key, step, destination, payload, state, attempts, provider_ref, last_error "
+            "FROM outbox_message ORDER BY id"
+        )
+        names = [c.name for c in cur.description or ()]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
