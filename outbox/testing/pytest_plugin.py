@@ -27,7 +27,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import uuid
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -36,26 +35,13 @@ import psycopg
 import pytest
 
 from ..settings import libpq_url
+from .databases import fresh_database
 from .delivery import rows
 
 DATABASE_ENV = "OUTBOX_TEST_DATABASE_URL"
 # The one write of outbox_message outside outbox.transitions, and no state move: a test
 # database emptied between tests (tests/unit/test_transitions_home.py names this file).
 _EMPTY = "TRUNCATE outbox_message, outbox_attempt, outbox_key_ledger RESTART IDENTITY CASCADE"
-
-
-@contextlib.contextmanager
-def _throwaway_database(url: str) -> Iterator[str]:
-    name = f"outbox_test_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(libpq_url(url), autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    base, _, query = url.partition("?")
-    fresh = base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
-    try:
-        yield fresh
-    finally:
-        with psycopg.connect(libpq_url(url), autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +52,7 @@ def _outbox_session_database() -> Iterator[str]:
     with contextlib.ExitStack() as stack:
         given = os.environ.get(DATABASE_ENV)
         if given:
-            url = stack.enter_context(_throwaway_database(given))
+            url = stack.enter_context(fresh_database(given))
         else:
             from .embedded import embedded_postgres
 
