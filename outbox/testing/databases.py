@@ -24,3 +24,14 @@ def fresh_database(url: str, prefix: str = "outbox_test") -> Iterator[str]:
     finally:
         with psycopg.connect(libpq_url(url), autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# The one write of outbox_message outside outbox.transitions, and no state move: a test
+# database emptied between tests (tests/unit/test_transitions_home.py names this file).
+_EMPTY = "TRUNCATE outbox_message, outbox_attempt, outbox_key_ledger RESTART IDENTITY CASCADE"
+
+
+def empty_database(database_url: str) -> None:
+    """Empty the outbox tables of a test database (every row, fence row and ledger key)."""
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        conn.execute(_EMPTY)

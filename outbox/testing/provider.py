@@ -45,8 +45,9 @@ __all__ = ["FAULT_MODES", "ProviderSimulator", "main"]
 
 logger = logging.getLogger(__name__)
 
-FaultMode = Literal["fail_before", "fail_after", "drop_after", "hang_after", "garbage"]
+FaultMode = Literal["decline", "fail_before", "fail_after", "drop_after", "hang_after", "garbage"]
 FAULT_MODES: Final[tuple[FaultMode, ...]] = (
+    "decline",
     "fail_before",
     "fail_after",
     "drop_after",
@@ -71,6 +72,7 @@ class _BadRequest(Exception):
 class _Config:
     dedupe: bool = False
     latency_ms: float = 0.0
+    decline_rate: float = 0.0
     fail_before_rate: float = 0.0
     fail_after_rate: float = 0.0
     drop_after_rate: float = 0.0
@@ -79,6 +81,9 @@ class _Config:
     lookup_fail: bool = False
     seed: int | None = None
     fault_keys: dict[str, FaultMode] = field(default_factory=dict)
+    # Faults for the next charges, whatever their key, one each in order: "the first call
+    # drops after charging, the retry goes through" without knowing the key.
+    fault_next: list[FaultMode] = field(default_factory=list)
     # Raw JSON object text whose members are appended to every charge the simulator answers
     # (POST and lookup), verbatim: lets a test send what a real provider might, such as
     # "\u0000", NaN, 1e400 or a card number, which json.dumps would refuse or rewrite.
@@ -87,11 +92,14 @@ class _Config:
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["fault_keys"] = dict(self.fault_keys)
+        out["fault_next"] = list(self.fault_next)
         return out
 
 
 _CONFIG_FIELDS: Final = frozenset(f.name for f in fields(_Config))
-_RATE_FIELDS: Final = frozenset({"fail_before_rate", "fail_after_rate", "drop_after_rate", "hang_after_rate"})
+_RATE_FIELDS: Final = frozenset(
+    {"decline_rate", "fail_before_rate", "fail_after_rate", "drop_after_rate", "hang_after_rate"}
+)
 
 
 def _as_bool(name: str, value: object) -> bool:
@@ -127,6 +135,12 @@ def _as_fault_keys(value: object) -> dict[str, FaultMode]:
     return out
 
 
+def _as_fault_next(value: object) -> list[FaultMode]:
+    if not isinstance(value, list) or any(mode not in FAULT_MODES for mode in value):
+        raise ValueError(f"config field 'fault_next' is a list of {', '.join(FAULT_MODES)}; got {value!r}")
+    return [cast(FaultMode, mode) for mode in value]
+
+
 def _as_response_extra(value: object) -> str:
     if not isinstance(value, str):
         raise ValueError(f"config field 'response_extra' must be a string, got {value!r}")
@@ -148,7 +162,7 @@ def _apply_config(config: _Config, updates: Mapping[str, object]) -> _Config:
             f"unknown config field(s): {', '.join(unknown)}; "
             f"known fields: {', '.join(sorted(_CONFIG_FIELDS))}"
         )
-    new = replace(config, fault_keys=dict(config.fault_keys))
+    new = replace(config, fault_keys=dict(config.fault_keys), fault_next=list(config.fault_next))
     for name, value in updates.items():
         if name in ("dedupe", "lookup_fail"):
             setattr(new, name, _as_bool(name, value))
@@ -162,6 +176,8 @@ def _apply_config(config: _Config, updates: Mapping[str, object]) -> _Config:
         elif name == "fault_keys":
             # Merged rather than replaced, so a test can arm faults one key at a time.
             new.fault_keys.update(_as_fault_keys(value))
+        elif name == "fault_next":
+            new.fault_next = _as_fault_next(value)
         else:
             setattr(new, name, _as_number(name, value))
     return new
@@ -186,7 +202,11 @@ class _State:
         self._clear()
 
     def _clear(self) -> None:
-        self._config = replace(self._baseline, fault_keys=dict(self._baseline.fault_keys))
+        self._config = replace(
+            self._baseline,
+            fault_keys=dict(self._baseline.fault_keys),
+            fault_next=list(self._baseline.fault_next),
+        )
         self._rng.seed(self._baseline.seed)
         self._next_id = 1
         self._charges: dict[str, dict[str, Any]] = {}
@@ -198,7 +218,11 @@ class _State:
 
     def config(self) -> _Config:
         with self._lock:
-            return replace(self._config, fault_keys=dict(self._config.fault_keys))
+            return replace(
+                self._config,
+                fault_keys=dict(self._config.fault_keys),
+                fault_next=list(self._config.fault_next),
+            )
 
     def configure(self, updates: Mapping[str, object]) -> dict[str, Any]:
         with self._lock:
@@ -210,6 +234,10 @@ class _State:
     def reset(self) -> None:
         with self._lock:
             self._clear()
+
+    def clear_fault_keys(self) -> None:
+        with self._lock:
+            self._config.fault_keys.clear()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -237,8 +265,17 @@ class _State:
             cfg = self._config
             # A keyed fault wins over random ones so tests stay deterministic whatever the rates.
             fault = cfg.fault_keys.pop(key, None)
+            if fault is None and cfg.fault_next:
+                fault = cfg.fault_next.pop(0)
             if fault is None and self._rng.random() < cfg.fail_before_rate:
                 fault = "fail_before"
+            # Drawn only when asked for, so seeded runs without declines keep their sequence.
+            if fault is None and cfg.decline_rate and self._rng.random() < cfg.decline_rate:
+                fault = "decline"
+            if fault == "decline":
+                self._faults["decline"] += 1
+                self._declined += 1
+                return _Outcome(402, {"error": "card declined"}, "decline")
             if fault == "fail_before":
                 self._faults["fail_before"] += 1
                 return _Outcome(503, {"error": "provider unavailable (simulated)"}, "fail_before")
@@ -412,7 +449,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise _BadRequest("missing Idempotency-Key header")
 
         outcome = state.charge(key, body)
-        if outcome.fault in (None, "fail_before"):
+        if outcome.fault in (None, "fail_before", "decline"):
             self._send_charge(outcome.status, outcome.body)
         elif outcome.fault == "fail_after":
             self._send_json(500, {"error": "internal error after charging (simulated)"})
@@ -623,6 +660,54 @@ class ProviderSimulator:
         """Same as ``POST /_reset``: forget charges and counters, restore the start config."""
         self._state.reset()
 
+    # -- named faults, for tests of handlers -------------------------------------------------
+    # Each applies to every charge from now on (times=None: until healthy()) or to the next
+    # ``times`` charges, whatever their key; keyed one-shot faults stay available through
+    # configure(fault_keys={idempotency_key: mode}).
+
+    def decline(self, times: int | None = None) -> None:
+        """Answer 402 "card declined" without charging."""
+        self._fault("decline", "decline_rate", times)
+
+    def unavailable(self, times: int | None = None) -> None:
+        """Answer 503 without charging: the provider is down, nothing happened."""
+        self._fault("fail_before", "fail_before_rate", times)
+
+    def drop_after_charge(self, times: int | None = None) -> None:
+        """Charge, then close the connection unanswered: the caller cannot know it charged."""
+        self._fault("drop_after", "drop_after_rate", times)
+
+    def slow(self, ms: float) -> None:
+        """Wait ``ms`` milliseconds before each charge and lookup (0: no wait)."""
+        self.configure(latency_ms=ms)
+
+    def healthy(self) -> None:
+        """No faults and no latency from now on; charges and counters are kept."""
+        self.configure(
+            decline_rate=0.0,
+            fail_before_rate=0.0,
+            fail_after_rate=0.0,
+            drop_after_rate=0.0,
+            hang_after_rate=0.0,
+            latency_ms=0.0,
+            lookup_fail=False,
+            fault_next=[],
+        )
+        self._state.clear_fault_keys()
+
+    def charges(self, idempotency_key: str | None = None) -> int:
+        """Charges made (effects): in all, or for one Idempotency-Key (``key:step`` for a row)."""
+        effects = self.stats()["effects"]
+        return int(effects.get(idempotency_key, 0) if idempotency_key else sum(effects.values()))
+
+    def _fault(self, mode: FaultMode, rate_field: str, times: int | None) -> None:
+        if times is None:
+            self.configure(**{rate_field: 1.0})
+            return
+        if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            raise ValueError(f"times must be a positive integer or None, got {times!r}")
+        self.configure(fault_next=[*self._state.config().fault_next, *[mode] * times])
+
     def __enter__(self) -> ProviderSimulator:
         return self.start()
 
@@ -700,6 +785,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="delay before handling each charge and lookup, in milliseconds (default: 0)",
     )
     parser.add_argument(
+        "--decline-rate",
+        type=_rate,
+        default=0.0,
+        metavar="R",
+        help="fraction of charges answered 402 card declined, without charging (default: 0)",
+    )
+    parser.add_argument(
         "--fail-before-rate",
         type=_rate,
         default=0.0,
@@ -752,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
     config: dict[str, object] = {
         "dedupe": args.dedupe,
         "latency_ms": args.latency_ms,
+        "decline_rate": args.decline_rate,
         "fail_before_rate": args.fail_before_rate,
         "fail_after_rate": args.fail_after_rate,
         "drop_after_rate": args.drop_after_rate,

@@ -5,20 +5,25 @@
 No entry point: installing outbox changes nobody's test runs. Fixtures:
 
 ``outbox_database_url``
-    A migrated throwaway database, emptied before each test. With ``OUTBOX_TEST_DATABASE_URL``
-    set, the plugin creates a database of its own on that server (never yours) and drops it at
-    the end of the session; otherwise it starts an embedded PostgreSQL (``pgserver``, the
-    ``embedded`` extra) once per session.
+    A migrated throwaway database, emptied before each test (and the handler registry cleared),
+    as a SQLAlchemy URL (``postgresql+psycopg://…``). With ``OUTBOX_TEST_DATABASE_URL`` set, the
+    plugin creates a database of its own on that server (never yours) and drops it at the end of
+    the session; otherwise it starts an embedded PostgreSQL (``pgserver``, the ``embedded``
+    extra) once per session. ``outbox_session_database_url`` is the same database, not emptied.
+``outbox_engine``
+    A SQLAlchemy ``Engine`` on that database, for the business code under test.
 ``outbox_provider``
-    The provider simulator (:class:`outbox.testing.provider.ProviderSimulator`) on 127.0.0.1:
-    ``configure(decline_rate=1.0)``, ``fail_before_rate``, ``drop_after_rate`` …; ``stats()``
-    counts charges per Idempotency-Key.
+    The provider simulator (:class:`outbox.testing.provider.ProviderSimulator`) on 127.0.0.1,
+    with named faults: ``decline()``, ``unavailable()`` (503), ``drop_after_charge()``,
+    ``slow(ms)`` (each for every call until ``healthy()``, or ``times=N`` for the next N);
+    ``charges(idempotency_key=None)`` counts the charges made.
 ``outbox_written``
     ``outbox_written()`` lists the rows written so far; ``outbox_written.assert_written(key,
     step, destination=…, payload=…)`` checks one, with a readable diff when it differs.
 
 Delivery in-process through the real path: :mod:`outbox.testing.delivery` (``deliver``,
-``reconcile_once``, ``crash_after_call``, ``pass_time``).
+``reconcile_once``, ``crash_after_call``, ``recover``, ``pass_time``). docs/testing.md shows them
+at work.
 """
 
 from __future__ import annotations
@@ -31,21 +36,19 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg
 import pytest
+from sqlalchemy import Engine
 
-from ..settings import libpq_url
-from .databases import fresh_database
+from ..settings import normalize_database_url
+from .databases import empty_database, fresh_database
 from .delivery import rows
 
 DATABASE_ENV = "OUTBOX_TEST_DATABASE_URL"
-# The one write of outbox_message outside outbox.transitions, and no state move: a test
-# database emptied between tests (tests/unit/test_transitions_home.py names this file).
-_EMPTY = "TRUNCATE outbox_message, outbox_attempt, outbox_key_ledger RESTART IDENTITY CASCADE"
 
 
 @pytest.fixture(scope="session")
-def _outbox_session_database() -> Iterator[str]:
+def outbox_session_database_url() -> Iterator[str]:
+    """The migrated test database of this session, as a SQLAlchemy URL; never emptied here."""
     from ..db import make_engine
     from ..migrate import upgrade
 
@@ -66,19 +69,28 @@ def _outbox_session_database() -> Iterator[str]:
             upgrade(engine)
         finally:
             engine.dispose()
-        yield url
+        yield normalize_database_url(url)
 
 
 @pytest.fixture
-def outbox_database_url(_outbox_session_database: str) -> str:
+def outbox_database_url(outbox_session_database_url: str) -> str:
     """The migrated test database, emptied now: deliveries use connections of their own, so a
     rolled-back test transaction would not be enough."""
-    with psycopg.connect(libpq_url(_outbox_session_database), autocommit=True) as conn:
-        conn.execute(_EMPTY)
     from ..handlers import clear_registry
 
+    empty_database(outbox_session_database_url)
     clear_registry()
-    return _outbox_session_database
+    return outbox_session_database_url
+
+
+@pytest.fixture
+def outbox_engine(outbox_database_url: str) -> Iterator[Engine]:
+    """A SQLAlchemy engine on the emptied test database; disposed after the test."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(outbox_database_url)
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture

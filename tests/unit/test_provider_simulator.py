@@ -379,3 +379,64 @@ def test_command_line_serves_until_sigterm(tmp_path: Path) -> None:
     assert proc.returncode == 0, err
     assert out == f"provider listening on {url}\n"
     assert err == ""
+
+
+# -- named faults: the switches the pytest plugin's users reach for -----------------------------
+
+
+def test_decline_answers_402_without_charging_until_healthy(
+    provider: ProviderSimulator, client: httpx.Client
+) -> None:
+    provider.decline()
+    assert [charge(client, f"k{i}").status_code for i in range(3)] == [402, 402, 402]
+    provider.healthy()
+    assert charge(client, "k0").status_code == 200
+    stats = provider.stats()
+    assert stats["declined"] == 3 and stats["faults"]["decline"] == 3
+    assert provider.charges() == 1 and provider.charges("k0") == 1 and provider.charges("k1") == 0
+
+
+def test_times_applies_to_the_next_charges_whatever_their_key(
+    provider: ProviderSimulator, client: httpx.Client
+) -> None:
+    provider.unavailable(times=2)
+    provider.drop_after_charge(times=1)
+    assert charge(client, "a").status_code == 503
+    assert charge(client, "b").status_code == 503
+    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+        charge(client, "c")
+    assert charge(client, "d").status_code == 200
+    assert provider.stats()["effects"] == {"c": 1, "d": 1}
+    assert provider.configure()["fault_next"] == []
+
+
+def test_unavailable_until_healthy(provider: ProviderSimulator, client: httpx.Client) -> None:
+    provider.unavailable()
+    provider.configure(fault_keys={"x": "garbage"})
+    assert all(charge(client, f"k{i}").status_code == 503 for i in range(4))
+    provider.healthy()  # keyed faults go too: "healthy" means every call goes through
+    assert provider.configure()["fault_keys"] == {}
+    assert charge(client, "x").status_code == 200
+    assert charge(client, "x").json()["status"] == "succeeded"
+    assert provider.charges("x") == 2
+
+
+def test_slow_delays_each_answer(provider: ProviderSimulator, client: httpx.Client) -> None:
+    provider.slow(300)
+    started = time.monotonic()
+    assert charge(client, "k").status_code == 200
+    assert time.monotonic() - started >= 0.29
+    provider.healthy()
+    assert provider.configure()["latency_ms"] == 0
+
+
+@pytest.mark.parametrize("times", [0, -1, 1.5, True])
+def test_times_must_be_a_positive_integer(provider: ProviderSimulator, times: Any) -> None:
+    with pytest.raises(ValueError, match="times must be a positive integer"):
+        provider.decline(times=times)
+    assert provider.configure()["fault_next"] == []
+
+
+def test_fault_next_is_validated(provider: ProviderSimulator) -> None:
+    with pytest.raises(ValueError, match="fault_next"):
+        provider.configure(fault_next=["explode"])

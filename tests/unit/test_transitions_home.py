@@ -19,7 +19,7 @@ WRITES = re.compile(
 )
 HOME = ROOT / "outbox" / "transitions.py"
 # Test tooling that empties the tables between a user's tests: no state move.
-EMPTIES_FOR_TESTS = ROOT / "outbox" / "testing" / "pytest_plugin.py"
+EMPTIES_FOR_TESTS = ROOT / "outbox" / "testing" / "databases.py"
 
 
 def product_sources() -> list[Path]:
