@@ -6,10 +6,11 @@ payment at three in the morning.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -409,3 +410,19 @@ def clear_registry() -> None:
     with _registry_lock:
         _registry.clear()
         _lookups.clear()
+
+
+@contextlib.contextmanager
+def isolated_registry() -> Iterator[None]:
+    """For tests: handlers and lookups declared inside are forgotten on exit; those declared
+    before (a handler module imported by the test file) are what they were."""
+    with _registry_lock:
+        handlers, lookups = dict(_registry), dict(_lookups)
+    try:
+        yield
+    finally:
+        with _registry_lock:
+            _registry.clear()
+            _registry.update(handlers)
+            _lookups.clear()
+            _lookups.update(lookups)

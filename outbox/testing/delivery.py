@@ -26,7 +26,8 @@ import psycopg
 
 from .. import transitions
 from ..consumer import Executor, RunResult
-from ..handlers import Deliveries, Handler, load_module, registry
+from ..exceptions import ConfigError
+from ..handlers import Deliveries, Handler, registry
 from ..settings import libpq_url
 from ..states import TERMINAL
 
@@ -49,17 +50,22 @@ Handlers = Mapping[str, Handler] | ModuleType | str | None
 
 
 def _handlers(handlers: Handlers) -> dict[str, Handler]:
-    """A mapping as given; a module (or its name): the handlers it declared; None: all declared."""
+    """A mapping as given; None: every declared handler; a module (or its name): the handlers
+    it declares or re-exports."""
     if handlers is None:
         return registry()
-    if isinstance(handlers, str):
-        return load_module(handlers)
-    if isinstance(handlers, ModuleType):
-        importlib.import_module(handlers.__name__)
-        declared = registry()
-        mine = {d: h for d, h in declared.items() if getattr(h.fn, "__module__", None) == handlers.__name__}
-        return mine or declared
-    return dict(handlers)
+    module = importlib.import_module(handlers) if isinstance(handlers, str) else handlers
+    if not isinstance(module, ModuleType):
+        return dict(handlers)  # type: ignore[arg-type]
+    name = module.__name__
+    declared = registry()
+    mine = {h.destination for h in vars(module).values() if isinstance(h, Handler)}
+    mine |= {d for d, h in declared.items() if f"{getattr(h.fn, '__module__', '')}.".startswith(f"{name}.")}
+    if not mine:
+        raise ConfigError(f"module {name!r} declares no @outbox.handler")
+    # The registry's entry when there is one: it is what a worker would run.
+    found = {h.destination: h for h in vars(module).values() if isinstance(h, Handler)}
+    return {d: declared.get(d) or found[d] for d in sorted(mine)}
 
 
 def deliver(handlers: Handlers = None, *, database_url: str) -> dict[int, RunResult]:

@@ -5,11 +5,12 @@
 No entry point: installing outbox changes nobody's test runs. Fixtures:
 
 ``outbox_database_url``
-    A migrated throwaway database, emptied before each test (and the handler registry cleared),
-    as a SQLAlchemy URL (``postgresql+psycopg://…``). With ``OUTBOX_TEST_DATABASE_URL`` set, the
-    plugin creates a database of its own on that server (never yours) and drops it at the end of
-    the session; otherwise it starts an embedded PostgreSQL (``pgserver``, the ``embedded``
-    extra) once per session. ``outbox_session_database_url`` is the same database, not emptied.
+    A migrated throwaway database, emptied before each test, as a SQLAlchemy URL
+    (``postgresql+psycopg://…``). With ``OUTBOX_TEST_DATABASE_URL`` set, the plugin creates a
+    database of its own on that server (never yours) and drops it at the end of the session;
+    otherwise it starts an embedded PostgreSQL (``pgserver``, the ``embedded`` extra) once per
+    session. Handlers declared in a test are forgotten after it.
+    ``outbox_session_database_url`` is the same database, not emptied.
 ``outbox_engine``
     A SQLAlchemy ``Engine`` on that database, for the business code under test.
 ``outbox_provider``
@@ -73,14 +74,15 @@ def outbox_session_database_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def outbox_database_url(outbox_session_database_url: str) -> str:
+def outbox_database_url(outbox_session_database_url: str) -> Iterator[str]:
     """The migrated test database, emptied now: deliveries use connections of their own, so a
-    rolled-back test transaction would not be enough."""
-    from ..handlers import clear_registry
+    rolled-back test transaction would not be enough. Handlers the test declares are forgotten
+    after it; those of modules imported before stay."""
+    from ..handlers import isolated_registry
 
     empty_database(outbox_session_database_url)
-    clear_registry()
-    return outbox_session_database_url
+    with isolated_registry():
+        yield outbox_session_database_url
 
 
 @pytest.fixture
@@ -118,6 +120,7 @@ class Written:
         destination: str | None = None,
         payload: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        __tracebackhide__ = True  # pytest shows the caller's line and the diff, not this body
         found = [r for r in self() if r["key"] == key and r["step"] == step]
         if not found:
             written = ", ".join(f"{r['key']}/{r['step']}" for r in self()) or "nothing"

@@ -9,6 +9,9 @@
   annotated with one of our classes (``d: Delivery``, ``row: AlertRow``) exist on that class.
   After a page ran, a check per page drives what it defined: handlers against the provider
   simulator through the real consumer, lookups, the async write, the alert hook.
+  A ``python`` block whose first line is ``# file: NAME`` is a file of a small project instead
+  (docs/testing.md): the page's files are written to a directory and the project's own tests
+  run there with pytest, in a subprocess, against a database the plugin makes on the test server.
 * ``pycon`` blocks are doctests (their output and tracebacks are compared).
 * ``sh`` / ``console`` blocks: each ``outbox …`` command line is parsed by the real argument
   parser, including the subcommands other modules plug in; ``OUTBOX_*`` assignments must name a
@@ -35,8 +38,11 @@ import importlib.util
 import inspect
 import io
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 import threading
 import types
 import typing
@@ -72,6 +78,7 @@ PAGES = (
     "production.md",
     "runbook.md",
     "not-a-queue.md",
+    "testing.md",
 )
 OWN_PACKAGES = ("outbox", "reconciler", "relay")
 #: Blocks importing one of these are compiled and API-checked when it is not installed.
@@ -410,10 +417,21 @@ def run_pycon_block(block: Block, run: PageRun) -> None:
     run.executed.append(block.where)
 
 
+_PROJECT_FILE = re.compile(r"# file: ([\w.]+\.py)\n")
+
+
+def project_file(block: Block) -> str | None:
+    """The file a python block is, when its first line names one (``# file: conftest.py``)."""
+    match = _PROJECT_FILE.match(block.code)
+    return match.group(1) if match and block.lang == "python" else None
+
+
 def run_page(page: str, seeds: dict[str, Any]) -> PageRun:
     path = ROOT / page
     run = PageRun({"__name__": "docs_" + re.sub(r"\W", "_", path.stem), **seeds})
     for block in blocks_of(path):
+        if project_file(block):
+            continue
         if block.lang == "python":
             run_python_block(block, run)
         elif block.lang == "pycon":
@@ -703,7 +721,54 @@ PAGE_CHECKS: dict[str, Callable[[PageRun, Shop], None]] = {
 
 
 def python_pages() -> list[str]:
-    return sorted({b.page for b in blocks("python", "pycon")})
+    return sorted({b.page for b in blocks("python", "pycon") if not project_file(b)})
+
+
+def project_pages() -> list[str]:
+    return sorted({b.page for b in blocks("python") if project_file(b)})
+
+
+def _database_names(url: str) -> set[str]:
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        return {r[0] for r in conn.execute("SELECT datname FROM pg_database").fetchall()}
+
+
+@pytest.mark.parametrize("page", project_pages())
+def test_project_pages_pass_their_own_tests(page: str, clean: Any, engine: Engine, tmp_path: Path) -> None:
+    """The page's files, as a user's project, run by pytest on the plugin: every test passes."""
+    files: dict[str, list[str]] = {}
+    for block in blocks_of(ROOT / page):
+        name = project_file(block)
+        if name:
+            check_api(block.code, block.where, {})
+            files.setdefault(name, []).append(block.code)
+    for name, parts in files.items():
+        (tmp_path / name).write_text("\n\n".join(parts), encoding="utf-8")
+    tests = sum(
+        len(re.findall(r"^def test_", "".join(parts), flags=re.MULTILINE))
+        for name, parts in files.items()
+        if name.startswith("test_")
+    )
+    assert tests, f"{page}: the project has no tests"
+    # The user's own database: the plugin must leave it alone and clean up what it makes.
+    with Session(engine) as s, s.begin():
+        outbox.write(s, key="mine:1", step="charge", destination="payments.charge", payload={})
+    before = _database_names(clean.database_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(PYTHONPATH=str(tmp_path), OUTBOX_TEST_DATABASE_URL=clean.database_url)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:asyncio", "-W", "error"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and re.search(rf"\b{tests} passed in ", out), f"{page}:\n{out}"
+    assert _database_names(clean.database_url) == before, "the plugin left a database behind"
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT key FROM outbox_message")).scalars().all() == ["mine:1"]
 
 
 @pytest.mark.parametrize("page", python_pages())
@@ -740,9 +805,10 @@ def test_python_blocks_run(page: str, clean: Any, engine: Engine, provider: Any,
 def _known_variables() -> set[str]:
     from outbox.cli.flags import LOG_LEVEL_ENV
     from outbox.logs import LOG_FORMAT_ENV
+    from outbox.testing.pytest_plugin import DATABASE_ENV
     from reconciler.alerts import ALERT_HOOK_ENV
 
-    return {*settings.ENVIRONMENT, ALERT_HOOK_ENV, LOG_LEVEL_ENV, LOG_FORMAT_ENV}
+    return {*settings.ENVIRONMENT, ALERT_HOOK_ENV, LOG_LEVEL_ENV, LOG_FORMAT_ENV, DATABASE_ENV}
 
 
 def _check_assignment(where: str, assignment: str) -> None:
@@ -756,6 +822,8 @@ def _check_assignment(where: str, assignment: str) -> None:
         from outbox.cli.flags import log_level
 
         log_level(value)  # raises for a bad level
+    elif name == "OUTBOX_TEST_DATABASE_URL":
+        settings.normalize_database_url(value)  # raises ConfigError for a bad URL
     elif name == "OUTBOX_LOG_FORMAT":
         from outbox.logs import LOG_FORMATS
 

@@ -1,5 +1,7 @@
 """The pytest plugin, as a user runs it: a project of their own (conftest with one line, a handler
 module, tests) run by pytest in a subprocess, against a real PostgreSQL and the provider simulator.
+What docs/testing.md shows runs in tests/integration/test_docs.py; this covers the rest: the
+diff, handlers declared in tests, other destinations, a crash of one row, no lookup.
 """
 
 from __future__ import annotations
@@ -42,71 +44,90 @@ def find(d: Delivery) -> Confirmed | None:
 """
 
 TESTS = """
-import importlib
-
 import pytest
-from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox.settings import normalize_database_url
-from outbox.testing.delivery import crash_after_call, deliver, pass_time, reconcile_once
+from outbox import Confirmed
+from outbox.testing.delivery import crash_after_call, deliver, recover
 
 import shop_handlers
 
 
 @pytest.fixture
-def handlers(outbox_database_url, outbox_provider, monkeypatch):
+def provider(outbox_provider, monkeypatch):
     monkeypatch.setenv("PROVIDER_URL", outbox_provider.url)
-    importlib.reload(shop_handlers)  # declared again: the fixture cleared the registry
-    return shop_handlers
+    return outbox_provider
 
 
-def place_order(url, order_id, amount=1200):
-    engine = create_engine(normalize_database_url(url))
+def write(engine, key, destination="payments.charge", amount=1200):
     with Session(engine) as s, s.begin():
-        outbox.write(s, key=f"order:{order_id}", step="charge", destination="payments.charge",
-                     payload={"amount_cents": amount})
-    engine.dispose()
+        outbox.write(s, key=key, step="charge", destination=destination, payload={"amount_cents": amount})
 
 
-def test_written(outbox_database_url, outbox_written):
-    place_order(outbox_database_url, 1)
+def test_written(outbox_engine, outbox_written):
+    write(outbox_engine, "order:1")
     outbox_written.assert_written("order:1", "charge", destination="payments.charge",
                                   payload={"amount_cents": 1200})
 
 
-def test_written_differs(outbox_database_url, outbox_written):
-    place_order(outbox_database_url, 2, amount=999)
+def test_written_differs(outbox_engine, outbox_written):
+    write(outbox_engine, "order:2", amount=999)
     outbox_written.assert_written("order:2", "charge", payload={"amount_cents": 1200})
 
 
-def test_delivered_once(outbox_database_url, outbox_provider, handlers):
-    place_order(outbox_database_url, 3)
-    results = deliver(handlers, database_url=outbox_database_url)
-    assert [str(r) for r in results.values()] == ["sent"]
-    assert outbox_provider.stats()["charges"] == 1
+def test_a_handler_declared_in_a_test(outbox_engine, outbox_database_url, provider):
+    @outbox.handler("mail.send", time_limit=5)
+    def send(d):
+        return Confirmed(ref="m1")
+
+    write(outbox_engine, "user:1", destination="mail.send")
+    assert deliver({"mail.send": send}, database_url=outbox_database_url) == {1: "sent"}
 
 
-def test_declined_fails_with_reason(outbox_database_url, outbox_provider, outbox_written, handlers):
-    place_order(outbox_database_url, 4, amount=-1)  # the simulator declines a negative amount
-    deliver(handlers, database_url=outbox_database_url)
-    [row] = outbox_written()
-    assert row["state"] == "failed" and "card declined" in row["last_error"]
+def test_is_forgotten_after_it(outbox_engine, outbox_database_url):
+    # Another function for the same destination: refused if the last test's were still declared.
+    @outbox.handler("mail.send", time_limit=5)
+    def other(d):
+        return Confirmed(ref="m2")
+
+    assert "payments.charge" in outbox.handlers.registry()  # the module's handlers stay
 
 
-def test_crash_after_call_charges_once(outbox_database_url, outbox_provider, outbox_written, handlers):
-    place_order(outbox_database_url, 5)
-    assert len(crash_after_call(handlers, database_url=outbox_database_url)) == 1
-    assert outbox_written()[0]["state"] == "in_flight"
-    pass_time(11, database_url=outbox_database_url)  # the lease (10 s) runs out
-    reconcile_once(handlers, database_url=outbox_database_url)
-    pass_time(6, database_url=outbox_database_url)  # the first lookup waits one time_limit
-    reconcile_once(handlers, database_url=outbox_database_url)
-    deliver(handlers, database_url=outbox_database_url)
-    [row] = outbox_written()
-    assert row["state"] == "sent"
-    assert outbox_provider.stats()["charges"] == 1
+def test_other_destinations_are_left_alone(outbox_engine, outbox_database_url, outbox_written, provider):
+    write(outbox_engine, "user:1", destination="mail.send")
+    write(outbox_engine, "order:3")
+    assert deliver(shop_handlers, database_url=outbox_database_url) == {2: "sent"}
+    assert [r["state"] for r in outbox_written()] == ["pending", "sent"]
+
+
+def test_a_crash_of_one_row(outbox_engine, outbox_database_url, outbox_written, provider):
+    write(outbox_engine, "order:4")
+    write(outbox_engine, "order:5")
+    assert crash_after_call(shop_handlers, database_url=outbox_database_url, ids=[2]) == [2]
+    assert deliver(shop_handlers, database_url=outbox_database_url) == {1: "sent"}
+    assert [r["state"] for r in outbox_written()] == ["sent", "in_flight"]
+    assert recover(shop_handlers, database_url=outbox_database_url) == {1: "sent", 2: "sent"}
+    assert provider.charges() == 2 and provider.stats()["double_charged"] == []
+
+
+def test_without_a_lookup_a_lost_answer_stays_unknown(outbox_engine, outbox_database_url, provider):
+    @outbox.handler("payments.refund", time_limit=5, lease_seconds=10)
+    def refund(d):
+        r = d.http.post(provider.url + "/charges", json=d.payload,
+                        headers={"Idempotency-Key": d.idempotency_key})
+        r.raise_for_status()
+        return Confirmed(ref=r.json()["id"])
+
+    provider.drop_after_charge(times=1)
+    write(outbox_engine, "order:6", destination="payments.refund")
+    assert recover({"payments.refund": refund}, database_url=outbox_database_url) == {1: "unknown"}
+    assert provider.charges() == 1
+
+
+def test_a_module_without_handlers_is_refused(outbox_database_url):
+    with pytest.raises(outbox.ConfigError, match="declares no @outbox.handler"):
+        deliver("json", database_url=outbox_database_url)
 """
 
 
@@ -114,9 +135,9 @@ def test_a_user_project_tests_its_outbox_code_with_the_plugin(tmp_path: Path) ->
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "shop_handlers.py").write_text(textwrap.dedent(HANDLERS))
     (tmp_path / "test_shop.py").write_text(textwrap.dedent(TESTS))
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_") or k == "OUTBOX_TEST_DATABASE_URL"
-    }
+    # No OUTBOX_TEST_DATABASE_URL: the plugin starts its embedded PostgreSQL (docs/testing.md's
+    # project, run by tests/integration/test_docs.py, covers a server named by the variable).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     env["PYTHONPATH"] = str(tmp_path)
     proc = subprocess.run(
         [
@@ -140,7 +161,7 @@ def test_a_user_project_tests_its_outbox_code_with_the_plugin(tmp_path: Path) ->
     )
     out = proc.stdout + proc.stderr
     # Every test passes but the one whose payload differs, which fails with a readable diff.
-    assert "1 failed, 4 passed" in out, out
+    assert "1 failed, 7 passed" in out, out
     assert "test_written_differs" in out
     assert "outbox row ('order:2', 'charge') differs:" in out
     assert "payload: expected {'amount_cents': 1200}" in out and "written  {'amount_cents': 999}" in out
