@@ -435,6 +435,7 @@ WITH waits AS (
         lease_expires_at = NULL,
         last_error = %(error)s
     WHERE state = 'in_flight' AND lease_expires_at < now()
+      AND (CAST(%(only)s AS text[]) IS NULL OR m.destination = ANY(CAST(%(only)s AS text[])))
     RETURNING id, claim_token
 ), fenced AS (
     UPDATE outbox_attempt a
@@ -612,6 +613,7 @@ def expire_leases(
     waits_seconds: Mapping[str, float],
     default_wait_seconds: float,
     error: str,
+    only_destinations: Sequence[str] | None = None,
 ) -> int:
     """``in_flight`` -> ``unknown`` for every row whose lease has expired; how many moved.
 
@@ -619,8 +621,10 @@ def expire_leases(
     destination), ``default_wait_seconds`` for a destination not named. One statement, so it is
     safe against a consumer recording at the same moment: whichever commits first wins, and the
     other's guard no longer matches. On a connection inside a transaction the caller commits.
+    ``only_destinations``: those destinations' rows only (test helpers); None: every row.
     """
     params = {
+        "only": list(only_destinations) if only_destinations is not None else None,
         "error": error,
         "destinations": list(waits_seconds),
         "waits": [float(w) for w in waits_seconds.values()],

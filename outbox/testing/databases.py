@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator
 
 import psycopg
+from sqlalchemy.engine import make_url
 
 from outbox.settings import libpq_url
 
@@ -17,8 +18,8 @@ def fresh_database(url: str, prefix: str = "outbox_test") -> Iterator[str]:
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     with psycopg.connect(libpq_url(url), autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
-    base, _, query = url.partition("?")
-    fresh = base.rsplit("/", 1)[0] + "/" + name + (f"?{query}" if query else "")
+    # make_url, not string surgery: a URL without a database path ("…@host:5432") keeps its host.
+    fresh = make_url(url).set(database=name).render_as_string(hide_password=False)
     try:
         yield fresh
     finally:

@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any
 
 import psycopg
+from sqlalchemy import URL, Engine
 
 from .. import transitions
 from ..consumer import Executor, RunResult
@@ -47,6 +48,7 @@ LIMIT %(limit)s
 """
 
 Handlers = Mapping[str, Handler] | ModuleType | str | None
+Database = str | URL | Engine
 
 
 def _handlers(handlers: Handlers) -> dict[str, Handler]:
@@ -54,29 +56,53 @@ def _handlers(handlers: Handlers) -> dict[str, Handler]:
     it declares or re-exports."""
     if handlers is None:
         return registry()
+    if isinstance(handlers, Mapping):
+        table = dict(handlers)
+        wrong = [d for d, h in table.items() if not isinstance(h, Handler) or h.destination != d]
+        if wrong or not table:
+            raise ConfigError(
+                "handlers must map each destination to the @outbox.handler declared for it "
+                f"({{'payments.charge': charge}}); got {handlers!r}"
+            )
+        return table
+    if not isinstance(handlers, ModuleType | str):
+        raise TypeError(
+            "handlers: a handler module (or its name), a {destination: handler} dict, or None for "
+            f"every declared handler; got {type(handlers).__name__}"
+        )
     module = importlib.import_module(handlers) if isinstance(handlers, str) else handlers
-    if not isinstance(module, ModuleType):
-        return dict(handlers)  # type: ignore[arg-type]
     name = module.__name__
     declared = registry()
-    mine = {h.destination for h in vars(module).values() if isinstance(h, Handler)}
-    mine |= {d for d, h in declared.items() if f"{getattr(h.fn, '__module__', '')}.".startswith(f"{name}.")}
+    found = {h.destination: h for h in vars(module).values() if isinstance(h, Handler)}
+    mine = set(found) | {
+        d for d, h in declared.items() if f"{getattr(h.fn, '__module__', '')}.".startswith(f"{name}.")
+    }
     if not mine:
         raise ConfigError(f"module {name!r} declares no @outbox.handler")
     # The registry's entry when there is one: it is what a worker would run.
-    found = {h.destination: h for h in vars(module).values() if isinstance(h, Handler)}
     return {d: declared.get(d) or found[d] for d in sorted(mine)}
 
 
-def deliver(handlers: Handlers = None, *, database_url: str) -> dict[int, RunResult]:
-    """Run every due row (``pending`` and due, or ``dispatched``) through the worker's delivery,
-    until none is due; each row's last outcome. A row whose retry is due later is left pending:
-    make time pass (:func:`pass_time`) and call again."""
-    table = _handlers(handlers)
-    executor = Executor(database_url, table)
+def _url(database_url: str | URL | Engine) -> str:
+    """The URL as given, or an engine's (its password included: ``str(engine.url)`` hides it)."""
+    if isinstance(database_url, Engine):
+        database_url = database_url.url
+    if isinstance(database_url, URL):
+        return database_url.render_as_string(hide_password=False)
+    if not isinstance(database_url, str):
+        raise TypeError(f"database_url: a URL or an Engine, got {type(database_url).__name__}")
+    return database_url
+
+
+def deliver(handlers: Handlers = None, *, database_url: Database) -> dict[int, RunResult]:
+    """Run every due row (``pending`` and due, or ``dispatched``) of the handlers' destinations
+    through the worker's delivery, until none is due; each row's last outcome. A row whose retry
+    is due later is left pending: make time pass (:func:`pass_time`) and call again."""
+    table, url = _handlers(handlers), _url(database_url)
+    executor = Executor(url, table)
     results: dict[int, RunResult] = {}
     try:
-        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             for _ in range(_MAX_ROUNDS):
                 due = conn.execute(_DUE, _due_params(table, None)).fetchall()
                 ran = 0
@@ -96,20 +122,19 @@ def _due_params(table: Mapping[str, Handler], ids: list[int] | None) -> dict[str
 
 
 def crash_after_call(
-    handlers: Handlers = None, *, database_url: str, ids: list[int] | None = None
+    handlers: Handlers = None, *, database_url: Database, ids: list[int] | None = None
 ) -> list[int]:
     """Claim each due row (or only the rows ``ids``) and call its handler as the worker would,
     then "die": the outcome is never recorded, the rows stay ``in_flight`` until their lease
-    expires. The ids called."""
-    table = _handlers(handlers)
+    expires. The ids whose handler was called, whatever it answered or raised: whether the
+    provider acted is the provider's to say (``outbox_provider.charges()``)."""
+    table, url = _handlers(handlers), _url(database_url)
     deliveries = Deliveries()
     called: list[int] = []
     try:
-        with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             for row_id, destination in conn.execute(_DUE, _due_params(table, ids)).fetchall():
-                handler = table.get(destination)
-                if handler is None:
-                    continue
+                handler = table[destination]
                 claimed = transitions.claim(
                     conn, row_id=row_id, destination=destination, lease_seconds=handler.lease_seconds
                 )
@@ -134,48 +159,62 @@ def crash_after_call(
     return called
 
 
-def reconcile_once(handlers: Handlers = None, *, database_url: str) -> dict[str, dict[str, int]]:
-    """Run the reconciler's broker-free jobs once, in order: expire leases, then resolve the
-    unknown rows that are due through the handlers' lookups. Counts per job."""
+def reconcile_once(handlers: Handlers = None, *, database_url: Database) -> dict[str, dict[str, int]]:
+    """Run the reconciler's broker-free jobs once, in order, on the handlers' destinations only:
+    expire leases, then resolve the due ``unknown`` rows through the lookups. Counts per job."""
     from reconciler.jobs.expire_leases import expire_leases
     from reconciler.jobs.resolve_unknown import resolve_unknown
 
-    table = _handlers(handlers)
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
-        expired = expire_leases(conn, table)
-        resolved = resolve_unknown(conn, table)
+    table, url = _handlers(handlers), _url(database_url)
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        expired = expire_leases(conn, table, only_destinations=list(table))
+        resolved = resolve_unknown(conn, table, only_destinations=list(table))
     return {"expire_leases": {"expired": expired} if expired else {}, "resolve_unknown": resolved}
 
 
-def recover(handlers: Handlers = None, *, database_url: str, max_rounds: int = 20) -> dict[int, str]:
-    """What the running system would do after a crash, until every row is settled: rounds of
-    deliver, reconcile, and time passing (one lease plus one time limit of the slowest handler,
-    so leases expire and lookups fall due), at most ``max_rounds``. Each row's state at the end:
-    a row of a handler without a lookup stays ``unknown`` after an ambiguous call, as it would
-    in production until an operator resolves it."""
-    table = _handlers(handlers)
-    step = max((h.lease_seconds + h.time_limit for h in table.values()), default=0) + 1
+# When the next thing happens to a row that is not settled: a retry or lookup falls due
+# (available_at), a lease expires (lease_expires_at).
+_NEXT_DUE = """
+SELECT id, EXTRACT(EPOCH FROM
+    CASE WHEN state = 'in_flight' THEN lease_expires_at ELSE available_at END - now())
+FROM outbox_message
+WHERE destination = ANY(%(destinations)s) AND state <> ALL(%(terminal)s)
+"""
+
+
+def recover(handlers: Handlers = None, *, database_url: Database, max_rounds: int = 20) -> dict[int, str]:
+    """What the running system does after a crash, until every row of the handlers'
+    destinations is settled: rounds of deliver and reconcile, time passing between them up to
+    the next row's next event (a lease expiring, a retry or a lookup falling due), at most
+    ``max_rounds``. Each row's state at the end: a row of a handler without a lookup stays
+    ``unknown`` after an ambiguous call, as it would in production until an operator resolves
+    it. Only those rows' time passes; other destinations' rows are left alone."""
+    table, url = _handlers(handlers), _url(database_url)
+    params = {"destinations": list(table), "terminal": list(TERMINAL)}
     states: dict[int, str] = {}
     for _ in range(max_rounds):
-        deliver(table, database_url=database_url)
-        reconcile_once(table, database_url=database_url)
-        states = {r["id"]: r["state"] for r in rows(database_url) if r["destination"] in table}
-        if all(state in TERMINAL for state in states.values()):
+        deliver(table, database_url=url)
+        reconcile_once(table, database_url=url)
+        states = {r["id"]: r["state"] for r in rows(url) if r["destination"] in table}
+        with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+            waiting = conn.execute(_NEXT_DUE, params).fetchall()
+        if not waiting:
             break
-        pass_time(step, database_url=database_url)
+        seconds = max(0.0, min(float(w or 0) for _, w in waiting)) + 1
+        pass_time(seconds, database_url=url, ids=[int(i) for i, _ in waiting])
     return states
 
 
-def pass_time(seconds: float, *, database_url: str, ids: list[int] | None = None) -> int:
-    """Make ``seconds`` pass for the rows (all when ``ids`` is None): leases expire, retries and
-    first lookups fall due (:func:`outbox.transitions.elapse`). How many rows."""
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+def pass_time(seconds: float, *, database_url: Database, ids: list[int] | None = None) -> int:
+    """Make ``seconds`` pass for the rows ``ids`` (all when None): leases expire, retries and
+    lookups fall due (:func:`outbox.transitions.elapse`). How many rows."""
+    with psycopg.connect(libpq_url(_url(database_url)), autocommit=True) as conn:
         return transitions.elapse(conn, seconds, ids=ids)
 
 
-def rows(database_url: str) -> list[dict[str, Any]]:
+def rows(database_url: Database) -> list[dict[str, Any]]:
     """Every outbox row, oldest first, as dictionaries."""
-    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+    with psycopg.connect(libpq_url(_url(database_url)), autocommit=True) as conn:
         cur = conn.execute(
             "SELECT id, key, step, destination, payload, state, attempts, provider_ref, last_error "
             "FROM outbox_message ORDER BY id"

@@ -30,11 +30,15 @@ at work.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -47,6 +51,29 @@ from .delivery import rows
 DATABASE_ENV = "OUTBOX_TEST_DATABASE_URL"
 
 
+def _terminate_as_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _teardown_on_sigterm() -> Iterator[None]:
+    """A CI timeout or ``docker stop`` sends SIGTERM, whose default kills the run before the
+    session's teardown: the embedded server or the database made on your server would stay. As
+    an interrupt, pytest still tears down. Only while nobody else handles SIGTERM."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _terminate_as_interrupt:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="session")
 def outbox_session_database_url() -> Iterator[str]:
     """The migrated test database of this session, as a SQLAlchemy URL; never emptied here."""
@@ -54,10 +81,17 @@ def outbox_session_database_url() -> Iterator[str]:
     from ..migrate import upgrade
 
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_teardown_on_sigterm())
         given = os.environ.get(DATABASE_ENV)
         if given:
             url = stack.enter_context(fresh_database(given))
         else:
+            if importlib.util.find_spec("pgserver") is None:
+                raise RuntimeError(
+                    f"the outbox plugin needs a PostgreSQL: set {DATABASE_ENV} to a server it may "
+                    "create a test database on, or install the embedded one: "
+                    "pip install 'outbox-relay[embedded]'"
+                )
             from .embedded import embedded_postgres
 
             directory = tempfile.mkdtemp(prefix="outbox-plugin-")
@@ -73,16 +107,21 @@ def outbox_session_database_url() -> Iterator[str]:
         yield normalize_database_url(url)
 
 
-@pytest.fixture
-def outbox_database_url(outbox_session_database_url: str) -> Iterator[str]:
-    """The migrated test database, emptied now: deliveries use connections of their own, so a
-    rolled-back test transaction would not be enough. Handlers the test declares are forgotten
-    after it; those of modules imported before stay."""
+@pytest.fixture(autouse=True)
+def _outbox_isolated_registry() -> Iterator[None]:
+    """Handlers a test declares are forgotten after it; those of modules imported before stay."""
     from ..handlers import isolated_registry
 
-    empty_database(outbox_session_database_url)
     with isolated_registry():
-        yield outbox_session_database_url
+        yield
+
+
+@pytest.fixture
+def outbox_database_url(outbox_session_database_url: str) -> str:
+    """The migrated test database, emptied now: deliveries use connections of their own, so a
+    rolled-back test transaction would not be enough."""
+    empty_database(outbox_session_database_url)
+    return outbox_session_database_url
 
 
 @pytest.fixture
@@ -137,8 +176,22 @@ class Written:
             for name, (want, got) in differs.items():
                 lines.append(f"  {name}: expected {want!r}")
                 lines.append(f"  {' ' * len(name)}  written  {got!r}")
+                if isinstance(want, dict) and isinstance(got, dict):
+                    lines.extend(f"    {line}" for line in _key_differences(want, got))
             raise AssertionError("\n".join(lines))
         return row
+
+
+def _key_differences(want: dict[str, Any], got: dict[str, Any]) -> list[str]:
+    out = []
+    for k in sorted(set(want) | set(got)):
+        if k not in got:
+            out.append(f"{k!r}: missing (expected {want[k]!r})")
+        elif k not in want:
+            out.append(f"{k!r}: not expected (written {got[k]!r})")
+        elif want[k] != got[k]:
+            out.append(f"{k!r}: expected {want[k]!r}, written {got[k]!r}")
+    return out
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -15,7 +15,12 @@ from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS
 LEASE_EXPIRED_ERROR = "lease expired: the worker died or overran its time limit"
 
 
-def expire_leases(conn: psycopg.Connection[Any], handlers: Mapping[str, Handler] | None = None) -> int:
+def expire_leases(
+    conn: psycopg.Connection[Any],
+    handlers: Mapping[str, Handler] | None = None,
+    *,
+    only_destinations: Sequence[str] | None = None,
+) -> int:
     """Move every `in_flight` row whose lease has expired to `unknown`; returns how many moved.
 
     Its first lookup is due one ``time_limit`` of its destination later (from ``handlers``); a
@@ -33,6 +38,7 @@ def expire_leases(conn: psycopg.Connection[Any], handlers: Mapping[str, Handler]
         waits_seconds={d: h.time_limit for d, h in known.items()},
         default_wait_seconds=max([DEFAULT_TIME_LIMIT_SECONDS, *(h.time_limit for h in known.values())]),
         error=LEASE_EXPIRED_ERROR,
+        only_destinations=only_destinations,
     )
 
 

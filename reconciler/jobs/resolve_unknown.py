@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, NamedTuple
@@ -42,6 +42,7 @@ _DUE_UNKNOWN = """
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token
 FROM outbox_message
 WHERE state = 'unknown' AND available_at <= now()
+  AND (CAST(%(only)s AS text[]) IS NULL OR destination = ANY(CAST(%(only)s AS text[])))
 ORDER BY available_at, id
 LIMIT %(limit)s
 """
@@ -189,6 +190,7 @@ def resolve_unknown(
     time_budget_seconds: float = DEFAULT_RESOLVE_BUDGET_SECONDS,
     stop: threading.Event | None = None,
     alert: AlertHook | None = None,
+    only_destinations: Sequence[str] | None = None,
 ) -> dict[str, int]:
     """Ask each due `unknown` row's provider, through the handler's lookup, whether the call
     took effect, and settle the row accordingly.
@@ -204,6 +206,9 @@ def resolve_unknown(
     looked; someone else settled it), ``unsettleable`` (the database refused the row's statement,
     or its path raised: deferred with the reason and reported through ``alert``, default
     :func:`~reconciler.alerts.log_alert`; the other rows proceed).
+
+    ``only_destinations``: leave the rows of every other destination alone (the in-process test
+    helpers, :mod:`outbox.testing.delivery`); the reconciler passes None: every row.
     """
     _require_autocommit(conn, "resolve_unknown")
     own_clients = clients is None
@@ -211,7 +216,8 @@ def resolve_unknown(
     counts: Counter[str] = Counter()
     run = _Run(conn, handlers, module, lookup_clients, time_budget_seconds, stop)
     try:
-        rows = conn.execute(_DUE_UNKNOWN, {"limit": batch_size}).fetchall()
+        only = list(only_destinations) if only_destinations is not None else None
+        rows = conn.execute(_DUE_UNKNOWN, {"limit": batch_size, "only": only}).fetchall()
         for fields in rows:
             row = _Due(*fields)
             try:

@@ -60,9 +60,10 @@ def provider(outbox_provider, monkeypatch):
     return outbox_provider
 
 
-def write(engine, key, destination="payments.charge", amount=1200):
+def write(engine, key, destination="payments.charge", amount=1200, **more):
     with Session(engine) as s, s.begin():
-        outbox.write(s, key=key, step="charge", destination=destination, payload={"amount_cents": amount})
+        outbox.write(s, key=key, step="charge", destination=destination,
+                     payload={"amount_cents": amount, **more})
 
 
 def test_written(outbox_engine, outbox_written):
@@ -72,8 +73,8 @@ def test_written(outbox_engine, outbox_written):
 
 
 def test_written_differs(outbox_engine, outbox_written):
-    write(outbox_engine, "order:2", amount=999)
-    outbox_written.assert_written("order:2", "charge", payload={"amount_cents": 1200})
+    write(outbox_engine, "order:42", amount=999, currency="eur")
+    outbox_written.assert_written("order:42", "charge", payload={"amount_cents": 1200, "currency": "eur"})
 
 
 def test_a_handler_declared_in_a_test(outbox_engine, outbox_database_url, provider):
@@ -128,6 +129,39 @@ def test_without_a_lookup_a_lost_answer_stays_unknown(outbox_engine, outbox_data
 def test_a_module_without_handlers_is_refused(outbox_database_url):
     with pytest.raises(outbox.ConfigError, match="declares no @outbox.handler"):
         deliver("json", database_url=outbox_database_url)
+    with pytest.raises(outbox.ConfigError, match="map each destination"):
+        deliver({}, database_url=outbox_database_url)
+    with pytest.raises(outbox.ConfigError, match="map each destination"):
+        deliver({"payments.refund": shop_handlers.charge}, database_url=outbox_database_url)
+    with pytest.raises(TypeError, match="a handler module"):
+        deliver([shop_handlers.charge], database_url=outbox_database_url)
+
+
+def test_recover_waits_out_a_long_backoff(outbox_engine, provider):
+    @outbox.handler("payments.slow", time_limit=5, backoff=(3600,))
+    def slow(d):
+        r = d.http.post(provider.url + "/charges", json=d.payload,
+                        headers={"Idempotency-Key": d.idempotency_key})
+        r.raise_for_status()
+        return Confirmed(ref=r.json()["id"])
+
+    provider.unavailable(times=1)
+    write(outbox_engine, "order:7", destination="payments.slow")
+    assert deliver({"payments.slow": slow}, database_url=outbox_engine) == {1: "pending"}
+    assert recover({"payments.slow": slow}, database_url=outbox_engine) == {1: "sent"}
+    assert provider.charges() == 1
+
+
+def test_reconciling_one_module_leaves_other_rows_alone(outbox_engine, outbox_written, provider):
+    @outbox.handler("mail.send", time_limit=5, lease_seconds=10)
+    def send(d):
+        return Confirmed(ref="m1")
+
+    write(outbox_engine, "user:1", destination="mail.send")
+    write(outbox_engine, "order:8")
+    assert crash_after_call({"mail.send": send}, database_url=outbox_engine) == [1]
+    assert recover(shop_handlers, database_url=outbox_engine) == {2: "sent"}
+    assert [r["state"] for r in outbox_written()] == ["in_flight", "sent"]
 """
 
 
@@ -161,7 +195,10 @@ def test_a_user_project_tests_its_outbox_code_with_the_plugin(tmp_path: Path) ->
     )
     out = proc.stdout + proc.stderr
     # Every test passes but the one whose payload differs, which fails with a readable diff.
-    assert "1 failed, 7 passed" in out, out
+    assert "1 failed, 9 passed" in out, out
     assert "test_written_differs" in out
-    assert "outbox row ('order:2', 'charge') differs:" in out
-    assert "payload: expected {'amount_cents': 1200}" in out and "written  {'amount_cents': 999}" in out
+    # The diff docs/testing.md shows is the one a user gets.
+    page = (Path(__file__).resolve().parents[2] / "docs" / "testing.md").read_text()
+    shown = page.split("```text\nAssertionError: ", 1)[1].split("```", 1)[0]
+    for line in shown.splitlines():
+        assert line in out, f"docs/testing.md shows {line!r}; the plugin printed:\n{out}"
