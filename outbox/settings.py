@@ -148,6 +148,9 @@ class Settings:
     #: Relay, worker, reconciler: how often the database identity is compared with the recorded
     #: one (failover detection, outbox.failover); also at start and on every new connection.
     failover_check_interval_seconds: float = DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS
+    #: Relay, worker, reconciler: TCP port serving /metrics, /healthz and /readyz (outbox.probes);
+    #: None: no endpoint.
+    metrics_port: int | None = None
 
     def require_database_url(self) -> str:
         if not self.database_url:
@@ -187,13 +190,26 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_NO_CONSUMER_CYCLES": "no_consumer_cycles",
     "OUTBOX_CLOCK_SKEW_WARN": "clock_skew_warn_seconds",
     "OUTBOX_FAILOVER_CHECK_INTERVAL": "failover_check_interval_seconds",
+    "OUTBOX_METRICS_PORT": "metrics_port",
 }
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 
 
+def parse_port(raw: str, name: str) -> int:
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a TCP port number") from None
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{name}={raw!r} must be a TCP port between 1 and 65535")
+    return port
+
+
 def _parse(field: dataclasses.Field[Any], name: str, raw: str) -> Any:
+    if field.name.endswith("_port"):
+        return parse_port(raw, name)
     if field.name.endswith("_seconds"):
         seconds = parse_seconds(raw, name)
         if seconds <= 0:

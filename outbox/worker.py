@@ -26,6 +26,7 @@ from .exceptions import ConfigError
 from .failover import FailoverGuard
 from .handlers import Handler, close_http_clients
 from .heartbeat import Heartbeat
+from .probes import Liveness
 from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
 from .transport import ACTOR_NAME
 
@@ -70,9 +71,11 @@ def run_worker(
     threads: int,
     stop: threading.Event,
     heartbeat_interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
+    liveness: Liveness | None = None,
 ) -> int:
     """Run one worker process until ``stop`` is set; finishes the messages in hand. While it
-    runs, its heartbeat (queues served, clock) is recorded in the database."""
+    runs, its heartbeat (queues served, clock) is recorded in the database, and ``liveness`` is
+    beaten while Dramatiq's consumer and worker threads are all alive."""
     destinations = list(queues or sorted(handlers))
     unknown = [q for q in destinations if q not in handlers]
     if unknown:
@@ -95,7 +98,8 @@ def run_worker(
     )
     try:
         while not stop.wait(0.5):
-            pass
+            if liveness is not None and _threads_alive(worker):
+                liveness.beat()
     finally:
         logger.info("outbox worker stopping: finishing messages in hand")
         worker.stop(timeout=int(max(h.lease_seconds for h in handlers.values()) * 1000))
@@ -109,15 +113,23 @@ def run_worker(
     return 0
 
 
+def _threads_alive(worker: dramatiq.Worker) -> bool:
+    threads = [*getattr(worker, "workers", ()), *getattr(worker, "consumers", {}).values()]
+    return bool(threads) and all(t.is_alive() for t in threads)
+
+
 def start_heartbeat(database_url: str, queues: Sequence[str], interval_seconds: float) -> Heartbeat:
     """The worker's heartbeat thread: "no consumer" alerts and the clock-skew check read it."""
     return Heartbeat(database_url, kind="worker", queues=queues, interval_seconds=interval_seconds).start()
 
 
-def supervise(argv: Sequence[str], processes: int, stop: threading.Event) -> int:
+def supervise(
+    argv: Sequence[str], processes: int, stop: threading.Event, liveness: Liveness | None = None
+) -> int:
     """Run ``processes`` single-process workers as children; restart one that dies.
 
     SIGTERM/SIGINT are forwarded; the exit status is 0 when every child stopped cleanly.
+    ``liveness`` is beaten by the supervising loop.
     """
 
     def spawn() -> subprocess.Popen[bytes]:
@@ -126,6 +138,8 @@ def supervise(argv: Sequence[str], processes: int, stop: threading.Event) -> int
     children = [spawn() for _ in range(processes)]
     try:
         while not stop.wait(0.5):
+            if liveness is not None:
+                liveness.beat()
             for i, child in enumerate(children):
                 code = child.poll()
                 if code is not None:

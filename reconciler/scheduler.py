@@ -28,14 +28,16 @@ from apscheduler.schedulers import SchedulerNotRunningError
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from outbox import settings, transport
+from outbox import metrics, settings, transport
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
 from outbox.handlers import Handler
+from outbox.probes import Liveness
 from outbox.settings import DEFAULT_NAMESPACE, DEFAULT_NO_CONSUMER_CYCLES, Settings
 
 from .alerts import AlertHook, log_alert
 from .jobs._common import MaintenanceJob
+from .jobs.database_metrics import DatabaseMetrics
 from .jobs.expire_leases import ExpireLeases, ExpireLeasesConfig
 from .jobs.no_consumer import NoConsumer, NoConsumerConfig
 from .jobs.purge import Purge, PurgeConfig
@@ -74,6 +76,8 @@ JOB_LOCK_IDS: dict[str, int] = {
     "alerts": 5,
     # Not 6: a distinctive id, so that another job added beside it cannot share its lock.
     "no_consumer": 47,
+    # Only with a metrics port (outbox.metrics): one reconciler reads the rows for everyone.
+    "database_metrics": 48,
 }
 
 
@@ -102,8 +106,14 @@ class Reconciler:
         name: str | None = None,
         no_consumer_cycles: int = DEFAULT_NO_CONSUMER_CYCLES,
         failover_guard: FailoverGuard | None = None,
+        database_metrics_interval_seconds: float | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.database_url = database_url
+        #: Set: the ``database_metrics`` job runs, fresh for three of these intervals.
+        self.database_metrics_interval_seconds = database_metrics_interval_seconds
+        #: Beaten after every job run: ``/healthz`` (outbox.probes) says the scheduler is alive.
+        self.liveness = liveness
         #: While it says ``halted`` (the database is on another history), no job runs.
         self.failover_guard = failover_guard
         self.redis_url = redis_url
@@ -146,6 +156,8 @@ class Reconciler:
         module: str,
         alert_hook: AlertHook = log_alert,
         name: str | None = None,
+        database_metrics_interval_seconds: float | None = None,
+        liveness: Liveness | None = None,
     ) -> Reconciler:
         """Raises ``ConfigError`` when the database or Redis URL is missing: the production
         process never falls back to embedded servers."""
@@ -162,6 +174,8 @@ class Reconciler:
             alert_hook=alert_hook,
             name=name,
             no_consumer_cycles=cfg.no_consumer_cycles,
+            database_metrics_interval_seconds=database_metrics_interval_seconds,
+            liveness=liveness,
         )
 
     # -- resources -----------------------------------------------------------------------------
@@ -243,6 +257,10 @@ class Reconciler:
                 self.alert_hook,
             ),
             NoConsumer(NoConsumerConfig(cycles_before_alert=self.no_consumer_cycles), self.alert_hook),
+        ) + (
+            (DatabaseMetrics(self.database_metrics_interval_seconds),)
+            if self.database_metrics_interval_seconds is not None
+            else ()
         )
 
     # -- running -------------------------------------------------------------------------------
@@ -275,6 +293,9 @@ class Reconciler:
             finally:
                 running.release()
         self._log_counts(name, counts)
+        metrics.count_reconciler_job(name, counts)
+        if self.liveness is not None:
+            self.liveness.beat()
         return counts
 
     def _log_counts(self, name: str, counts: dict[str, int]) -> None:

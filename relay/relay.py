@@ -21,10 +21,11 @@ from typing import Any
 import psycopg
 import redis
 
-from outbox import settings, transitions, transport
+from outbox import metrics, settings, transitions, transport
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
 from outbox.logs import first_line
+from outbox.probes import Liveness
 from outbox.schema import NOTIFY_CHANNEL
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class Relay:
         self._redis: redis.Redis | None = None
         self._helpers: list[Relay] = []
         self._refusals = _RefusalLog()
+        #: Beaten by the loop (each batch, each wait slice): ``/healthz`` (outbox.probes).
+        self.liveness: Liveness | None = None
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -139,6 +142,8 @@ class Relay:
     def run_once(self) -> BatchResult:
         """Take, publish and commit one batch (pending -> dispatched); returns what was published."""
         result = BatchResult()
+        if self.liveness is not None:
+            self.liveness.beat()
         conn = self.conn
         if self.failover_guard is not None and self.failover_guard.halted:
             return result
@@ -163,6 +168,8 @@ class Relay:
         result.refused.update(r[1] for r in rows if r[1] in published.failed)
         for destination, error in published.failed.items():
             self._refusals.report(destination, result.refused[destination], error)
+        if rows:
+            metrics.count_relay_batch(result.by_destination, result.refused)
         return result
 
     def drain(self, stop: threading.Event | None = None) -> int:
@@ -255,6 +262,8 @@ class Relay:
         listen = self._ensure_listening()
         deadline = time.monotonic() + timeout_seconds
         while stop is None or not stop.is_set():
+            if self.liveness is not None:
+                self.liveness.beat()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -285,6 +294,9 @@ class Relay:
                     break
                 self._wait_for_notify(self.poll_interval_seconds, stop)
             except (psycopg.Error, redis.RedisError, OSError) as exc:
+                metrics.count_relay_failure()
+                if self.liveness is not None:
+                    self.liveness.beat()  # alive: waiting out an outage is the loop's job
                 if outage_started is None:
                     # One line per outage, not one per retry: the backoff may retry for hours.
                     outage_started = time.monotonic()

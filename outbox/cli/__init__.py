@@ -108,7 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure(args.log_level)
         cfg = settings.from_env(
-            database_url=args.database_url, redis_url=args.redis_url, namespace=args.namespace
+            database_url=args.database_url,
+            redis_url=args.redis_url,
+            namespace=args.namespace,
+            metrics_port=args.metrics_port,
         )
         run = cast(Callable[[argparse.Namespace, settings.Settings], int], load(command.run))
         return int(run(args, cfg))

@@ -15,6 +15,7 @@ from ..exceptions import ConfigError
 DATABASE = "database"
 REDIS = "redis"
 JSON = "json"
+METRICS = "metrics"
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_LEVEL_ENV = "OUTBOX_LOG_LEVEL"
@@ -56,6 +57,15 @@ def add_shared(parser: argparse.ArgumentParser, flags: frozenset[str]) -> None:
             default=argparse.SUPPRESS,
             help="prefix of the broker's Redis keys (default: $OUTBOX_NAMESPACE or outbox)",
         )
+    if METRICS in flags:
+        parser.add_argument(
+            "--metrics-port",
+            type=_port,
+            default=argparse.SUPPRESS,
+            metavar="PORT",
+            help="serve /metrics, /healthz and /readyz on this TCP port, all interfaces "
+            "(default: $OUTBOX_METRICS_PORT; none)",
+        )
     if JSON in flags:
         parser.add_argument(
             "--json",
@@ -65,15 +75,24 @@ def add_shared(parser: argparse.ArgumentParser, flags: frozenset[str]) -> None:
         )
 
 
-ALL = frozenset({DATABASE, REDIS, JSON})
+def _port(value: str) -> int:
+    from ..settings import parse_port
+
+    try:
+        return parse_port(value, "--metrics-port")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+ALL = frozenset({DATABASE, REDIS, JSON, METRICS})
 
 #: Flags taking a value, to find the subcommand in argv before parsing (outbox.cli.main).
-WITH_VALUE = frozenset({"--log-level", "--database-url", "--redis-url", "--namespace"})
+WITH_VALUE = frozenset({"--log-level", "--database-url", "--redis-url", "--namespace", "--metrics-port"})
 
 
 def defaults(args: argparse.Namespace) -> None:
     """Fill in the shared flags nobody gave; the log level from $OUTBOX_LOG_LEVEL."""
-    for name in ("database_url", "redis_url", "namespace"):
+    for name in ("database_url", "redis_url", "namespace", "metrics_port"):
         if not hasattr(args, name):
             setattr(args, name, None)
     if not hasattr(args, "json"):

@@ -131,6 +131,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from .. import transport
     from ..failover import FailoverGuard
     from ..migrate import check_database
+    from ..probes import LIVENESS_FLOOR_SECONDS, Liveness, serve
 
     # Checked before anything else: a missing URL is one clear line, never an embedded server.
     database_url = cfg.require_database_url()
@@ -143,7 +144,16 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     # deployment is still wrong, and every process says so the same way.
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     handlers = load_handlers(args.module)
-    reconciler = Reconciler.from_settings(cfg, handlers=handlers, module=args.module, alert_hook=hook)
+    serving = cfg.metrics_port is not None and not args.once
+    liveness = Liveness(stale_after_seconds=max(LIVENESS_FLOOR_SECONDS, 3 * interval))
+    reconciler = Reconciler.from_settings(
+        cfg,
+        handlers=handlers,
+        module=args.module,
+        alert_hook=hook,
+        database_metrics_interval_seconds=interval if serving else None,
+        liveness=liveness,
+    )
     # Checked now and every OUTBOX_FAILOVER_CHECK_INTERVAL s: on another database history the
     # jobs stop until `outbox failover --accept` (outbox.failover).
     reconciler.failover_guard = FailoverGuard(database_url, process="reconciler").start()
@@ -156,7 +166,18 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
             # A job that raised (database or Redis away) is already logged; cron should see it.
             return exits.FAILED if any(counts.get("error") for counts in results.values()) else exits.OK
         stop = stop_event_on_signals()
-        reconciler.run_forever(stop, interval_seconds=interval)
+        probes = serve(
+            cfg.metrics_port if serving else None,
+            process="reconciler",
+            liveness=liveness,
+            database_url=database_url,
+            redis_url=redis_url,
+        )
+        try:
+            reconciler.run_forever(stop, interval_seconds=interval)
+        finally:
+            if probes is not None:
+                probes.stop()
         return exits.OK
     finally:
         reconciler.failover_guard.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .flags import DATABASE, JSON, REDIS
+from .flags import DATABASE, JSON, METRICS, REDIS
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Command:
     flags: frozenset[str] = frozenset()
 
 
-_SERVICE = frozenset({DATABASE, REDIS})
+_SERVICE = frozenset({DATABASE, REDIS, METRICS})
 _LOOK = frozenset({DATABASE, JSON})
 
 COMMANDS: tuple[Command, ...] = (

@@ -8,6 +8,7 @@ import os
 
 from .. import settings
 from ..exceptions import ConfigError
+from ..probes import LIVENESS_FLOOR_SECONDS, Liveness, serve
 from ..signals import stop_event_on_signals
 from . import exits
 from .handlers import load_handlers
@@ -119,6 +120,11 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         stopped = "; stopped by a signal before the backlog was drained" if stop.is_set() else ""
         print(f"relay published {total} rows{stopped}")
         return exits.OK
+    liveness = Liveness(stale_after_seconds=max(LIVENESS_FLOOR_SECONDS, 3 * cfg.poll_interval_seconds))
+    relay.liveness = liveness
+    probes = serve(
+        cfg.metrics_port, process="relay", liveness=liveness, database_url=database_url, redis_url=redis_url
+    )
     logger.info(
         "relay started: namespace=%s batch_size=%s connections=%s poll_interval=%ss",
         cfg.namespace,
@@ -130,6 +136,8 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         relay.run_forever(stop)
     finally:
         guard.stop()
+        if probes is not None:
+            probes.stop()
     logger.info("relay stopped")
     return exits.OK
 
@@ -166,14 +174,26 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
         os.environ.update(
             OUTBOX_DATABASE_URL=database_url, OUTBOX_REDIS_URL=redis_url, OUTBOX_NAMESPACE=cfg.namespace
         )
-        return supervise(child_argv, args.processes, stop)
-    return run_worker(
-        database_url=database_url,
-        redis_url=redis_url,
-        namespace=cfg.namespace,
-        handlers=handlers,
-        queues=args.queues,
-        threads=args.threads,
-        stop=stop,
-        heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
+        # The parent serves the endpoints; a child binding the same port would fail to start.
+        os.environ.pop("OUTBOX_METRICS_PORT", None)
+    liveness = Liveness(stale_after_seconds=LIVENESS_FLOOR_SECONDS)
+    probes = serve(
+        cfg.metrics_port, process="worker", liveness=liveness, database_url=database_url, redis_url=redis_url
     )
+    try:
+        if args.processes > 1:
+            return supervise(child_argv, args.processes, stop, liveness)
+        return run_worker(
+            database_url=database_url,
+            redis_url=redis_url,
+            namespace=cfg.namespace,
+            handlers=handlers,
+            queues=args.queues,
+            threads=args.threads,
+            stop=stop,
+            heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
+            liveness=liveness,
+        )
+    finally:
+        if probes is not None:
+            probes.stop()

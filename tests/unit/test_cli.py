@@ -91,6 +91,22 @@ def test_shared_url_flags_before_the_subcommand():
     assert args.database_url == "postgresql://h/db"
 
 
+def test_metrics_port_on_the_services_only(capsys):
+    args = cli.build_parser().parse_args(["relay", "--metrics-port", "9400"])
+    assert args.metrics_port == 9400
+    args = cli.build_parser().parse_args(["--metrics-port", "9401", "reconcile", "shop.handlers"])
+    assert args.metrics_port == 9401
+    for argv in (["relay", "--metrics-port", "0"], ["relay", "--metrics-port", "http"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == exits.CONFIG
+        assert "TCP port" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--metrics-port", "9400", "status"])
+    assert exit_info.value.code == exits.CONFIG
+    assert "--metrics-port does not apply to `outbox status`" in capsys.readouterr().err
+
+
 def test_log_level_from_the_environment(monkeypatch):
     monkeypatch.setenv("OUTBOX_LOG_LEVEL", "warning")
     args = argparse.Namespace()

@@ -42,6 +42,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_NO_CONSUMER_CYCLES": ("5", 5, ["three", "0", "1.5"]),
     "OUTBOX_CLOCK_SKEW_WARN": ("500ms", 0.5, ["2 seconds", "0"]),
     "OUTBOX_FAILOVER_CHECK_INTERVAL": ("1m", 60.0, ["often", "0"]),
+    "OUTBOX_METRICS_PORT": ("9400", 9400, ["http", "0", "65536", "-1", "94.5"]),
 }
 
 

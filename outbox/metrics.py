@@ -1,0 +1,216 @@
+"""Prometheus metrics of the relay, the reconciler and the rows, in one registry of our own.
+
+Labels are of low cardinality only: destination, state, job, outcome (never a key or a row id).
+Served by :mod:`outbox.probes` on ``/metrics``.
+
+From the database (``outbox_rows``, ``outbox_oldest_row_age_seconds``,
+``outbox_destination_without_consumer``): read by the reconciler that holds the
+``database_metrics`` job's advisory lock, once per reconcile interval, so N replicas do not all
+query; the others export none of these series. A reading older than three intervals is dropped
+rather than exported stale. Terminal states are not counted here: ``sent`` and ``cancelled`` rows
+are purged, so their count is no measure of anything.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# -- relay ---------------------------------------------------------------------------------------
+
+RELAY_ROWS_PUBLISHED = Counter(
+    "outbox_relay_rows_published",
+    "Rows the relay published to the broker (pending -> dispatched).",
+    ["destination"],
+    registry=REGISTRY,
+)
+RELAY_ROWS_REFUSED = Counter(
+    "outbox_relay_rows_refused",
+    "Rows left pending because the broker refused their destination's commands.",
+    ["destination"],
+    registry=REGISTRY,
+)
+RELAY_BATCHES = Counter(
+    "outbox_relay_batches",
+    "Relay batches by result: published (committed, possibly empty of rows) or failed "
+    "(PostgreSQL or Redis away; the rows stay pending).",
+    ["result"],
+    registry=REGISTRY,
+)
+
+# -- reconciler ----------------------------------------------------------------------------------
+
+RECONCILER_JOB_RUNS = Counter(
+    "outbox_reconciler_job_runs",
+    "Reconciler job runs by result: ran (this process held the job's lock), skipped (another "
+    "reconciler held it), error, halted (database identity changed: outbox failover).",
+    ["job", "result"],
+    registry=REGISTRY,
+)
+RECONCILER_ROWS = Counter(
+    "outbox_reconciler_rows",
+    "Rows a reconciler job acted on, by outcome: expire_leases/expired, resolve_unknown/sent, "
+    "/pending, /failed, /lookup_failed, /needs_human …, redispatch/redispatched, purge/purged, "
+    "alerts/alerted (the job's own counts, as its log line shows them).",
+    ["job", "outcome"],
+    registry=REGISTRY,
+)
+
+_RUN_RESULTS = {"skipped": "skipped", "error": "error", "halted_by_failover": "halted"}
+
+
+def count_reconciler_job(job: str, counts: Mapping[str, int]) -> None:
+    """One job run's counts (as ``Reconciler.run_job`` returns them)."""
+    result = next((r for k, r in _RUN_RESULTS.items() if k in counts), "ran")
+    RECONCILER_JOB_RUNS.labels(job=job, result=result).inc()
+    if result == "ran":
+        for outcome, n in counts.items():
+            if n:
+                RECONCILER_ROWS.labels(job=job, outcome=outcome).inc(n)
+
+
+def count_relay_batch(published: Mapping[str, int], refused: Mapping[str, int]) -> None:
+    RELAY_BATCHES.labels(result="published").inc()
+    for destination, n in published.items():
+        RELAY_ROWS_PUBLISHED.labels(destination=destination).inc(n)
+    for destination, n in refused.items():
+        RELAY_ROWS_REFUSED.labels(destination=destination).inc(n)
+
+
+def count_relay_failure() -> None:
+    RELAY_BATCHES.labels(result="failed").inc()
+
+
+# -- from the database -----------------------------------------------------------------------------
+
+#: The states counted as gauges, and the instant each one's age is measured from: a pending row
+#: from when it became due (a row waiting out its backoff is not late), a dispatched row from
+#: its publication, an in_flight row from its claim, an unknown row from when it became unknown.
+#: One branch per state, each on its partial index (``WHERE state = …``): a table of millions of
+#: sent rows is not read.
+DATABASE_SQL = """
+SELECT destination, 'pending' AS state, count(*) AS n,
+       EXTRACT(EPOCH FROM now() - min(available_at) FILTER (WHERE available_at <= now())) AS age
+FROM outbox_message WHERE state = 'pending' GROUP BY destination
+UNION ALL
+SELECT destination, 'dispatched', count(*), EXTRACT(EPOCH FROM now() - min(dispatched_at))
+FROM outbox_message WHERE state = 'dispatched' GROUP BY destination
+UNION ALL
+SELECT destination, 'in_flight', count(*), EXTRACT(EPOCH FROM now() - min(claimed_at))
+FROM outbox_message WHERE state = 'in_flight' GROUP BY destination
+UNION ALL
+SELECT destination, 'unknown', count(*), EXTRACT(EPOCH FROM now() - min(unknown_since))
+FROM outbox_message WHERE state = 'unknown' GROUP BY destination
+UNION ALL
+SELECT destination, 'failed', count(*), NULL
+FROM outbox_message WHERE state = 'failed' GROUP BY destination
+"""
+
+GAUGE_STATES = ("pending", "dispatched", "in_flight", "unknown", "failed")
+AGE_STATES = ("pending", "dispatched", "in_flight", "unknown")
+
+
+@dataclass
+class DatabaseReading:
+    #: (destination, state) -> rows
+    rows: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (destination, state) -> seconds (None: no due pending row)
+    ages: dict[tuple[str, str], float | None] = field(default_factory=dict)
+    #: destinations with rows waiting and no live worker
+    no_consumer: list[str] = field(default_factory=list)
+    taken_at: float = field(default_factory=time.monotonic)
+
+
+def read_database(conn: Any) -> DatabaseReading:
+    """One reading: the per-state query and the heartbeat's no-consumer query (psycopg
+    connection)."""
+    from . import heartbeat
+
+    reading = DatabaseReading()
+    for destination, state, n, age in conn.execute(DATABASE_SQL).fetchall():
+        reading.rows[(destination, state)] = int(n)
+        if state in AGE_STATES:
+            reading.ages[(destination, state)] = float(age) if age is not None else None
+    gaps = heartbeat.no_consumer(conn.execute(heartbeat.NO_CONSUMER_SQL).fetchall())
+    reading.no_consumer = sorted({g.destination for g in gaps})
+    return reading
+
+
+class _DatabaseCollector(Collector):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reading: DatabaseReading | None = None
+        self._fresh_for_seconds = 0.0
+
+    def update(self, reading: DatabaseReading, *, fresh_for_seconds: float) -> None:
+        with self._lock:
+            self._reading, self._fresh_for_seconds = reading, fresh_for_seconds
+
+    def reading(self) -> DatabaseReading | None:
+        with self._lock:
+            reading = self._reading
+            if reading is None or time.monotonic() - reading.taken_at > self._fresh_for_seconds:
+                return None
+            return reading
+
+    def describe(self) -> list[Any]:
+        return []  # series appear only in the process that reads the database
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        reading = self.reading()
+        if reading is None:
+            return
+        rows = GaugeMetricFamily(
+            "outbox_rows",
+            "Rows by destination and state (pending, dispatched, in_flight, unknown, failed).",
+            labels=["destination", "state"],
+        )
+        destinations = sorted({d for d, _ in reading.rows})
+        for d in destinations:
+            for state in GAUGE_STATES:
+                # Zeros included: a gauge that stopped being exported would look stuck.
+                rows.add_metric([d, state], reading.rows.get((d, state), 0))
+        yield rows
+        ages = GaugeMetricFamily(
+            "outbox_oldest_row_age_seconds",
+            "Age of the oldest row by destination and state: pending from when it became due, "
+            "dispatched from its publication, in_flight from its claim, unknown from when it "
+            "became unknown; 0 when there is none.",
+            labels=["destination", "state"],
+        )
+        for d in destinations:
+            for state in AGE_STATES:
+                ages.add_metric([d, state], reading.ages.get((d, state)) or 0.0)
+        yield ages
+        gaps = GaugeMetricFamily(
+            "outbox_destination_without_consumer",
+            "1 for a destination with rows waiting and no live worker heartbeat serving its queue.",
+            labels=["destination"],
+        )
+        for d in sorted(set(destinations) | set(reading.no_consumer)):
+            gaps.add_metric([d], 1.0 if d in reading.no_consumer else 0.0)
+        yield gaps
+        taken = GaugeMetricFamily(
+            "outbox_database_reading_age_seconds",
+            "How old the database reading above is (it is taken once per reconcile interval).",
+        )
+        taken.add_metric([], time.monotonic() - reading.taken_at)
+        yield taken
+
+
+DATABASE = _DatabaseCollector()
+REGISTRY.register(DATABASE)
+
+
+def render() -> tuple[str, bytes]:
+    """The Prometheus text exposition of the registry: (content type, body)."""
+    return CONTENT_TYPE_LATEST, generate_latest(REGISTRY)

@@ -1,0 +1,109 @@
+"""The endpoints of outbox.probes against real PostgreSQL and Redis, and the database reading
+behind the row gauges: what it counts, and that one reconciler at a time takes it."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from helpers import free_port
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import metrics
+from outbox.probes import Liveness, ProbeServer, Readiness
+from reconciler.scheduler import JOB_LOCK_IDS, LOCK_CLASS, Reconciler
+
+
+@pytest.fixture
+def server(clean):
+    servers: list[ProbeServer] = []
+
+    def start(liveness: Liveness, redis_url: str | None = None, database_url: str | None = None) -> str:
+        readiness = Readiness(database_url or clean.database_url, redis_url or clean.redis_url)
+        s = ProbeServer(0, process="test", liveness=liveness, readiness=readiness, host="127.0.0.1")
+        servers.append(s.start())
+        return f"http://127.0.0.1:{s.port}"
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def test_healthz_goes_stale_when_the_loop_stops_beating(server):
+    liveness = Liveness(stale_after_seconds=0.3)
+    url = server(liveness)
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    time.sleep(0.5)
+    stale = httpx.get(f"{url}/healthz")
+    assert stale.status_code == 503 and stale.json()["status"] == "stale"
+    liveness.beat()
+    assert httpx.get(f"{url}/healthz").status_code == 200
+
+
+def test_readyz_names_what_does_not_answer(server, clean):
+    assert httpx.get(f"{server(Liveness(30))}/readyz").json() == {"status": "ready", "problems": []}
+    nobody = free_port()
+    down = httpx.get(f"{server(Liveness(30), redis_url=f'redis://127.0.0.1:{nobody}/0')}/readyz", timeout=10)
+    assert down.status_code == 503
+    [problem] = down.json()["problems"]
+    assert problem.startswith("Redis: ")
+    bad_db = clean.database_url.rsplit("/", 1)[0] + "/no_such_database_here"
+    down = httpx.get(f"{server(Liveness(30), database_url=bad_db)}/readyz", timeout=10)
+    assert down.status_code == 503 and down.json()["problems"][0].startswith("PostgreSQL: ")
+
+
+def test_metrics_endpoint_serves_the_registry(server):
+    metrics.count_relay_failure()
+    body = httpx.get(f"{server(Liveness(30))}/metrics")
+    assert body.status_code == 200
+    assert 'outbox_relay_batches_total{result="failed"}' in body.text
+
+
+def write(engine, key: str, destination: str) -> None:
+    with Session(engine) as s, s.begin():
+        outbox.write(s, key=key, step="charge", destination=destination, payload={})
+
+
+def test_the_reading_counts_each_state_by_destination(clean, engine, db):
+    from helpers import elapse, relay_once
+
+    write(engine, "a:1", "payments.charge")
+    write(engine, "a:2", "payments.charge")
+    write(engine, "b:1", "mail.send")
+    assert relay_once(clean) == 3
+    elapse(db, 5)
+    write(engine, "a:3", "payments.charge")
+    reading = metrics.read_database(db)
+    assert reading.rows == {
+        ("payments.charge", "dispatched"): 2,
+        ("payments.charge", "pending"): 1,
+        ("mail.send", "dispatched"): 1,
+    }
+    assert 4 < reading.ages[("payments.charge", "dispatched")] < 60
+    assert reading.ages[("payments.charge", "pending")] is not None
+    assert reading.no_consumer == ["mail.send", "payments.charge"]
+
+
+def test_one_reconciler_at_a_time_reads_the_database(clean, engine, db):
+    write(engine, "a:1", "payments.charge")
+    metrics.DATABASE.update(metrics.DatabaseReading(), fresh_for_seconds=0)  # forget earlier tests
+    reconciler = Reconciler(
+        database_url=clean.database_url,
+        redis_url=clean.redis_url,
+        handlers={},
+        module="none",
+        namespace=clean.namespace,
+        database_metrics_interval_seconds=10,
+    )
+    try:
+        db.execute("SELECT pg_advisory_lock(%s, %s)", (LOCK_CLASS, JOB_LOCK_IDS["database_metrics"]))
+        assert reconciler.run_job("database_metrics") == {"skipped": 1}
+        assert metrics.DATABASE.reading() is None
+        db.execute("SELECT pg_advisory_unlock(%s, %s)", (LOCK_CLASS, JOB_LOCK_IDS["database_metrics"]))
+        assert reconciler.run_job("database_metrics") == {}
+        reading = metrics.DATABASE.reading()
+        assert reading is not None and reading.rows == {("payments.charge", "pending"): 1}
+    finally:
+        reconciler.close()
