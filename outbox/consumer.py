@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 
-from . import db, policy, transitions
+from . import db, metrics, policy, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -213,6 +213,11 @@ class Executor:
     # -- the run -------------------------------------------------------------------------------
 
     def deliver(self, row_id: int, destination: str) -> RunResult:
+        result = self._deliver(row_id, destination)
+        metrics.DELIVERIES.labels(destination=destination, outcome=result.value).inc()
+        return result
+
+    def _deliver(self, row_id: int, destination: str) -> RunResult:
         if self._halted():
             # Nothing claimed, nothing written: the row stays `dispatched`, and the reconciler
             # re-queues it once an operator accepted the new database history.
@@ -264,7 +269,12 @@ class Executor:
             return RunResult.EMPTY
         failpoint("after_claim")
 
-        held = time.monotonic() - sent_at
+        claimed_at = time.monotonic()
+        held = claimed_at - sent_at
+        if claimed.since_published_seconds is not None:
+            metrics.PUBLISHED_TO_CLAIMED.labels(destination=destination).observe(
+                max(0.0, claimed.since_published_seconds)
+            )
         left = handler.lease_seconds - held
         if left < handler.time_limit + handler.start_margin_seconds:
             reason = (
@@ -297,12 +307,23 @@ class Executor:
                 )
                 return self._release(handler, claimed.id, claimed.token, reason)
             decision = called
+            metrics.PROVIDER_RESPONSES.labels(
+                destination=destination, status_class=metrics.status_class(self._local.http_status)
+            ).inc()
         failpoint("after_call")
+        answered_at = time.monotonic()
 
         nxt = next_state(handler, decision, attempt=claimed.attempt)
         state = self._record(claimed, decision, nxt, policy.deadline_error(claimed.deadline, nxt.error))
         failpoint("after_record")
         result = RunResult(state) if state is not None else RunResult.SUPERSEDED
+        if result is RunResult.SENT:
+            call_seconds = answered_at - claimed_at
+            metrics.CLAIM_TO_CONFIRMED.labels(destination=destination).observe(call_seconds)
+            if claimed.since_written_seconds is not None:
+                metrics.WRITTEN_TO_CONFIRMED.labels(destination=destination).observe(
+                    max(0.0, claimed.since_written_seconds) + call_seconds
+                )
         # The record fails a retry that would fall past the deadline (decided on the database's clock).
         past_deadline = state == "failed" and nxt.state == "pending"
         error = policy.deadline_error(claimed.deadline, nxt.error) if past_deadline else nxt.error
@@ -346,6 +367,8 @@ class Executor:
             sent_at + handler.lease_seconds - handler.start_margin_seconds / 2,
         )
         call = caller.run(handler, delivery, start_by=start_by, end_by=end_by)
+        # For the metrics only: the provider's last HTTP status in this call (None: no answer).
+        self._local.http_status = call.http_status if call is not None else None
         if call is None:
             # Its late result, if any, is ignored: the outcome is recorded now, inside the lease.
             self._local.caller = None

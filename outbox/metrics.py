@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -46,6 +46,56 @@ RELAY_BATCHES = Counter(
     ["result"],
     registry=REGISTRY,
 )
+
+# -- worker --------------------------------------------------------------------------------------
+# Under `outbox worker --processes N` each child writes these to files in a directory the parent
+# prepared (prometheus_client's multiprocess mode) and the parent serves their sum.
+
+DELIVERIES = Counter(
+    "outbox_deliveries",
+    "Deliveries by destination and outcome: sent, pending (a retry), unknown, failed, "
+    "superseded (a newer claim owned the row), empty (nothing to claim), released (claimed, "
+    "given back without a call), unhandled, halted.",
+    ["destination", "outcome"],
+    registry=REGISTRY,
+)
+PROVIDER_RESPONSES = Counter(
+    "outbox_provider_responses",
+    "Calls by the class of the provider's HTTP answer: 2xx, 3xx, 4xx, 5xx, or none (no answer: "
+    "a timeout, a connection error, an exception before any response).",
+    ["destination", "status_class"],
+    registry=REGISTRY,
+)
+#: Seconds, from a few milliseconds (a local provider) to an hour (a backlog, a long backoff).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+PUBLISHED_TO_CLAIMED = Histogram(
+    "outbox_published_to_claimed_seconds",
+    "From the row's publication to its claim (database clock): the broker and the workers' wait.",
+    ["destination"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+CLAIM_TO_CONFIRMED = Histogram(
+    "outbox_claim_to_confirmed_seconds",
+    "From the claim's commit to the provider's confirmed answer (the worker's clock): the call.",
+    ["destination"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+WRITTEN_TO_CONFIRMED = Histogram(
+    "outbox_written_to_confirmed_seconds",
+    "From the row's writing to its confirmed answer, end to end, retries included. Written is "
+    "the row's created_at (the start of the writing transaction, not its commit), or its "
+    "available_at when it was written for later.",
+    ["destination"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+
+def status_class(status: int | None) -> str:
+    return f"{status // 100}xx" if status is not None and 100 <= status < 600 else "none"
+
 
 # -- reconciler ----------------------------------------------------------------------------------
 
@@ -214,3 +264,27 @@ REGISTRY.register(DATABASE)
 def render() -> tuple[str, bytes]:
     """The Prometheus text exposition of the registry: (content type, body)."""
     return CONTENT_TYPE_LATEST, generate_latest(REGISTRY)
+
+
+#: The variable prometheus_client reads, at import, to keep its values in files of a directory.
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_renderer(directory: str) -> Any:
+    """For the parent of ``outbox worker --processes N``: renders the sum of its children's
+    files in ``directory`` (each child sets nothing up: it inherits the variable)."""
+    from prometheus_client import multiprocess
+
+    def render_children() -> tuple[str, bytes]:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=directory)
+        return CONTENT_TYPE_LATEST, generate_latest(registry)
+
+    return render_children
+
+
+def mark_process_dead(pid: int, directory: str) -> None:
+    """A child died: its live gauges go (its counters stay: a counter never goes down)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, directory)

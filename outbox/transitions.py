@@ -187,13 +187,18 @@ WITH held AS (
       AND m.destination = %(destination)s
       AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
     RETURNING m.id, m.key, m.step, m.destination, m.payload, m.attempts, m.deadline, m.claim_token,
-              m.deadline <= clock_timestamp() AS deadline_passed
+              m.deadline <= clock_timestamp() AS deadline_passed,
+              -- For the latency metrics: since the row was written (or, on its first attempt,
+              -- since it was due, when written for later) and since it was published.
+              EXTRACT(EPOCH FROM clock_timestamp() - CASE WHEN m.attempts = 1
+                  THEN GREATEST(m.created_at, m.available_at) ELSE m.created_at END) AS since_written,
+              EXTRACT(EPOCH FROM clock_timestamp() - m.dispatched_at) AS since_published
 ), fence AS (
     INSERT INTO outbox_attempt (message_id, attempt, claim_token)
     SELECT id, attempts, claim_token FROM claimed
 )
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
-       COALESCE(deadline_passed, false)
+       COALESCE(deadline_passed, false), since_written, since_published
 FROM claimed
 """
 
@@ -301,6 +306,11 @@ class Claimed:
     token: uuid.UUID
     #: The row's deadline had passed when the claim held it (on the database's clock).
     deadline_passed: bool = False
+    #: Seconds from the row's writing (its due time, on a first attempt scheduled for later) to
+    #: the claim, and from its latest publication to the claim (None: never published), on the
+    #: database's clock: for the latency metrics only.
+    since_written_seconds: float | None = None
+    since_published_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -336,7 +346,20 @@ def claim(
     ).fetchone()
     if row is None:
         return None
-    return Claimed(*row)
+    row_id, key, step, destination, payload, attempt, deadline, token, passed, written, published = row
+    return Claimed(
+        row_id,
+        key,
+        step,
+        destination,
+        payload,
+        attempt,
+        deadline,
+        token,
+        passed,
+        since_written_seconds=float(written) if written is not None else None,
+        since_published_seconds=float(published) if published is not None else None,
+    )
 
 
 def record(

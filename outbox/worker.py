@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import dramatiq
@@ -124,12 +124,17 @@ def start_heartbeat(database_url: str, queues: Sequence[str], interval_seconds: 
 
 
 def supervise(
-    argv: Sequence[str], processes: int, stop: threading.Event, liveness: Liveness | None = None
+    argv: Sequence[str],
+    processes: int,
+    stop: threading.Event,
+    liveness: Liveness | None = None,
+    on_exit: Callable[[int], None] | None = None,
 ) -> int:
     """Run ``processes`` single-process workers as children; restart one that dies.
 
     SIGTERM/SIGINT are forwarded; the exit status is 0 when every child stopped cleanly.
-    ``liveness`` is beaten by the supervising loop.
+    ``liveness`` is beaten by the supervising loop; ``on_exit(pid)`` hears of each child that
+    ended (its metrics files are then marked dead).
     """
 
     def spawn() -> subprocess.Popen[bytes]:
@@ -143,6 +148,8 @@ def supervise(
             for i, child in enumerate(children):
                 code = child.poll()
                 if code is not None:
+                    if on_exit is not None:
+                        on_exit(child.pid)
                     logger.error(
                         "worker process %s exited with %s; restarting it",
                         child.pid,

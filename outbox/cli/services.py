@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import tempfile
+import threading
 
 from .. import settings
 from ..exceptions import ConfigError
@@ -177,6 +180,10 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
         # The parent serves the endpoints; a child binding the same port would fail to start.
         os.environ.pop("OUTBOX_METRICS_PORT", None)
     liveness = Liveness(stale_after_seconds=LIVENESS_FLOOR_SECONDS)
+    if args.processes > 1 and cfg.metrics_port is not None:
+        return _supervise_with_metrics(
+            child_argv, args.processes, stop, liveness, cfg.metrics_port, database_url, redis_url
+        )
     probes = serve(
         cfg.metrics_port, process="worker", liveness=liveness, database_url=database_url, redis_url=redis_url
     )
@@ -197,3 +204,41 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     finally:
         if probes is not None:
             probes.stop()
+
+
+def _supervise_with_metrics(
+    child_argv: list[str],
+    processes: int,
+    stop: threading.Event,
+    liveness: Liveness,
+    port: int,
+    database_url: str,
+    redis_url: str,
+) -> int:
+    """The children count into files of a directory made for this run (prometheus_client's
+    multiprocess mode: the variable is read when a child imports it); the parent serves their
+    sum, and drops the directory when they have all stopped."""
+    from .. import metrics
+    from ..probes import ProbeServer, Readiness
+    from ..worker import supervise
+
+    directory = tempfile.mkdtemp(prefix="outbox-worker-metrics-")
+    os.environ[metrics.MULTIPROCESS_ENV] = directory
+    probes = ProbeServer(
+        port,
+        process="worker",
+        liveness=liveness,
+        readiness=Readiness(database_url, redis_url),
+        render_metrics=metrics.multiprocess_renderer(directory),
+    ).start()
+    try:
+        return supervise(
+            child_argv,
+            processes,
+            stop,
+            liveness,
+            on_exit=lambda pid: metrics.mark_process_dead(pid, directory),
+        )
+    finally:
+        probes.stop()
+        shutil.rmtree(directory, ignore_errors=True)

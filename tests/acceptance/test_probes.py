@@ -4,10 +4,13 @@ reconciler's row gauges are what `outbox status --json` says."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,7 +20,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 
-from .support import HANDLERS, Processes
+from .support import HANDLERS, Processes, states
 
 DESTINATION = "payments.charge"
 
@@ -47,9 +50,9 @@ def samples(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def write(engine, n: int) -> None:
+def write(engine, n: int, first: int = 0) -> None:
     with Session(engine) as s, s.begin():
-        for i in range(n):
+        for i in range(first, first + n):
             outbox.write(
                 s, key=f"order:{i}", step="charge", destination=DESTINATION, payload={"amount_cents": 100}
             )
@@ -104,23 +107,48 @@ def test_relay_and_reconciler_serve_probes_and_metrics_that_agree_with_status(cl
         assert proc.wait(30) == 0, procs.log_of(proc)
 
 
-def test_a_worker_of_two_processes_serves_the_probes_from_its_parent(clean, procs):
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def sent(clean) -> int:
+    return states(clean).get("sent", 0)
+
+
+def test_a_worker_of_two_processes_serves_the_sum_of_its_childrens_counts(clean, engine, procs):
     port = free_port()
     # From the environment, as a compose file sets it: the children must not inherit it (they
     # would all bind the parent's port and die).
     worker = procs.start(
-        "worker", HANDLERS, "--processes", "2", "--threads", "1", OUTBOX_METRICS_PORT=str(port)
+        "worker", HANDLERS, "--processes", "2", "--threads", "2", OUTBOX_METRICS_PORT=str(port)
     )
     healthz = wait_for(lambda: get(port, "/healthz"), 60, "the worker's /healthz")
     assert healthz.status_code == 200 and healthz.json()["process"] == "worker"
     assert get(port, "/readyz").status_code == 200
-    wait_for(
-        lambda: (
-            "outbox worker started" in procs.log_of(worker) and procs.log_of(worker).count("started") >= 2
-        ),
-        60,
-        "both children to start",
-    )
-    assert "exited with" not in procs.log_of(worker), procs.log_of(worker)
+    wait_for(lambda: procs.log_of(worker).count("outbox worker started") == 2, 60, "both children to start")
+    procs.relay()
+
+    write(engine, 10)
+    wait_for(lambda: sent(clean) == 10, 60, "10 rows sent")
+    # A child dies: what it counted stays counted (a counter never goes down).
+    os.kill(children(worker.pid)[0], signal.SIGKILL)
+    wait_for(lambda: "restarting it" in procs.log_of(worker), 30, "the supervisor to restart the child")
+    wait_for(lambda: procs.log_of(worker).count("outbox worker started") == 3, 60, "the new child to start")
+    write(engine, 10, first=10)
+    wait_for(lambda: sent(clean) == 20, 60, "20 rows sent")
+
+    s = samples(port)
+    d = (("destination", DESTINATION),)
+    assert s[("outbox_deliveries_total", (*d, ("outcome", "sent")))] == 20
+    assert s[("outbox_provider_responses_total", (*d, ("status_class", "2xx")))] == 20
+    assert s[("outbox_written_to_confirmed_seconds_count", d)] == 20
+    assert s[("outbox_claim_to_confirmed_seconds_count", d)] == 20
+    assert 0 < s[("outbox_written_to_confirmed_seconds_sum", d)] < 20 * 60
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(60) == 0, procs.log_of(worker)
