@@ -79,6 +79,8 @@ class Readiness:
                     autocommit=True,
                     connect_timeout=max(1, int(PROBE_TIMEOUT_SECONDS)),
                     application_name="outbox-probe",
+                    # A server that accepts and then hangs must not hang the probe.
+                    options=f"-c statement_timeout={int(PROBE_TIMEOUT_SECONDS * 1000)}",
                 )
             self._conn.execute("SELECT 1")
             return None
@@ -193,7 +195,15 @@ class ProbeServer:
             from .metrics import render
 
             render_metrics = render
-        self._server = _Server((host, port), _Handler)
+        try:
+            self._server = _Server((host, port), _Handler)
+        except OSError as exc:
+            from .exceptions import ConfigError
+
+            raise ConfigError(
+                f"cannot serve the metrics and probes on {host}:{port} (--metrics-port / "
+                f"OUTBOX_METRICS_PORT): {exc.strerror or exc}"
+            ) from exc
         self._server.liveness = liveness
         self._server.readiness = readiness
         self._server.process = process

@@ -107,3 +107,22 @@ def test_one_reconciler_at_a_time_reads_the_database(clean, engine, db):
         assert reading is not None and reading.rows == {("payments.charge", "pending"): 1}
     finally:
         reconciler.close()
+
+
+def test_a_port_in_use_is_a_clear_configuration_error(clean):
+    import socket
+
+    from outbox.exceptions import ConfigError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot serve the metrics and probes on 127.0.0.1:{port}"):
+            ProbeServer(
+                port,
+                process="test",
+                liveness=Liveness(30),
+                readiness=Readiness(clean.database_url, None),
+                host="127.0.0.1",
+            )
