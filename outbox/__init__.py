@@ -6,8 +6,9 @@ key, and records the confirmed answer. The database is the source of truth.
 
 The public API is what ``__all__`` lists, importable from ``outbox`` itself: ``write`` /
 ``write_async`` and ``cancel`` / ``cancel_async``, the ``@handler`` decorator with ``Handler``,
-``Delivery`` and ``Confirmed``, and the exceptions (all subclasses of ``OutboxError``). Every other
-module (``outbox.relay``, ``outbox.ops``, ``outbox.cli``, …) is internal and may change.
+``Delivery`` and ``Confirmed``, ``worker_middleware`` (Dramatiq middleware of your own), and
+the exceptions (all subclasses of ``OutboxError``). Every other module (``outbox.relay``,
+``outbox.ops``, ``outbox.cli``, …) is internal and may change.
 
 The names are loaded on first use (PEP 562), so that ``import outbox`` and the ``outbox``
 command start without SQLAlchemy, Dramatiq or httpx until something needs them.
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
         UnsafeBroker,
     )
     from .handlers import Confirmed, Delivery, Handler, handler
+    from .middleware import worker_middleware
     from .write import Written, cancel, cancel_async, write, write_async
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "cancel",
     "cancel_async",
     "handler",
+    "worker_middleware",
     "write",
     "write_async",
 ]
@@ -81,6 +84,7 @@ _HOME = {
     ),
     **dict.fromkeys(("Confirmed", "Delivery", "Handler", "handler"), "handlers"),
     **dict.fromkeys(("Written", "cancel", "cancel_async", "write", "write_async"), "write"),
+    "worker_middleware": "middleware",
 }
 
 

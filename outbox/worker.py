@@ -21,6 +21,7 @@ import dramatiq
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import CurrentMessage
 
+from . import middleware
 from .consumer import Executor
 from .exceptions import ConfigError
 from .failover import FailoverGuard
@@ -38,6 +39,8 @@ def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]
     # time_limit, and an exception raised into a worker thread at an arbitrary point could land
     # inside a claim or a release, leaving a claim nobody knows about.
     broker = RedisBroker(url=redis_url, namespace=namespace, middleware=[CurrentMessage()])
+    for extra in middleware.added():  # the user's (outbox.worker_middleware), after ours
+        broker.add_middleware(extra)
     return broker
 
 

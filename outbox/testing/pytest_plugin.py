@@ -109,11 +109,17 @@ def outbox_session_database_url() -> Iterator[str]:
 
 @pytest.fixture(autouse=True)
 def _outbox_isolated_registry() -> Iterator[None]:
-    """Handlers a test declares are forgotten after it; those of modules imported before stay."""
+    """Handlers (and worker middleware) a test declares are forgotten after it; those of modules
+    imported before stay."""
+    from .. import middleware
     from ..handlers import isolated_registry
 
-    with isolated_registry():
-        yield
+    saved = middleware.added()
+    try:
+        with isolated_registry():
+            yield
+    finally:
+        middleware.restore(saved)
 
 
 @pytest.fixture

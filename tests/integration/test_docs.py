@@ -619,6 +619,13 @@ def check_quickstart(run: PageRun, shop: Shop) -> None:
 
 
 def check_handlers(run: PageRun, shop: Shop) -> None:
+    from outbox import middleware
+
+    # The page's middleware is on the list the worker's broker takes, and off it after the page.
+    try:
+        assert [type(m).__name__ for m in middleware.added()] == ["SlowMessageLog"]
+    finally:
+        middleware.clear()
     # The first handler module: charge, lookup, and a declined card.
     charge = run.handler("payments.charge", 0)
     charge_scenario(shop, charge, "order:7")
