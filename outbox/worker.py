@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -126,6 +127,15 @@ def start_heartbeat(database_url: str, queues: Sequence[str], interval_seconds: 
     return Heartbeat(database_url, kind="worker", queues=queues, interval_seconds=interval_seconds).start()
 
 
+#: A child that dies is started again after a backoff that doubles from the first of these to the
+#: last; more than CRASHES_BEFORE_GIVING_UP deaths within CRASH_WINDOW_SECONDS and the worker
+#: gives up (exit 1): the orchestrator then sees a failing process, not one that restarts its
+#: children for ever with nothing delivered.
+RESTART_BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+CRASH_WINDOW_SECONDS = 60.0
+CRASHES_BEFORE_GIVING_UP = 5
+
+
 def supervise(
     argv: Sequence[str],
     processes: int,
@@ -133,44 +143,72 @@ def supervise(
     liveness: Liveness | None = None,
     on_exit: Callable[[int], None] | None = None,
 ) -> int:
-    """Run ``processes`` single-process workers as children; restart one that dies.
+    """Run ``processes`` single-process workers as children; restart one that dies, after a
+    backoff, and give up after repeated deaths (see :data:`CRASHES_BEFORE_GIVING_UP`).
 
-    SIGTERM/SIGINT are forwarded; the exit status is 0 when every child stopped cleanly.
-    ``liveness`` is beaten by the supervising loop; ``on_exit(pid)`` hears of each child that
-    ended (its metrics files are then marked dead).
+    SIGTERM/SIGINT are forwarded; the exit status is 0 when every child stopped cleanly, 1 when
+    one did not or the worker gave up. ``liveness`` is beaten by the supervising loop;
+    ``on_exit(pid)`` hears of each child that ended (its metrics files are then marked dead).
     """
 
     def spawn() -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, "-m", "outbox", *argv])
 
-    children = [spawn() for _ in range(processes)]
+    children: list[subprocess.Popen[bytes] | None] = [spawn() for _ in range(processes)]
+    restart_at: dict[int, float] = {}
+    deaths: deque[float] = deque()
+    gave_up = False
     try:
-        while not stop.wait(0.5):
+        while not gave_up and not stop.wait(0.5):
             if liveness is not None:
                 liveness.beat()
+            now = time.monotonic()
             for i, child in enumerate(children):
+                if child is None:
+                    if now >= restart_at[i]:
+                        children[i] = spawn()
+                        del restart_at[i]
+                    continue
                 code = child.poll()
-                if code is not None:
-                    if on_exit is not None:
-                        on_exit(child.pid)
+                if code is None:
+                    continue
+                if on_exit is not None:
+                    on_exit(child.pid)
+                children[i] = None
+                deaths.append(now)
+                while deaths and deaths[0] < now - CRASH_WINDOW_SECONDS:
+                    deaths.popleft()
+                if len(deaths) > CRASHES_BEFORE_GIVING_UP:
                     logger.error(
-                        "worker process %s exited with %s; restarting it",
+                        "worker process %s exited with %s: %s deaths within %.0f s, giving up",
                         child.pid,
                         code,
-                        extra={"pid": child.pid, "exit_code": code},
+                        len(deaths),
+                        CRASH_WINDOW_SECONDS,
+                        extra={"pid": child.pid, "exit_code": code, "deaths": len(deaths)},
                     )
-                    time.sleep(1.0)
-                    children[i] = spawn()
+                    gave_up = True
+                    break
+                delay = RESTART_BACKOFF_SECONDS[min(len(deaths), len(RESTART_BACKOFF_SECONDS)) - 1]
+                restart_at[i] = now + delay
+                logger.error(
+                    "worker process %s exited with %s; restarting it in %.0f s",
+                    child.pid,
+                    code,
+                    delay,
+                    extra={"pid": child.pid, "exit_code": code, "restart_in_seconds": delay},
+                )
     finally:
-        for child in children:
+        running = [c for c in children if c is not None]
+        for child in running:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
-        codes = [child.wait() for child in children]
+        codes = [child.wait() for child in running]
     # -SIGTERM: the forwarded signal reached a child before Python had installed its handler,
     # that is while it was still booting and held no message, so it stopped cleanly too.
     failed = [
-        (c.pid, code) for c, code in zip(children, codes, strict=True) if code not in (0, -signal.SIGTERM)
+        (c.pid, code) for c, code in zip(running, codes, strict=True) if code not in (0, -signal.SIGTERM)
     ]
     for pid, code in failed:
         logger.error("worker process %s stopped with %s", pid, code, extra={"pid": pid, "exit_code": code})
-    return 1 if failed else 0
+    return 1 if failed or gave_up else 0

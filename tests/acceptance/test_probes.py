@@ -4,13 +4,11 @@ reconciler's row gauges are what `outbox status --json` says."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,6 +19,7 @@ from sqlalchemy.orm import Session
 import outbox
 
 from .support import HANDLERS, Processes, states
+from .test_worker_process import _children
 
 DESTINATION = "payments.charge"
 
@@ -107,16 +106,6 @@ def test_relay_and_reconciler_serve_probes_and_metrics_that_agree_with_status(cl
         assert proc.wait(30) == 0, procs.log_of(proc)
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                found.append(int(stat.parent.name))
-    return found
-
-
 def sent(clean) -> int:
     return states(clean).get("sent", 0)
 
@@ -137,7 +126,7 @@ def test_a_worker_of_two_processes_serves_the_sum_of_its_childrens_counts(clean,
     write(engine, 10)
     wait_for(lambda: sent(clean) == 10, 60, "10 rows sent")
     # A child dies: what it counted stays counted (a counter never goes down).
-    os.kill(children(worker.pid)[0], signal.SIGKILL)
+    os.kill(_children(worker.pid)[0], signal.SIGKILL)
     wait_for(lambda: "restarting it" in procs.log_of(worker), 30, "the supervisor to restart the child")
     wait_for(lambda: procs.log_of(worker).count("outbox worker started") == 3, 60, "the new child to start")
     write(engine, 10, first=10)

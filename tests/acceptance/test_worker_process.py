@@ -75,3 +75,32 @@ def test_sigterm_while_worker_processes_are_still_starting_exits_0(clean, provid
     assert worker.wait(30) == 0, procs.logs()
     for child in children:
         assert not os.path.exists(f"/proc/{child}"), "a worker process outlived its supervisor"
+
+
+CRASHING_CHILD = """
+import sys
+
+import outbox
+from outbox import Confirmed
+
+# The parent (--processes 2) loads this module and lives; each child (--processes 1) dies at once.
+if sys.argv[sys.argv.index("--processes") + 1] == "1":
+    raise SystemExit(3)
+
+
+@outbox.handler("payments.charge")
+def charge(d):
+    return Confirmed(ref="x")
+"""
+
+
+def test_a_worker_whose_children_keep_dying_gives_up_with_exit_1(clean, procs, tmp_path):
+    (tmp_path / "crashing_handlers.py").write_text(CRASHING_CHILD)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{procs.env()['PYTHONPATH']}"}
+    worker = procs.start("worker", "crashing_handlers", "--processes", "2", **env)
+    # Two children die at once, again 1 s later, again 2 s later: six deaths in the window.
+    assert worker.wait(60) == 1, procs.log_of(worker)
+    log = procs.log_of(worker)
+    assert "restarting it in 1 s" in log and "restarting it in 2 s" in log
+    assert "giving up" in log
+    assert _children(worker.pid) == []
