@@ -11,12 +11,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # directory at run time, `python -m outbox` would import it instead of the installed package,
 # which is the one that carries the migrations (as outbox.migrations).
 WORKDIR /build
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY migrations/ migrations/
 COPY outbox/ outbox/
 COPY relay/ relay/
 COPY reconciler/ reconciler/
-RUN pip install . && rm -rf /build
+RUN pip install -c constraints.txt . && rm -rf /build
 
 # The examples are not part of the package: the handler modules are found through PYTHONPATH,
 # as an application's own would be.

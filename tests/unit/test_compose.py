@@ -198,15 +198,23 @@ def test_the_provider_is_reachable_where_the_handlers_look(services):
 def test_dockerfile_installs_the_project_on_python_311_slim():
     text = DOCKERFILE.read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.MULTILINE)
-    assert re.search(r"pip install \.(\s|$)", text)
+    assert re.search(r"pip install -c constraints\.txt \.(\s|$)", text)
     ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip()}
     for source in re.findall(r"^COPY\s+(?!--)(.+?)\s+\S+$", text, re.MULTILINE):
         for path in source.split():
             assert (ROOT / path).exists(), f"COPY {path}: no such file"
             assert path.rstrip("/") not in ignored, f"COPY {path} but .dockerignore excludes it"
     # What the package build needs is copied before `pip install .`.
-    install = text.index("pip install .")
-    for needed in ("pyproject.toml", "README.md", "migrations/", "outbox/", "relay/", "reconciler/"):
+    install = text.index("pip install -c constraints.txt .")
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "constraints.txt",
+        "migrations/",
+        "outbox/",
+        "relay/",
+        "reconciler/",
+    ):
         assert needed in text[:install], needed
     # The examples' handler modules are found at run time.
     assert re.search(r"^ENV PYTHONPATH=(\S+)", text, re.MULTILINE)
