@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 
@@ -224,25 +225,37 @@ def check_database(database_url: str, *, wait_seconds: float = START_WAIT_SECOND
     from .db import make_engine
 
     engine = make_engine(database_url)
-    deadline = time.monotonic() + wait_seconds
-    delay = 0.25
     try:
-        while True:
-            try:
-                with engine.connect() as conn:
-                    check_schema(conn)
-                return
-            except sqlalchemy.exc.OperationalError as exc:
-                if not _waitable(exc) or time.monotonic() + delay > deadline:
-                    raise
-                if delay == 0.25:
-                    logger.warning(
-                        "PostgreSQL is not accepting connections (%s); waiting up to %.0f s",
-                        first_line(exc.orig or exc),
-                        wait_seconds,
-                        extra={"error": type(exc.orig or exc).__name__},
-                    )
-                time.sleep(delay)
-                delay = min(delay * 2, _START_RETRY_MAX_DELAY_SECONDS)
+        _when_accepting(engine, wait_seconds, check_schema)
     finally:
         engine.dispose()
+
+
+def upgrade_when_accepting(engine: Engine, *, wait_seconds: float) -> tuple[str | None, str]:
+    """:func:`upgrade`, first waiting up to ``wait_seconds`` for a server that is not accepting
+    connections yet (``outbox migrate --wait``: a fresh database container starts, stops and
+    starts again before it takes connections)."""
+    _when_accepting(engine, wait_seconds, lambda conn: conn.execute(text("SELECT 1")))
+    return upgrade(engine)
+
+
+def _when_accepting(engine: Engine, wait_seconds: float, use: Callable[[Connection], object]) -> None:
+    deadline = time.monotonic() + wait_seconds
+    delay = 0.25
+    while True:
+        try:
+            with engine.connect() as conn:
+                use(conn)
+            return
+        except sqlalchemy.exc.OperationalError as exc:
+            if not _waitable(exc) or time.monotonic() + delay > deadline:
+                raise
+            if delay == 0.25:
+                logger.warning(
+                    "PostgreSQL is not accepting connections (%s); waiting up to %.0f s",
+                    first_line(exc.orig or exc),
+                    wait_seconds,
+                    extra={"error": type(exc.orig or exc).__name__},
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _START_RETRY_MAX_DELAY_SECONDS)

@@ -25,6 +25,14 @@ _HEARTBEAT = settings.describe_seconds(settings.DEFAULT_HEARTBEAT_INTERVAL_SECON
 
 def migrate_arguments(p: argparse.ArgumentParser) -> None:
     p.description = "Create or upgrade the outbox tables. Safe to run twice, and concurrently."
+    p.add_argument(
+        "--wait",
+        type=_wait_seconds,
+        default=0.0,
+        metavar="DURATION",
+        help="wait up to this long (e.g. 60s, 2m) for a PostgreSQL that is not accepting "
+        "connections yet, as a fresh database container (default: 0, fail at once)",
+    )
 
 
 def relay_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,13 +71,25 @@ def worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queues", nargs="+", metavar="DESTINATION", help="only these destinations")
 
 
+def _wait_seconds(value: str) -> float:
+    try:
+        seconds = settings.parse_seconds(value, "--wait")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"--wait must not be negative, got {value!r}")
+    return seconds
+
+
 def migrate(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..db import make_engine
-    from ..migrate import upgrade
+    from ..migrate import upgrade, upgrade_when_accepting
 
     engine = make_engine(cfg.require_database_url())
     try:
-        before, after = upgrade(engine)
+        before, after = (
+            upgrade_when_accepting(engine, wait_seconds=args.wait) if args.wait else upgrade(engine)
+        )
     finally:
         engine.dispose()
     if before == after:

@@ -565,8 +565,11 @@ class _Server(ThreadingHTTPServer):
                 logger.warning("provider simulator handler %s did not stop", thread.name)
 
 
-def _resolve_loopback(host: str) -> tuple[str, socket.AddressFamily]:
+def _resolve_loopback(host: str, *, any_address: bool = False) -> tuple[str, socket.AddressFamily]:
     if host not in _LOOPBACK_HOSTS:
+        if any_address:
+            # Asked for on the command line (a compose network): the caller chose to expose it.
+            return host, socket.AF_INET6 if ":" in host else socket.AF_INET
         raise ValueError(
             f"the provider simulator only binds loopback (127.0.0.1, localhost, ::1), not {host!r}"
         )
@@ -588,8 +591,10 @@ class ProviderSimulator:
     ``reset()`` (and ``POST /_reset``) restores the configuration given to the constructor.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, dedupe: bool = False) -> None:
-        self._host, self._family = _resolve_loopback(host)
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, dedupe: bool = False, any_address: bool = False
+    ) -> None:
+        self._host, self._family = _resolve_loopback(host, any_address=any_address)
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be between 0 and 65535, got {port}")
         self._port = port
@@ -598,8 +603,10 @@ class ProviderSimulator:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def _with_config(cls, host: str, port: int, config: Mapping[str, object]) -> ProviderSimulator:
-        sim = cls(host, port)
+    def _with_config(
+        cls, host: str, port: int, config: Mapping[str, object], *, any_address: bool = False
+    ) -> ProviderSimulator:
+        sim = cls(host, port, any_address=any_address)
         sim._state = _State(_apply_config(_Config(), config))
         return sim
 
@@ -772,6 +779,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--port", type=int, default=0, help="TCP port to listen on (default: 0, any free port)"
     )
     parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: 127.0.0.1). Anything but loopback exposes a test tool "
+        "that charges nothing real but answers anyone: only on a private network, such as the "
+        "compose file's (0.0.0.0 there)",
+    )
+    parser.add_argument(
         "--dedupe",
         action="store_true",
         help="honour Idempotency-Key: a repeated key returns the first charge, no new effect "
@@ -853,14 +867,14 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
     }
     try:
-        sim = ProviderSimulator._with_config("127.0.0.1", args.port, config)
+        sim = ProviderSimulator._with_config(args.host, args.port, config, any_address=True)
     except ValueError as exc:
         print(f"provider: {exc}", file=sys.stderr)
         return 2
     try:
         sim.start()
     except OSError as exc:
-        print(f"provider: cannot listen on 127.0.0.1:{args.port}: {exc}", file=sys.stderr)
+        print(f"provider: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
 
     stop = threading.Event()

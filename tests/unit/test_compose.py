@@ -180,19 +180,31 @@ def test_healthchecks(services):
         test = services[name]["healthcheck"]["test"]
         return " ".join(test) if isinstance(test, list) else test
 
-    assert "pg_isready" in check("postgres")
+    # Over TCP: the image's temporary first-start server listens on its socket only.
+    assert re.search(r"pg_isready -h 127\.0\.0\.1\b", check("postgres"))
     assert re.search(r"redis-cli\s+ping", check("redis"))
     provider = check("provider")
     port = command_of(services["provider"])[command_of(services["provider"]).index("--port") + 1]
     assert f"http://127.0.0.1:{port}/" in provider
+    for name in ("relay", "worker", "reconciler"):
+        metrics_port = environment_of(services[name])["OUTBOX_METRICS_PORT"]
+        assert f"http://127.0.0.1:{metrics_port}/readyz" in check(name), name
+
+
+def test_migrate_waits_for_a_database_that_is_still_starting(services):
+    command = command_of(services["migrate"])
+    assert command[:2] == ["outbox", "migrate"] and "--wait" in command
 
 
 def test_the_provider_is_reachable_where_the_handlers_look(services):
-    port = command_of(services["provider"])[command_of(services["provider"]).index("--port") + 1]
+    command = command_of(services["provider"])
+    port = command[command.index("--port") + 1]
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert "ports" not in services["provider"], "the simulator must not be published to the host"
     for name in ("worker", "reconciler"):
-        # The simulator binds loopback only: the callers must share its network namespace.
-        assert services[name].get("network_mode") == "service:provider", name
-        assert environment_of(services[name])["SHOP_PROVIDER_URL"] == f"http://127.0.0.1:{port}", name
+        # Their own network namespaces: a restart of the provider does not cut theirs.
+        assert "network_mode" not in services[name], name
+        assert environment_of(services[name])["SHOP_PROVIDER_URL"] == f"http://provider:{port}", name
 
 
 def test_dockerfile_installs_the_project_on_python_311_slim():
