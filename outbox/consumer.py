@@ -213,8 +213,10 @@ class Executor:
     # -- the run -------------------------------------------------------------------------------
 
     def deliver(self, row_id: int, destination: str) -> RunResult:
+        observed = self._local.observed = metrics.Observed()
         result = self._deliver(row_id, destination)
-        metrics.DELIVERIES.labels(destination=destination, outcome=result.value).inc()
+        # Counted once the outcome is recorded, and never raising: see metrics.never_raises.
+        metrics.count_delivery(destination, result.value, observed)
         return result
 
     def _deliver(self, row_id: int, destination: str) -> RunResult:
@@ -271,10 +273,9 @@ class Executor:
 
         claimed_at = time.monotonic()
         held = claimed_at - sent_at
-        if claimed.since_published_seconds is not None:
-            metrics.PUBLISHED_TO_CLAIMED.labels(destination=destination).observe(
-                max(0.0, claimed.since_published_seconds)
-            )
+        observed: metrics.Observed = self._local.observed
+        observed.since_published_seconds = claimed.since_published_seconds
+        observed.since_written_seconds = claimed.since_written_seconds
         left = handler.lease_seconds - held
         if left < handler.time_limit + handler.start_margin_seconds:
             reason = (
@@ -307,23 +308,15 @@ class Executor:
                 )
                 return self._release(handler, claimed.id, claimed.token, reason)
             decision = called
-            metrics.PROVIDER_RESPONSES.labels(
-                destination=destination, status_class=metrics.status_class(self._local.http_status)
-            ).inc()
+            observed.called = True
+            observed.http_status = self._local.http_status
+            observed.call_seconds = time.monotonic() - claimed_at
         failpoint("after_call")
-        answered_at = time.monotonic()
 
         nxt = next_state(handler, decision, attempt=claimed.attempt)
         state = self._record(claimed, decision, nxt, policy.deadline_error(claimed.deadline, nxt.error))
         failpoint("after_record")
         result = RunResult(state) if state is not None else RunResult.SUPERSEDED
-        if result is RunResult.SENT:
-            call_seconds = answered_at - claimed_at
-            metrics.CLAIM_TO_CONFIRMED.labels(destination=destination).observe(call_seconds)
-            if claimed.since_written_seconds is not None:
-                metrics.WRITTEN_TO_CONFIRMED.labels(destination=destination).observe(
-                    max(0.0, claimed.since_written_seconds) + call_seconds
-                )
         # The record fails a retry that would fall past the deadline (decided on the database's clock).
         past_deadline = state == "failed" and nxt.state == "pending"
         error = policy.deadline_error(claimed.deadline, nxt.error) if past_deadline else nxt.error

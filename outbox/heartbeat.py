@@ -64,9 +64,16 @@ WHERE id = %(id)s
 # when a worker serving it was last heard from, else when its oldest waiting row was written.
 NO_CONSUMER_SQL = f"""
 WITH waiting AS (
-    SELECT destination, count(*) AS n, min(created_at) AS oldest, min(id) AS first_id
-    FROM outbox_message
-    WHERE state IN ('pending', 'dispatched')
+    -- One branch per state, each on that state's partial index: `state IN (…)` read the whole
+    -- table (a parallel sequential scan, 250 ms at a million rows).
+    SELECT destination, sum(n)::bigint AS n, min(oldest) AS oldest, min(first_id) AS first_id
+    FROM (
+        SELECT destination, count(*) AS n, min(created_at) AS oldest, min(id) AS first_id
+        FROM outbox_message WHERE state = 'pending' GROUP BY destination
+        UNION ALL
+        SELECT destination, count(*), min(created_at), min(id)
+        FROM outbox_message WHERE state = 'dispatched' GROUP BY destination
+    ) by_state
     GROUP BY destination
 ), served AS (
     SELECT q AS destination, bool_or({LIVE}) AS live,

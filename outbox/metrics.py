@@ -13,17 +13,51 @@ are purged, so their count is no measure of anything.
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+
+logger = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., None])
+#: A metrics failure is logged at most this often (per process).
+_FAILURE_LOG_EVERY_SECONDS = 60.0
+_last_failure_log = 0.0
+
+
+def never_raises(fn: _F) -> _F:
+    """Counting is never worth a delivery: a metrics error (a full disk under the multiprocess
+    directory, a bug) is logged, rate-limited, and the caller goes on."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        global _last_failure_log
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            now = time.monotonic()
+            if now - _last_failure_log >= _FAILURE_LOG_EVERY_SECONDS:
+                _last_failure_log = now
+                logger.error(
+                    "metrics not updated (%s: %s); deliveries go on",
+                    type(exc).__name__,
+                    exc,
+                    extra={"error": type(exc).__name__},
+                )
+
+    return wrapper  # type: ignore[return-value]
+
 
 # -- relay ---------------------------------------------------------------------------------------
 
@@ -41,7 +75,7 @@ RELAY_ROWS_REFUSED = Counter(
 )
 RELAY_BATCHES = Counter(
     "outbox_relay_batches",
-    "Relay batches by result: published (committed, possibly empty of rows) or failed "
+    "Relay batches by result: published (committed with at least one row) or failed "
     "(PostgreSQL or Redis away; the rows stay pending).",
     ["result"],
     registry=REGISTRY,
@@ -97,6 +131,38 @@ def status_class(status: int | None) -> str:
     return f"{status // 100}xx" if status is not None and 100 <= status < 600 else "none"
 
 
+@dataclass
+class Observed:
+    """What one delivery learnt on its way, for :func:`count_delivery` once it is recorded."""
+
+    since_published_seconds: float | None = None
+    #: Set when a call was made: the provider's last HTTP status (None: no answer).
+    called: bool = False
+    http_status: int | None = None
+    call_seconds: float | None = None
+    since_written_seconds: float | None = None
+
+
+@never_raises
+def count_delivery(destination: str, outcome: str, observed: Observed) -> None:
+    """One delivery, after its outcome is recorded (never between the call and the record)."""
+    DELIVERIES.labels(destination=destination, outcome=outcome).inc()
+    if observed.since_published_seconds is not None:
+        PUBLISHED_TO_CLAIMED.labels(destination=destination).observe(
+            max(0.0, observed.since_published_seconds)
+        )
+    if observed.called:
+        PROVIDER_RESPONSES.labels(
+            destination=destination, status_class=status_class(observed.http_status)
+        ).inc()
+    if outcome == "sent" and observed.call_seconds is not None:
+        CLAIM_TO_CONFIRMED.labels(destination=destination).observe(observed.call_seconds)
+        if observed.since_written_seconds is not None:
+            WRITTEN_TO_CONFIRMED.labels(destination=destination).observe(
+                max(0.0, observed.since_written_seconds) + observed.call_seconds
+            )
+
+
 # -- reconciler ----------------------------------------------------------------------------------
 
 RECONCILER_JOB_RUNS = Counter(
@@ -118,6 +184,7 @@ RECONCILER_ROWS = Counter(
 _RUN_RESULTS = {"skipped": "skipped", "error": "error", "halted_by_failover": "halted"}
 
 
+@never_raises
 def count_reconciler_job(job: str, counts: Mapping[str, int]) -> None:
     """One job run's counts (as ``Reconciler.run_job`` returns them)."""
     result = next((r for k, r in _RUN_RESULTS.items() if k in counts), "ran")
@@ -128,6 +195,7 @@ def count_reconciler_job(job: str, counts: Mapping[str, int]) -> None:
                 RECONCILER_ROWS.labels(job=job, outcome=outcome).inc(n)
 
 
+@never_raises
 def count_relay_batch(published: Mapping[str, int], refused: Mapping[str, int]) -> None:
     RELAY_BATCHES.labels(result="published").inc()
     for destination, n in published.items():
@@ -136,6 +204,7 @@ def count_relay_batch(published: Mapping[str, int], refused: Mapping[str, int]) 
         RELAY_ROWS_REFUSED.labels(destination=destination).inc(n)
 
 
+@never_raises
 def count_relay_failure() -> None:
     RELAY_BATCHES.labels(result="failed").inc()
 
@@ -177,6 +246,8 @@ class DatabaseReading:
     ages: dict[tuple[str, str], float | None] = field(default_factory=dict)
     #: destinations with rows waiting and no live worker
     no_consumer: list[str] = field(default_factory=list)
+    #: every destination to export, zeros included (the handlers' and the table's)
+    destinations: list[str] = field(default_factory=list)
     taken_at: float = field(default_factory=time.monotonic)
 
 
@@ -224,7 +295,9 @@ class _DatabaseCollector(Collector):
             "Rows by destination and state (pending, dispatched, in_flight, unknown, failed).",
             labels=["destination", "state"],
         )
-        destinations = sorted({d for d, _ in reading.rows})
+        # Zeros for a destination with nothing waiting: a series that vanished would read as
+        # "no data" rather than 0, and rules and sums over it would go blank.
+        destinations = sorted({d for d, _ in reading.rows} | set(reading.destinations))
         for d in destinations:
             for state in GAUGE_STATES:
                 # Zeros included: a gauge that stopped being exported would look stuck.
@@ -268,6 +341,20 @@ def render() -> tuple[str, bytes]:
 
 #: The variable prometheus_client reads, at import, to keep its values in files of a directory.
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def check_environment() -> None:
+    """At a process's start: a ``PROMETHEUS_MULTIPROC_DIR`` that is set must be a writable
+    directory, or every count would fail (they would not stop deliveries, but would count
+    nothing)."""
+    from .exceptions import ConfigError
+
+    directory = os.environ.get(MULTIPROCESS_ENV)
+    if directory and not (os.path.isdir(directory) and os.access(directory, os.W_OK)):
+        raise ConfigError(
+            f"{MULTIPROCESS_ENV}={directory!r} is not a writable directory; unset it "
+            "(outbox worker --processes N sets its own for its children)"
+        )
 
 
 def multiprocess_renderer(directory: str) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -51,42 +52,127 @@ class Liveness:
         return self.age_seconds() <= self.stale_after_seconds
 
 
+#: The variable by which ``outbox worker --processes N`` tells its children where to beat.
+CHILD_BEATS_ENV = "OUTBOX_WORKER_BEATS_DIR"
+
+
+class FileBeat(Liveness):
+    """A child's liveness, in a file the parent reads (``beat-<pid>``, touched at most once a
+    second): the parent of ``outbox worker --processes N`` answers ``/healthz`` for all."""
+
+    def __init__(self, directory: str, stale_after_seconds: float) -> None:
+        super().__init__(stale_after_seconds)
+        self.path = os.path.join(directory, f"beat-{os.getpid()}")
+        self._touched = 0.0
+
+    def beat(self) -> None:
+        super().beat()
+        now = time.monotonic()
+        if now - self._touched >= 1.0:
+            self._touched = now
+            with contextlib.suppress(OSError):  # a beat lost is a beat late, not a crash
+                with open(self.path, "a"):
+                    pass
+                os.utime(self.path)
+
+
+class ChildrenLiveness(Liveness):
+    """The parent's loop and each running child's :class:`FileBeat`: the oldest of them is the
+    age ``/healthz`` reports, so a frozen child makes the worker stale even while its parent
+    supervises. A child that just started is given ``stale_after_seconds`` to beat first."""
+
+    def __init__(self, directory: str, stale_after_seconds: float) -> None:
+        super().__init__(stale_after_seconds)
+        self.directory = directory
+        self._started: dict[int, float] = {}
+
+    def child_started(self, pid: int) -> None:
+        self._started[pid] = time.monotonic()
+
+    def child_ended(self, pid: int) -> None:
+        self._started.pop(pid, None)
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.directory, f"beat-{pid}"))
+
+    def age_seconds(self) -> float:
+        ages = [super().age_seconds()]
+        for pid, started in list(self._started.items()):
+            try:
+                ages.append(time.time() - os.stat(os.path.join(self.directory, f"beat-{pid}")).st_mtime)
+            except OSError:
+                ages.append(time.monotonic() - started)  # not beaten yet: booting
+        return max(ages)
+
+
 class Readiness:
     """Whether PostgreSQL and Redis answer; one connection each, kept between probes and made
-    again after a failure. Probes are serialised: an orchestrator probing often costs one
-    ``SELECT 1`` and one ``PING`` per probe, never a connection storm."""
+    again after a failure: an orchestrator probing often costs one ``SELECT 1`` and one
+    ``PING`` per probe, never a connection storm. Each check is bounded in time."""
 
     def __init__(self, database_url: str, redis_url: str | None) -> None:
         self.database_url = database_url
         self.redis_url = redis_url
-        self._lock = threading.Lock()
         self._conn: Any = None
         self._redis: Any = None
+        # Concurrent probes share one connection each, rather than each making its own.
+        self._connecting = threading.Lock()
 
     def problems(self) -> list[str]:
-        with self._lock:
-            return [p for p in (self._database(), self._broker()) if p]
+        return [
+            p
+            for p in (self._bounded("PostgreSQL", self._database), self._bounded("Redis", self._broker))
+            if p
+        ]
+
+    def _bounded(self, what: str, check: Callable[[], str | None]) -> str | None:
+        """The check's problem, or "no answer" past the timeout: a server that accepted the
+        connection and then stopped answering (SIGSTOP, a network partition) must not hang the
+        probe, nor the probes queued behind it. A check left running finishes on its own."""
+        answer: list[str | None] = []
+        thread = threading.Thread(
+            target=lambda: answer.append(check()), name=f"outbox-probe-{what}", daemon=True
+        )
+        thread.start()
+        thread.join(PROBE_TIMEOUT_SECONDS + 0.5)
+        if thread.is_alive():
+            if what == "PostgreSQL":
+                self._conn = None  # abandoned to its thread; the next probe connects afresh
+            else:
+                self._redis = None
+            return f"{what}: no answer within {PROBE_TIMEOUT_SECONDS:g} s"
+        return answer[0] if answer else f"{what}: the check failed"
 
     def _database(self) -> str | None:
         import psycopg
 
         from .settings import libpq_url
 
+        conn = None
         try:
-            if self._conn is None or self._conn.closed:
-                self._conn = psycopg.connect(
-                    libpq_url(self.database_url),
-                    autocommit=True,
-                    connect_timeout=max(1, int(PROBE_TIMEOUT_SECONDS)),
-                    application_name="outbox-probe",
-                    # A server that accepts and then hangs must not hang the probe.
-                    options=f"-c statement_timeout={int(PROBE_TIMEOUT_SECONDS * 1000)}",
-                )
-            self._conn.execute("SELECT 1")
+            with self._connecting:
+                conn = self._conn
+                if conn is None or conn.closed:
+                    conn = self._conn = psycopg.connect(
+                        libpq_url(self.database_url),
+                        autocommit=True,
+                        connect_timeout=max(1, int(PROBE_TIMEOUT_SECONDS)),
+                        application_name="outbox-probe",
+                        options=f"-c statement_timeout={int(PROBE_TIMEOUT_SECONDS * 1000)}",
+                    )
+            conn.execute("SELECT 1")
             return None
         except Exception as exc:
-            self._close_database()
+            if conn is not None and self._conn is conn:
+                self._conn = None
+            with contextlib.suppress(Exception):
+                if conn is not None:
+                    conn.close()
             return f"PostgreSQL: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            if conn is not None and self._conn is not conn:
+                # Abandoned by a probe that gave up on it (see _bounded): closed by its thread.
+                with contextlib.suppress(Exception):
+                    conn.close()
 
     def _broker(self) -> str | None:
         if self.redis_url is None:
@@ -94,13 +180,15 @@ class Readiness:
         from . import transport
 
         try:
-            if self._redis is None:
-                self._redis = transport.connect(
-                    self.redis_url,
-                    socket_timeout=PROBE_TIMEOUT_SECONDS,
-                    socket_connect_timeout=PROBE_TIMEOUT_SECONDS,
-                )
-            self._redis.ping()
+            with self._connecting:
+                client = self._redis
+                if client is None:
+                    client = self._redis = transport.connect(
+                        self.redis_url,
+                        socket_timeout=PROBE_TIMEOUT_SECONDS,
+                        socket_connect_timeout=PROBE_TIMEOUT_SECONDS,
+                    )
+            client.ping()
             return None
         except Exception as exc:
             with contextlib.suppress(Exception):
@@ -115,12 +203,11 @@ class Readiness:
         self._conn = None
 
     def close(self) -> None:
-        with self._lock:
-            self._close_database()
-            if self._redis is not None:
-                with contextlib.suppress(Exception):
-                    self._redis.close()
-                self._redis = None
+        self._close_database()
+        if self._redis is not None:
+            with contextlib.suppress(Exception):
+                self._redis.close()
+            self._redis = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -249,3 +336,10 @@ def serve(
     return ProbeServer(
         port, process=process, liveness=liveness, readiness=Readiness(database_url, redis_url)
     ).start()
+
+
+def check_metrics_environment() -> None:
+    """:func:`outbox.metrics.check_environment`, imported only when a service starts."""
+    from .metrics import check_environment
+
+    check_environment()

@@ -188,9 +188,10 @@ WITH held AS (
       AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
     RETURNING m.id, m.key, m.step, m.destination, m.payload, m.attempts, m.deadline, m.claim_token,
               m.deadline <= clock_timestamp() AS deadline_passed,
-              -- For the latency metrics: since the row was written (or, on its first attempt,
-              -- since it was due, when written for later) and since it was published.
-              EXTRACT(EPOCH FROM clock_timestamp() - CASE WHEN m.attempts = 1
+              -- For the latency metrics: since the row was written (or, on a first attempt that
+              -- no release preceded, since it was due, when written for later) and since it was
+              -- published. A release leaves its reason in last_error and moves available_at.
+              EXTRACT(EPOCH FROM clock_timestamp() - CASE WHEN m.attempts = 1 AND m.last_error IS NULL
                   THEN GREATEST(m.created_at, m.available_at) ELSE m.created_at END) AS since_written,
               EXTRACT(EPOCH FROM clock_timestamp() - m.dispatched_at) AS since_published
 ), fence AS (

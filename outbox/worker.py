@@ -142,17 +142,21 @@ def supervise(
     stop: threading.Event,
     liveness: Liveness | None = None,
     on_exit: Callable[[int], None] | None = None,
+    on_start: Callable[[int], None] | None = None,
 ) -> int:
     """Run ``processes`` single-process workers as children; restart one that dies, after a
     backoff, and give up after repeated deaths (see :data:`CRASHES_BEFORE_GIVING_UP`).
 
     SIGTERM/SIGINT are forwarded; the exit status is 0 when every child stopped cleanly, 1 when
     one did not or the worker gave up. ``liveness`` is beaten by the supervising loop;
-    ``on_exit(pid)`` hears of each child that ended (its metrics files are then marked dead).
+    ``on_start(pid)`` and ``on_exit(pid)`` hear of each child started and ended.
     """
 
     def spawn() -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-m", "outbox", *argv])
+        child = subprocess.Popen([sys.executable, "-m", "outbox", *argv])
+        if on_start is not None:
+            on_start(child.pid)
+        return child
 
     children: list[subprocess.Popen[bytes] | None] = [spawn() for _ in range(processes)]
     restart_at: dict[int, float] = {}

@@ -64,6 +64,9 @@ class Job:
     name: str
     lock_id: int
     run: JobFn
+    #: Keep the lock once taken (until this reconciler's connection ends): a job that one
+    #: reconciler should do for good, not each in turn (database_metrics).
+    keep_lock: bool = False
 
 
 #: Job names in the order ``run_once`` runs them, with their lock ids. A row whose lease expires
@@ -133,6 +136,8 @@ class Reconciler:
         self._redis: redis.Redis | None = None
         self._redis_lock = threading.Lock()
         self._conns: dict[str, psycopg.Connection[Any]] = {}
+        # The connection on which this reconciler holds a kept lock, by job (Job.keep_lock).
+        self._kept: dict[str, psycopg.Connection[Any]] = {}
         # Set on shutdown: long jobs stop between rows instead of holding the exit up.
         self._stopping = threading.Event()
         # Session-level advisory locks are re-entrant within a session: this keeps two threads
@@ -144,7 +149,8 @@ class Reconciler:
         self._idle_runs = 0
         #: The jobs, by name, in the order ``run_once`` runs them.
         self.jobs: dict[str, Job] = {
-            job.name: Job(job.name, JOB_LOCK_IDS[job.name], job.run_once) for job in self._build_jobs()
+            job.name: Job(job.name, JOB_LOCK_IDS[job.name], job.run_once, getattr(job, "keep_lock", False))
+            for job in self._build_jobs()
         }
 
     @classmethod
@@ -258,7 +264,7 @@ class Reconciler:
             ),
             NoConsumer(NoConsumerConfig(cycles_before_alert=self.no_consumer_cycles), self.alert_hook),
         ) + (
-            (DatabaseMetrics(self.database_metrics_interval_seconds),)
+            (DatabaseMetrics(self.database_metrics_interval_seconds, tuple(self.handlers)),)
             if self.database_metrics_interval_seconds is not None
             else ()
         )
@@ -327,9 +333,16 @@ class Reconciler:
         conn = self._conn(job.name)
         if self.failover_guard is not None and self.failover_guard.halted:
             return {"halted_by_failover": 1}
+        if job.keep_lock and self._kept.get(job.name) is conn:
+            return job.run(conn)
         got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (LOCK_CLASS, job.lock_id)).fetchone()
         if not (got and got[0]):
             return {"skipped": 1}
+        if job.keep_lock:
+            # Released with the connection: when this reconciler stops or loses it, another
+            # one takes the job over at its next run.
+            self._kept[job.name] = conn
+            return job.run(conn)
         try:
             return job.run(conn)
         finally:

@@ -131,12 +131,13 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from .. import transport
     from ..failover import FailoverGuard
     from ..migrate import check_database
-    from ..probes import LIVENESS_FLOOR_SECONDS, Liveness, serve
+    from ..probes import LIVENESS_FLOOR_SECONDS, Liveness, check_metrics_environment, serve
 
     # Checked before anything else: a missing URL is one clear line, never an embedded server.
     database_url = cfg.require_database_url()
     redis_url = cfg.require_redis_url()
     interval = _interval(args, cfg)
+    check_metrics_environment()
     cfg = cfg.replace(ledger_horizon_seconds=_ledger_horizon(args, cfg))
     hook = load_alert_hook(args.alert_hook or os.environ.get(ALERT_HOOK_ENV))
     check_database(database_url)

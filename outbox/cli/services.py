@@ -11,7 +11,14 @@ import threading
 
 from .. import settings
 from ..exceptions import ConfigError
-from ..probes import LIVENESS_FLOOR_SECONDS, Liveness, serve
+from ..probes import (
+    CHILD_BEATS_ENV,
+    LIVENESS_FLOOR_SECONDS,
+    FileBeat,
+    Liveness,
+    check_metrics_environment,
+    serve,
+)
 from ..signals import stop_event_on_signals
 from . import exits
 from .handlers import load_handlers
@@ -114,6 +121,7 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.connections is not None and args.connections < 1:
         raise ConfigError(f"--connections must be at least 1, got {args.connections}")
+    check_metrics_environment()
     check_database(database_url)
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
     # Checked now and every OUTBOX_FAILOVER_CHECK_INTERVAL s: on another database history the
@@ -176,6 +184,7 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     redis_url = cfg.require_redis_url()
     if args.processes < 1 or args.threads < 1:
         raise ConfigError("--processes and --threads must be at least 1")
+    check_metrics_environment()
     check_database(database_url)
     handlers = load_handlers(args.module)
     transport.check_at_start(redis_url, cfg.namespace, allow_evicting=cfg.allow_evicting_redis)
@@ -199,7 +208,12 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
         )
         # The parent serves the endpoints; a child binding the same port would fail to start.
         os.environ.pop("OUTBOX_METRICS_PORT", None)
-    liveness = Liveness(stale_after_seconds=LIVENESS_FLOOR_SECONDS)
+    beats = os.environ.get(CHILD_BEATS_ENV) if args.processes == 1 else None
+    liveness = (
+        FileBeat(beats, LIVENESS_FLOOR_SECONDS)
+        if beats
+        else Liveness(stale_after_seconds=LIVENESS_FLOOR_SECONDS)
+    )
     if args.processes > 1 and cfg.metrics_port is not None:
         return _supervise_with_metrics(
             child_argv, args.processes, stop, liveness, cfg.metrics_port, database_url, redis_url
@@ -239,26 +253,34 @@ def _supervise_with_metrics(
     multiprocess mode: the variable is read when a child imports it); the parent serves their
     sum, and drops the directory when they have all stopped."""
     from .. import metrics
-    from ..probes import ProbeServer, Readiness
+    from ..probes import CHILD_BEATS_ENV, ChildrenLiveness, ProbeServer, Readiness
     from ..worker import supervise
 
     directory = tempfile.mkdtemp(prefix="outbox-worker-metrics-")
-    os.environ[metrics.MULTIPROCESS_ENV] = directory
-    probes = ProbeServer(
-        port,
-        process="worker",
-        liveness=liveness,
-        readiness=Readiness(database_url, redis_url),
-        render_metrics=metrics.multiprocess_renderer(directory),
-    ).start()
     try:
-        return supervise(
-            child_argv,
-            processes,
-            stop,
-            liveness,
-            on_exit=lambda pid: metrics.mark_process_dead(pid, directory),
-        )
+        os.environ[metrics.MULTIPROCESS_ENV] = directory
+        # The children beat into files here; /healthz is stale when any of them stops beating.
+        beats = os.path.join(directory, "beats")
+        os.mkdir(beats)
+        os.environ[CHILD_BEATS_ENV] = beats
+        children = ChildrenLiveness(beats, liveness.stale_after_seconds)
+
+        def ended(pid: int) -> None:
+            children.child_ended(pid)
+            metrics.mark_process_dead(pid, directory)
+
+        probes = ProbeServer(
+            port,
+            process="worker",
+            liveness=children,
+            readiness=Readiness(database_url, redis_url),
+            render_metrics=metrics.multiprocess_renderer(directory),
+        ).start()
+        try:
+            return supervise(
+                child_argv, processes, stop, children, on_exit=ended, on_start=children.child_started
+            )
+        finally:
+            probes.stop()
     finally:
-        probes.stop()
         shutil.rmtree(directory, ignore_errors=True)

@@ -18,10 +18,14 @@ FRESH_FOR_INTERVALS = 3
 @dataclass
 class DatabaseMetrics:
     interval_seconds: float
+    #: The handlers' destinations: exported (with zeros) even when none of their rows waits.
+    destinations: tuple[str, ...] = ()
     name: ClassVar[str] = "database_metrics"
+    #: One reconciler reads for good (until it stops): the others skip, and export nothing.
+    keep_lock: ClassVar[bool] = True
 
     def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        metrics.DATABASE.update(
-            metrics.read_database(conn), fresh_for_seconds=FRESH_FOR_INTERVALS * self.interval_seconds
-        )
+        reading = metrics.read_database(conn)
+        reading.destinations = sorted(set(self.destinations) | {d for d, _ in reading.rows})
+        metrics.DATABASE.update(reading, fresh_for_seconds=FRESH_FOR_INTERVALS * self.interval_seconds)
         return {}  # quiet: a reading every interval is not news

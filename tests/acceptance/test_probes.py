@@ -139,5 +139,20 @@ def test_a_worker_of_two_processes_serves_the_sum_of_its_childrens_counts(clean,
     assert s[("outbox_written_to_confirmed_seconds_count", d)] == 20
     assert s[("outbox_claim_to_confirmed_seconds_count", d)] == 20
     assert 0 < s[("outbox_written_to_confirmed_seconds_sum", d)] < 20 * 60
+
+    # A child frozen (SIGSTOP) while its parent supervises on: the worker is not healthy.
+    frozen = _children(worker.pid)[0]
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        stale = wait_for(
+            lambda: (r := get(port, "/healthz")) is not None and r.status_code == 503 and r,
+            60,
+            "/healthz to report the frozen child",
+            every=1,
+        )
+        assert stale.json()["status"] == "stale"
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    wait_for(lambda: get(port, "/healthz").status_code == 200, 30, "/healthz to recover", every=0.5)
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(60) == 0, procs.log_of(worker)

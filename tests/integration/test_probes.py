@@ -126,3 +126,86 @@ def test_a_port_in_use_is_a_clear_configuration_error(clean):
                 readiness=Readiness(clean.database_url, None),
                 host="127.0.0.1",
             )
+
+
+def test_the_reading_reconciler_keeps_the_job_and_the_other_exports_nothing(clean, engine, db):
+    write(engine, "a:1", "payments.charge")
+
+    def reconciler() -> Reconciler:
+        return Reconciler(
+            database_url=clean.database_url,
+            redis_url=clean.redis_url,
+            handlers={},
+            module="none",
+            namespace=clean.namespace,
+            database_metrics_interval_seconds=10,
+        )
+
+    first, second = reconciler(), reconciler()
+    try:
+        # Turn after turn, as replicas on their own schedules would: the first keeps the lock.
+        for _ in range(3):
+            assert first.run_job("database_metrics") == {}
+            assert second.run_job("database_metrics") == {"skipped": 1}
+        first.close()  # it stops: its lock goes with its connection, and the other takes over
+        assert second.run_job("database_metrics") == {}
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_destination_with_nothing_waiting_is_exported_as_zeros(clean, engine, db):
+    from reconciler.jobs.database_metrics import DatabaseMetrics
+
+    DatabaseMetrics(10, ("payments.charge",)).run_once(db)
+    body = metrics.render()[1].decode()
+    assert 'outbox_rows{destination="payments.charge",state="pending"} 0.0' in body
+    assert 'outbox_destination_without_consumer{destination="payments.charge"} 0.0' in body
+
+
+def test_a_metrics_failure_never_stops_a_delivery(clean, engine, provider, monkeypatch, caplog):
+    from outbox.testing.delivery import deliver
+
+    @outbox.handler("payments.charge", time_limit=5)
+    def charge(d):
+        r = d.http.post(f"{provider.url}/charges", json={}, headers={"Idempotency-Key": d.idempotency_key})
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    def broken(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(metrics.DELIVERIES, "labels", broken)
+    monkeypatch.setattr(metrics, "_last_failure_log", 0.0)
+    write(engine, "a:1", "payments.charge")
+    assert deliver({"payments.charge": charge}, database_url=clean.database_url) == {1: "sent"}
+    assert "metrics not updated (OSError: No space left on device)" in caplog.text
+
+
+def test_a_multiprocess_directory_that_is_not_writable_is_refused_at_start(monkeypatch, tmp_path):
+    from outbox.exceptions import ConfigError
+
+    monkeypatch.setenv(metrics.MULTIPROCESS_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="not a writable directory"):
+        metrics.check_environment()
+    monkeypatch.setenv(metrics.MULTIPROCESS_ENV, str(tmp_path))
+    metrics.check_environment()
+
+
+def test_readyz_answers_within_its_bound_when_postgresql_stops_answering(server, db):
+    import os
+    import signal
+
+    url = server(Liveness(30))
+    assert httpx.get(f"{url}/readyz").status_code == 200
+    [pid] = db.execute("SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-probe'").fetchone()
+    os.kill(pid, signal.SIGSTOP)  # the probe's backend accepts nothing more, and says nothing
+    try:
+        started = time.monotonic()
+        stuck = httpx.get(f"{url}/readyz", timeout=10)
+        assert time.monotonic() - started < 5
+        assert stuck.status_code == 503 and stuck.json()["problems"] == ["PostgreSQL: no answer within 2 s"]
+        # The next probe connects afresh, to a backend that answers.
+        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+    finally:
+        os.kill(pid, signal.SIGCONT)
