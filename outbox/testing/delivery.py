@@ -26,7 +26,7 @@ import psycopg
 from sqlalchemy import URL, Engine
 
 from .. import transitions
-from ..consumer import Executor, RunResult
+from ..consumer import Executor, RunResult, delivery_for
 from ..exceptions import ConfigError
 from ..handlers import Deliveries, Handler, registry
 from ..settings import libpq_url
@@ -140,17 +140,8 @@ def crash_after_call(
                 )
                 if claimed is None:
                     continue
-                delivery = deliveries.delivery(
-                    handler,
-                    id=claimed.id,
-                    key=claimed.key,
-                    step=claimed.step,
-                    payload=claimed.payload,
-                    attempt=claimed.attempt,
-                    deadline=claimed.deadline,
-                )
                 try:
-                    handler.fn(delivery)
+                    handler.fn(delivery_for(claimed, handler, deliveries))
                 except Exception:  # whatever it answered, nobody records it
                     pass
                 called.append(int(row_id))

@@ -60,6 +60,17 @@ def provider(outbox_provider, monkeypatch):
     return outbox_provider
 
 
+def charge_without_lookup(provider, destination, **options):
+    @outbox.handler(destination, time_limit=5, **options)
+    def charge(d):
+        r = d.http.post(provider.url + "/charges", json=d.payload,
+                        headers={"Idempotency-Key": d.idempotency_key})
+        r.raise_for_status()
+        return Confirmed(ref=r.json()["id"])
+
+    return charge
+
+
 def write(engine, key, destination="payments.charge", amount=1200, **more):
     with Session(engine) as s, s.begin():
         outbox.write(s, key=key, step="charge", destination=destination,
@@ -113,13 +124,7 @@ def test_a_crash_of_one_row(outbox_engine, outbox_database_url, outbox_written, 
 
 
 def test_without_a_lookup_a_lost_answer_stays_unknown(outbox_engine, outbox_database_url, provider):
-    @outbox.handler("payments.refund", time_limit=5, lease_seconds=10)
-    def refund(d):
-        r = d.http.post(provider.url + "/charges", json=d.payload,
-                        headers={"Idempotency-Key": d.idempotency_key})
-        r.raise_for_status()
-        return Confirmed(ref=r.json()["id"])
-
+    refund = charge_without_lookup(provider, "payments.refund", lease_seconds=10)
     provider.drop_after_charge(times=1)
     write(outbox_engine, "order:6", destination="payments.refund")
     assert recover({"payments.refund": refund}, database_url=outbox_database_url) == {1: "unknown"}
@@ -138,13 +143,7 @@ def test_a_module_without_handlers_is_refused(outbox_database_url):
 
 
 def test_recover_waits_out_a_long_backoff(outbox_engine, provider):
-    @outbox.handler("payments.slow", time_limit=5, backoff=(3600,))
-    def slow(d):
-        r = d.http.post(provider.url + "/charges", json=d.payload,
-                        headers={"Idempotency-Key": d.idempotency_key})
-        r.raise_for_status()
-        return Confirmed(ref=r.json()["id"])
-
+    slow = charge_without_lookup(provider, "payments.slow", backoff=(3600,))
     provider.unavailable(times=1)
     write(outbox_engine, "order:7", destination="payments.slow")
     assert deliver({"payments.slow": slow}, database_url=outbox_engine) == {1: "pending"}
