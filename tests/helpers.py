@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -133,3 +137,16 @@ def lookup_on(
         return outbox.Confirmed(ref=ref, response={"id": ref} if keep_response else None)
 
     return handler
+
+
+def run_user_project(directory: Path, **env: str) -> tuple[int, str]:
+    """A user's project run by pytest in a subprocess, as they would run it (warnings as errors,
+    no asyncio plugin): its exit status and output. The environment is ours without any OUTBOX_*
+    variable, the project on PYTHONPATH, then ``env``."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    environ.update(PYTHONPATH=str(directory), **env)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:asyncio", "-W", "error"]
+    proc = subprocess.run(
+        [*argv, str(directory)], cwd=directory, env=environ, capture_output=True, text=True, timeout=240
+    )
+    return proc.returncode, proc.stdout + proc.stderr

@@ -38,11 +38,8 @@ import importlib.util
 import inspect
 import io
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 import threading
 import types
 import typing
@@ -56,7 +53,7 @@ import httpx
 import psycopg
 import pytest
 import redis
-from helpers import free_port
+from helpers import free_port, run_user_project
 from sqlalchemy import Engine, String, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -761,18 +758,8 @@ def test_project_pages_pass_their_own_tests(page: str, clean: Any, engine: Engin
     with Session(engine) as s, s.begin():
         outbox.write(s, key="mine:1", step="charge", destination="payments.charge", payload={})
     before = _database_names(clean.database_url)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env.update(PYTHONPATH=str(tmp_path), OUTBOX_TEST_DATABASE_URL=clean.database_url)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:asyncio", "-W", "error"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and re.search(rf"\b{tests} passed in ", out), f"{page}:\n{out}"
+    returncode, out = run_user_project(tmp_path, OUTBOX_TEST_DATABASE_URL=clean.database_url)
+    assert returncode == 0 and re.search(rf"\b{tests} passed in ", out), f"{page}:\n{out}"
     assert _database_names(clean.database_url) == before, "the plugin left a database behind"
     with engine.connect() as conn:
         assert conn.execute(text("SELECT key FROM outbox_message")).scalars().all() == ["mine:1"]

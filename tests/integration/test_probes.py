@@ -86,10 +86,9 @@ def test_the_reading_counts_each_state_by_destination(clean, engine, db):
     assert reading.no_consumer == ["mail.send", "payments.charge"]
 
 
-def test_one_reconciler_at_a_time_reads_the_database(clean, engine, db):
-    write(engine, "a:1", "payments.charge")
-    metrics.DATABASE.update(metrics.DatabaseReading(), fresh_for_seconds=0)  # forget earlier tests
-    reconciler = Reconciler(
+def metrics_reconciler(clean) -> Reconciler:
+    """A reconciler with the database_metrics job (no handlers)."""
+    return Reconciler(
         database_url=clean.database_url,
         redis_url=clean.redis_url,
         handlers={},
@@ -97,6 +96,12 @@ def test_one_reconciler_at_a_time_reads_the_database(clean, engine, db):
         namespace=clean.namespace,
         database_metrics_interval_seconds=10,
     )
+
+
+def test_one_reconciler_at_a_time_reads_the_database(clean, engine, db):
+    write(engine, "a:1", "payments.charge")
+    metrics.DATABASE.update(metrics.DatabaseReading(), fresh_for_seconds=0)  # forget earlier tests
+    reconciler = metrics_reconciler(clean)
     try:
         db.execute("SELECT pg_advisory_lock(%s, %s)", (LOCK_CLASS, JOB_LOCK_IDS["database_metrics"]))
         assert reconciler.run_job("database_metrics") == {"skipped": 1}
@@ -130,18 +135,7 @@ def test_a_port_in_use_is_a_clear_configuration_error(clean):
 
 def test_the_reading_reconciler_keeps_the_job_and_the_other_exports_nothing(clean, engine, db):
     write(engine, "a:1", "payments.charge")
-
-    def reconciler() -> Reconciler:
-        return Reconciler(
-            database_url=clean.database_url,
-            redis_url=clean.redis_url,
-            handlers={},
-            module="none",
-            namespace=clean.namespace,
-            database_metrics_interval_seconds=10,
-        )
-
-    first, second = reconciler(), reconciler()
+    first, second = metrics_reconciler(clean), metrics_reconciler(clean)
     try:
         # Turn after turn, as replicas on their own schedules would: the first keeps the lock.
         for _ in range(3):

@@ -6,11 +6,10 @@ diff, handlers declared in tests, other destinations, a crash of one row, no loo
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from helpers import run_user_project
 
 CONFTEST = 'pytest_plugins = ["outbox.testing.pytest_plugin"]\n'
 
@@ -170,29 +169,7 @@ def test_a_user_project_tests_its_outbox_code_with_the_plugin(tmp_path: Path) ->
     (tmp_path / "test_shop.py").write_text(textwrap.dedent(TESTS))
     # No OUTBOX_TEST_DATABASE_URL: the plugin starts its embedded PostgreSQL (docs/testing.md's
     # project, run by tests/integration/test_docs.py, covers a server named by the variable).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    env["PYTHONPATH"] = str(tmp_path)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:asyncio",
-            "-W",
-            "error",
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    out = proc.stdout + proc.stderr
+    _, out = run_user_project(tmp_path)
     # Every test passes but the one whose payload differs, which fails with a readable diff.
     assert "1 failed, 9 passed" in out, out
     assert "test_written_differs" in out
