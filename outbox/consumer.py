@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 
-from . import db, metrics, policy, transitions
+from . import db, metrics, policy, tracing, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -359,7 +359,18 @@ class Executor:
             now + handler.call_deadline_seconds,
             sent_at + handler.lease_seconds - handler.start_margin_seconds / 2,
         )
-        call = caller.run(handler, delivery, start_by=start_by, end_by=end_by)
+        fn: Callable[[Any], Any] = handler
+        if tracing.active():
+            fn = tracing.in_span(
+                handler,
+                trace_context=claimed.trace_context,
+                destination=handler.destination,
+                row_id=claimed.id,
+                key=claimed.key,
+                step=claimed.step,
+                attempt=claimed.attempt,
+            )
+        call = caller.run(fn, delivery, start_by=start_by, end_by=end_by)
         # For the metrics only: the provider's last HTTP status in this call (None: no answer).
         self._local.http_status = call.http_status if call is not None else None
         if call is None:

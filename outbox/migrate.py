@@ -48,8 +48,9 @@ def current_revision(connection: Connection) -> str | None:
 #: worker and the reconciler reads and writes; 0007 adds the CHECK that keeps a plain-SQL writer
 #: from inserting a step with ':' (two rows would send the same Idempotency-Key, and a
 #: deduplicating provider would answer the second with the first one's charge): the guarantee
-#: (docs/guarantee.md) relies on it, so a database without it is refused.
-SCHEMA_OLDEST = "0007"
+#: (docs/guarantee.md) relies on it, so a database without it is refused; 0008 adds the
+#: ``trace_context`` column that ``write`` inserts and the claim returns.
+SCHEMA_OLDEST = "0008"
 
 #: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``): the
 #: oldest code, named by the newest revision it knows, that may still run on the database.

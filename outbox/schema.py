@@ -69,6 +69,8 @@ outbox_message = Table(
     Column("last_error", Text, nullable=True),
     # Operator actions (replay, resolve): who, when, why. Never the payload.
     Column("history", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    # The writer's trace context (propagation fields, e.g. traceparent), with OpenTelemetry only.
+    Column("trace_context", JSONB, nullable=True),
     UniqueConstraint("key", "step", name="outbox_message_key_step_key"),
     CheckConstraint(f"state IN ({_state_list})", name="outbox_message_state_check"),
     CheckConstraint("attempts >= 0", name="outbox_message_attempts_check"),

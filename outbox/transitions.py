@@ -75,9 +75,9 @@ def _text(sql: str) -> Any:
 # == the application: write and cancel, in the caller's transaction ================================
 
 _INSERT = """
-INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline)
+INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context)
 VALUES (:key, :step, :destination, CAST(:payload AS jsonb),
-        COALESCE(CAST(:available_at AS timestamptz), now()), :deadline)
+        COALESCE(CAST(:available_at AS timestamptz), now()), :deadline, CAST(:trace_context AS jsonb))
 ON CONFLICT (key, step) DO NOTHING
 RETURNING id
 """
@@ -193,13 +193,14 @@ WITH held AS (
               -- published. A release leaves its reason in last_error and moves available_at.
               EXTRACT(EPOCH FROM clock_timestamp() - CASE WHEN m.attempts = 1 AND m.last_error IS NULL
                   THEN GREATEST(m.created_at, m.available_at) ELSE m.created_at END) AS since_written,
-              EXTRACT(EPOCH FROM clock_timestamp() - m.dispatched_at) AS since_published
+              EXTRACT(EPOCH FROM clock_timestamp() - m.dispatched_at) AS since_published,
+              m.trace_context
 ), fence AS (
     INSERT INTO outbox_attempt (message_id, attempt, claim_token)
     SELECT id, attempts, claim_token FROM claimed
 )
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
-       COALESCE(deadline_passed, false), since_written, since_published
+       COALESCE(deadline_passed, false), since_written, since_published, trace_context
 FROM claimed
 """
 
@@ -312,6 +313,8 @@ class Claimed:
     #: database's clock: for the latency metrics only.
     since_written_seconds: float | None = None
     since_published_seconds: float | None = None
+    #: The writer's trace context (outbox.tracing), None when it had none.
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -347,7 +350,7 @@ def claim(
     ).fetchone()
     if row is None:
         return None
-    row_id, key, step, destination, payload, attempt, deadline, token, passed, written, published = row
+    row_id, key, step, destination, payload, attempt, deadline, token, passed, written, published, trace = row
     return Claimed(
         row_id,
         key,
@@ -360,6 +363,7 @@ def claim(
         passed,
         since_written_seconds=float(written) if written is not None else None,
         since_published_seconds=float(published) if published is not None else None,
+        trace_context=trace,
     )
 
 

@@ -16,7 +16,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
 
 from . import settings as _settings
-from . import transitions
+from . import tracing, transitions
 from .exceptions import ConfigError, KeyConflict
 from .validation import check_aware, check_destination, check_key_step, encode_payload
 
@@ -85,6 +85,7 @@ def _params(
         "payload": encoded,
         "available_at": available_at,
         "deadline": deadline,
+        "trace_context": tracing.current_context_json(),
     }
 
 

@@ -211,6 +211,8 @@ class _State:
         self._next_id = 1
         self._charges: dict[str, dict[str, Any]] = {}
         self._effects: dict[str, int] = {}
+        #: The last W3C ``traceparent`` header received with a charge, by Idempotency-Key.
+        self._traceparents: dict[str, str] = {}
         self._requests = 0
         self._deduplicated = 0
         self._declined = 0
@@ -249,11 +251,17 @@ class _State:
                 "declined": self._declined,
                 "double_charged": sorted(k for k, n in self._effects.items() if n > 1),
                 "faults": dict(self._faults),
+                "traceparents": dict(self._traceparents),
             }
 
     def count_request(self) -> None:
         with self._lock:
             self._requests += 1
+
+    def note_traceparent(self, key: str, traceparent: str | None) -> None:
+        if traceparent:
+            with self._lock:
+                self._traceparents[key] = traceparent
 
     def lookup(self, key: str) -> dict[str, Any] | None:
         with self._lock:
@@ -447,6 +455,7 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.headers.get("Idempotency-Key", "").strip()
         if not key:
             raise _BadRequest("missing Idempotency-Key header")
+        state.note_traceparent(key, self.headers.get("traceparent"))
 
         outcome = state.charge(key, body)
         if outcome.fault in (None, "fail_before", "decline"):
@@ -652,7 +661,8 @@ class ProviderSimulator:
 
         Keys: ``effects`` (key -> charges made), ``charges`` (sum of effects), ``requests``
         (``POST /charges`` received), ``deduplicated``, ``declined``, ``double_charged``
-        (sorted keys with more than one effect) and ``faults`` (mode -> times injected).
+        (sorted keys with more than one effect), ``faults`` (mode -> times injected) and
+        ``traceparents`` (key -> the last ``traceparent`` header a charge carried).
         """
         return self._state.stats()
 

@@ -30,7 +30,7 @@ def requirements() -> set[str]:
     names = set()
     for spec in [
         *project["dependencies"],
-        *(s for extra in ("embedded", "demo", "dev") for s in project["optional-dependencies"][extra]),
+        *(s for x in ("embedded", "demo", "otel", "dev") for s in project["optional-dependencies"][x]),
     ]:
         name = re.match(r"[A-Za-z0-9_.-]+", spec).group(0)  # type: ignore[union-attr]
         if name != "outbox-relay":

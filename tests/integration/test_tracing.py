@@ -1,0 +1,171 @@
+"""Trace context from outbox.write to the handler (issue 12): the OpenTelemetry SDK's in-memory
+exporter and httpx instrumentation, in a process of their own (a tracer provider is set once
+per process, and this suite's process must not start tracing its other tests' deliveries).
+Real PostgreSQL and the provider simulator on 127.0.0.1; the provider records the traceparent
+header each charge arrived with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import psycopg
+
+from outbox.settings import libpq_url
+
+HANDLER = textwrap.dedent(
+    """
+    import json, os, sys
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    import outbox
+    from outbox import Confirmed, Delivery
+    from outbox.testing.delivery import deliver
+
+    API = os.environ["PAYMENTS_API"]
+
+
+    @outbox.handler("payments.charge", time_limit=10)
+    def charge(d: Delivery) -> Confirmed:
+        r = d.http.post(f"{API}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key})
+        r.raise_for_status()
+        return Confirmed(ref=r.json()["id"])
+
+
+    def write(key, **kw):
+        engine = create_engine(os.environ["DATABASE_URL"])
+        with Session(engine) as session, session.begin():
+            outbox.write(session, key=key, step="charge", destination="payments.charge",
+                         payload={"amount": 100}, **kw)
+        engine.dispose()
+    """
+)
+
+TRACED = HANDLER + textwrap.dedent(
+    """
+    from opentelemetry import baggage, context, trace
+    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(tracer_provider)
+    HTTPXClientInstrumentor().instrument()
+    seen_baggage = {}
+
+    @outbox.handler("payments.note", time_limit=10)
+    def note(d: Delivery) -> Confirmed:
+        seen_baggage[d.key] = baggage.get_baggage("tenant")
+        return Confirmed(ref="noted")
+
+    with trace.get_tracer("shop").start_as_current_span("POST /orders"):
+        token = context.attach(baggage.set_baggage("tenant", "acme"))
+        write("order:1")
+        engine = create_engine(os.environ["DATABASE_URL"])
+        with Session(engine) as session, session.begin():
+            outbox.write(session, key="order:1", step="note", destination="payments.note", payload={})
+        engine.dispose()
+        context.detach(token)
+    write("order:2")  # no span: the delivery starts a trace of its own
+    results = deliver(None, database_url=os.environ["DATABASE_URL"])
+    spans = [
+        {
+            "name": s.name,
+            "kind": s.kind.name,
+            "trace_id": format(s.context.trace_id, "032x"),
+            "span_id": format(s.context.span_id, "016x"),
+            "parent_id": format(s.parent.span_id, "016x") if s.parent else None,
+            "attributes": dict(s.attributes),
+        }
+        for s in exporter.get_finished_spans()
+    ]
+    print(json.dumps({"spans": spans, "results": {k: v.value for k, v in results.items()},
+                      "baggage": seen_baggage}))
+    """
+)
+
+UNTRACED = HANDLER + textwrap.dedent(
+    """
+    write("order:3")
+    results = deliver(None, database_url=os.environ["DATABASE_URL"])
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry")
+    print(json.dumps({"results": {k: v.value for k, v in results.items()}, "loaded": loaded}))
+    """
+)
+
+
+def run(script: str, database_url: str, provider: Any, *, block_otel: bool = False) -> dict[str, Any]:
+    if block_otel:
+        # As on a machine without the extra: any import of it fails.
+        script = "import sys\nsys.modules['opentelemetry'] = None\n" + script
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "OTEL_"))}
+    env.update(DATABASE_URL=database_url, PAYMENTS_API=provider.url)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def stored_contexts(database_url: str) -> dict[str, Any]:
+    with psycopg.connect(libpq_url(database_url)) as conn:
+        rows = conn.execute("SELECT key || ':' || step, trace_context FROM outbox_message").fetchall()
+    return dict(rows)
+
+
+def test_the_handler_runs_in_a_child_span_of_the_writer_and_httpx_carries_it_to_the_provider(
+    outbox_database_url: str, provider: Any
+) -> None:
+    out = run(TRACED, outbox_database_url, provider)
+    assert sorted(out["results"].values()) == ["sent", "sent", "sent"]
+    spans = out["spans"]
+    web = next(s for s in spans if s["name"] == "POST /orders")
+    process = [s for s in spans if s["name"] == "process payments.charge"]
+    assert len(process) == 2, spans
+    traced = next(s for s in process if s["attributes"]["outbox.key"] == "order:1")
+    untraced = next(s for s in process if s["attributes"]["outbox.key"] == "order:2")
+
+    # The delivery is a child of the request that wrote the row, in the same trace.
+    assert traced["trace_id"] == web["trace_id"]
+    assert traced["parent_id"] == web["span_id"]
+    assert traced["kind"] == "CONSUMER"
+    assert traced["attributes"]["messaging.destination.name"] == "payments.charge"
+    assert traced["attributes"]["outbox.step"] == "charge"
+    assert traced["attributes"]["outbox.attempt"] == 1
+    # A row written outside any span starts a trace of its own.
+    assert untraced["parent_id"] is None
+    assert untraced["trace_id"] != web["trace_id"]
+
+    # The instrumented httpx call is a child of the delivery, and its header reached the provider.
+    client = next(s for s in spans if s["kind"] == "CLIENT" and s["parent_id"] == traced["span_id"])
+    assert client["trace_id"] == web["trace_id"]
+    header = provider.stats()["traceparents"]["order:1:charge"]
+    assert header.split("-")[1:3] == [web["trace_id"], client["span_id"]]
+
+    # What the row stored: the writer's span as a W3C traceparent, and its baggage.
+    contexts = stored_contexts(outbox_database_url)
+    assert contexts["order:1:charge"]["traceparent"].split("-")[1:3] == [web["trace_id"], web["span_id"]]
+    assert contexts["order:1:note"]["baggage"] == "tenant=acme"
+    assert contexts["order:2:charge"] is None
+    assert out["baggage"] == {"order:1": "acme"}
+
+
+def test_without_opentelemetry_nothing_is_imported_and_nothing_is_stored(
+    outbox_database_url: str, provider: Any
+) -> None:
+    out = run(UNTRACED, outbox_database_url, provider)
+    assert list(out["results"].values()) == ["sent"]
+    assert out["loaded"] == [], "outbox imported OpenTelemetry on its own"
+    blocked = run(UNTRACED.replace("order:3", "order:4"), outbox_database_url, provider, block_otel=True)
+    assert list(blocked["results"].values()) == ["sent"]
+    assert stored_contexts(outbox_database_url) == {"order:3:charge": None, "order:4:charge": None}
+    assert provider.stats()["traceparents"] == {}
