@@ -123,6 +123,11 @@ async def cancel_by_key_async(target: AsyncSession | AsyncConnection, *, key: st
 # index eligible, which the planner picked before the table's first ANALYZE, scanning the whole
 # index for each id (1 s per 1,000-row batch).
 # All rows of a batch get the same dispatched_at (now() is the transaction's start time).
+# The fourth column is for the written -> published histogram only: seconds from the row's
+# writing (or its due time, when written for later) to this publication, on the database's
+# clock, for a first publication (no claim yet); NULL for a re-publication after a retry, whose
+# wait is the backoff, not the relay's lag. float8: EXTRACT returns numeric, which psycopg would
+# turn into a Decimal per row.
 DISPATCH_DUE_SQL = """
 UPDATE outbox_message
 SET state = 'dispatched', dispatched_at = now()
@@ -133,7 +138,9 @@ WHERE id = ANY(ARRAY(
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ))
-RETURNING id, destination, dispatched_at
+RETURNING id, destination, dispatched_at,
+          CASE WHEN attempts = 0
+               THEN EXTRACT(EPOCH FROM now() - GREATEST(created_at, available_at))::float8 END
 """
 
 # Rows of a destination whose publication Redis refused go back to `pending`, due again after
@@ -149,7 +156,8 @@ WHERE id = ANY(%(ids)s) AND state = 'dispatched'
 
 def dispatch_due(conn: psycopg.Connection[Any], *, limit: int) -> list[Any]:
     """``pending`` -> ``dispatched`` for up to ``limit`` due rows, oldest due first; returns
-    ``(id, destination, dispatched_at)`` per row. Run it in the transaction that publishes the
+    ``(id, destination, dispatched_at, seconds since written or None)`` per row (see
+    :data:`DISPATCH_DUE_SQL`). Run it in the transaction that publishes the
     rows: if the publish raises, the move rolls back with it. (The relay "takes" rows; only a
     consumer "claims" one.)"""
     return conn.execute(DISPATCH_DUE_SQL, {"limit": limit}).fetchall()

@@ -173,6 +173,52 @@ def test_an_error_reply_holds_back_only_its_destination_and_the_connection_stays
     assert sorted(good) == list(range(1, 6)), "published once each"
 
 
+def _published_latency(destination: str) -> dict[str, float]:
+    from outbox import metrics
+
+    def value(suffix: str, **labels: str) -> float:
+        name = f"outbox_written_to_published_seconds_{suffix}"
+        return metrics.REGISTRY.get_sample_value(name, {"destination": destination, **labels}) or 0.0
+
+    return {
+        "count": value("count"),
+        "sum": value("sum"),
+        "le_10": value("bucket", le="10.0"),
+        "le_60": value("bucket", le="60.0"),
+        "le_300": value("bucket", le="300.0"),
+    }
+
+
+def test_written_to_published_is_measured_from_the_write_or_the_due_time_for_first_publications_only(
+    clean, redis_client
+):
+    """The histogram counts each row's first publication, from its created_at or, when written
+    for later, its available_at; a retry's re-publication and a refused destination's rows are
+    not counted."""
+    insert_rows(clean, 2, tag="now")
+    insert_rows(clean, 1, tag="later", due="now() + interval '50 seconds'")
+    elapse(clean, 100)  # written 100 s ago; the later row due 50 s ago
+    insert_rows(clean, 3, destination="bad", tag="b")
+    redis_client.set(f"{clean.namespace}:bad", "not a list")
+    before, bad_before = _published_latency(DEST), _published_latency("bad")
+    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
+    try:
+        assert relay.run_once().published == 3
+        after = _published_latency(DEST)
+        delta = {k: after[k] - before[k] for k in after}
+        assert delta["count"] == 3
+        assert 250 <= delta["sum"] < 260, delta  # 100 + 100 + 50, plus the statement's own time
+        assert (delta["le_10"], delta["le_60"], delta["le_300"]) == (0, 1, 3)
+        assert _published_latency("bad") == bad_before, "refused rows were not published"
+
+        # A retry: claimed once, back to pending and due; its re-publication is not counted.
+        sql(clean, "UPDATE outbox_message SET state = 'pending', attempts = 1 WHERE key = 'now:1'")
+        assert relay.run_once().published == 1
+        assert _published_latency(DEST)["count"] == after["count"]
+    finally:
+        relay.close()
+
+
 # -- real processes --------------------------------------------------------------------------------
 
 
