@@ -321,8 +321,9 @@ class Claimed:
     #: database's clock: for the latency metrics only.
     since_written_seconds: float | None = None
     since_published_seconds: float | None = None
-    #: The writer's trace context (outbox.tracing), None when it had none.
-    trace_context: dict[str, str] | None = None
+    #: The writer's trace context as stored (jsonb; None when it had none): outbox.tracing
+    #: reads only its string fields, whatever a plain-SQL writer put there.
+    trace_context: Any = None
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,18 @@ TRACED = HANDLER + textwrap.dedent(
         engine.dispose()
         context.detach(token)
     write("order:2")  # no span: the delivery starts a trace of its own
+    # Stored by a plain-SQL writer: malformed contexts start a trace of their own, and change
+    # nothing else.
+    engine = create_engine(os.environ["DATABASE_URL"])
+    with engine.begin() as c:
+        bad_contexts = ['"x"', "[1]", '{"traceparent": 5}', '{"traceparent": "garbage", "b": null}']
+        for i, bad in enumerate(bad_contexts):
+            c.exec_driver_sql(
+                "INSERT INTO outbox_message (key, step, destination, payload, trace_context) "
+                "VALUES (%s, 'charge', 'payments.charge', '{}', %s::jsonb)",
+                (f"bad:{i}", bad),
+            )
+    engine.dispose()
     results = deliver(None, database_url=os.environ["DATABASE_URL"])
     spans = [
         {
@@ -126,11 +138,11 @@ def test_the_handler_runs_in_a_child_span_of_the_writer_and_httpx_carries_it_to_
     outbox_database_url: str, provider: Any
 ) -> None:
     out = run(TRACED, outbox_database_url, provider)
-    assert sorted(out["results"].values()) == ["sent", "sent", "sent"]
+    assert sorted(out["results"].values()) == ["sent"] * 7
     spans = out["spans"]
     web = next(s for s in spans if s["name"] == "POST /orders")
     process = [s for s in spans if s["name"] == "process payments.charge"]
-    assert len(process) == 2, spans
+    assert len(process) == 6, spans
     traced = next(s for s in process if s["attributes"]["outbox.key"] == "order:1")
     untraced = next(s for s in process if s["attributes"]["outbox.key"] == "order:2")
 
@@ -141,9 +153,11 @@ def test_the_handler_runs_in_a_child_span_of_the_writer_and_httpx_carries_it_to_
     assert traced["attributes"]["messaging.destination.name"] == "payments.charge"
     assert traced["attributes"]["outbox.step"] == "charge"
     assert traced["attributes"]["outbox.attempt"] == 1
-    # A row written outside any span starts a trace of its own.
+    # A row written outside any span, or with a malformed context, starts a trace of its own.
     assert untraced["parent_id"] is None
     assert untraced["trace_id"] != web["trace_id"]
+    malformed = [s for s in process if s["attributes"]["outbox.key"].startswith("bad:")]
+    assert len(malformed) == 4 and all(s["parent_id"] is None for s in malformed), malformed
 
     # The instrumented httpx call is a child of the delivery, and its header reached the provider.
     client = next(s for s in spans if s["kind"] == "CLIENT" and s["parent_id"] == traced["span_id"])
