@@ -124,13 +124,16 @@ async def cancel_by_key_async(target: AsyncSession | AsyncConnection, *, key: st
 # index for each id (1 s per 1,000-row batch).
 # All rows of a batch get the same dispatched_at (now() is the transaction's start time).
 # The fourth column is for the written -> published histogram only: seconds from the row's
-# writing (or its due time, when written for later) to this publication, on the database's
-# clock, for a first publication (no claim yet); NULL for a re-publication after a retry, whose
-# wait is the backoff, not the relay's lag. float8: EXTRACT returns numeric, which psycopg would
-# turn into a Decimal per row.
+# writing (or its due time, when written for later) to its first publication, on the database's
+# clock; NULL for a re-publication (after a lost message, a release, a retry or a replay: its
+# wait is not the relay's lag). `first_dispatched_at = now()` after the SET means this statement
+# set it: now() is the transaction's start, and a row is taken once per transaction. A row whose
+# publication Redis refused carries the refusal in last_error and counts from its writing, not
+# from the moved available_at. float8: EXTRACT returns numeric, which psycopg would turn into a
+# Decimal per row.
 DISPATCH_DUE_SQL = """
 UPDATE outbox_message
-SET state = 'dispatched', dispatched_at = now()
+SET state = 'dispatched', dispatched_at = now(), first_dispatched_at = COALESCE(first_dispatched_at, now())
 WHERE id = ANY(ARRAY(
     SELECT id FROM outbox_message
     WHERE state = 'pending' AND available_at <= now()
@@ -139,8 +142,8 @@ WHERE id = ANY(ARRAY(
     FOR UPDATE SKIP LOCKED
 ))
 RETURNING id, destination, dispatched_at,
-          CASE WHEN attempts = 0
-               THEN EXTRACT(EPOCH FROM now() - GREATEST(created_at, available_at))::float8 END
+          CASE WHEN first_dispatched_at = now() THEN EXTRACT(EPOCH FROM now() - CASE WHEN last_error IS NULL
+               THEN GREATEST(created_at, available_at) ELSE created_at END)::float8 END
 """
 
 # Rows of a destination whose publication Redis refused go back to `pending`, due again after
@@ -149,7 +152,10 @@ RETURNING id, destination, dispatched_at,
 _UNDISPATCH = """
 UPDATE outbox_message
 SET state = 'pending', dispatched_at = NULL,
-    available_at = now() + %(retry_after)s * interval '1 second'
+    -- Not published after all: its first publication is still to come.
+    first_dispatched_at = CASE WHEN first_dispatched_at = now() THEN NULL ELSE first_dispatched_at END,
+    available_at = now() + %(retry_after)s * interval '1 second',
+    last_error = %(error)s
 WHERE id = ANY(%(ids)s) AND state = 'dispatched'
 """
 
@@ -163,10 +169,13 @@ def dispatch_due(conn: psycopg.Connection[Any], *, limit: int) -> list[Any]:
     return conn.execute(DISPATCH_DUE_SQL, {"limit": limit}).fetchall()
 
 
-def undispatch(conn: psycopg.Connection[Any], *, ids: Sequence[int], retry_after_seconds: float) -> None:
-    """``dispatched`` -> ``pending``, due ``retry_after_seconds`` from now: rows whose publication
-    Redis refused, in the transaction that took them."""
-    conn.execute(_UNDISPATCH, {"ids": list(ids), "retry_after": retry_after_seconds})
+def undispatch(
+    conn: psycopg.Connection[Any], *, ids: Sequence[int], retry_after_seconds: float, error: str
+) -> None:
+    """``dispatched`` -> ``pending``, due ``retry_after_seconds`` from now, ``error`` as their
+    last_error: rows whose publication Redis refused, in the transaction that took them."""
+    params = {"ids": list(ids), "retry_after": retry_after_seconds, "error": sanitize.clean_text(error)}
+    conn.execute(_UNDISPATCH, params)
 
 
 # == the consumer ===================================================================================

@@ -153,11 +153,15 @@ class Relay:
                 # Inside the transaction: if the publish raises, the move rolls back and the
                 # rows stay pending.
                 published = transport.publish_batch(self.redis, self.namespace, rows)
-                if published.failed:
+                for destination, error in published.failed.items():
                     # Only the refused destinations' rows: the others were published and are
                     # marked dispatched by this same commit.
-                    refused = [r[0] for r in rows if r[1] in published.failed]
-                    transitions.undispatch(conn, ids=refused, retry_after_seconds=PUBLISH_RETRY_SECONDS)
+                    transitions.undispatch(
+                        conn,
+                        ids=[r[0] for r in rows if r[1] == destination],
+                        retry_after_seconds=PUBLISH_RETRY_SECONDS,
+                        error=f"Redis refused the publication ({error}); published again later",
+                    )
         except psycopg.OperationalError:
             # Closed rather than dropped, so that no half-dead connection lingers until GC.
             conn.close()

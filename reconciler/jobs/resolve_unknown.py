@@ -18,7 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import psycopg
 
-from outbox import logs, outcomes, policy, sanitize, transitions
+from outbox import logs, outcomes, policy, sanitize, tracing, transitions
 from outbox.handlers import Confirmed, Handler, idempotency_key
 from outbox.validation import header_safe
 from reconciler.alerts import AlertHook, AlertRow, log_alert
@@ -39,7 +39,7 @@ LOOKUP_FAILURES_BEFORE_DEFERRING = 3
 HUMAN_RECHECK_SECONDS = 3600.0
 
 _DUE_UNKNOWN = """
-SELECT id, key, step, destination, payload, attempts, deadline, claim_token
+SELECT id, key, step, destination, payload, attempts, deadline, claim_token, trace_context
 FROM outbox_message
 WHERE state = 'unknown' AND available_at <= now()
   AND (CAST(%(only)s AS text[]) IS NULL OR destination = ANY(CAST(%(only)s AS text[])))
@@ -164,6 +164,8 @@ class _Due(NamedTuple):
     attempts: int
     deadline: datetime | None
     token: uuid.UUID | None
+    #: The writer's trace context as stored (outbox.tracing): the lookup is a span of it.
+    trace_context: Any
 
 
 @dataclass
@@ -315,9 +317,21 @@ def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
         attempt=row.attempts,
         deadline=row.deadline,
     )
+    lookup = handler.lookup_fn
+    if tracing.active():
+        lookup = tracing.in_span(
+            lookup,
+            operation="lookup",
+            trace_context=row.trace_context,
+            destination=destination,
+            row_id=row_id,
+            key=row.key,
+            step=row.step,
+            attempt=row.attempts,
+        )
     # No transaction is open here: the connection is in autocommit mode.
     try:
-        found = handler.lookup_fn(delivery)
+        found = lookup(delivery)
         if found is not None and not isinstance(found, Confirmed):
             raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
     except Exception as exc:

@@ -80,7 +80,7 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
     # The restored database lost the dispatch of ids[2]: pending again, as the relay's own undo
     # leaves a row whose publication failed.
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
-        transitions.undispatch(db, ids=[ids[2]], retry_after_seconds=0)
+        transitions.undispatch(db, ids=[ids[2]], retry_after_seconds=0, error="refused")
     redis_client.flushdb()
 
     assert guard.check_now() is True

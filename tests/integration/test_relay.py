@@ -20,7 +20,7 @@ import pytest
 import redis
 from helpers import elapse, free_port, ids_by_state, published_row_ids, relay_once, sql, wait_for
 
-from outbox import transport
+from outbox import transitions, transport
 from outbox.settings import libpq_url
 from outbox.testing.embedded import embedded_redis
 from relay import Relay
@@ -211,10 +211,24 @@ def test_written_to_published_is_measured_from_the_write_or_the_due_time_for_fir
         assert (delta["le_10"], delta["le_60"], delta["le_300"]) == (0, 1, 3)
         assert _published_latency("bad") == bad_before, "refused rows were not published"
 
-        # A retry: claimed once, back to pending and due; its re-publication is not counted.
-        sql(clean, "UPDATE outbox_message SET state = 'pending', attempts = 1 WHERE key = 'now:1'")
-        assert relay.run_once().published == 1
+        # Re-publications are not counted: a lost message re-queued by the reconciler (pending
+        # again, due now) and a retry (claimed once, back to pending).
+        moved = sql(clean, "SELECT id, dispatched_at FROM outbox_message WHERE key = 'now:1'")
+        with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+            assert transitions.requeue(conn, [(moved[0][0], moved[0][1])]) == 1
+        sql(clean, "UPDATE outbox_message SET state = 'pending', attempts = 1 WHERE key = 'now:2'")  # a retry
+        assert relay.run_once().published == 2
         assert _published_latency(DEST)["count"] == after["count"]
+
+        # The refused rows, published once Redis takes them: counted once, from their writing
+        # (200 s ago), not from the due time the refusal moved (10 s later).
+        redis_client.delete(f"{clean.namespace}:bad")
+        bad = [r[0] for r in sql(clean, "SELECT id FROM outbox_message WHERE destination = 'bad'")]
+        elapse(clean, 200, bad)
+        assert relay.run_once().published == 3
+        published = _published_latency("bad")
+        assert published["count"] - bad_before["count"] == 3
+        assert 600 <= published["sum"] - bad_before["sum"] < 610, published
     finally:
         relay.close()
 

@@ -14,6 +14,7 @@ import textwrap
 from typing import Any
 
 import psycopg
+import pytest
 
 from outbox.settings import libpq_url
 
@@ -26,7 +27,7 @@ HANDLER = textwrap.dedent(
 
     import outbox
     from outbox import Confirmed, Delivery
-    from outbox.testing.delivery import deliver
+    from outbox.testing.delivery import deliver, pass_time, reconcile_once
 
     API = os.environ["PAYMENTS_API"]
 
@@ -34,6 +35,15 @@ HANDLER = textwrap.dedent(
     @outbox.handler("payments.charge", time_limit=10)
     def charge(d: Delivery) -> Confirmed:
         r = d.http.post(f"{API}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key})
+        r.raise_for_status()
+        return Confirmed(ref=r.json()["id"])
+
+
+    @charge.lookup
+    def find(d: Delivery) -> Confirmed | None:
+        r = d.http.get(f"{API}/charges", params={"idempotency_key": d.idempotency_key})
+        if r.status_code == 404:
+            return None
         r.raise_for_status()
         return Confirmed(ref=r.json()["id"])
 
@@ -89,6 +99,9 @@ TRACED = HANDLER + textwrap.dedent(
             )
     engine.dispose()
     results = deliver(None, database_url=os.environ["DATABASE_URL"])
+    # order:1's charge lost its answer (the test set the fault): the reconciler's lookup settles it.
+    pass_time(3600, database_url=os.environ["DATABASE_URL"])
+    reconciled = reconcile_once(None, database_url=os.environ["DATABASE_URL"])
     spans = [
         {
             "name": s.name,
@@ -101,7 +114,7 @@ TRACED = HANDLER + textwrap.dedent(
         for s in exporter.get_finished_spans()
     ]
     print(json.dumps({"spans": spans, "results": {k: v.value for k, v in results.items()},
-                      "baggage": seen_baggage}))
+                      "baggage": seen_baggage, "reconciled": reconciled}))
     """
 )
 
@@ -115,12 +128,39 @@ UNTRACED = HANDLER + textwrap.dedent(
 )
 
 
-def run(script: str, database_url: str, provider: Any, *, block_otel: bool = False) -> dict[str, Any]:
+BROKEN_PROCESSOR = HANDLER + textwrap.dedent(
+    """
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+
+    class Broken(SpanProcessor):
+        def on_start(self, span, parent_context=None):
+            if span.name.startswith("process") and os.environ["BREAK"] == "start":
+                raise RuntimeError("exporter down")
+
+        def on_end(self, span):
+            if span.name.startswith("process") and os.environ["BREAK"] == "end":
+                raise RuntimeError("exporter down")
+
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(Broken())
+    trace.set_tracer_provider(tracer_provider)
+    with trace.get_tracer("shop").start_as_current_span("POST /orders"):
+        write(os.environ["KEY"])
+    results = deliver(None, database_url=os.environ["DATABASE_URL"])
+    print(json.dumps({"results": {k: v.value for k, v in results.items()}}))
+    """
+)
+
+
+def run(
+    script: str, database_url: str, provider: Any, *, block_otel: bool = False, **extra: str
+) -> dict[str, Any]:
     if block_otel:
         # As on a machine without the extra: any import of it fails.
         script = "import sys\nsys.modules['opentelemetry'] = None\n" + script
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "OTEL_"))}
-    env.update(DATABASE_URL=database_url, PAYMENTS_API=provider.url)
+    env.update(DATABASE_URL=database_url, PAYMENTS_API=provider.url, **extra)
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
@@ -137,8 +177,10 @@ def stored_contexts(database_url: str) -> dict[str, Any]:
 def test_the_handler_runs_in_a_child_span_of_the_writer_and_httpx_carries_it_to_the_provider(
     outbox_database_url: str, provider: Any
 ) -> None:
+    provider.drop_after_charge(times=1)  # the first charge, order:1's: charged, its answer lost
     out = run(TRACED, outbox_database_url, provider)
-    assert sorted(out["results"].values()) == ["sent"] * 7
+    assert sorted(out["results"].values()) == ["sent"] * 6 + ["unknown"]
+    assert out["reconciled"]["resolve_unknown"] == {"sent": 1}, out["reconciled"]
     spans = out["spans"]
     web = next(s for s in spans if s["name"] == "POST /orders")
     process = [s for s in spans if s["name"] == "process payments.charge"]
@@ -165,6 +207,16 @@ def test_the_handler_runs_in_a_child_span_of_the_writer_and_httpx_carries_it_to_
     header = provider.stats()["traceparents"]["order:1:charge"]
     assert header.split("-")[1:3] == [web["trace_id"], client["span_id"]]
 
+    # The reconciler's lookup of order:1 is a span of the same trace, and so is its request.
+    [lookup] = [s for s in spans if s["name"] == "lookup payments.charge"]
+    assert (lookup["trace_id"], lookup["parent_id"], lookup["kind"]) == (
+        web["trace_id"],
+        web["span_id"],
+        "CLIENT",
+    )
+    assert any(s["kind"] == "CLIENT" and s["parent_id"] == lookup["span_id"] for s in spans), spans
+    assert provider.charges("order:1:charge") == 1
+
     # What the row stored: the writer's span as a W3C traceparent, and its baggage.
     contexts = stored_contexts(outbox_database_url)
     assert contexts["order:1:charge"]["traceparent"].split("-")[1:3] == [web["trace_id"], web["span_id"]]
@@ -183,3 +235,14 @@ def test_without_opentelemetry_nothing_is_imported_and_nothing_is_stored(
     assert list(blocked["results"].values()) == ["sent"]
     assert stored_contexts(outbox_database_url) == {"order:3:charge": None, "order:4:charge": None}
     assert provider.stats()["traceparents"] == {}
+
+
+@pytest.mark.parametrize("where", ["start", "end"])
+def test_a_tracing_error_never_changes_the_outcome(
+    outbox_database_url: str, provider: Any, where: str
+) -> None:
+    """A span processor that raises (an exporter down) when the delivery's span starts, or ends
+    after the charge: the row is sent, charged once, as without tracing."""
+    out = run(BROKEN_PROCESSOR, outbox_database_url, provider, BREAK=where, KEY=f"order:{where}")
+    assert list(out["results"].values()) == ["sent"]
+    assert provider.charges(f"order:{where}:charge") == 1
