@@ -276,6 +276,7 @@ class Executor:
         observed: metrics.Observed = self._local.observed
         observed.since_published_seconds = claimed.since_published_seconds
         observed.since_written_seconds = claimed.since_written_seconds
+        observed.written_to_published_seconds = claimed.written_to_published_seconds
         left = handler.lease_seconds - held
         if left < handler.time_limit + handler.start_margin_seconds:
             reason = (

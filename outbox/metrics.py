@@ -13,21 +13,18 @@ are purged, so their count is no measure of anything.
 
 from __future__ import annotations
 
-import bisect
 import functools
-import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -105,6 +102,16 @@ PROVIDER_RESPONSES = Counter(
 )
 #: Seconds, from a few milliseconds (a local provider) to an hour (a backlog, a long backoff).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+WRITTEN_TO_PUBLISHED = Histogram(
+    "outbox_written_to_published_seconds",
+    "From the row's writing to the publication its first claim came from (database clock), "
+    "observed at that claim: the relay's lag (a lost message's re-publication included). "
+    "Written is the row's created_at (the start of the writing transaction, not its commit), "
+    "or its available_at when written for later.",
+    ["destination"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
 PUBLISHED_TO_CLAIMED = Histogram(
     "outbox_published_to_claimed_seconds",
     "From the row's publication to its claim (database clock): the broker and the workers' wait.",
@@ -144,12 +151,17 @@ class Observed:
     http_status: int | None = None
     call_seconds: float | None = None
     since_written_seconds: float | None = None
+    written_to_published_seconds: float | None = None
 
 
 @never_raises
 def count_delivery(destination: str, outcome: str, observed: Observed) -> None:
     """One delivery, after its outcome is recorded (never between the call and the record)."""
     DELIVERIES.labels(destination=destination, outcome=outcome).inc()
+    if observed.written_to_published_seconds is not None:
+        WRITTEN_TO_PUBLISHED.labels(destination=destination).observe(
+            max(0.0, observed.written_to_published_seconds)
+        )
     if observed.since_published_seconds is not None:
         PUBLISHED_TO_CLAIMED.labels(destination=destination).observe(
             max(0.0, observed.since_published_seconds)
@@ -210,72 +222,6 @@ def count_relay_batch(published: Mapping[str, int], refused: Mapping[str, int]) 
 @never_raises
 def count_relay_failure() -> None:
     RELAY_BATCHES.labels(result="failed").inc()
-
-
-class _WrittenToPublished(Collector):
-    """``outbox_written_to_published_seconds``, fed a batch at a time: prometheus_client's
-    Histogram observes one value per call (a lock and a bucket search each), which at 1,000-row
-    batches would cost the relay about a fifth of its time; here a row costs one bisect and two
-    additions, and the batch one lock. The relay is one process: no multiprocess files."""
-
-    NAME = "outbox_written_to_published_seconds"
-    DOC = (
-        "From the row's writing to its first publication (database clock): the relay's lag. "
-        "Written is the row's created_at (the start of the writing transaction, not its commit), "
-        "or its available_at when written for later; a re-publication after a retry is not counted."
-    )
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        #: destination -> (per-bucket counts, the last one for +Inf; sum of seconds)
-        self._by_destination: dict[str, tuple[list[int], list[float]]] = {}
-
-    def observe_batch(self, rows: Iterable[Sequence[Any]], skip: Container[str] = ()) -> None:
-        """Rows as the take statement returns them: destination second, seconds fourth (None:
-        not a first publication). Destinations in ``skip`` were refused: not published."""
-        batch: dict[str, tuple[list[int], list[float]]] = {}
-        width = len(LATENCY_BUCKETS) + 1
-        for row in rows:
-            seconds = row[3]
-            if seconds is None or row[1] in skip:
-                continue
-            acc = batch.get(row[1])
-            if acc is None:
-                acc = batch[row[1]] = ([0] * width, [0.0])
-            acc[0][bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            acc[1][0] += seconds if seconds > 0 else 0.0
-        with self._lock:
-            for destination, (counts, total) in batch.items():
-                into = self._by_destination.setdefault(destination, ([0] * width, [0.0]))
-                for i, n in enumerate(counts):
-                    into[0][i] += n
-                into[1][0] += total[0]
-
-    def describe(self) -> list[Any]:
-        return [HistogramMetricFamily(self.NAME, self.DOC, labels=["destination"])]
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.NAME, self.DOC, labels=["destination"])
-        with self._lock:
-            snapshot = {d: (list(c), t[0]) for d, (c, t) in self._by_destination.items()}
-        bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
-        for destination, (counts, total) in sorted(snapshot.items()):
-            cumulative = list(itertools.accumulate(counts))
-            family.add_metric([destination], list(zip(bounds, cumulative, strict=True)), total)
-        yield family
-
-    def reset(self) -> None:
-        with self._lock:
-            self._by_destination.clear()
-
-
-WRITTEN_TO_PUBLISHED = _WrittenToPublished()
-REGISTRY.register(WRITTEN_TO_PUBLISHED)
-
-
-@never_raises
-def count_published_latency(rows: Iterable[Sequence[Any]], refused: Container[str]) -> None:
-    WRITTEN_TO_PUBLISHED.observe_batch(rows, refused)
 
 
 # -- from the database -----------------------------------------------------------------------------

@@ -56,9 +56,6 @@ outbox_message = Table(
     Column("deadline", DateTime(timezone=True), nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
     Column("dispatched_at", DateTime(timezone=True), nullable=True),
-    # The relay's first publication of the row (migration 0008): the written -> published
-    # histogram counts a row once. Kept through re-publications; reset only by a refused publish.
-    Column("first_dispatched_at", DateTime(timezone=True), nullable=True),
     Column("claimed_at", DateTime(timezone=True), nullable=True),
     Column("lease_expires_at", DateTime(timezone=True), nullable=True),
     Column("completed_at", DateTime(timezone=True), nullable=True),

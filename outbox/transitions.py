@@ -123,17 +123,9 @@ async def cancel_by_key_async(target: AsyncSession | AsyncConnection, *, key: st
 # index eligible, which the planner picked before the table's first ANALYZE, scanning the whole
 # index for each id (1 s per 1,000-row batch).
 # All rows of a batch get the same dispatched_at (now() is the transaction's start time).
-# The fourth column is for the written -> published histogram only: seconds from the row's
-# writing (or its due time, when written for later) to its first publication, on the database's
-# clock; NULL for a re-publication (after a lost message, a release, a retry or a replay: its
-# wait is not the relay's lag). `first_dispatched_at = now()` after the SET means this statement
-# set it: now() is the transaction's start, and a row is taken once per transaction. A row whose
-# publication Redis refused carries the refusal in last_error and counts from its writing, not
-# from the moved available_at. date_part, not EXTRACT: EXTRACT returns numeric (slower to compute,
-# and psycopg turns it into a Decimal per row), date_part a float8.
 DISPATCH_DUE_SQL = """
 UPDATE outbox_message
-SET state = 'dispatched', dispatched_at = now(), first_dispatched_at = COALESCE(first_dispatched_at, now())
+SET state = 'dispatched', dispatched_at = now()
 WHERE id = ANY(ARRAY(
     SELECT id FROM outbox_message
     WHERE state = 'pending' AND available_at <= now()
@@ -141,9 +133,7 @@ WHERE id = ANY(ARRAY(
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ))
-RETURNING id, destination, dispatched_at,
-          CASE WHEN first_dispatched_at = now() THEN date_part('epoch', now() - CASE WHEN last_error IS NULL
-               THEN GREATEST(created_at, available_at) ELSE created_at END) END
+RETURNING id, destination, dispatched_at
 """
 
 # Rows of a destination whose publication Redis refused go back to `pending`, due again after
@@ -152,8 +142,7 @@ RETURNING id, destination, dispatched_at,
 _UNDISPATCH = """
 UPDATE outbox_message
 SET state = 'pending', dispatched_at = NULL,
-    -- Not published after all: its first publication is still to come.
-    first_dispatched_at = CASE WHEN first_dispatched_at = now() THEN NULL ELSE first_dispatched_at END,
+    -- The refusal stays on record: the latency metrics count the row from its writing.
     available_at = now() + %(retry_after)s * interval '1 second',
     last_error = %(error)s
 WHERE id = ANY(%(ids)s) AND state = 'dispatched'
@@ -162,8 +151,7 @@ WHERE id = ANY(%(ids)s) AND state = 'dispatched'
 
 def dispatch_due(conn: psycopg.Connection[Any], *, limit: int) -> list[Any]:
     """``pending`` -> ``dispatched`` for up to ``limit`` due rows, oldest due first; returns
-    ``(id, destination, dispatched_at, seconds since written or None)`` per row (see
-    :data:`DISPATCH_DUE_SQL`). Run it in the transaction that publishes the
+    ``(id, destination, dispatched_at)`` per row. Run it in the transaction that publishes the
     rows: if the publish raises, the move rolls back with it. (The relay "takes" rows; only a
     consumer "claims" one.)"""
     return conn.execute(DISPATCH_DUE_SQL, {"limit": limit}).fetchall()
@@ -211,13 +199,19 @@ WITH held AS (
               date_part('epoch', clock_timestamp() - CASE WHEN m.attempts = 1 AND m.last_error IS NULL
                   THEN GREATEST(m.created_at, m.available_at) ELSE m.created_at END) AS since_written,
               date_part('epoch', clock_timestamp() - m.dispatched_at) AS since_published,
+              -- Written -> published, at the row's first claim (no earlier claim, none released):
+              -- from its writing (or due time) to the publication this claim came from.
+              CASE WHEN m.attempts = 1 AND m.releases = 0 THEN date_part('epoch', m.dispatched_at -
+                  CASE WHEN m.last_error IS NULL THEN GREATEST(m.created_at, m.available_at)
+                  ELSE m.created_at END) END AS written_to_published,
               m.trace_context
 ), fence AS (
     INSERT INTO outbox_attempt (message_id, attempt, claim_token)
     SELECT id, attempts, claim_token FROM claimed
 )
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
-       COALESCE(deadline_passed, false), since_written, since_published, trace_context
+       COALESCE(deadline_passed, false), since_written, since_published, written_to_published,
+       trace_context
 FROM claimed
 """
 
@@ -330,6 +324,10 @@ class Claimed:
     #: database's clock: for the latency metrics only.
     since_written_seconds: float | None = None
     since_published_seconds: float | None = None
+    #: At the row's first claim only: seconds from its writing (its due time when written for
+    #: later; its writing when Redis refused a publication) to the publication this claim came
+    #: from, on the database's clock.
+    written_to_published_seconds: float | None = None
     #: The writer's trace context as stored (jsonb; None when it had none): outbox.tracing
     #: reads only its string fields, whatever a plain-SQL writer put there.
     trace_context: Any = None
@@ -368,7 +366,8 @@ def claim(
     ).fetchone()
     if row is None:
         return None
-    row_id, key, step, destination, payload, attempt, deadline, token, passed, written, published, trace = row
+    row_id, key, step, destination, payload, attempt, deadline, token, passed = row[:9]
+    written, published, published_after, trace = row[9:]
     return Claimed(
         row_id,
         key,
@@ -381,6 +380,7 @@ def claim(
         passed,
         since_written_seconds=float(written) if written is not None else None,
         since_published_seconds=float(published) if published is not None else None,
+        written_to_published_seconds=float(published_after) if published_after is not None else None,
         trace_context=trace,
     )
 
@@ -577,9 +577,13 @@ RETURNING id
 
 # One statement for the batch, each row guarded by its own state and dispatch time: a row that a
 # consumer claimed, or that was already re-queued and published again, does not match.
+# last_error says why the row is pending again (`outbox show`), and makes the latency metrics
+# count it from its writing: available_at moves here, so it no longer tells a row written for
+# later.
 _REQUEUE = """
 UPDATE outbox_message m
-SET state = 'pending', available_at = now(), dispatched_at = NULL
+SET state = 'pending', available_at = now(), dispatched_at = NULL,
+    last_error = 're-queued by the reconciler: its message was no longer in Redis'
 FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(dispatched)s AS timestamptz[])) AS r(id, dispatched_at)
 WHERE m.id = r.id AND m.state = 'dispatched' AND m.dispatched_at = r.dispatched_at
 RETURNING m.id

@@ -154,8 +154,7 @@ def _pack(
     queues: dict[str, _Queue] = {}
     suffixes: dict[datetime, str] = {}
     count = 0
-    # Rows as the take statement returns them; columns after the third are not the broker's.
-    for row_id, destination, dispatched_at, *_ in rows:
+    for row_id, destination, dispatched_at in rows:
         queue = queues.get(destination)
         if queue is None:
             queue = queues[destination] = _Queue(destination, timestamp_ms)

@@ -174,7 +174,6 @@ class Relay:
             self._refusals.report(destination, result.refused[destination], error)
         if rows:
             metrics.count_relay_batch(result.by_destination, result.refused)
-            metrics.count_published_latency(rows, published.failed)
         return result
 
     def drain(self, stop: threading.Event | None = None) -> int:

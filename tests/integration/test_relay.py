@@ -183,54 +183,67 @@ def _published_latency(destination: str) -> dict[str, float]:
     return {
         "count": value("count"),
         "sum": value("sum"),
-        "le_10": value("bucket", le="10.0"),
         "le_60": value("bucket", le="60.0"),
         "le_300": value("bucket", le="300.0"),
     }
 
 
-def test_written_to_published_is_measured_from_the_write_or_the_due_time_for_first_publications_only(
-    clean, redis_client
-):
-    """The histogram counts each row's first publication, from its created_at or, when written
-    for later, its available_at; a retry's re-publication and a refused destination's rows are
-    not counted."""
+def test_written_to_published_is_observed_at_each_rows_first_claim(clean, redis_client):
+    """From the writing (or due time) to the publication the first claim came from: a row
+    written for later counts from its due time; a row whose message was lost, or whose
+    publication Redis refused, from its writing (its due time moved); a retry is not counted."""
+    import outbox
+    from outbox.testing.delivery import deliver
+
+    @outbox.handler(DEST, time_limit=5)
+    def note(d: outbox.Delivery) -> outbox.Confirmed:
+        return outbox.Confirmed(ref=f"ref-{d.id}")
+
     insert_rows(clean, 2, tag="now")
     insert_rows(clean, 1, tag="later", due="now() + interval '50 seconds'")
     elapse(clean, 100)  # written 100 s ago; the later row due 50 s ago
-    insert_rows(clean, 3, destination="bad", tag="b")
-    redis_client.set(f"{clean.namespace}:bad", "not a list")
-    before, bad_before = _published_latency(DEST), _published_latency("bad")
+    before = _published_latency(DEST)
+    assert relay_once(clean) == 3
+    assert set(deliver({DEST: note}, database_url=clean.database_url).values()) == {"sent"}
+    after = _published_latency(DEST)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["count"] == 3
+    assert 250 <= delta["sum"] < 253, delta  # 100 + 100 + 50
+    assert (delta["le_60"], delta["le_300"]) == (1, 3)
+
+    # Refused by Redis, then published: from its writing (200 s), not from its moved due time.
+    insert_rows(clean, 1, tag="refused")
+    redis_client.set(f"{clean.namespace}:{DEST}", "not a list")
     relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
     try:
-        assert relay.run_once().published == 3
-        after = _published_latency(DEST)
-        delta = {k: after[k] - before[k] for k in after}
-        assert delta["count"] == 3
-        assert 250 <= delta["sum"] < 260, delta  # 100 + 100 + 50, plus the statement's own time
-        assert (delta["le_10"], delta["le_60"], delta["le_300"]) == (0, 1, 3)
-        assert _published_latency("bad") == bad_before, "refused rows were not published"
-
-        # Re-publications are not counted: a lost message re-queued by the reconciler (pending
-        # again, due now) and a retry (claimed once, back to pending).
-        moved = sql(clean, "SELECT id, dispatched_at FROM outbox_message WHERE key = 'now:1'")
-        with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-            assert transitions.requeue(conn, [(moved[0][0], moved[0][1])]) == 1
-        sql(clean, "UPDATE outbox_message SET state = 'pending', attempts = 1 WHERE key = 'now:2'")  # a retry
-        assert relay.run_once().published == 2
-        assert _published_latency(DEST)["count"] == after["count"]
-
-        # The refused rows, published once Redis takes them: counted once, from their writing
-        # (200 s ago), not from the due time the refusal moved (10 s later).
-        redis_client.delete(f"{clean.namespace}:bad")
-        bad = [r[0] for r in sql(clean, "SELECT id FROM outbox_message WHERE destination = 'bad'")]
-        elapse(clean, 200, bad)
-        assert relay.run_once().published == 3
-        published = _published_latency("bad")
-        assert published["count"] - bad_before["count"] == 3
-        assert 600 <= published["sum"] - bad_before["sum"] < 610, published
+        assert relay.run_once().published == 0
     finally:
         relay.close()
+    redis_client.delete(f"{clean.namespace}:{DEST}")
+    elapse(clean, 200)
+    # Lost: published, its message gone, re-queued by the reconciler 100 s later.
+    insert_rows(clean, 1, tag="lost")
+    [(lost,)] = sql(clean, "SELECT id FROM outbox_message WHERE key = 'lost:1'")
+    assert relay_once(clean) == 2  # the refused row and the lost one
+    redis_client.delete(f"{clean.namespace}:{DEST}", f"{clean.namespace}:{DEST}.msgs")
+    elapse(clean, 100, [lost])
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        at = sql(clean, "SELECT dispatched_at FROM outbox_message WHERE id = %s", (lost,))[0][0]
+        assert transitions.requeue(conn, [(lost, at)]) == 1
+    assert relay_once(clean) == 1
+    before = _published_latency(DEST)
+    assert set(deliver({DEST: note}, database_url=clean.database_url).values()) == {"sent"}
+    after = _published_latency(DEST)
+    assert after["count"] - before["count"] == 2
+    assert 300 <= after["sum"] - before["sum"] < 304, after  # 200 (refused) + 100 (lost)
+
+    # A retry's claim is not a first claim.
+    insert_rows(clean, 1, tag="retry")
+    sql(clean, "UPDATE outbox_message SET attempts = 1 WHERE key = 'retry:1'")  # claimed once before
+    assert relay_once(clean) == 1
+    before = _published_latency(DEST)
+    assert set(deliver({DEST: note}, database_url=clean.database_url).values()) == {"sent"}
+    assert _published_latency(DEST)["count"] == before["count"]
 
 
 # -- real processes --------------------------------------------------------------------------------
