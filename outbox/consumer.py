@@ -53,6 +53,7 @@ class RunResult(enum.StrEnum):
     UNHANDLED = "unhandled"
     RELEASED = "released"  # claimed, then given back without a call
     HALTED = "halted"  # not claimed: the database is on another history (outbox.failover)
+    PAUSED = "paused"  # not claimed: an operator paused the destination (outbox.pauses)
 
 
 class _Abandoned(BaseException):
@@ -263,6 +264,16 @@ class Executor:
                 raise
             return self._recover_lost_claim(handler, row_id, token, backend)
         if claimed is None:
+            if transitions.is_paused(conn, destination=destination):
+                # Acked without a claim: the row waits `dispatched`, attempts untouched, and the
+                # reconciler re-queues it once the pause ends.
+                logger.info(
+                    "outbox row %s not claimed: destination %s is paused",
+                    row_id,
+                    destination,
+                    extra={"outbox_id": row_id, "destination": destination, "outbox_run": "paused"},
+                )
+                return RunResult.PAUSED
             logger.info(
                 "outbox row %s: nothing to claim (already claimed, settled or not due)",
                 row_id,

@@ -89,7 +89,7 @@ DELIVERIES = Counter(
     "outbox_deliveries",
     "Deliveries by destination and outcome: sent, pending (a retry), unknown, failed, "
     "superseded (a newer claim owned the row), empty (nothing to claim), released (claimed, "
-    "given back without a call), unhandled, halted.",
+    "given back without a call), unhandled, halted, paused (not claimed: the destination is paused).",
     ["destination", "outcome"],
     registry=REGISTRY,
 )
@@ -249,6 +249,8 @@ SELECT destination, 'failed', count(*), NULL
 FROM outbox_message WHERE state = 'failed' GROUP BY destination
 """
 
+PAUSED_SQL = "SELECT destination FROM outbox_destination WHERE paused_until > now() ORDER BY 1"
+
 GAUGE_STATES = ("pending", "dispatched", "in_flight", "unknown", "failed")
 AGE_STATES = ("pending", "dispatched", "in_flight", "unknown")
 
@@ -261,6 +263,8 @@ class DatabaseReading:
     ages: dict[tuple[str, str], float | None] = field(default_factory=dict)
     #: destinations with rows waiting and no live worker
     no_consumer: list[str] = field(default_factory=list)
+    #: destinations paused now (outbox pause)
+    paused: list[str] = field(default_factory=list)
     #: every destination to export, zeros included (the handlers' and the table's)
     destinations: list[str] = field(default_factory=list)
     taken_at: float = field(default_factory=time.monotonic)
@@ -278,6 +282,7 @@ def read_database(conn: Any) -> DatabaseReading:
             reading.ages[(destination, state)] = float(age) if age is not None else None
     gaps = heartbeat.no_consumer(conn.execute(heartbeat.NO_CONSUMER_SQL).fetchall())
     reading.no_consumer = sorted({g.destination for g in gaps})
+    reading.paused = [r[0] for r in conn.execute(PAUSED_SQL).fetchall()]
     return reading
 
 
@@ -337,6 +342,14 @@ class _DatabaseCollector(Collector):
         for d in sorted(set(destinations) | set(reading.no_consumer)):
             gaps.add_metric([d], 1.0 if d in reading.no_consumer else 0.0)
         yield gaps
+        paused = GaugeMetricFamily(
+            "outbox_destination_paused",
+            "1 for a destination an operator paused (outbox pause): its rows are not claimed.",
+            labels=["destination"],
+        )
+        for d in sorted(set(destinations) | set(reading.paused)):
+            paused.add_metric([d], 1.0 if d in reading.paused else 0.0)
+        yield paused
         taken = GaugeMetricFamily(
             "outbox_database_reading_age_seconds",
             "How old the database reading above is (it is taken once per reconcile interval).",

@@ -49,8 +49,9 @@ def current_revision(connection: Connection) -> str | None:
 #: from inserting a step with ':' (two rows would send the same Idempotency-Key, and a
 #: deduplicating provider would answer the second with the first one's charge): the guarantee
 #: (docs/guarantee.md) relies on it, so a database without it is refused; 0008 adds the
-#: ``trace_context`` column that ``write`` inserts and the claim returns.
-SCHEMA_OLDEST = "0008"
+#: ``trace_context`` column that ``write`` inserts and the claim returns; 0009 the paused
+#: destinations (``outbox_destination``), which every claim reads.
+SCHEMA_OLDEST = "0009"
 
 #: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``): the
 #: oldest code, named by the newest revision it knows, that may still run on the database.

@@ -223,6 +223,23 @@ outbox_no_consumer = Table(
     Column("alerted_at", DateTime(timezone=True), nullable=True),
 )
 
+# -- Issue 13 (migration 0009): paused destinations ----------------------------------------------
+
+#: A destination is paused while ``paused_until`` is in the future (``infinity``: until resumed);
+#: written by ``outbox pause`` / ``outbox resume`` (outbox.pauses), read by every claim.
+outbox_destination = Table(
+    "outbox_destination",
+    metadata,
+    Column("destination", Text, primary_key=True),
+    Column("paused_until", DateTime(timezone=True), nullable=True),
+    Column("paused_at", DateTime(timezone=True), nullable=True),
+    Column("paused_by", Text, nullable=True),
+    Column("pause_reason", Text, nullable=True),
+    Column("resumed_at", DateTime(timezone=True), nullable=True),
+    Column("resumed_by", Text, nullable=True),
+    CheckConstraint("paused_until IS NULL OR paused_at IS NOT NULL", name="outbox_destination_paused_check"),
+)
+
 # -- Issue 9 class 12 (migration 0006): failover detection ------------------------------------------
 
 #: The database history (system identifier, timeline) the outbox last ran on, one row; written

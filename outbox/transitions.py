@@ -58,6 +58,7 @@ import psycopg
 from sqlalchemy import text
 
 from . import outcomes, sanitize
+from .pauses import PAUSED_SQL
 from .schema import NOTIFY_CHANNEL
 
 if TYPE_CHECKING:
@@ -173,12 +174,15 @@ def undispatch(
 # its commit, an application transaction holding the row, even one that only ran SELECT … FOR
 # UPDATE), where the statement's `now()` would date from before it. A commit wait after the
 # statement is not covered here: the worker bounds that with its own monotonic clock.
-_CLAIM = """
+# A paused destination's rows are not claimed (outbox.pauses): the guard is part of the claim,
+# so a pause committed before it is obeyed by every worker, on the database's clock.
+_CLAIM = f"""
 WITH held AS (
     SELECT id FROM outbox_message
     WHERE id = %(id)s
       AND destination = %(destination)s
       AND (state = 'dispatched' OR (state = 'pending' AND available_at <= now()))
+      AND NOT {PAUSED_SQL}
     FOR UPDATE
 ), claimed AS (
     UPDATE outbox_message m
@@ -191,6 +195,7 @@ WITH held AS (
     WHERE m.id = held.id
       AND m.destination = %(destination)s
       AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
+      AND NOT {PAUSED_SQL}
     RETURNING m.id, m.key, m.step, m.destination, m.payload, m.attempts, m.deadline, m.claim_token,
               m.deadline <= clock_timestamp() AS deadline_passed,
               -- For the latency metrics: since the row was written (or, on a first attempt that
@@ -339,6 +344,14 @@ class Released:
     step: str
     #: How many claims of this row have been released so far, this one included.
     releases: int
+
+
+_IS_PAUSED = f"SELECT {PAUSED_SQL}"
+
+
+def is_paused(conn: psycopg.Connection[Any], *, destination: str) -> bool:
+    """Whether ``destination`` is paused now: asked after an empty claim, to say why it was."""
+    return bool(conn.execute(_IS_PAUSED, {"destination": destination}).fetchone()[0])  # type: ignore[index]
 
 
 def claim(

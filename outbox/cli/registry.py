@@ -116,6 +116,20 @@ COMMANDS: tuple[Command, ...] = (
         _LOOK,
     ),
     Command(
+        "pause",
+        "stop claims of a destination's rows (outage, incident): pause D --reason R [--until 30m]",
+        "outbox.cli.pauses:pause_arguments",
+        "outbox.cli.pauses:pause",
+        _LOOK,
+    ),
+    Command(
+        "resume",
+        "end a destination's pause: resume D",
+        "outbox.cli.pauses:resume_arguments",
+        "outbox.cli.pauses:resume",
+        _LOOK,
+    ),
+    Command(
         "doctor",
         "check the contract's invariants against the database and Redis",
         "outbox.cli.operator:doctor_arguments",

@@ -13,9 +13,10 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import heartbeat, settings, states
+from .. import heartbeat, pauses, settings, states
 from ..exceptions import ConfigError, NotFound
 from ..heartbeat import NoConsumer
+from ..pauses import Pause
 from . import tables
 from .tables import seconds
 
@@ -46,6 +47,8 @@ class StatusReport:
     oldest_pending_age: dict[str, float | None]
     #: Destinations with rows waiting and no live worker heartbeat serving their queue.
     no_consumer: list[NoConsumer] = field(default_factory=list)
+    #: Destinations an operator paused (outbox pause), paused now.
+    paused: list[Pause] = field(default_factory=list)
 
     def totals(self) -> dict[str, int]:
         return {s: sum(c[s] for c in self.counts.values()) for s in states.ALL}
@@ -73,6 +76,7 @@ class StatusReport:
             "total": self.total,
             "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
             "no_consumer": [n.to_dict() for n in self.no_consumer],
+            "paused": [p.to_dict() for p in self.paused],
         }
 
     def render(self) -> str:
@@ -92,7 +96,7 @@ def status(connection: Connection) -> StatusReport:
     for d in counts:
         ages.setdefault(d, None)
     gaps = heartbeat.no_consumer(connection.execute(text(heartbeat.NO_CONSUMER_SQL)))
-    return StatusReport(generated_at, counts, ages, gaps)
+    return StatusReport(generated_at, counts, ages, gaps, pauses.paused(connection))
 
 
 # -- show --------------------------------------------------------------------------------------------

@@ -92,8 +92,9 @@ def to_json(data: Any) -> str:
 
 
 def render_status(report: StatusReport) -> str:
+    paused = "".join(f"\n{p.describe()}" for p in report.paused)
     if not report.counts:
-        return "no outbox rows"
+        return f"no outbox rows{paused}"
     totals = report.totals()
     rows: list[list[Any]] = [
         [d, *(c[s] for s in states.ALL), sum(c.values()), age(report.oldest_pending_age[d])]
@@ -108,7 +109,7 @@ def render_status(report: StatusReport) -> str:
         f"oldest due pending row: {age(report.oldest_pending_age_seconds) or 'none'}"
     )
     gaps = "".join(f"\n{n.describe()}" for n in report.no_consumer)
-    return f"{table}\n\n{summary}{gaps}"
+    return f"{table}\n\n{summary}{gaps}{paused}"
 
 
 def render_row(detail: RowDetail) -> str:

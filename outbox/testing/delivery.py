@@ -109,7 +109,7 @@ def deliver(handlers: Handlers = None, *, database_url: Database) -> dict[int, R
                 for row_id, destination in due:
                     result = executor.deliver(int(row_id), str(destination))
                     results[int(row_id)] = result
-                    ran += result is not RunResult.EMPTY
+                    ran += result not in (RunResult.EMPTY, RunResult.PAUSED)
                 if not ran:
                     break
     finally:

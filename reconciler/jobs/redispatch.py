@@ -29,12 +29,17 @@ DEFAULT_REDISPATCH_MAX_BATCHES = 50
 
 
 # Keyset pagination, so that rows left alone (a healthy backlog) are not read again and again.
+# A paused destination's rows are left alone (outbox.pauses): a worker acked their messages
+# without a claim, and re-queueing them would only go round again; its first run after the pause
+# ends re-queues them all.
 _DISPATCHED = """
 SELECT id, destination, dispatched_at,
        dispatched_at < now() - %(stale)s * interval '1 second' AS stale
-FROM outbox_message
+FROM outbox_message m
 WHERE state = 'dispatched'
   AND dispatched_at < now() - %(grace)s * interval '1 second'
+  AND NOT EXISTS (SELECT 1 FROM outbox_destination p
+                  WHERE p.destination = m.destination AND p.paused_until > now())
   AND (CAST(%(after_at)s AS timestamptz) IS NULL
        OR (dispatched_at, id) > (CAST(%(after_at)s AS timestamptz), CAST(%(after_id)s AS bigint)))
 ORDER BY dispatched_at, id

@@ -38,6 +38,7 @@ from outbox.settings import libpq_url
 TABLES = {"outbox_message", "outbox_attempt", "outbox_key_ledger"}
 TABLES |= {"outbox_process", "outbox_no_consumer"}  # 0005_transport
 TABLES |= {"outbox_db_identity"}  # 0006_integrity
+TABLES |= {"outbox_destination"}  # 0009_destination_pause
 
 
 @pytest.fixture

@@ -1,0 +1,125 @@
+"""``outbox pause D`` and ``outbox resume D`` (outbox.pauses holds the statements)."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime
+
+from .. import settings
+from ..exceptions import ConfigError, InvalidMessage
+from ..validation import check_destination
+from . import exits
+from .operator import _by_and_reason, _connection, _describe
+from .output import err, out, print_json
+
+
+def pause_arguments(p: argparse.ArgumentParser) -> None:
+    _describe(
+        p,
+        """
+        Pause a destination: from the next claim on, no worker claims its rows (the claim
+        statement reads the pause, on the database's clock). Messages a worker takes meanwhile
+        are acknowledged without a claim and their rows wait `dispatched`, attempts untouched;
+        rows already in flight finish. Nothing is failed or lost. The reconciler re-queues the
+        waiting rows at its first run after the pause ends (outbox resume D, or --until).
+        Lookups of unknown rows go on. Pausing a paused destination replaces its --until and
+        --reason. Shown by outbox status and doctor, and in the metrics
+        (outbox_destination_paused).
+
+        outbox pause payments.charge --reason "provider incident INC-42"
+        outbox pause payments.charge --reason "maintenance window" --until 30m
+        outbox pause payments.charge --reason "…" --until 2026-12-01T18:00:00+00:00
+        """,
+    )
+    p.add_argument("destination", help="the destination (queue) to pause")
+    p.add_argument(
+        "--until",
+        metavar="WHEN",
+        help="end the pause by itself: a duration from now (90s, 30m, 2h, 1d) or an ISO 8601 time "
+        "with its offset; default: until outbox resume",
+    )
+    _by_and_reason(p)
+
+
+def resume_arguments(p: argparse.ArgumentParser) -> None:
+    _describe(
+        p,
+        """
+        End a destination's pause: workers claim its rows again at once; the rows that waited
+        `dispatched` are re-queued by the reconciler's next run (OUTBOX_RECONCILE_INTERVAL) and
+        published by the relay. Exit 1 when the destination was not paused.
+
+        outbox resume payments.charge
+        """,
+    )
+    p.add_argument("destination", help="the destination (queue) to resume")
+    p.add_argument("--by", help="who (default: $USER or the login name)")
+
+
+def _until(raw: str | None) -> tuple[datetime | None, float | None]:
+    if raw is None:
+        return None, None
+    try:
+        at = datetime.fromisoformat(raw)
+    except ValueError:
+        seconds = settings.parse_seconds(raw, "--until")
+        if seconds <= 0:
+            raise ConfigError(f"--until={raw!r} must be a positive duration") from None
+        return None, seconds
+    if at.tzinfo is None:
+        raise ConfigError(f"--until={raw!r} has no UTC offset (e.g. {raw}+00:00)")
+    return at, None
+
+
+def _destination(raw: str) -> str:
+    try:
+        check_destination(raw)
+    except InvalidMessage as exc:
+        raise ConfigError(str(exc)) from exc
+    return raw
+
+
+def pause(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..ops.actions import default_actor
+    from ..pauses import pause as pause_destination
+
+    destination = _destination(args.destination)
+    if not (args.reason or "").strip():
+        raise ConfigError("--reason is required: it is shown to whoever finds the destination paused")
+    until, for_seconds = _until(args.until)
+    with _connection(cfg, write=True) as conn:
+        done = pause_destination(
+            conn,
+            destination,
+            by=args.by or default_actor(),
+            reason=args.reason,
+            until=until,
+            for_seconds=for_seconds,
+        )
+    if args.json:
+        return print_json(done.to_dict())
+    ends = f"until {done.until:%Y-%m-%d %H:%M:%S %Z}" if done.until else "until outbox resume"
+    out(f"paused {done.destination} {ends} (since {done.since:%Y-%m-%d %H:%M:%S %Z}): {done.reason}")
+    return exits.OK
+
+
+def resume(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..ops.actions import default_actor
+    from ..pauses import resume as resume_destination
+
+    destination = _destination(args.destination)
+    with _connection(cfg, write=True) as conn:
+        done = resume_destination(conn, destination, by=args.by or default_actor())
+    if done is None:
+        problem = f"{destination} is not paused"
+        if args.json:
+            body = {"destination": destination, "resumed": False}
+            return print_json(body, error=problem, exit_code=exits.FAILED)
+        err(problem)
+        return exits.FAILED
+    if args.json:
+        return print_json({**done.to_dict(), "resumed": True})
+    since = f"{done.since:%Y-%m-%d %H:%M:%S %Z}"
+    out(f"resumed {destination} (paused since {since} by {done.by}: {done.reason})")
+    out("its waiting rows are re-queued by the reconciler's next run")
+    return exits.OK

@@ -1,0 +1,143 @@
+"""Paused destinations: ``outbox pause D`` and ``outbox resume D``, stored in ``outbox_destination``.
+
+While a destination is paused, no claim of its rows succeeds (the claim statement itself reads
+the pause, so every worker obeys at its next claim, on the database's clock): a message of it
+that a worker takes is acknowledged without a claim and its row waits ``dispatched``, its
+attempts untouched; rows already ``in_flight`` finish. The reconciler does not re-queue a paused
+destination's rows; once the pause ends (``resume``, or ``--until`` passed) its next run re-queues
+them and the relay publishes them again. Nothing is failed, nothing is lost, no attempt is spent.
+
+The reconciler's lookups of ``unknown`` rows go on while paused: they settle outcomes, and a
+provider that is down only makes them wait for their next try.
+
+Statements only: the CLI (``outbox.cli.operator``) and the tests call these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from . import sanitize
+
+#: A pause's reason is kept whole up to this length.
+REASON_CHARS = 2000
+
+#: The claim's guard (outbox.transitions): true while ``%(destination)s`` is paused.
+PAUSED_SQL = (
+    "EXISTS (SELECT 1 FROM outbox_destination p "
+    "WHERE p.destination = %(destination)s AND p.paused_until > now())"
+)
+
+_PAUSE = text(
+    """
+    INSERT INTO outbox_destination AS d (destination, paused_until, paused_at, paused_by, pause_reason)
+    VALUES (:destination,
+            COALESCE(CAST(:until AS timestamptz),
+                     now() + CAST(:seconds AS float8) * interval '1 second',
+                     'infinity'),
+            now(), :by, :reason)
+    ON CONFLICT (destination) DO UPDATE
+    SET paused_until = EXCLUDED.paused_until,
+        -- A pause of a paused destination changes its end and reason, not when it began.
+        paused_at = CASE WHEN d.paused_until > now() THEN d.paused_at ELSE now() END,
+        paused_by = EXCLUDED.paused_by,
+        pause_reason = EXCLUDED.pause_reason
+    RETURNING destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by, pause_reason,
+              paused_until = 'infinity' AS indefinite
+    """
+)
+
+_RESUME = text(
+    """
+    UPDATE outbox_destination
+    SET paused_until = now(), resumed_at = now(), resumed_by = :by
+    WHERE destination = :destination AND paused_until > now()
+    RETURNING destination, paused_at, paused_by, pause_reason
+    """
+)
+
+_PAUSED = text(
+    """
+    SELECT destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by, pause_reason,
+           paused_until = 'infinity' AS indefinite
+    FROM outbox_destination
+    WHERE paused_until > now()
+    ORDER BY destination
+    """
+)
+
+
+@dataclass(frozen=True)
+class Pause:
+    destination: str
+    #: None: until resumed.
+    until: datetime | None
+    since: datetime
+    by: str | None
+    reason: str | None
+
+    def describe(self) -> str:
+        ends = f"until {self.until:%Y-%m-%d %H:%M:%S %Z}" if self.until else "until resumed"
+        return (
+            f"paused: {self.destination} since {self.since:%Y-%m-%d %H:%M:%S %Z} by {self.by or '?'}, "
+            f"{ends}: {self.reason or 'no reason given'}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "destination": self.destination,
+            "until": self.until.isoformat() if self.until else None,
+            "since": self.since.isoformat(),
+            "by": self.by,
+            "reason": self.reason,
+        }
+
+
+def _pause(row: Any) -> Pause:
+    return Pause(
+        row.destination,
+        None if row.indefinite else row.paused_until,
+        row.paused_at,
+        row.paused_by,
+        row.pause_reason,
+    )
+
+
+def pause(
+    connection: Connection,
+    destination: str,
+    *,
+    by: str,
+    reason: str,
+    until: datetime | None = None,
+    for_seconds: float | None = None,
+) -> Pause:
+    """Pause ``destination`` until ``until``, for ``for_seconds`` from the database's now, or
+    (neither) until resumed; pausing a paused destination replaces its end and reason, not its
+    start. The caller commits."""
+    reason_text = sanitize.clean_optional_text(reason, max_chars=REASON_CHARS)
+    params = {
+        "destination": destination,
+        "until": until,
+        "seconds": for_seconds,
+        "by": by,
+        "reason": reason_text,
+    }
+    return _pause(connection.execute(_PAUSE, params).one())
+
+
+def resume(connection: Connection, destination: str, *, by: str) -> Pause | None:
+    """End the pause of ``destination``; the pause it ended, or None when it was not paused."""
+    row = connection.execute(_RESUME, {"destination": destination, "by": by}).first()
+    if row is None:
+        return None
+    return Pause(row.destination, None, row.paused_at, row.paused_by, row.pause_reason)
+
+
+def paused(connection: Connection) -> list[Pause]:
+    """The destinations paused now, by name."""
+    return [_pause(r) for r in connection.execute(_PAUSED).all()]
