@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 
-from . import db, metrics, policy, tracing, transitions
+from . import db, metrics, pauses, policy, tracing, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -264,7 +264,7 @@ class Executor:
                 raise
             return self._recover_lost_claim(handler, row_id, token, backend)
         if claimed is None:
-            if transitions.is_paused(conn, destination=destination):
+            if pauses.is_paused(conn, destination=destination):
                 # Acked without a claim: the row waits `dispatched`, attempts untouched, and the
                 # reconciler re-queues it once the pause ends.
                 logger.info(

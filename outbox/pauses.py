@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import Connection, text
 
 from . import sanitize
@@ -31,6 +32,8 @@ PAUSED_SQL = (
     "EXISTS (SELECT 1 FROM outbox_destination p "
     "WHERE p.destination = %(destination)s AND p.paused_until > now())"
 )
+
+_IS_PAUSED = f"SELECT {PAUSED_SQL}"
 
 _PAUSE = text(
     """
@@ -46,8 +49,8 @@ _PAUSE = text(
         paused_at = CASE WHEN d.paused_until > now() THEN d.paused_at ELSE now() END,
         paused_by = EXCLUDED.paused_by,
         pause_reason = EXCLUDED.pause_reason
-    RETURNING destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by, pause_reason,
-              paused_until = 'infinity' AS indefinite
+    RETURNING destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by,
+              pause_reason, paused_until = 'infinity' AS indefinite
     """
 )
 
@@ -141,3 +144,10 @@ def resume(connection: Connection, destination: str, *, by: str) -> Pause | None
 def paused(connection: Connection) -> list[Pause]:
     """The destinations paused now, by name."""
     return [_pause(r) for r in connection.execute(_PAUSED).all()]
+
+
+def is_paused(conn: psycopg.Connection[Any], *, destination: str) -> bool:
+    """Whether ``destination`` is paused now (a worker's psycopg connection): asked after an
+    empty claim, to say why it was empty."""
+    row = conn.execute(_IS_PAUSED, {"destination": destination}).fetchone()
+    return bool(row and row[0])

@@ -1,7 +1,9 @@
 """The row states of ``outbox_message``, who moves a row out of each, and by which function.
 
 Every move is one guarded statement in :mod:`outbox.transitions` (the function named below);
-nothing else in the product writes ``outbox_message``.
+nothing else in the product writes ``outbox_message``. A paused destination's rows
+(:mod:`outbox.pauses`) move no further than ``dispatched``: ``claim`` refuses them and
+``requeue`` leaves them alone until the pause ends.
 
 ==============  ==================================  =================================================
 state           meaning                             moved out by (``outbox.transitions`` function)

@@ -346,14 +346,6 @@ class Released:
     releases: int
 
 
-_IS_PAUSED = f"SELECT {PAUSED_SQL}"
-
-
-def is_paused(conn: psycopg.Connection[Any], *, destination: str) -> bool:
-    """Whether ``destination`` is paused now: asked after an empty claim, to say why it was."""
-    return bool(conn.execute(_IS_PAUSED, {"destination": destination}).fetchone()[0])  # type: ignore[index]
-
-
 def claim(
     conn: psycopg.Connection[Any],
     *,

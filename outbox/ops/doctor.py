@@ -18,7 +18,7 @@ import redis
 import sqlalchemy.exc
 from sqlalchemy import Connection, text
 
-from .. import heartbeat, transport
+from .. import heartbeat, pauses, transport
 from ..db import make_engine
 from ..exceptions import ConfigError, NotMigrated, OutboxError
 from ..handlers import load_module
@@ -189,6 +189,18 @@ def _transport_checks(conn: Connection, cfg: Settings) -> list[Check]:
         )
     else:
         checks.append(Check("consumers", OK, "every destination with rows waiting has a live worker"))
+    paused = pauses.paused(conn)
+    if paused:
+        checks.append(
+            Check(
+                "pauses",
+                WARN,
+                "; ".join(p.describe() for p in paused) + ": its rows wait, none is claimed; "
+                "`outbox resume D` when the provider is back",
+            )
+        )
+    else:
+        checks.append(Check("pauses", OK, "no destination is paused"))
     processes = heartbeat.live_processes(conn.execute(text(heartbeat.LIVE_PROCESSES_SQL)))
     limit = cfg.clock_skew_warn_seconds
     skewed = [p for p in processes if abs(p.skew_seconds) > limit]

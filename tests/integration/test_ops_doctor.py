@@ -110,6 +110,7 @@ def _healthy(clean, capsys, module):
         "dispatched",
         "relay",
         "consumers",
+        "pauses",
         "clocks",
         "failed",
         "unknown",

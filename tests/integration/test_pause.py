@@ -62,8 +62,8 @@ def test_a_paused_destination_is_not_claimed_and_its_rows_keep_their_attempts(cl
     pause(engine)
 
     assert transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30, token=uuid.uuid4()) is None
-    assert transitions.is_paused(db, destination=DEST)
-    assert not transitions.is_paused(db, destination="mail.send")
+    assert pauses.is_paused(db, destination=DEST)
+    assert not pauses.is_paused(db, destination="mail.send")
     executor = Executor(clean.database_url, {**registry(), "mail.send": other})
     try:
         assert executor.deliver(row, DEST) is RunResult.PAUSED
@@ -128,8 +128,8 @@ def test_a_pause_with_until_ends_by_itself_on_the_database_clock(clean, engine, 
     [row] = write_rows(engine, 1)
     done = pause(engine, for_seconds=0.5)
     assert done.until is not None
-    assert transitions.is_paused(db, destination=DEST)
-    wait_for(lambda: not transitions.is_paused(db, destination=DEST), 5, "the pause to end")
+    assert pauses.is_paused(db, destination=DEST)
+    wait_for(lambda: not pauses.is_paused(db, destination=DEST), 5, "the pause to end")
     claimed = transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30)
     assert claimed is not None and claimed.id == row
 
@@ -169,6 +169,10 @@ def test_the_cli_pauses_and_resumes_and_status_and_the_metrics_show_it(clean, en
     assert until is not None
     remaining = db.execute("SELECT EXTRACT(EPOCH FROM %s::timestamptz - now())", (until,)).fetchone()[0]
     assert 1790 < remaining <= 1800
+
+    code, out, err = cli(clean, capsys, "doctor", "--json", "--redis-url", clean.redis_url)
+    [pauses_check] = [c for c in json.loads(out)["checks"] if c["name"] == "pauses"]
+    assert pauses_check["status"] == "WARN" and f"paused: {DEST}" in pauses_check["detail"], pauses_check
 
     code, out, err = cli(clean, capsys, "resume", DEST)
     assert code == 0 and f"resumed {DEST}" in out, err

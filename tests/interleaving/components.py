@@ -39,7 +39,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import ops
+from outbox import ops, pauses
 from outbox import transport as outbox_transport
 from outbox.consumer import Executor
 from outbox.exceptions import ConfigError
@@ -468,6 +468,19 @@ def operator_replay_destination(engine: Engine, destination: str, reason: str) -
         return list(
             _call_accepting(ops.replay_destination, conn, destination, by=OPERATOR, reason=reason, yes=True)
         )
+
+
+def operator_pause(engine: Engine, destination: str, *, for_seconds: float | None) -> str:
+    """``outbox pause D --reason … [--until Ns]`` (issue 13), as the CLI calls it."""
+    with engine.begin() as conn:
+        return pauses.pause(
+            conn, destination, by=OPERATOR, reason="provider incident", for_seconds=for_seconds
+        ).describe()
+
+
+def operator_resume(engine: Engine, destination: str) -> bool:
+    with engine.begin() as conn:
+        return pauses.resume(conn, destination, by=OPERATOR) is not None
 
 
 # -- provider ------------------------------------------------------------------------------------

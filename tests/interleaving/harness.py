@@ -724,6 +724,27 @@ class World:
             )
         )
 
+    def step_operator_pause(self) -> None:
+        """``outbox pause D`` (issue 13): until resumed, or for a few seconds by itself. Rows
+        already claimed finish; no other claim of D succeeds while it lasts."""
+        destination = self.rng.choice(c.DESTINATIONS).name
+        for_seconds = self.rng.choice([None, 1.0, 3.0])
+        self.side_threads.append(
+            self._thread(
+                f"operator pause {destination} for {for_seconds or 'ever'} s",
+                lambda: c.operator_pause(self.operator_engine, destination, for_seconds=for_seconds),
+            )
+        )
+
+    def step_operator_resume(self) -> None:
+        destination = self.rng.choice(c.DESTINATIONS).name
+        self.side_threads.append(
+            self._thread(
+                f"operator resume {destination}",
+                lambda: c.operator_resume(self.operator_engine, destination),
+            )
+        )
+
     # -- the schedule ------------------------------------------------------------------------------
 
     def _wait(self) -> float:
@@ -754,6 +775,7 @@ class World:
             steps.append((0.8, self.step_provider))
         if "operator" in f:
             steps += [(1, self.step_operator_resolve), (0.6, self.step_operator_replay)]
+            steps += [(0.4, self.step_operator_pause), (0.6, self.step_operator_resume)]
         return steps
 
     def run(self) -> list[Finding]:
@@ -803,6 +825,12 @@ class World:
             lookup_fail=False,
         )
         self.step_unblock(all_=True)
+        # The runbook: the provider is back, the operator resumes every paused destination (once
+        # the pauses under way have committed).
+        for thread in self.side_threads:
+            thread.join(5.0)
+        for destination in c.DESTINATIONS:
+            c.operator_resume(self.operator_engine, destination.name)
         for run in self.runs:
             run.release()
         if self.relay_run is not None:
@@ -972,6 +1000,12 @@ class World:
         self._stop.set()
         self._heart.join(5.0)
         self.step_unblock(all_=True)
+        # The runbook: the provider is back, the operator resumes every paused destination (once
+        # the pauses under way have committed).
+        for thread in self.side_threads:
+            thread.join(5.0)
+        for destination in c.DESTINATIONS:
+            c.operator_resume(self.operator_engine, destination.name)
         for run in self.runs:
             run.release()
         if self.relay_run is not None:
