@@ -254,6 +254,7 @@ class Executor:
                 destination=destination,
                 lease_seconds=handler.lease_seconds,
                 token=token,
+                key_ttl=handler.key_ttl if handler.idempotent else None,
             )
         except psycopg.OperationalError:
             # A broken connection may have lost the reply to a committed claim; on a live one the
@@ -263,6 +264,14 @@ class Executor:
             if not lost:
                 raise
             return self._recover_lost_claim(handler, row_id, token, backend)
+        if isinstance(claimed, transitions.Aged):
+            logger.warning(
+                "outbox row %s -> unknown: %s",
+                row_id,
+                claimed.error,
+                extra={"outbox_id": row_id, "destination": destination, "outbox_run": "unknown"},
+            )
+            return RunResult.UNKNOWN
         if claimed is None:
             if pauses.is_paused(conn, destination=destination):
                 # Acked without a claim: the row waits `dispatched`, attempts untouched, and the

@@ -23,6 +23,7 @@ import psycopg
 from sqlalchemy import Connection, text
 
 from . import sanitize
+from .exceptions import ConfigError
 
 #: A pause's reason is kept whole up to this length.
 REASON_CHARS = 2000
@@ -122,6 +123,13 @@ def pause(
     """Pause ``destination`` until ``until``, for ``for_seconds`` from the database's now, or
     (neither) until resumed; pausing a paused destination replaces its end and reason, not its
     start. The caller commits."""
+    if until is not None:
+        now = connection.execute(text("SELECT now()")).scalar_one()
+        if until <= now:
+            # A typo in a year would end an indefinite pause at once, silently.
+            raise ConfigError(
+                f"--until {until.isoformat()} is not in the future (database time {now.isoformat()})"
+            )
     reason_text = sanitize.clean_optional_text(reason, max_chars=REASON_CHARS)
     params = {
         "destination": destination,
@@ -151,3 +159,18 @@ def is_paused(conn: psycopg.Connection[Any], *, destination: str) -> bool:
     empty claim, to say why it was empty."""
     row = conn.execute(_IS_PAUSED, {"destination": destination}).fetchone()
     return bool(row and row[0])
+
+
+# Queues the workers seen in the last day served, and the destinations of rows waiting now: what
+# a pause is expected to name (a typo is paused happily, and the real destination keeps going).
+_KNOWN = text(
+    """
+    SELECT DISTINCT unnest(queues) FROM outbox_process WHERE last_seen_at > now() - interval '1 day'
+    UNION
+    SELECT DISTINCT destination FROM outbox_message WHERE state IN ('pending', 'dispatched')
+    """
+)
+
+
+def known_destinations(connection: Connection) -> set[str]:
+    return {r[0] for r in connection.execute(_KNOWN).all()}

@@ -10,11 +10,13 @@ state           meaning                             moved out by (``outbox.trans
 ==============  ==================================  =================================================
 ``pending``     committed, waiting to be published  relay: ``dispatch_due`` -> dispatched;
                 (or retried at ``available_at``)    consumer: ``claim`` -> in_flight (a redelivered
-                                                    message), ``fail_unhandled`` -> failed;
+                                                    message; -> unknown when an idempotent row's
+                                                    earlier call is older than key_ttl),
+                                                    ``fail_unhandled`` -> failed;
                                                     application: ``cancel_by_key``; operator:
                                                     ``cancel_rows`` -> cancelled
-``dispatched``  published to the broker, not yet    consumer: ``claim`` -> in_flight,
-                claimed                             ``fail_unhandled`` -> failed; relay:
+``dispatched``  published to the broker, not yet    consumer: ``claim`` -> in_flight (or unknown, as
+                claimed                             for pending), ``fail_unhandled`` -> failed; relay:
                                                     ``undispatch`` -> pending (Redis refused);
                                                     reconciler: ``requeue`` -> pending (message
                                                     lost); ``cancel_by_key``/``cancel_rows``

@@ -176,13 +176,33 @@ def undispatch(
 # statement is not covered here: the worker bounds that with its own monotonic clock.
 # A paused destination's rows are not claimed (outbox.pauses): the guard is part of the claim,
 # so a pause committed before it is obeyed by every worker, on the database's clock.
+#
+# On an idempotent destination (``%(key_ttl)s`` set), a row whose earlier call may have taken
+# effect longer than key_ttl ago is not called again: the provider may have forgotten that
+# call's Idempotency-Key, so a retry could charge twice (a pause, or an outage of the workers,
+# outlasting key_ttl between the call and its retry). It goes to `unknown` instead, where the
+# lookup (or a human) decides; the two branches are exclusive on the statement's snapshot.
+_OLD_CALL = f"""
+SELECT 1 FROM outbox_attempt a
+WHERE a.message_id = %(id)s AND {outcomes.may_have_taken_effect_sql("a")}
+  AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second'
+"""
+_CLAIMABLE = f"""
+    id = %(id)s AND destination = %(destination)s
+    AND (state = 'dispatched' OR (state = 'pending' AND available_at <= now()))
+    AND NOT {PAUSED_SQL}
+"""
 _CLAIM = f"""
-WITH held AS (
+WITH aged AS (
+    UPDATE outbox_message
+    SET state = 'unknown', unknown_since = now(), available_at = now(), last_error = %(aged_error)s
+    WHERE {_CLAIMABLE}
+      AND CAST(%(key_ttl)s AS float8) IS NOT NULL AND EXISTS ({_OLD_CALL})
+    RETURNING id
+), held AS (
     SELECT id FROM outbox_message
-    WHERE id = %(id)s
-      AND destination = %(destination)s
-      AND (state = 'dispatched' OR (state = 'pending' AND available_at <= now()))
-      AND NOT {PAUSED_SQL}
+    WHERE {_CLAIMABLE}
+      AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({_OLD_CALL}))
     FOR UPDATE
 ), claimed AS (
     UPDATE outbox_message m
@@ -216,8 +236,10 @@ WITH held AS (
 )
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
        COALESCE(deadline_passed, false), since_written, since_published, written_to_published,
-       trace_context
+       trace_context, false
 FROM claimed
+UNION ALL
+SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, true FROM aged
 """
 
 #: SQL fragments shared by the record and the reconciler's settlement of a lookup: when a
@@ -339,6 +361,15 @@ class Claimed:
 
 
 @dataclass(frozen=True)
+class Aged:
+    """What a claim did instead of claiming: the row went to `unknown`, its earlier call older
+    than the destination's key_ttl (see ``_CLAIM``)."""
+
+    id: int
+    error: str
+
+
+@dataclass(frozen=True)
 class Released:
     key: str
     step: str
@@ -353,13 +384,22 @@ def claim(
     destination: str,
     lease_seconds: float,
     token: uuid.UUID | None = None,
-) -> Claimed | None:
+    key_ttl: float | None = None,
+) -> Claimed | Aged | None:
     """Move the row to `in_flight` under a new claim token and insert its fence row.
 
-    None when the row is not claimable (already claimed, settled, cancelled, not yet due, or
-    not for this destination): the run is then empty. Pass ``token`` to know it before the
-    statement is sent: if its reply is lost, the token says whether the claim committed.
+    None when the row is not claimable (already claimed, settled, cancelled, not yet due, not
+    for this destination, or its destination is paused): the run is then empty. Pass ``token``
+    to know it before the statement is sent: if its reply is lost, the token says whether the
+    claim committed. ``key_ttl`` (an idempotent destination's): a row whose earlier call may
+    have taken effect longer ago goes to `unknown` instead (:class:`Aged`).
     """
+    aged_error = (
+        f"not called again: an earlier call may have taken effect more than key_ttl ({key_ttl:g} s) "
+        "ago, and the provider may have forgotten its Idempotency-Key; the lookup decides"
+        if key_ttl is not None
+        else None
+    )
     row = conn.execute(
         _CLAIM,
         {
@@ -367,12 +407,16 @@ def claim(
             "lease_seconds": float(lease_seconds),
             "id": row_id,
             "destination": destination,
+            "key_ttl": key_ttl,
+            "aged_error": aged_error,
         },
     ).fetchone()
     if row is None:
         return None
+    if row[-1]:
+        return Aged(row[0], str(aged_error))
     row_id, key, step, destination, payload, attempt, deadline, token, passed = row[:9]
-    written, published, published_after, trace = row[9:]
+    written, published, published_after, trace = row[9:13]  # row[13]: the aged flag
     return Claimed(
         row_id,
         key,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 from datetime import datetime
 
 from .. import settings
@@ -81,6 +82,7 @@ def _destination(raw: str) -> str:
 
 def pause(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.actions import default_actor
+    from ..pauses import known_destinations
     from ..pauses import pause as pause_destination
 
     destination = _destination(args.destination)
@@ -96,8 +98,18 @@ def pause(args: argparse.Namespace, cfg: settings.Settings) -> int:
             until=until,
             for_seconds=for_seconds,
         )
+        known = known_destinations(conn)
+    warning = None
+    if known and destination not in known:
+        close = difflib.get_close_matches(destination, sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warning = (
+            f"warning: no worker seen in the last day serves {destination} and no row of it waits"
+            f"{hint} (paused anyway: a pause may come before the destination's first row)"
+        )
+        err(warning)
     if args.json:
-        return print_json(done.to_dict())
+        return print_json({**done.to_dict(), "warning": warning})
     ends = f"until {done.until:%Y-%m-%d %H:%M:%S %Z}" if done.until else "until outbox resume"
     out(f"paused {done.destination} {ends} (since {done.since:%Y-%m-%d %H:%M:%S %Z}): {done.reason}")
     return exits.OK

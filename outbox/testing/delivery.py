@@ -136,10 +136,14 @@ def crash_after_call(
             for row_id, destination in conn.execute(_DUE, _due_params(table, ids)).fetchall():
                 handler = table[destination]
                 claimed = transitions.claim(
-                    conn, row_id=row_id, destination=destination, lease_seconds=handler.lease_seconds
+                    conn,
+                    row_id=row_id,
+                    destination=destination,
+                    lease_seconds=handler.lease_seconds,
+                    key_ttl=handler.key_ttl if handler.idempotent else None,
                 )
-                if claimed is None:
-                    continue
+                if not isinstance(claimed, transitions.Claimed):
+                    continue  # not claimable, or sent to `unknown` (past key_ttl): no call
                 try:
                     handler.fn(delivery_for(claimed, handler, deliveries))
                 except Exception:  # whatever it answered, nobody records it

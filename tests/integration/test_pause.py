@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 import pytest
-from helpers import relay_once, wait_for, worker_thread
+from helpers import lookup_on, relay_once, wait_for, worker_thread
 from sqlalchemy import text
 
 from outbox import metrics, pauses, transitions
@@ -190,6 +190,7 @@ def test_the_cli_pauses_and_resumes_and_status_and_the_metrics_show_it(clean, en
         (["pause", DEST, "--reason", "x", "--until", "soon"], "is not a duration"),
         (["pause", DEST, "--reason", "x", "--until", "0s"], "must be a positive duration"),
         (["pause", DEST, "--reason", "x", "--until", "2026-12-01T18:00:00"], "has no UTC offset"),
+        (["pause", DEST, "--reason", "x", "--until", "2025-12-01T18:00:00+00:00"], "is not in the future"),
     ],
 )
 def test_the_cli_refuses_bad_input_with_one_line(clean, engine, capsys, argv, message):
@@ -198,3 +199,41 @@ def test_the_cli_refuses_bad_input_with_one_line(clean, engine, capsys, argv, me
     assert message in err and "Traceback" not in err
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM outbox_destination")).scalar_one() == 0
+
+
+def test_a_retry_past_key_ttl_goes_unknown_instead_of_charging_again(clean, engine, db, provider):
+    """(attack on issue 13, F1) An idempotent destination's call drops after charging; the retry
+    is due, but the destination stays paused longer than key_ttl. The provider may have
+    forgotten the Idempotency-Key, so the claim after the resume must not call again: the row
+    goes unknown and the lookup finds the one charge."""
+    from outbox.testing.delivery import deliver, pass_time, reconcile_once
+
+    charge = lookup_on(declare_charge(provider, idempotent=True, lookup=False), provider)
+    table = {DEST: charge}
+    [row] = write_rows(engine, 1)
+    provider.drop_after_charge(times=1)
+    assert deliver(table, database_url=clean.database_url)[row] is RunResult.PENDING  # an idempotent retry
+    pause(engine)
+    pass_time(charge.key_ttl + 3600, database_url=clean.database_url)  # the outage outlasts key_ttl
+    assert deliver(table, database_url=clean.database_url)[row] is RunResult.PAUSED
+    resume(engine)
+
+    assert deliver(table, database_url=clean.database_url)[row] is RunResult.UNKNOWN
+    moved = get(db, row)
+    assert moved["state"] == "unknown" and "key_ttl" in moved["last_error"] and moved["attempts"] == 1
+    assert provider.stats()["requests"] == 1, "no second call"
+    assert reconcile_once(table, database_url=clean.database_url)["resolve_unknown"] == {"sent": 1}
+    assert get(db, row)["state"] == "sent" and provider.charges("order:0:charge") == 1
+
+
+def test_pausing_a_name_nobody_uses_warns_with_the_likely_one(clean, engine, capsys):
+    """(attack F7) A typo pauses nothing real: say so, and name the destination meant."""
+    write_rows(engine, 1)
+    code, out, err = cli(clean, capsys, "pause", "payment.charge", "--reason", "INC-42")
+    assert code == 0
+    assert (
+        "no worker seen in the last day serves payment.charge" in err
+        and "did you mean payments.charge?" in err
+    )
+    code, out, err = cli(clean, capsys, "pause", DEST, "--reason", "INC-42", "--json")
+    assert code == 0 and err == "" and json.loads(out)["warning"] is None
