@@ -28,7 +28,15 @@ from . import db, metrics, pauses, policy, tracing, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
-from .handlers import Deliveries, Delivery, Handler, idempotency_key, last_response_status, set_send_bound
+from .handlers import (
+    Deliveries,
+    Delivery,
+    Handler,
+    idempotency_key,
+    last_response_status,
+    last_retry_after,
+    set_send_bound,
+)
 from .policy import Decision, Next, Outcome, decide_exception, decide_result, next_state
 from .validation import header_safe
 
@@ -67,7 +75,7 @@ class _NotStarted(Exception):
 
 
 class _Call:
-    __slots__ = ("arg", "done", "end_by", "error", "fn", "http_status", "result", "start_by")
+    __slots__ = ("arg", "done", "end_by", "error", "fn", "http_status", "result", "retry_after", "start_by")
 
     def __init__(self, fn: Callable[[Any], Any], arg: Any, start_by: float, end_by: float) -> None:
         self.fn = fn
@@ -79,6 +87,8 @@ class _Call:
         self.error: BaseException | None = None
         #: The last status the provider answered through ``d.http`` during the call.
         self.http_status: int | None = None
+        #: That answer's Retry-After in seconds (a 429 or 503), if it said one.
+        self.retry_after: float | None = None
 
 
 class _CallThread:
@@ -126,6 +136,7 @@ class _CallThread:
                     call.error = exc
                 finally:
                     call.http_status = last_response_status()
+                    call.retry_after = last_retry_after()
                     set_send_bound(None)
                 call.done.set()
         except _Abandoned:
@@ -408,7 +419,9 @@ class Executor:
         if isinstance(call.error, _NotStarted):
             return None
         if call.error is not None:
-            return decide_exception(handler, call.error, last_status=call.http_status)
+            return decide_exception(
+                handler, call.error, last_status=call.http_status, last_retry_after=call.retry_after
+            )
         return decide_result(call.result)
 
     def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> RunResult:

@@ -53,12 +53,19 @@ _call_state = threading.local()
 def set_send_bound(not_after: float | None) -> None:
     _call_state.not_after = not_after
     _call_state.status = None
+    _call_state.retry_after = None
 
 
 def last_response_status() -> int | None:
     """The status of the last answer ``Delivery.http`` received on this thread since the send
     bound was last set (the current call), or None."""
     return getattr(_call_state, "status", None)
+
+
+def last_retry_after() -> float | None:
+    """Seconds the last 429 or 503 answer of the current call asked to wait (its
+    ``Retry-After``), or None: for a handler that raises its own error on such an answer."""
+    return getattr(_call_state, "retry_after", None)
 
 
 def _check_send_bound(request: httpx.Request) -> None:
@@ -72,6 +79,9 @@ def _check_send_bound(request: httpx.Request) -> None:
 
 def _note_status(response: httpx.Response) -> None:
     _call_state.status = response.status_code
+    from .policy import retry_after_seconds  # policy imports this module
+
+    _call_state.retry_after = retry_after_seconds(response)
 
 
 _all_clients: list[httpx.Client] = []

@@ -5,10 +5,12 @@ Pure functions, no I/O: the consumer and the reconciler ask, the storage layer a
 
 from __future__ import annotations
 
+import contextlib
+import email.utils
 import enum
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -34,6 +36,11 @@ _NOT_PROCESSED = frozenset({429, 503})
 _MAX_ERROR_CHARS = 500
 
 
+#: The longest ``Retry-After`` honoured: a provider's "come back in a year" (or a typo in its
+#: date) must not park a row for good. A retry later than this waits this long.
+MAX_RETRY_AFTER_SECONDS = 86400.0
+
+
 @dataclass(frozen=True)
 class Decision:
     outcome: Outcome
@@ -41,6 +48,48 @@ class Decision:
     http_status: int | None = None
     ref: str | None = None
     response: dict[str, Any] | None = None
+    #: A 429/503 answer's ``Retry-After``, in seconds: the retry is due no earlier.
+    retry_after_seconds: float | None = None
+
+
+def retry_after_seconds(response: httpx.Response) -> float | None:
+    """The wait a 429 or 503 answer asks for in its ``Retry-After`` header (RFC 9110: seconds, or
+    an HTTP date), at most :data:`MAX_RETRY_AFTER_SECONDS`; None when there is none, it cannot
+    be read, or the status is another. A date is measured against the answer's own ``Date``
+    header (the provider's clock; ours may be skewed), else against this machine's clock; the
+    wait is then applied on the database's clock, like every delay."""
+    if response.status_code not in _NOT_PROCESSED:
+        return None
+    raw = response.headers.get("Retry-After", "").strip()
+    if not raw:
+        return None
+    if raw.isdigit():
+        seconds = float(raw)
+    else:
+        try:
+            at = email.utils.parsedate_to_datetime(raw)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if at is None or at.tzinfo is None:
+            return None
+        base = datetime.now(UTC)
+        with contextlib.suppress(TypeError, ValueError, IndexError):
+            said = email.utils.parsedate_to_datetime(response.headers.get("Date", ""))
+            if said is not None and said.tzinfo is not None:
+                base = said
+        seconds = (at - base).total_seconds()
+    return min(max(0.0, seconds), MAX_RETRY_AFTER_SECONDS)
+
+
+def _retry_after_of(exc: BaseException) -> float | None:
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, httpx.HTTPStatusError):
+            return retry_after_seconds(cause.response)
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return None
 
 
 def _short(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
@@ -113,10 +162,18 @@ def _cause_status(exc: BaseException) -> int | None:
     return None
 
 
-def decide_exception(handler: Handler, exc: BaseException, *, last_status: int | None = None) -> Decision:
+def decide_exception(
+    handler: Handler,
+    exc: BaseException,
+    *,
+    last_status: int | None = None,
+    last_retry_after: float | None = None,
+) -> Decision:
     """``last_status`` is the last status the provider answered through ``d.http`` during the
     call: a permanent refusal keeps it (``outbox show`` prints it), since a handler that checks
-    ``r.status_code`` and raises ``PermanentError`` rarely says which status it saw."""
+    ``r.status_code`` and raises ``PermanentError`` rarely says which status it saw.
+    ``last_retry_after`` is that answer's ``Retry-After`` (a 429 or 503): a retry honours it,
+    whether the handler raised ``raise_for_status()``'s error or its own."""
     outcome, reason, status = classify_exception(exc)
     if handler.classify is not None:
         try:
@@ -140,7 +197,14 @@ def decide_exception(handler: Handler, exc: BaseException, *, last_status: int |
         if status is not None and f"HTTP {status}" not in reason:
             suffix = f" (HTTP {status})"
             reason = _short(reason, _MAX_ERROR_CHARS - len(suffix)) + suffix
-    return Decision(outcome, error=reason, http_status=status)
+    retry_after = None
+    if outcome is Outcome.RETRY:
+        retry_after = _retry_after_of(exc)
+        if retry_after is None:
+            retry_after = last_retry_after
+        if retry_after is not None:
+            reason = _short(f"{reason}; Retry-After {retry_after:g} s")
+    return Decision(outcome, error=reason, http_status=status, retry_after_seconds=retry_after)
 
 
 @dataclass(frozen=True)
@@ -171,15 +235,21 @@ def next_state(handler: Handler, decision: Decision, *, attempt: int) -> Next:
         # before it lands would find no record and the retry would charge twice. Wait one
         # time_limit before the first lookup.
         return Next("unknown", handler.time_limit, decision.error)
-    return retry_or_fail(handler, attempt=attempt, error=decision.error)
+    return retry_or_fail(
+        handler, attempt=attempt, error=decision.error, at_least=decision.retry_after_seconds
+    )
 
 
-def retry_or_fail(handler: Handler, *, attempt: int, error: str | None) -> Next:
-    """A retry after the next backoff, or ``failed`` when no attempt is left. Whether the retry
-    still falls before the row's deadline is decided in SQL, on the database's clock."""
+def retry_or_fail(
+    handler: Handler, *, attempt: int, error: str | None, at_least: float | None = None
+) -> Next:
+    """A retry after the next backoff (or ``at_least`` seconds, the provider's ``Retry-After``,
+    when longer), or ``failed`` when no attempt is left. Whether the retry still falls before
+    the row's deadline is decided in SQL, on the database's clock: a Retry-After past the
+    deadline fails the row then."""
     if attempt >= handler.max_attempts:
         return Next("failed", None, f"gave up after {attempt} attempts; last error: {error}")
-    return Next("pending", handler.backoff_seconds(attempt), error)
+    return Next("pending", max(handler.backoff_seconds(attempt), at_least or 0.0), error)
 
 
 def deadline_error(deadline: datetime | None, error: str | None) -> str | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import email.utils
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ import socketserver
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -88,6 +90,9 @@ class _Config:
     # (POST and lookup), verbatim: lets a test send what a real provider might, such as
     # "\u0000", NaN, 1e400 or a card number, which json.dumps would refuse or rewrite.
     response_extra: str = ""
+    # The Retry-After header of a 503 "not processed" answer: seconds ("120"), an HTTP date
+    # that many seconds after the answer's own Date header ("+90"), or verbatim; "" for none.
+    retry_after: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -173,6 +178,15 @@ def _apply_config(config: _Config, updates: Mapping[str, object]) -> _Config:
             new.seed = value
         elif name == "response_extra":
             new.response_extra = _as_response_extra(value)
+        elif name == "retry_after":
+            if not isinstance(value, str):
+                raise ValueError(f"config field 'retry_after' must be a string, got {value!r}")
+            if value.startswith("+"):
+                try:
+                    _as_number(name, float(value[1:]))
+                except ValueError:
+                    raise ValueError(f"config field 'retry_after' {value!r}: '+' precedes seconds") from None
+            new.retry_after = value
         elif name == "fault_keys":
             # Merged rather than replaced, so a test can arm faults one key at a time.
             new.fault_keys.update(_as_fault_keys(value))
@@ -372,9 +386,11 @@ class _Handler(BaseHTTPRequestHandler):
             raise _BadRequest("request body must be a JSON object")
         return value
 
-    def _send(self, status: int, payload: bytes) -> None:
+    def _send(self, status: int, payload: bytes, headers: Mapping[str, str] | None = None) -> None:
         try:
             self.send_response_only(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
             if self.close_connection:
@@ -389,11 +405,21 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(body, separators=(",", ":")).encode())
 
     def _send_charge(self, status: int, body: Mapping[str, Any]) -> None:
-        extra = self._server.state.config().response_extra if status == 200 else ""
+        config = self._server.state.config()
+        extra = config.response_extra if status == 200 else ""
         text = json.dumps(body, separators=(",", ":"))
         if extra and extra != "{}" and text.endswith("}"):
             text = text[:-1] + ("," if len(text) > 2 else "") + extra.strip()[1:]
-        self._send(status, text.encode())
+        headers = {}
+        if status == 503 and config.retry_after:
+            now = time.time()
+            headers["Date"] = email.utils.formatdate(now, usegmt=True)
+            if config.retry_after.startswith("+"):
+                later = now + float(config.retry_after[1:])
+                headers["Retry-After"] = email.utils.formatdate(later, usegmt=True)
+            else:
+                headers["Retry-After"] = config.retry_after
+        self._send(status, text.encode(), headers)
 
     def _drop(self) -> None:
         # Simulates a response lost on the wire: the charge happened, the client never hears.
@@ -686,8 +712,12 @@ class ProviderSimulator:
         """Answer 402 "card declined" without charging."""
         self._fault("decline", "decline_rate", times)
 
-    def unavailable(self, times: int | None = None) -> None:
-        """Answer 503 without charging: the provider is down, nothing happened."""
+    def unavailable(self, times: int | None = None, *, retry_after: str | int | None = None) -> None:
+        """Answer 503 without charging: the provider is down, nothing happened. With
+        ``retry_after``, the answer carries that ``Retry-After`` (seconds, or ``"+N"``: an HTTP
+        date N seconds after the answer's ``Date``)."""
+        if retry_after is not None:
+            self.configure(retry_after=str(retry_after))
         self._fault("fail_before", "fail_before_rate", times)
 
     def drop_after_charge(self, times: int | None = None) -> None:
