@@ -15,7 +15,9 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -348,6 +350,8 @@ class Executor:
         nxt = next_state(handler, decision, attempt=claimed.attempt)
         state = self._record(claimed, decision, nxt, policy.deadline_error(claimed.deadline, nxt.error))
         failpoint("after_record")
+        if decision.retry_after_seconds and handler.retry_after_scope == "destination":
+            self._hold(handler, decision)
         result = RunResult(state) if state is not None else RunResult.SUPERSEDED
         # The record fails a retry that would fall past the deadline (decided on the database's clock).
         past_deadline = state == "failed" and nxt.state == "pending"
@@ -423,6 +427,41 @@ class Executor:
                 handler, call.error, last_status=call.http_status, last_retry_after=call.retry_after
             )
         return decide_result(call.result)
+
+    def _hold(self, handler: Handler, decision: Decision) -> None:
+        """The provider's Retry-After speaks for every request (``retry_after_scope=
+        "destination"``): pause the destination that long. After the record, and never at its
+        expense: a failure here only loses the hold (each row still waits its own Retry-After)."""
+        seconds = float(decision.retry_after_seconds or 0.0)
+        reason = (
+            f"the provider answered HTTP {decision.http_status or '429/503'} with Retry-After "
+            f"{seconds:g} s (retry_after_scope='destination')"
+        )
+        try:
+            held = pauses.hold(
+                self._conn("record_conn"),
+                handler.destination,
+                seconds=seconds,
+                by=f"worker {socket.gethostname()}:{os.getpid()}",
+                reason=reason,
+            )
+        except psycopg.Error as exc:
+            self._drop("record_conn")
+            logger.warning(
+                "destination %s not paused for its Retry-After (%s)",
+                handler.destination,
+                type(exc).__name__,
+                extra={"destination": handler.destination},
+            )
+            return
+        if held:
+            logger.warning(
+                "destination %s paused for %g s: %s",
+                handler.destination,
+                seconds,
+                reason,
+                extra={"destination": handler.destination, "outbox_run": "held"},
+            )
 
     def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> RunResult:
         released = transitions.release(self._conn("claim_conn"), row_id=row_id, token=token, reason=reason)

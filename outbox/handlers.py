@@ -139,6 +139,9 @@ class Handler:
     lease_seconds: float
     #: Optional override: exception -> "sent" | "retry" | "failed" | "unknown" | None (default).
     classify: Callable[[BaseException], str | None] | None = None
+    #: Whom a 429/503's Retry-After holds back: "row" (that row's retry) or "destination" (every
+    #: row of it: the worker pauses the destination for that long, outbox.pauses.hold).
+    retry_after_scope: str = "row"
 
     def __call__(self, delivery: Delivery) -> Any:
         return self.fn(delivery)
@@ -331,6 +334,10 @@ _registry: dict[str, Handler] = {}
 _registry_lock = threading.Lock()
 
 
+#: What a ``Retry-After`` may hold back: the row's retry, or the whole destination.
+RETRY_AFTER_SCOPES = ("row", "destination")
+
+
 def handler(
     destination: str,
     *,
@@ -341,6 +348,7 @@ def handler(
     key_ttl: float = DEFAULT_KEY_TTL_SECONDS,
     lease_seconds: float | None = None,
     classify: Callable[[BaseException], str | None] | None = None,
+    retry_after_scope: str = "row",
 ) -> Callable[[Callable[[Delivery], Any]], Handler]:
     """Declare the handler of ``destination`` (all timings in seconds).
 
@@ -349,6 +357,9 @@ def handler(
     that the reconciler never takes over a call still under way.
     ``idempotent=True`` says the provider deduplicates on our Idempotency-Key, which makes an
     ambiguous outcome safe to retry. The total of the backoffs must stay under ``key_ttl``.
+    ``retry_after_scope="destination"`` says a 429/503's ``Retry-After`` speaks for every request
+    to the provider (an account-wide rate limit, a service down): the worker then pauses the whole
+    destination that long, not only the row's retry.
     A declaration with any of :meth:`Handler.problems` raises ConfigError listing them all.
     """
     valid_limit = isinstance(time_limit, int | float) and time_limit > 0
@@ -363,6 +374,8 @@ def handler(
         key_ttl=key_ttl,
         lease_seconds=lease,
     )
+    if retry_after_scope not in RETRY_AFTER_SCOPES:
+        problems.append(f"retry_after_scope must be 'row' or 'destination', got {retry_after_scope!r}")
     if problems:
         raise ConfigError("handler " + "; ".join(problems))
     assert lease is not None
@@ -378,6 +391,7 @@ def handler(
             key_ttl=float(key_ttl),
             lease_seconds=float(lease),
             classify=classify,
+            retry_after_scope=retry_after_scope,
         )
         with _registry_lock:
             existing = _registry.get(destination)

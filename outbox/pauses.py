@@ -174,3 +174,31 @@ _KNOWN = text(
 
 def known_destinations(connection: Connection) -> set[str]:
     return {r[0] for r in connection.execute(_KNOWN).all()}
+
+
+# A worker's pause: only ever lengthens one (an operator's longer or indefinite pause, and its
+# reason, stay as they are).
+_HOLD = """
+INSERT INTO outbox_destination AS d (destination, paused_until, paused_at, paused_by, pause_reason)
+VALUES (%(destination)s, now() + %(seconds)s * interval '1 second', now(), %(by)s, %(reason)s)
+ON CONFLICT (destination) DO UPDATE
+SET paused_until = EXCLUDED.paused_until,
+    paused_at = CASE WHEN d.paused_until > now() THEN d.paused_at ELSE now() END,
+    paused_by = EXCLUDED.paused_by,
+    pause_reason = EXCLUDED.pause_reason
+WHERE d.paused_until IS NULL OR d.paused_until < EXCLUDED.paused_until
+RETURNING destination
+"""
+
+
+def hold(conn: psycopg.Connection[Any], destination: str, *, seconds: float, by: str, reason: str) -> bool:
+    """Pause ``destination`` for ``seconds`` from the database's now, unless it is paused longer
+    already: a provider's ``Retry-After`` for every request (``retry_after_scope="destination"``).
+    True when this call set or lengthened the pause."""
+    params = {
+        "destination": destination,
+        "seconds": float(seconds),
+        "by": by,
+        "reason": sanitize.clean_text(reason, max_chars=REASON_CHARS),
+    }
+    return conn.execute(_HOLD, params).fetchone() is not None

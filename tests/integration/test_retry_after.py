@@ -64,3 +64,42 @@ def test_a_retry_after_past_the_deadline_fails_the_row(clean, engine, db, provid
     assert deliver({DEST: charge}, database_url=clean.database_url)[row] == "failed"
     assert "deadline" in get(db, row)["last_error"]
     assert provider.charges() == 0
+
+
+def test_a_destination_wide_retry_after_pauses_the_destination_that_long(clean, engine, db, provider):
+    """retry_after_scope="destination": the provider's Retry-After holds every row back, not
+    only the one that got it; an operator's longer pause is never shortened."""
+    from outbox import pauses
+    from outbox.consumer import RunResult
+
+    @outbox.handler(DEST, time_limit=5, backoff=(2, 2), retry_after_scope="destination")
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        headers = {"Idempotency-Key": d.idempotency_key}
+        r = d.http.post(f"{provider.url}/charges", json=d.payload, headers=headers)
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    first, second = write_rows(engine, 2)
+    provider.unavailable(times=1, retry_after="60")
+    results = deliver({DEST: charge}, database_url=clean.database_url)
+    assert results == {first: RunResult.PENDING, second: RunResult.PAUSED}
+    assert provider.stats()["requests"] == 1, "the second row was not called"
+    with engine.connect() as conn:
+        [held] = pauses.paused(conn)
+    assert held.by is not None and held.by.startswith("worker ") and "Retry-After 60 s" in (held.reason or "")
+    left = db.execute("SELECT EXTRACT(EPOCH FROM paused_until - now()) FROM outbox_destination").fetchone()[0]
+    assert 58.5 <= float(left) <= 60
+
+    # An operator's indefinite pause stays indefinite, with its reason.
+    with engine.begin() as conn:
+        pauses.pause(conn, DEST, by="ana", reason="incident INC-7")
+    with db.transaction():
+        assert not pauses.hold(db, DEST, seconds=30, by="worker x", reason="Retry-After 30 s")
+    with engine.connect() as conn:
+        [kept] = pauses.paused(conn)
+    assert kept.until is None and kept.reason == "incident INC-7"
+
+
+def test_a_retry_after_scope_must_be_row_or_destination():
+    with pytest.raises(outbox.ConfigError, match="retry_after_scope must be 'row' or 'destination'"):
+        outbox.handler("payments.refund", retry_after_scope="everyone")
