@@ -177,10 +177,12 @@ class Destination:
     name: str
     max_attempts: int
     lookup: bool
+    #: issue 13: a 503's Retry-After pauses the whole destination (outbox.pauses.hold)
+    retry_after_scope: str = "row"
 
 
 DESTINATIONS = (
-    Destination("ix.charge", max_attempts=3, lookup=True),
+    Destination("ix.charge", max_attempts=3, lookup=True, retry_after_scope="destination"),
     Destination("ix.once", max_attempts=1, lookup=True),
     Destination("ix.manual", max_attempts=2, lookup=False),
 )
@@ -218,6 +220,7 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
         backoff=(0.5, 1.0),
         idempotent=False,
         lease_seconds=lease,
+        retry_after_scope=dest.retry_after_scope,
     )
     def charge(d: outbox.Delivery) -> outbox.Confirmed:
         checkpoint("before_post")

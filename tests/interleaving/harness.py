@@ -616,6 +616,8 @@ class World:
         }
         if choice in ("fail_before", "fail_after", "drop_after", "hang_after"):
             base[f"{choice}_rate"] = self.rng.choice([0.3, 0.6])
+        # issue 13: a 503 may say when to come back, in seconds or as an HTTP date.
+        base["retry_after"] = self.rng.choice(["", "1", "+2"]) if choice == "fail_before" else ""
         if choice == "latency" or self.rng.random() < 0.4:
             # Slower than the call's read timeout: the client gives up before the effect lands.
             base["latency_ms"] = self.rng.uniform(0.7, 1.0) * limit_ms
@@ -643,9 +645,10 @@ class World:
                 "hang_after_rate",
                 "latency_ms",
                 "lookup_fail",
+                "retry_after",
             )
         ]
-        return " ".join(p for p in parts if not p.endswith(("=0.0", "=False")))
+        return " ".join(p for p in parts if not p.endswith(("=0.0", "=False", "=")))
 
     def step_sleep(self) -> None:
         seconds = self.rng.choice([0.1, 0.3, 0.6, 1.0])
@@ -823,6 +826,7 @@ class World:
             hang_after_rate=0.0,
             latency_ms=0.0,
             lookup_fail=False,
+            retry_after="",
         )
         self.step_unblock(all_=True)
         # The runbook: the provider is back, the operator resumes every paused destination (once
