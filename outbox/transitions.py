@@ -175,7 +175,9 @@ def undispatch(
 # UPDATE), where the statement's `now()` would date from before it. A commit wait after the
 # statement is not covered here: the worker bounds that with its own monotonic clock.
 # A paused destination's rows are not claimed (outbox.pauses): the guard is part of the claim,
-# so a pause committed before it is obeyed by every worker, on the database's clock.
+# so a pause committed before it is obeyed by every worker, on the database's clock. Checked in
+# `held` only: a second check in the UPDATE would read the same snapshot (a pause committed
+# during a lock wait is not seen either way; the runbook says so).
 #
 # On an idempotent destination (``%(key_ttl)s`` set), a row whose earlier call may have taken
 # effect longer than key_ttl ago is not called again: the provider may have forgotten that
@@ -204,7 +206,6 @@ claimed AS (
     WHERE m.id = held.id
       AND m.destination = %(destination)s
       AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
-      AND NOT {PAUSED_SQL}
     RETURNING m.id, m.key, m.step, m.destination, m.payload, m.attempts, m.deadline, m.claim_token,
               m.deadline <= clock_timestamp() AS deadline_passed,
               -- For the latency metrics: since the row was written (or, on a first attempt that
