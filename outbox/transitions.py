@@ -194,7 +194,7 @@ _CLAIMABLE = f"""
     AND (state = 'dispatched' OR (state = 'pending' AND available_at <= now()))
     AND NOT {PAUSED_SQL}
 """
-_CLAIMED = f"""
+_CLAIMED = """
 claimed AS (
     UPDATE outbox_message m
     SET state = 'in_flight',
