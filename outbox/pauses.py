@@ -10,7 +10,8 @@ them and the relay publishes them again. Nothing is failed, nothing is lost, no 
 The reconciler's lookups of ``unknown`` rows go on while paused: they settle outcomes, and a
 provider that is down only makes them wait for their next try.
 
-Statements only: the CLI (``outbox.cli.operator``) and the tests call these.
+Statements only: ``outbox pause``/``resume`` (``outbox.cli.pauses``), ``outbox status`` and
+``doctor``, the claim's guard (``PAUSED_SQL``) and the worker's Retry-After hold call these.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ _PAUSE = text(
         paused_by = EXCLUDED.paused_by,
         pause_reason = EXCLUDED.pause_reason
     RETURNING destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by,
-              pause_reason, paused_until = 'infinity' AS indefinite
+              pause_reason
     """
 )
 
@@ -66,8 +67,7 @@ _RESUME = text(
 
 _PAUSED = text(
     """
-    SELECT destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by, pause_reason,
-           paused_until = 'infinity' AS indefinite
+    SELECT destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by, pause_reason
     FROM outbox_destination
     WHERE paused_until > now()
     ORDER BY destination
@@ -102,9 +102,10 @@ class Pause:
 
 
 def _pause(row: Any) -> Pause:
+    # paused_until comes back NULL for an indefinite pause (infinity has no Python datetime).
     return Pause(
         row.destination,
-        None if row.indefinite else row.paused_until,
+        row.paused_until,
         row.paused_at,
         row.paused_by,
         row.pause_reason,
