@@ -22,6 +22,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .breaker import Breaker
     from .exceptions import (
         AmbiguousError,
         ConfigError,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AmbiguousError",
+    "Breaker",
     "ConfigError",
     "Confirmed",
     "Delivery",
@@ -85,6 +87,7 @@ _HOME = {
     **dict.fromkeys(("Confirmed", "Delivery", "Handler", "handler"), "handlers"),
     **dict.fromkeys(("Written", "cancel", "cancel_async", "write", "write_async"), "write"),
     "worker_middleware": "middleware",
+    "Breaker": "breaker",
 }
 
 

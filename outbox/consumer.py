@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from . import db, metrics, pauses, policy, tracing, transitions
+from . import breaker, db, metrics, pauses, policy, tracing, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -286,13 +286,15 @@ class Executor:
             )
             return RunResult.UNKNOWN
         if claimed is None:
-            if pauses.is_paused(conn, destination=destination):
+            held_back = pauses.held_reason(conn, destination=destination)
+            if held_back is not None:
                 # Acked without a claim: the row waits `dispatched`, attempts untouched, and the
-                # reconciler re-queues it once the pause ends.
+                # reconciler re-queues it once the pause ends or the breaker closes.
                 logger.info(
-                    "outbox row %s not claimed: destination %s is paused",
+                    "outbox row %s not claimed: destination %s %s",
                     row_id,
                     destination,
+                    held_back,
                     extra={"outbox_id": row_id, "destination": destination, "outbox_run": "paused"},
                 )
                 return RunResult.PAUSED
@@ -347,11 +349,24 @@ class Executor:
             observed.call_seconds = time.monotonic() - claimed_at
         failpoint("after_call")
 
-        nxt = next_state(handler, decision, attempt=claimed.attempt)
-        state = self._record(claimed, decision, nxt, policy.deadline_error(claimed.deadline, nxt.error))
+        health = breaker.verdict(
+            called=observed.called, outcome=decision.outcome.value, not_processed=decision.not_processed
+        )
+        # A probe that found the provider still down is not counted against its row: the row
+        # only carried the breaker's question (outbox.breaker).
+        refund = claimed.probe and handler.breaker is not None and health is breaker.Verdict.NOT_PROCESSED
+        if refund:
+            wait = max(handler.backoff_seconds(1), decision.retry_after_seconds or 0.0)
+            nxt = Next("pending", wait, f"{decision.error} (the breaker's probe: not counted as an attempt)")
+        else:
+            nxt = next_state(handler, decision, attempt=claimed.attempt)
+        state = self._record(
+            claimed, decision, nxt, policy.deadline_error(claimed.deadline, nxt.error), refund=refund
+        )
         failpoint("after_record")
         if decision.retry_after_seconds and handler.retry_after_scope == "destination":
             self._hold(handler, decision)
+        self._breaker(handler, claimed, health, decision, called=observed.called)
         result = RunResult(state) if state is not None else RunResult.SUPERSEDED
         # The record fails a retry that would fall past the deadline (decided on the database's clock).
         past_deadline = state == "failed" and nxt.state == "pending"
@@ -427,6 +442,67 @@ class Executor:
                 handler, call.error, last_status=call.http_status, last_retry_after=call.retry_after
             )
         return decide_result(call.result)
+
+    def _breaker(
+        self,
+        handler: Handler,
+        claimed: transitions.Claimed,
+        health: breaker.Verdict,
+        decision: Decision,
+        *,
+        called: bool,
+    ) -> None:
+        """Tell the destination's breaker what this delivery says about the provider. After the
+        record, and never at its expense: a failure here loses one count (or leaves a probe to
+        its lease's end), never an outcome."""
+        destination = handler.destination
+        extra = {"destination": destination, "outbox_id": claimed.id}
+        reason = f"{decision.error or decision.outcome.value} (row {claimed.id})"
+        try:
+            conn = self._conn("record_conn")
+            if claimed.probe and handler.breaker is None:
+                # A deploy turned the breaker off while it was open: nothing else would close it.
+                if breaker.close(conn, destination):
+                    logger.warning("breaker of %s closed: no breaker declared", destination, extra=extra)
+            elif claimed.probe and not called:
+                breaker.free_probe(conn, destination, token=claimed.token)
+            elif claimed.probe and handler.breaker is not None:
+                settled = breaker.settle_probe(
+                    conn, destination, handler.breaker, token=claimed.token, verdict=health, reason=reason
+                )
+                if settled is not None and settled.closed:
+                    logger.warning(
+                        "breaker of %s closed: the probe (row %s) was processed",
+                        destination,
+                        claimed.id,
+                        extra={**extra, "outbox_run": "breaker_closed"},
+                    )
+                elif settled is not None:
+                    logger.warning(
+                        "breaker of %s open again for %g s: the probe (row %s) %s",
+                        destination,
+                        settled.open_seconds or 0.0,
+                        claimed.id,
+                        "was not processed" if health is breaker.Verdict.NOT_PROCESSED else "proved nothing",
+                        extra={**extra, "outbox_run": "breaker_open"},
+                    )
+            elif handler.breaker is not None and health is breaker.Verdict.NOT_PROCESSED:
+                if breaker.count_not_processed(conn, destination, handler.breaker, reason=reason):
+                    logger.error(
+                        "breaker of %s tripped after %s consecutive calls not processed within %g s "
+                        "(latest: %s); its rows wait without spending attempts, a probe in %g s",
+                        destination,
+                        handler.breaker.failures,
+                        handler.breaker.window_seconds,
+                        reason,
+                        handler.breaker.open_seconds,
+                        extra={**extra, "outbox_run": "breaker_tripped"},
+                    )
+            elif health is breaker.Verdict.PROCESSED and claimed.breaker_failures > 0:
+                breaker.reset(conn, destination)
+        except psycopg.Error as exc:
+            self._drop("record_conn")
+            logger.warning("breaker of %s not updated (%s)", destination, type(exc).__name__, extra=extra)
 
     def _hold(self, handler: Handler, decision: Decision) -> None:
         """The provider's Retry-After speaks for every request (``retry_after_scope=
@@ -544,7 +620,13 @@ class Executor:
         return result
 
     def _record(
-        self, claimed: transitions.Claimed, decision: Decision, nxt: Next, deadline_error: str | None
+        self,
+        claimed: transitions.Claimed,
+        decision: Decision,
+        nxt: Next,
+        deadline_error: str | None,
+        *,
+        refund: bool = False,
     ) -> str | None:
         # A failed record is not a lost outcome (the lease and the lookup recover it), but a
         # short database blip should not cost a lookup: try a few times within the lease.
@@ -566,6 +648,7 @@ class Executor:
                     http_status=decision.http_status,
                     delay_seconds=nxt.delay_seconds,
                     deadline_error=deadline_error,
+                    refund_attempt=refund,
                 )
             except psycopg.OperationalError:
                 self._drop("record_conn")

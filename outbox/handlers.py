@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from .breaker import DEFAULT_BREAKER, Breaker
 from .exceptions import ConfigError, RetryableError
 from .settings import (
     DEFAULT_BACKOFF_SECONDS,
@@ -142,6 +143,9 @@ class Handler:
     #: Whom a 429/503's Retry-After holds back: "row" (that row's retry) or "destination" (every
     #: row of it: the worker pauses the destination for that long, outbox.pauses.hold).
     retry_after_scope: str = "row"
+    #: The destination's circuit breaker (outbox.breaker); None: none, every row spends its
+    #: attempts on a provider that is down.
+    breaker: Breaker | None = DEFAULT_BREAKER
 
     def __call__(self, delivery: Delivery) -> Any:
         return self.fn(delivery)
@@ -349,6 +353,7 @@ def handler(
     lease_seconds: float | None = None,
     classify: Callable[[BaseException], str | None] | None = None,
     retry_after_scope: str = "row",
+    breaker: Breaker | None = DEFAULT_BREAKER,
 ) -> Callable[[Callable[[Delivery], Any]], Handler]:
     """Declare the handler of ``destination`` (all timings in seconds).
 
@@ -360,6 +365,10 @@ def handler(
     ``retry_after_scope="destination"`` says a 429/503's ``Retry-After`` speaks for every request
     to the provider (an account-wide rate limit, a service down): the worker then pauses the whole
     destination that long, not only the row's retry.
+    ``breaker`` (default ``Breaker()``: 5 consecutive connect errors, 429s or 503s within 60 s
+    open it for 10 s, then 20, 40, … up to 300 s between probes) holds the whole destination back
+    while its provider does not take requests, instead of letting every row spend its attempts;
+    ``breaker=None`` turns it off (docs/handlers.md).
     A declaration with any of :meth:`Handler.problems` raises ConfigError listing them all.
     """
     valid_limit = isinstance(time_limit, int | float) and time_limit > 0
@@ -376,6 +385,10 @@ def handler(
     )
     if retry_after_scope not in RETRY_AFTER_SCOPES:
         problems.append(f"retry_after_scope must be 'row' or 'destination', got {retry_after_scope!r}")
+    if breaker is not None and not isinstance(breaker, Breaker):
+        problems.append(f"breaker must be an outbox.Breaker or None, got {breaker!r}")
+    elif breaker is not None:
+        problems.extend(breaker.problems())
     if problems:
         raise ConfigError("handler " + "; ".join(problems))
     assert lease is not None
@@ -392,6 +405,7 @@ def handler(
             lease_seconds=float(lease),
             classify=classify,
             retry_after_scope=retry_after_scope,
+            breaker=breaker,
         )
         with _registry_lock:
             existing = _registry.get(destination)

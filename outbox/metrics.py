@@ -89,7 +89,8 @@ DELIVERIES = Counter(
     "outbox_deliveries",
     "Deliveries by destination and outcome: sent, pending (a retry), unknown, failed, "
     "superseded (a newer claim owned the row), empty (nothing to claim), released (claimed, "
-    "given back without a call), unhandled, halted, paused (not claimed: the destination is paused).",
+    "given back without a call), unhandled, halted, paused (not claimed: the destination is paused or "
+    "its breaker open).",
     ["destination", "outcome"],
     registry=REGISTRY,
 )
@@ -250,6 +251,7 @@ FROM outbox_message WHERE state = 'failed' GROUP BY destination
 """
 
 PAUSED_SQL = "SELECT destination FROM outbox_destination WHERE paused_until > now() ORDER BY 1"
+BREAKERS_SQL = "SELECT destination FROM outbox_destination WHERE breaker_opened_at IS NOT NULL ORDER BY 1"
 
 GAUGE_STATES = ("pending", "dispatched", "in_flight", "unknown", "failed")
 AGE_STATES = ("pending", "dispatched", "in_flight", "unknown")
@@ -265,6 +267,8 @@ class DatabaseReading:
     no_consumer: list[str] = field(default_factory=list)
     #: destinations paused now (outbox pause)
     paused: list[str] = field(default_factory=list)
+    #: destinations whose circuit breaker is open or half-open now (outbox.breaker)
+    breakers: list[str] = field(default_factory=list)
     #: every destination to export, zeros included (the handlers' and the table's)
     destinations: list[str] = field(default_factory=list)
     taken_at: float = field(default_factory=time.monotonic)
@@ -283,6 +287,7 @@ def read_database(conn: Any) -> DatabaseReading:
     gaps = heartbeat.no_consumer(conn.execute(heartbeat.NO_CONSUMER_SQL).fetchall())
     reading.no_consumer = sorted({g.destination for g in gaps})
     reading.paused = [r[0] for r in conn.execute(PAUSED_SQL).fetchall()]
+    reading.breakers = [r[0] for r in conn.execute(BREAKERS_SQL).fetchall()]
     return reading
 
 
@@ -350,6 +355,15 @@ class _DatabaseCollector(Collector):
         for d in sorted(set(destinations) | set(reading.paused)):
             paused.add_metric([d], 1.0 if d in reading.paused else 0.0)
         yield paused
+        breakers = GaugeMetricFamily(
+            "outbox_destination_breaker_open",
+            "1 for a destination whose circuit breaker is open or half-open: its rows wait, one probe "
+            "at a time goes through.",
+            labels=["destination"],
+        )
+        for d in sorted(set(destinations) | set(reading.breakers)):
+            breakers.add_metric([d], 1.0 if d in reading.breakers else 0.0)
+        yield breakers
         taken = GaugeMetricFamily(
             "outbox_database_reading_age_seconds",
             "How old the database reading above is (it is taken once per reconcile interval).",

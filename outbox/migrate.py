@@ -50,8 +50,9 @@ def current_revision(connection: Connection) -> str | None:
 #: deduplicating provider would answer the second with the first one's charge): the guarantee
 #: (docs/guarantee.md) relies on it, so a database without it is refused; 0008 adds the
 #: ``trace_context`` column that ``write`` inserts and the claim returns; 0009 the paused
-#: destinations (``outbox_destination``), which every claim reads.
-SCHEMA_OLDEST = "0009"
+#: destinations (``outbox_destination``), which every claim reads; 0010 the breaker's columns of
+#: that table, which the claim reads and reserves (outbox.breaker).
+SCHEMA_OLDEST = "0010"
 
 #: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``): the
 #: oldest code, named by the newest revision it knows, that may still run on the database.

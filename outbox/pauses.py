@@ -10,8 +10,12 @@ them and the relay publishes them again. Nothing is failed, nothing is lost, no 
 The reconciler's lookups of ``unknown`` rows go on while paused: they settle outcomes, and a
 provider that is down only makes them wait for their next try.
 
+``outbox resume`` also closes the destination's breaker if it is open (outbox.breaker): an
+operator who says "go" means every guard; a provider still down trips it again.
+
 Statements only: ``outbox pause``/``resume`` (``outbox.cli.pauses``), ``outbox status`` and
-``doctor``, the claim's guard (``PAUSED_SQL``) and the worker's Retry-After hold call these.
+``doctor``, the worker (why its claim was empty; the Retry-After hold) call these. The claim's
+guard reads the same row (``outbox.transitions``).
 """
 
 from __future__ import annotations
@@ -24,18 +28,23 @@ import psycopg
 from sqlalchemy import Connection, text
 
 from . import sanitize
+from .breaker import CLOSE_SQL
 from .exceptions import ConfigError
 
 #: A pause's reason is kept whole up to this length.
 REASON_CHARS = 2000
 
-#: The claim's guard (outbox.transitions): true while ``%(destination)s`` is paused.
-PAUSED_SQL = (
-    "EXISTS (SELECT 1 FROM outbox_destination p "
-    "WHERE p.destination = %(destination)s AND p.paused_until > now())"
-)
-
-_IS_PAUSED = f"SELECT {PAUSED_SQL}"
+# Why a claim of the destination's rows was refused, if it was held back at all.
+_HELD_REASON = """
+SELECT CASE
+    WHEN paused_until > now() THEN 'is paused'
+    WHEN breaker_opened_at IS NOT NULL AND breaker_open_until > now()
+        THEN 'has its breaker open (next probe in '
+             || ceil(date_part('epoch', breaker_open_until - now()))::bigint || ' s)'
+    WHEN breaker_opened_at IS NOT NULL THEN 'has its breaker half-open: another claim is the probe'
+END
+FROM outbox_destination WHERE destination = %(destination)s
+"""
 
 _PAUSE = text(
     """
@@ -142,12 +151,23 @@ def pause(
     return _pause(connection.execute(_PAUSE, params).one())
 
 
-def resume(connection: Connection, destination: str, *, by: str) -> Pause | None:
-    """End the pause of ``destination``; the pause it ended, or None when it was not paused."""
+@dataclass(frozen=True)
+class Resumed:
+    #: The pause it ended (None: the destination was not paused).
+    pause: Pause | None
+    #: Whether it closed an open breaker.
+    breaker_closed: bool
+
+
+def resume(connection: Connection, destination: str, *, by: str) -> Resumed:
+    """End the pause of ``destination`` and close its breaker (outbox.breaker), whichever holds
+    it back. The caller commits."""
     row = connection.execute(_RESUME, {"destination": destination, "by": by}).first()
-    if row is None:
-        return None
-    return Pause(row.destination, None, row.paused_at, row.paused_by, row.pause_reason)
+    ended = None
+    if row is not None:
+        ended = Pause(row.destination, None, row.paused_at, row.paused_by, row.pause_reason)
+    closed = connection.execute(CLOSE_SQL, {"destination": destination}).first() is not None
+    return Resumed(ended, closed)
 
 
 def paused(connection: Connection) -> list[Pause]:
@@ -155,11 +175,11 @@ def paused(connection: Connection) -> list[Pause]:
     return [_pause(r) for r in connection.execute(_PAUSED).all()]
 
 
-def is_paused(conn: psycopg.Connection[Any], *, destination: str) -> bool:
-    """Whether ``destination`` is paused now (a worker's psycopg connection): asked after an
-    empty claim, to say why it was empty."""
-    row = conn.execute(_IS_PAUSED, {"destination": destination}).fetchone()
-    return bool(row and row[0])
+def held_reason(conn: psycopg.Connection[Any], *, destination: str) -> str | None:
+    """Why ``destination``'s rows are held back now (paused, or its breaker open: outbox.breaker),
+    or None (a worker's psycopg connection): asked after an empty claim, to say why it was empty."""
+    row = conn.execute(_HELD_REASON, {"destination": destination}).fetchone()
+    return row[0] if row else None
 
 
 # Queues the workers seen in the last day served, and the destinations of rows waiting now: what

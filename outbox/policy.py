@@ -50,6 +50,9 @@ class Decision:
     response: dict[str, Any] | None = None
     #: A 429/503 answer's ``Retry-After``, in seconds: the retry is due no earlier.
     retry_after_seconds: float | None = None
+    #: The provider did not take the request (a connect error, 429, 503): what a destination's
+    #: breaker counts (outbox.breaker). Never true of an ambiguous outcome.
+    not_processed: bool = False
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:
@@ -90,6 +93,22 @@ def _retry_after_of(exc: BaseException) -> float | None:
             return retry_after_seconds(cause.response)
         cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
     return None
+
+
+def _not_processed(exc: BaseException, last_status: int | None) -> bool:
+    """Whether the provider certainly did not take the request: it could not be reached, or
+    it answered 429/503 (in the exception's chain, or as the call's last answer when the
+    handler raised its own error). Not a pool timeout (ours) nor a handler's own retry."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, httpx.HTTPStatusError):
+            return cause.response.status_code in _NOT_PROCESSED
+        if isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout):
+            return True
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return last_status in _NOT_PROCESSED
 
 
 def _short(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
@@ -204,7 +223,13 @@ def decide_exception(
             retry_after = last_retry_after
         if retry_after is not None:
             reason = _short(f"{reason}; Retry-After {retry_after:g} s")
-    return Decision(outcome, error=reason, http_status=status, retry_after_seconds=retry_after)
+    return Decision(
+        outcome,
+        error=reason,
+        http_status=status,
+        retry_after_seconds=retry_after,
+        not_processed=outcome is Outcome.RETRY and _not_processed(exc, last_status),
+    )
 
 
 @dataclass(frozen=True)

@@ -240,6 +240,33 @@ outbox_destination = Table(
     CheckConstraint("paused_until IS NULL OR paused_at IS NOT NULL", name="outbox_destination_paused_check"),
 )
 
+# -- Issue 13 part 3 (migration 0010): the circuit breaker of each destination (outbox.breaker) ---
+
+# The consecutive "not processed" outcomes counted since breaker_window_at (the worker).
+outbox_destination.append_column(
+    Column("breaker_failures", Integer, nullable=False, server_default=text("0"))
+)
+outbox_destination.append_column(Column("breaker_window_at", DateTime(timezone=True), nullable=True))
+# Open while set (the worker trips it; the probe's worker or `outbox resume` closes it).
+outbox_destination.append_column(Column("breaker_opened_at", DateTime(timezone=True), nullable=True))
+# No claim before this; after it, one probe (half-open).
+outbox_destination.append_column(Column("breaker_open_until", DateTime(timezone=True), nullable=True))
+outbox_destination.append_column(Column("breaker_open_seconds", DOUBLE_PRECISION, nullable=True))
+# The probe's claim token, reserved by that claim until breaker_probe_until (its lease).
+outbox_destination.append_column(Column("breaker_probe_token", UUID(as_uuid=True), nullable=True))
+outbox_destination.append_column(Column("breaker_probe_until", DateTime(timezone=True), nullable=True))
+# Probes in the current (or last) episode; trips ever.
+outbox_destination.append_column(Column("breaker_probes", Integer, nullable=False, server_default=text("0")))
+outbox_destination.append_column(Column("breaker_reason", Text, nullable=True))
+outbox_destination.append_column(Column("breaker_trips", Integer, nullable=False, server_default=text("0")))
+outbox_destination.append_column(Column("breaker_closed_at", DateTime(timezone=True), nullable=True))
+outbox_destination.append_constraint(
+    CheckConstraint(
+        "breaker_opened_at IS NULL OR (breaker_open_until IS NOT NULL AND breaker_open_seconds > 0)",
+        name="outbox_destination_breaker_check",
+    )
+)
+
 # -- Issue 9 class 12 (migration 0006): failover detection ------------------------------------------
 
 #: The database history (system identifier, timeline) the outbox last ran on, one row; written

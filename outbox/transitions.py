@@ -58,7 +58,6 @@ import psycopg
 from sqlalchemy import text
 
 from . import outcomes, sanitize
-from .pauses import PAUSED_SQL
 from .schema import NOTIFY_CHANNEL
 
 if TYPE_CHECKING:
@@ -174,10 +173,12 @@ def undispatch(
 # its commit, an application transaction holding the row, even one that only ran SELECT … FOR
 # UPDATE), where the statement's `now()` would date from before it. A commit wait after the
 # statement is not covered here: the worker bounds that with its own monotonic clock.
-# A paused destination's rows are not claimed (outbox.pauses): the guard is part of the claim,
-# so a pause committed before it is obeyed by every worker, on the database's clock. Checked in
-# `held` only: a second check in the UPDATE would read the same snapshot (a pause committed
-# during a lock wait is not seen either way; the runbook says so).
+# A paused destination's rows are not claimed (outbox.pauses), nor those of a destination whose
+# breaker is open (outbox.breaker), but for the one probe of a half-open breaker: the guard is
+# part of the claim, so a pause or a trip committed before it is obeyed by every worker, on the
+# database's clock. The pause is checked in `held` only: a second check in the UPDATE would
+# read the same snapshot (a pause committed during a lock wait is not seen either way; the
+# runbook says so); the UPDATE checks that an open breaker's claim got the probe.
 #
 # On an idempotent destination (``%(key_ttl)s`` set), a row whose earlier call may have taken
 # effect longer than key_ttl ago is not called again: the provider may have forgotten that
@@ -189,11 +190,36 @@ SELECT 1 FROM outbox_attempt a
 WHERE a.message_id = %(id)s AND {outcomes.may_have_taken_effect_sql("a")}
   AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second'
 """
-_CLAIMABLE = f"""
+_CLAIMABLE = """
     id = %(id)s AND destination = %(destination)s
     AND (state = 'dispatched' OR (state = 'pending' AND available_at <= now()))
-    AND NOT {PAUSED_SQL}
+    AND NOT EXISTS (SELECT 1 FROM gate WHERE paused OR (open AND NOT probe_free))
 """
+# The destination's row (outbox.pauses, outbox.breaker), read once: paused, breaker open (and
+# whether the probe is free: half-open, no probe under way), the consecutive failures counted.
+_GATE = """
+gate AS (
+    SELECT COALESCE(paused_until > now(), false) AS paused,
+           breaker_opened_at IS NOT NULL AS open,
+           COALESCE(breaker_open_until <= now() AND NOT COALESCE(breaker_probe_until > now(), false),
+                    false) AS probe_free,
+           breaker_failures
+    FROM outbox_destination WHERE destination = %(destination)s
+)"""
+# A half-open breaker's probe: reserved by the claim that holds a row, under its claim token,
+# for its lease. Two claims racing for it: the second waits for the first's row lock, re-reads
+# the row and finds the probe taken, so exactly one claim gets it.
+_PROBE = """
+probe AS (
+    UPDATE outbox_destination p
+    SET breaker_probe_token = %(token)s,
+        breaker_probe_until = clock_timestamp() + %(lease_seconds)s * interval '1 second',
+        breaker_probes = p.breaker_probes + 1
+    WHERE p.destination = %(destination)s AND p.breaker_opened_at IS NOT NULL
+      AND p.breaker_open_until <= now() AND NOT COALESCE(p.breaker_probe_until > now(), false)
+      AND EXISTS (SELECT 1 FROM held)
+    RETURNING true AS probe
+)"""
 _CLAIMED = """
 claimed AS (
     UPDATE outbox_message m
@@ -206,6 +232,8 @@ claimed AS (
     WHERE m.id = held.id
       AND m.destination = %(destination)s
       AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
+      -- An open breaker lets only its probe through.
+      AND (NOT EXISTS (SELECT 1 FROM gate WHERE open) OR EXISTS (SELECT 1 FROM probe))
     RETURNING m.id, m.key, m.step, m.destination, m.payload, m.attempts, m.deadline, m.claim_token,
               m.deadline <= clock_timestamp() AS deadline_passed,
               -- For the latency metrics: since the row was written (or, on a first attempt that
@@ -226,20 +254,21 @@ claimed AS (
 )
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
        COALESCE(deadline_passed, false), since_written, since_published, written_to_published,
-       trace_context, false
+       trace_context, EXISTS (SELECT 1 FROM probe), COALESCE((SELECT breaker_failures FROM gate), 0),
+       false
 FROM claimed"""
 
 # Two statements, not one with a switch: with the key_ttl branch behind a parameter, PostgreSQL
 # re-planned the whole statement at every execution (a custom plan pruned the branch, a generic
 # one could not), and the claim cost 0.4 ms more of its CPU per delivery (bench/e2e.py).
 _CLAIM = f"""
-WITH held AS (
+WITH {_GATE}, held AS (
     SELECT id FROM outbox_message WHERE {_CLAIMABLE}
     FOR UPDATE
-), {_CLAIMED}
+), {_PROBE}, {_CLAIMED}
 """
 _CLAIM_IDEMPOTENT = f"""
-WITH aged AS (
+WITH {_GATE}, aged AS (
     UPDATE outbox_message
     SET state = 'unknown', unknown_since = now(), available_at = now(), last_error = %(aged_error)s
     WHERE {_CLAIMABLE} AND EXISTS ({_OLD_CALL})
@@ -247,9 +276,9 @@ WITH aged AS (
 ), held AS (
     SELECT id FROM outbox_message WHERE {_CLAIMABLE} AND NOT EXISTS ({_OLD_CALL})
     FOR UPDATE
-), {_CLAIMED}
+), {_PROBE}, {_CLAIMED}
 UNION ALL
-SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, true FROM aged
+SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, false, 0, true FROM aged
 """
 
 #: SQL fragments shared by the record and the reconciler's settlement of a lookup: when a
@@ -268,6 +297,9 @@ _RECORD = f"""
 WITH moved AS (
     UPDATE outbox_message
     SET state = {NEW_STATE_SQL},
+        -- A breaker's probe that found the provider still down is not an attempt of its row
+        -- (outbox.breaker): the row only carried the question.
+        attempts = GREATEST(attempts - %(refund)s, 0),
         provider_ref = COALESCE(%(ref)s, provider_ref),
         response = COALESCE(CAST(%(response)s AS jsonb), response),
         last_error = CASE WHEN {PAST_DEADLINE_SQL} THEN %(deadline_error)s ELSE %(error)s END,
@@ -326,11 +358,16 @@ WITH released AS (
         alerted_at = NULL,
         last_error = %(reason)s
     WHERE id = %(id)s AND claim_token = %(token)s AND state IN ('in_flight', 'unknown')
-    RETURNING id, key, step, releases
+    RETURNING id, key, step, releases, destination
 ), fenced AS (
     UPDATE outbox_attempt
     SET outcome = 'released', finished_at = now(), error = %(reason)s
     WHERE claim_token = %(token)s AND EXISTS (SELECT 1 FROM released)
+), probe_freed AS (
+    -- A probe that made no call proved nothing: the next claim may probe.
+    UPDATE outbox_destination
+    SET breaker_probe_token = NULL, breaker_probe_until = NULL
+    WHERE destination = (SELECT destination FROM released) AND breaker_probe_token = %(token)s
 )
 SELECT key, step, releases, pg_notify('{NOTIFY_CHANNEL}', '') FROM released
 """
@@ -368,6 +405,10 @@ class Claimed:
     #: The writer's trace context as stored (jsonb; None when it had none): outbox.tracing
     #: reads only its string fields, whatever a plain-SQL writer put there.
     trace_context: Any = None
+    #: This claim holds the probe of its destination's half-open breaker (outbox.breaker).
+    probe: bool = False
+    #: The consecutive "not processed" outcomes its destination's breaker had counted.
+    breaker_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -426,7 +467,7 @@ def claim(
     if row[-1]:
         return Aged(row[0], str(aged_error))
     row_id, key, step, destination, payload, attempt, deadline, token, passed = row[:9]
-    written, published, published_after, trace = row[9:13]  # row[13]: the aged flag
+    written, published, published_after, trace, probe, failures = row[9:15]  # row[15]: aged
     return Claimed(
         row_id,
         key,
@@ -441,6 +482,8 @@ def claim(
         since_published_seconds=float(published) if published is not None else None,
         written_to_published_seconds=float(published_after) if published_after is not None else None,
         trace_context=trace,
+        probe=bool(probe),
+        breaker_failures=int(failures),
     )
 
 
@@ -457,12 +500,15 @@ def record(
     http_status: int | None = None,
     delay_seconds: float | None = None,
     deadline_error: str | None = None,
+    refund_attempt: bool = False,
 ) -> str | None:
     """Record a claim's outcome; the state the row moved to, or None when a newer claim owns it.
 
     ``delay_seconds``: the row is due again that long after the database's now (the backoff of
     a retry, the wait before the first lookup of an unknown row). A retry that would fall on or
     after the row's deadline fails the row instead, with ``deadline_error`` as its reason.
+    ``refund_attempt``: this claim is not counted as an attempt of the row (a breaker's probe that
+    found the provider still down, outbox.breaker).
 
     What the provider sent is stored through :mod:`outbox.sanitize` (storable, no card data).
     Should the database still refuse it, the row is recorded without the response summary: a
@@ -476,6 +522,7 @@ def record(
         "http_status": http_status,
         "id": row_id,
         "token": token,
+        "refund": 1 if refund_attempt else 0,
     }
     try:
         row = conn.execute(_RECORD, params).fetchone()

@@ -46,9 +46,11 @@ def resume_arguments(p: argparse.ArgumentParser) -> None:
     _describe(
         p,
         """
-        End a destination's pause: workers claim its rows again at once; the rows that waited
-        `dispatched` are re-queued by the reconciler's next run (OUTBOX_RECONCILE_INTERVAL) and
-        published by the relay. Exit 1 when the destination was not paused.
+        End a destination's pause, and close its circuit breaker if it is open: workers claim
+        its rows again at once; the rows that waited `dispatched` are re-queued by the
+        reconciler's next run (OUTBOX_RECONCILE_INTERVAL) and published by the relay. A provider
+        still down trips the breaker again. Exit 1 when the destination was neither paused nor
+        held by its breaker.
 
         outbox resume payments.charge
         """,
@@ -122,16 +124,20 @@ def resume(args: argparse.Namespace, cfg: settings.Settings) -> int:
     destination = _destination(args.destination)
     with _connection(cfg, write=True) as conn:
         done = resume_destination(conn, destination, by=args.by or default_actor())
-    if done is None:
-        problem = f"{destination} is not paused"
+    if done.pause is None and not done.breaker_closed:
+        problem = f"{destination} is not paused and its breaker is not open"
         if args.json:
-            body = {"destination": destination, "resumed": False}
+            body = {"destination": destination, "resumed": False, "breaker_closed": False}
             return print_json(body, error=problem, exit_code=exits.FAILED)
         err(problem)
         return exits.FAILED
     if args.json:
-        return print_json({**done.to_dict(), "resumed": True})
-    since = f"{done.since:%Y-%m-%d %H:%M:%S %Z}"
-    out(f"resumed {destination} (paused since {since} by {done.by}: {done.reason})")
+        body = done.pause.to_dict() if done.pause else {"destination": destination}
+        return print_json({**body, "resumed": done.pause is not None, "breaker_closed": done.breaker_closed})
+    if done.pause is not None:
+        since = f"{done.pause.since:%Y-%m-%d %H:%M:%S %Z}"
+        out(f"resumed {destination} (paused since {since} by {done.pause.by}: {done.pause.reason})")
+    if done.breaker_closed:
+        out(f"closed the breaker of {destination} (it opens again if the provider still refuses)")
     out("its waiting rows are re-queued by the reconciler's next run")
     return exits.OK

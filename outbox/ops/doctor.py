@@ -18,7 +18,7 @@ import redis
 import sqlalchemy.exc
 from sqlalchemy import Connection, text
 
-from .. import heartbeat, pauses, transport
+from .. import breaker, heartbeat, pauses, transport
 from ..db import make_engine
 from ..exceptions import ConfigError, NotMigrated, OutboxError
 from ..handlers import load_module
@@ -201,6 +201,18 @@ def _transport_checks(conn: Connection, cfg: Settings) -> list[Check]:
         )
     else:
         checks.append(Check("pauses", OK, "no destination is paused"))
+    tripped = breaker.open_breakers(conn)
+    if tripped:
+        checks.append(
+            Check(
+                "breakers",
+                WARN,
+                "; ".join(b.describe() for b in tripped) + ": its rows wait without spending attempts "
+                "and a probe goes through when it half-opens; `outbox resume D` closes it by hand",
+            )
+        )
+    else:
+        checks.append(Check("breakers", OK, "no destination's breaker is open"))
     processes = heartbeat.live_processes(conn.execute(text(heartbeat.LIVE_PROCESSES_SQL)))
     limit = cfg.clock_skew_warn_seconds
     skewed = [p for p in processes if abs(p.skew_seconds) > limit]

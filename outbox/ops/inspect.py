@@ -13,7 +13,8 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import heartbeat, pauses, settings, states
+from .. import breaker, heartbeat, pauses, settings, states
+from ..breaker import OpenBreaker
 from ..exceptions import ConfigError, NotFound
 from ..heartbeat import NoConsumer
 from ..pauses import Pause
@@ -49,6 +50,8 @@ class StatusReport:
     no_consumer: list[NoConsumer] = field(default_factory=list)
     #: Destinations an operator paused (outbox pause), paused now.
     paused: list[Pause] = field(default_factory=list)
+    #: Destinations whose circuit breaker is open or half-open now (outbox.breaker).
+    breakers: list[OpenBreaker] = field(default_factory=list)
 
     def totals(self) -> dict[str, int]:
         return {s: sum(c[s] for c in self.counts.values()) for s in states.ALL}
@@ -77,6 +80,7 @@ class StatusReport:
             "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
             "no_consumer": [n.to_dict() for n in self.no_consumer],
             "paused": [p.to_dict() for p in self.paused],
+            "breakers": [b.to_dict() for b in self.breakers],
         }
 
     def render(self) -> str:
@@ -96,7 +100,9 @@ def status(connection: Connection) -> StatusReport:
     for d in counts:
         ages.setdefault(d, None)
     gaps = heartbeat.no_consumer(connection.execute(text(heartbeat.NO_CONSUMER_SQL)))
-    return StatusReport(generated_at, counts, ages, gaps, pauses.paused(connection))
+    return StatusReport(
+        generated_at, counts, ages, gaps, pauses.paused(connection), breaker.open_breakers(connection)
+    )
 
 
 # -- show --------------------------------------------------------------------------------------------

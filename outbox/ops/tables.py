@@ -92,7 +92,8 @@ def to_json(data: Any) -> str:
 
 
 def render_status(report: StatusReport) -> str:
-    paused = "".join(f"\n{p.describe()}" for p in report.paused)
+    held = [p.describe() for p in report.paused] + [b.describe() for b in report.breakers]
+    paused = "".join(f"\n{line}" for line in held)
     if not report.counts:
         return f"no outbox rows{paused}"
     totals = report.totals()

@@ -29,9 +29,10 @@ DEFAULT_REDISPATCH_MAX_BATCHES = 50
 
 
 # Keyset pagination, so that rows left alone (a healthy backlog) are not read again and again.
-# A paused destination's rows are left alone (outbox.pauses): a worker acked their messages
-# without a claim, and re-queueing them would only go round again; its first run after the pause
-# ends re-queues them all.
+# A paused destination's rows are left alone (outbox.pauses), and those of a destination whose
+# breaker is open (outbox.breaker): a worker acked their messages without a claim, and
+# re-queueing them would only go round again; its first run after the pause ends (the breaker
+# closes) re-queues them all. A half-open breaker gets one row (_PROBES).
 _DISPATCHED = """
 SELECT id, destination, dispatched_at,
        dispatched_at < now() - %(stale)s * interval '1 second' AS stale
@@ -39,11 +40,27 @@ FROM outbox_message m
 WHERE state = 'dispatched'
   AND dispatched_at < now() - %(grace)s * interval '1 second'
   AND NOT EXISTS (SELECT 1 FROM outbox_destination p
-                  WHERE p.destination = m.destination AND p.paused_until > now())
+                  WHERE p.destination = m.destination
+                    AND (p.paused_until > now() OR p.breaker_opened_at IS NOT NULL))
   AND (CAST(%(after_at)s AS timestamptz) IS NULL
        OR (dispatched_at, id) > (CAST(%(after_at)s AS timestamptz), CAST(%(after_id)s AS bigint)))
 ORDER BY dispatched_at, id
 LIMIT %(limit)s
+"""
+
+
+# The probe of each half-open breaker with none under way (and no pause): the destination's
+# oldest waiting row, re-queued if its message is gone (a worker acked it while the breaker was
+# open). One row, not all: the rest would only be acked again while the probe is out.
+_PROBES = """
+SELECT DISTINCT ON (m.destination) m.id, m.destination, m.dispatched_at, false AS stale
+FROM outbox_destination p
+JOIN outbox_message m ON m.destination = p.destination AND m.state = 'dispatched'
+WHERE p.breaker_opened_at IS NOT NULL AND p.breaker_open_until <= now()
+  AND NOT COALESCE(p.breaker_probe_until > now(), false)
+  AND NOT COALESCE(p.paused_until > now(), false)
+  AND m.dispatched_at < now() - %(grace)s * interval '1 second'
+ORDER BY m.destination, m.dispatched_at, m.id
 """
 
 
@@ -81,7 +98,9 @@ def redispatch(
     A row whose destination has no handler in ``module`` is treated the same and only reported
     (``no_handler``): during a rolling deploy it may belong to a newer (or older) version's
     workers, and re-publishing calls no provider, while failing it would need a replay.
-    Counts: ``missing``, ``unacked``, ``waiting``, ``raced``, ``no_handler``.
+    A destination paused or behind an open breaker is left alone; a half-open breaker's oldest
+    waiting row is re-queued to be its probe (``probe``).
+    Counts: ``missing``, ``unacked``, ``waiting``, ``raced``, ``no_handler``, ``probe``.
     A Redis error raises: an unreachable Redis never means "the message is gone".
     """
     _require_autocommit(conn, "redispatch")
@@ -117,8 +136,12 @@ def redispatch(
         counts["raced"] += len(missing) - moved_missing + len(unacked) - moved_unacked
         if len(rows) < batch_size:
             break
+    probes = conn.execute(_PROBES, {"grace": float(grace_seconds)}).fetchall()
+    if probes:
+        missing, _, workers = _lost(redis_client, namespace, probes, workers)
+        counts["probe"] += transitions.requeue(conn, missing)
     _report_orphans(orphans, module, counts)
-    if counts["missing"] or counts["unacked"]:
+    if counts["missing"] or counts["unacked"] or counts["probe"]:
         # The relay sleeps until NOTIFY or its poll interval; wake it for the re-queued rows.
         conn.execute("SELECT pg_notify(%s, '')", (NOTIFY_CHANNEL,))
     return _nonzero(counts)

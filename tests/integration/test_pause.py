@@ -35,7 +35,7 @@ def pause(engine: Any, destination: str = DEST, **kw: Any) -> pauses.Pause:
         return pauses.pause(conn, destination, by="test", reason="provider incident", **kw)
 
 
-def resume(engine: Any, destination: str = DEST) -> pauses.Pause | None:
+def resume(engine: Any, destination: str = DEST) -> pauses.Resumed:
     with engine.begin() as conn:
         return pauses.resume(conn, destination, by="test")
 
@@ -62,8 +62,8 @@ def test_a_paused_destination_is_not_claimed_and_its_rows_keep_their_attempts(cl
     pause(engine)
 
     assert transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30, token=uuid.uuid4()) is None
-    assert pauses.is_paused(db, destination=DEST)
-    assert not pauses.is_paused(db, destination="mail.send")
+    assert pauses.held_reason(db, destination=DEST) == "is paused"
+    assert pauses.held_reason(db, destination="mail.send") is None
     executor = Executor(clean.database_url, {**registry(), "mail.send": other})
     try:
         assert executor.deliver(row, DEST) is RunResult.PAUSED
@@ -74,8 +74,8 @@ def test_a_paused_destination_is_not_claimed_and_its_rows_keep_their_attempts(cl
         )
         assert provider.charges("order:0:charge") == 0
 
-        assert resume(engine) is not None
-        assert resume(engine) is None, "a second resume finds nothing paused"
+        assert resume(engine).pause is not None
+        assert resume(engine).pause is None, "a second resume finds nothing paused"
         assert executor.deliver(row, DEST) is RunResult.SENT
     finally:
         executor.close()
@@ -128,8 +128,8 @@ def test_a_pause_with_until_ends_by_itself_on_the_database_clock(clean, engine, 
     [row] = write_rows(engine, 1)
     done = pause(engine, for_seconds=0.5)
     assert done.until is not None
-    assert pauses.is_paused(db, destination=DEST)
-    wait_for(lambda: not pauses.is_paused(db, destination=DEST), 5, "the pause to end")
+    assert pauses.held_reason(db, destination=DEST) == "is paused"
+    wait_for(lambda: pauses.held_reason(db, destination=DEST) is None, 5, "the pause to end")
     claimed = transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30)
     assert claimed is not None and claimed.id == row
 

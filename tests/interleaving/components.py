@@ -179,11 +179,26 @@ class Destination:
     lookup: bool
     #: issue 13: a 503's Retry-After pauses the whole destination (outbox.pauses.hold)
     retry_after_scope: str = "row"
+    #: issue 13 part 3: the destination's circuit breaker (outbox.breaker); None: none
+    breaker: outbox.Breaker | None = None
 
 
 DESTINATIONS = (
-    Destination("ix.charge", max_attempts=3, lookup=True, retry_after_scope="destination"),
-    Destination("ix.once", max_attempts=1, lookup=True),
+    # Breakers that trip within a few 503s and half-open within a second, so that schedules
+    # reach the probe, its race and its outcomes.
+    Destination(
+        "ix.charge",
+        max_attempts=3,
+        lookup=True,
+        retry_after_scope="destination",
+        breaker=outbox.Breaker(failures=2, window_seconds=10, open_seconds=0.5, max_open_seconds=2),
+    ),
+    Destination(
+        "ix.once",
+        max_attempts=1,
+        lookup=True,
+        breaker=outbox.Breaker(failures=3, window_seconds=10, open_seconds=1, max_open_seconds=2),
+    ),
     Destination("ix.manual", max_attempts=2, lookup=False),
 )
 
@@ -221,6 +236,7 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
         idempotent=False,
         lease_seconds=lease,
         retry_after_scope=dest.retry_after_scope,
+        breaker=dest.breaker,
     )
     def charge(d: outbox.Delivery) -> outbox.Confirmed:
         checkpoint("before_post")
@@ -483,7 +499,7 @@ def operator_pause(engine: Engine, destination: str, *, for_seconds: float | Non
 
 def operator_resume(engine: Engine, destination: str) -> bool:
     with engine.begin() as conn:
-        return pauses.resume(conn, destination, by=OPERATOR) is not None
+        return pauses.resume(conn, destination, by=OPERATOR).pause is not None
 
 
 # -- provider ------------------------------------------------------------------------------------

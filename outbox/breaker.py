@@ -1,0 +1,310 @@
+"""The circuit breaker of each destination (issue 13 part 3), on its ``outbox_destination`` row.
+
+When a provider is down, every call to it answers "not processed" (a connect error, 429, 503):
+without a breaker, every waiting row spends its attempts on those answers and ends ``failed``.
+With one, the destination holds itself back instead, and its rows wait without spending any.
+
+======================  ==================================================  =====================
+state                   what it means                                       who moves it out
+======================  ==================================================  =====================
+closed                  claims go through; the worker counts consecutive    the worker that
+(``breaker_opened_at``  "not processed" outcomes (``breaker_failures``,     records the
+IS NULL)                counted from ``breaker_window_at``); any processed  ``failures``-th
+                        outcome (sent, refused) sets the count back to 0    within ``window``
+open                    no claim of its rows before ``breaker_open_until``  time (then half-open)
+                        (their messages are acknowledged, the rows wait,    or ``outbox resume``
+                        attempts untouched, as for a pause)
+half-open (open, its    the first claim of one of its rows reserves the     the probe's worker
+``open_until`` passed)  probe (``breaker_probe_token`` = its claim token,   (its record), the
+                        until ``breaker_probe_until``: its lease); every    lease's end (a probe
+                        other claim is refused                              that never recorded),
+                                                                            ``outbox resume``
+======================  ==================================================  =====================
+
+The probe's outcome decides: processed (the provider answered: sent, or a refusal) closes the
+breaker; "not processed" opens it again for twice as long (at most ``max_open_seconds``), and that
+attempt is not counted against its row (:func:`outbox.policy` still retries it; the row is only
+the messenger); anything else (ambiguous: a timeout, a 500; a handler's own retry) opens it again
+for as long as before: it proves nothing either way. Ambiguous outcomes never count as "not
+processed", in any state. Outcomes of calls that were already under way when the breaker tripped
+do not move it: after a trip, only the probe speaks.
+
+The reconciler's ``redispatch`` leaves an open breaker's rows alone, re-queues one row of a
+half-open destination without a probe under way (the probe; rows written meanwhile serve as well),
+and once the breaker closes re-queues them all, as after a pause.
+
+"Consecutive" is per destination across all workers, on the database: a worker sets the count
+back to 0 only when its claim saw it above 0 (no extra statement per healthy delivery), so a
+success racing a failure may leave one failure counted; ``window_seconds`` bounds that.
+
+Statements only: the worker calls :func:`count_not_processed`, :func:`reset`, :func:`settle_probe`
+and :func:`close` after its record; the claim (``outbox.transitions``) reads and reserves;
+``outbox resume`` closes (``outbox.pauses``); ``status``, ``doctor`` and the metrics read
+:func:`open_breakers`.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from sqlalchemy import Connection, text
+
+from . import sanitize
+
+
+@dataclass(frozen=True)
+class Breaker:
+    """A destination's breaker thresholds (``@handler(breaker=...)``; ``breaker=None``: none).
+
+    ``failures`` consecutive "not processed" outcomes, the first of them at most
+    ``window_seconds`` before the last, open the breaker for ``open_seconds``; each probe that
+    finds the provider still down doubles that, up to ``max_open_seconds``.
+    """
+
+    failures: int = 5
+    window_seconds: float = 60.0
+    open_seconds: float = 10.0
+    max_open_seconds: float = 300.0
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        if not isinstance(self.failures, int) or isinstance(self.failures, bool) or self.failures < 1:
+            problems.append(f"breaker failures must be a whole number >= 1, got {self.failures!r}")
+        for name in ("window_seconds", "open_seconds", "max_open_seconds"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                problems.append(f"breaker {name} must be > 0 seconds, got {value!r}")
+        if not problems and self.max_open_seconds < self.open_seconds:
+            problems.append(
+                f"breaker max_open_seconds ({self.max_open_seconds:g}) must be >= open_seconds "
+                f"({self.open_seconds:g})"
+            )
+        return problems
+
+
+#: What ``@handler`` uses unless told otherwise.
+DEFAULT_BREAKER = Breaker()
+
+
+class Verdict(enum.StrEnum):
+    """What one call says about the provider's health."""
+
+    PROCESSED = "processed"  # it answered: sent, or a refusal
+    NOT_PROCESSED = "not_processed"  # connect error, 429, 503: it did not take the request
+    NEITHER = "neither"  # ambiguous, a handler's own retry, no call made: proves nothing
+
+
+def verdict(*, called: bool, outcome: str, not_processed: bool) -> Verdict:
+    """What a delivery says about the provider: ``outcome`` is the decision's (sent, retry,
+    failed, unknown), ``called`` whether a call was made at all."""
+    if not called:
+        return Verdict.NEITHER
+    if not_processed:
+        return Verdict.NOT_PROCESSED
+    if outcome in ("sent", "failed"):
+        return Verdict.PROCESSED
+    return Verdict.NEITHER
+
+
+# A "not processed" outcome while closed: counted, and the breaker opens at the threshold. One
+# statement, so that two workers counting at once cannot both miss the threshold.
+_WINDOW_OPEN = "d.breaker_window_at > now() - %(window)s * interval '1 second'"
+_NEW_COUNT = f"(CASE WHEN {_WINDOW_OPEN} THEN d.breaker_failures + 1 ELSE 1 END)"
+_TRIPS_AT_ONE = "1 >= %(threshold)s"
+_COUNT = f"""
+INSERT INTO outbox_destination AS d (destination, breaker_failures, breaker_window_at, breaker_opened_at,
+                                     breaker_open_until, breaker_open_seconds, breaker_reason,
+                                     breaker_trips)
+VALUES (%(destination)s, 1, now(),
+        CASE WHEN {_TRIPS_AT_ONE} THEN now() END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN now() + %(open)s * interval '1 second' END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN CAST(%(open)s AS float8) END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN %(reason)s END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN 1 ELSE 0 END)
+ON CONFLICT (destination) DO UPDATE
+SET breaker_failures = {_NEW_COUNT},
+    breaker_window_at = CASE WHEN {_WINDOW_OPEN} THEN d.breaker_window_at ELSE now() END,
+    breaker_opened_at = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN now() END,
+    breaker_open_until = CASE WHEN {_NEW_COUNT} >= %(threshold)s
+                              THEN now() + %(open)s * interval '1 second' END,
+    breaker_open_seconds = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN %(open)s END,
+    breaker_probes = 0,
+    breaker_probe_token = NULL,
+    breaker_probe_until = NULL,
+    breaker_reason = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN %(reason)s ELSE d.breaker_reason END,
+    breaker_trips = d.breaker_trips + CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN 1 ELSE 0 END
+WHERE d.breaker_opened_at IS NULL
+RETURNING breaker_opened_at IS NOT NULL AS tripped, breaker_failures
+"""
+
+_RESET = """
+UPDATE outbox_destination
+SET breaker_failures = 0, breaker_window_at = NULL
+WHERE destination = %(destination)s AND breaker_opened_at IS NULL AND breaker_failures > 0
+"""
+
+# The probe's outcome, only while this claim still holds the probe: closed, or open again for
+# `%(factor)s` times as long as before (at most `%(max)s`).
+_SETTLE_PROBE = """
+UPDATE outbox_destination
+SET breaker_opened_at = CASE WHEN %(close)s THEN NULL ELSE breaker_opened_at END,
+    breaker_open_until = CASE WHEN %(close)s THEN NULL
+        ELSE now() + LEAST(breaker_open_seconds * %(factor)s, %(max)s) * interval '1 second' END,
+    breaker_open_seconds = CASE WHEN %(close)s THEN NULL
+        ELSE LEAST(breaker_open_seconds * %(factor)s, %(max)s) END,
+    breaker_closed_at = CASE WHEN %(close)s THEN now() ELSE breaker_closed_at END,
+    breaker_failures = 0,
+    breaker_window_at = NULL,
+    breaker_reason = CASE WHEN %(close)s THEN breaker_reason ELSE %(reason)s END,
+    breaker_probe_token = NULL,
+    breaker_probe_until = NULL
+WHERE destination = %(destination)s AND breaker_probe_token = %(token)s AND breaker_opened_at IS NOT NULL
+RETURNING breaker_opened_at IS NULL AS closed, breaker_open_seconds
+"""
+
+_CLOSE_SET = """
+SET breaker_opened_at = NULL, breaker_open_until = NULL, breaker_open_seconds = NULL,
+    breaker_probe_token = NULL, breaker_probe_until = NULL, breaker_failures = 0,
+    breaker_window_at = NULL, breaker_closed_at = now()
+"""
+_CLOSE = f"""
+UPDATE outbox_destination {_CLOSE_SET}
+WHERE destination = %(destination)s AND breaker_opened_at IS NOT NULL
+RETURNING destination
+"""
+#: For ``outbox resume`` (SQLAlchemy): closes the breaker too.
+CLOSE_SQL = text(
+    f"UPDATE outbox_destination {_CLOSE_SET} WHERE destination = :destination "
+    "AND breaker_opened_at IS NOT NULL RETURNING breaker_opened_at"
+)
+
+
+def _reason(text_: str) -> str:
+    return sanitize.clean_text(text_, max_chars=500)
+
+
+def count_not_processed(
+    conn: psycopg.Connection[Any], destination: str, breaker: Breaker, *, reason: str
+) -> bool:
+    """Count a "not processed" outcome of a closed breaker; True when it tripped the breaker."""
+    row = conn.execute(
+        _COUNT,
+        {
+            "destination": destination,
+            "threshold": breaker.failures,
+            "window": float(breaker.window_seconds),
+            "open": float(breaker.open_seconds),
+            "reason": _reason(reason),
+        },
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def reset(conn: psycopg.Connection[Any], destination: str) -> None:
+    """A processed outcome: the consecutive count starts again."""
+    conn.execute(_RESET, {"destination": destination})
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    closed: bool
+    #: How long the breaker is open again (None: closed).
+    open_seconds: float | None
+
+
+def settle_probe(
+    conn: psycopg.Connection[Any],
+    destination: str,
+    breaker: Breaker,
+    *,
+    token: uuid.UUID,
+    verdict: Verdict,
+    reason: str,
+) -> ProbeResult | None:
+    """The probe's verdict; None when this claim no longer holds the probe (its lease ended and
+    another claim took it, or an operator closed the breaker)."""
+    row = conn.execute(
+        _SETTLE_PROBE,
+        {
+            "destination": destination,
+            "token": token,
+            "close": verdict is Verdict.PROCESSED,
+            "factor": 2.0 if verdict is Verdict.NOT_PROCESSED else 1.0,
+            "max": float(breaker.max_open_seconds),
+            "reason": _reason(reason),
+        },
+    ).fetchone()
+    return ProbeResult(bool(row[0]), row[1]) if row else None
+
+
+_FREE_PROBE = """
+UPDATE outbox_destination
+SET breaker_probe_token = NULL, breaker_probe_until = NULL
+WHERE destination = %(destination)s AND breaker_probe_token = %(token)s
+"""
+
+
+def free_probe(conn: psycopg.Connection[Any], destination: str, *, token: uuid.UUID) -> None:
+    """The probe made no call (its row failed before it: deadline passed): the next claim probes."""
+    conn.execute(_FREE_PROBE, {"destination": destination, "token": token})
+
+
+def close(conn: psycopg.Connection[Any], destination: str) -> bool:
+    """Close an open breaker: its handler no longer declares one (a deploy turned it off)."""
+    return conn.execute(_CLOSE, {"destination": destination}).fetchone() is not None
+
+
+@dataclass(frozen=True)
+class OpenBreaker:
+    destination: str
+    opened_at: datetime
+    open_until: datetime
+    #: Whether the probe may go now (open_until passed) and whether one is under way.
+    half_open: bool
+    probing: bool
+    probes: int
+    reason: str | None
+
+    def describe(self) -> str:
+        if self.probing:
+            now = "a probe delivery is under way"
+        elif self.half_open:
+            now = "half-open: the next claim is the probe"
+        else:
+            now = f"next probe after {self.open_until:%Y-%m-%d %H:%M:%S %Z}"
+        return (
+            f"breaker open: {self.destination} since {self.opened_at:%Y-%m-%d %H:%M:%S %Z}, {now} "
+            f"({self.probes} probe(s) so far): {self.reason or 'no reason recorded'}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "destination": self.destination,
+            "opened_at": self.opened_at.isoformat(),
+            "open_until": self.open_until.isoformat(),
+            "half_open": self.half_open,
+            "probing": self.probing,
+            "probes": self.probes,
+            "reason": self.reason,
+        }
+
+
+_OPEN = text(
+    """
+    SELECT destination, breaker_opened_at, breaker_open_until, breaker_open_until <= now() AS half_open,
+           COALESCE(breaker_probe_until > now(), false) AS probing, breaker_probes, breaker_reason
+    FROM outbox_destination
+    WHERE breaker_opened_at IS NOT NULL
+    ORDER BY destination
+    """
+)
+
+
+def open_breakers(connection: Connection) -> list[OpenBreaker]:
+    """The destinations whose breaker is open (or half-open) now, by name."""
+    return [OpenBreaker(*row) for row in connection.execute(_OPEN).all()]
