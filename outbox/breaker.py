@@ -21,10 +21,12 @@ half-open (open, its    the first claim of one of its rows reserves the     the 
                                                                             ``outbox resume``
 ======================  ==================================================  =====================
 
-The probe's outcome decides: processed (the provider answered: sent, or a refusal) closes the
-breaker; "not processed" opens it again for twice as long (at most ``max_open_seconds``), and that
-attempt is not counted against its row (:func:`outbox.policy` still retries it; the row is only
-the messenger); anything else (ambiguous: a timeout, a 500; a handler's own retry) opens it again
+The probe's outcome decides: processed (the provider answered: sent, or a refusal with an HTTP
+status) closes the breaker; "not processed" opens it again for twice as long (at most
+``max_open_seconds``), and that attempt is not counted against its row (the row is only the
+messenger), up to ``max_attempts`` such probes per row, after which its probes count like any
+attempt, so that a provider that never comes back still fails the row; anything else
+(ambiguous: a timeout, a 500; a handler's own retry or refusal without an answer) opens it again
 for as long as before: it proves nothing either way. Ambiguous outcomes never count as "not
 processed", in any state. Outcomes of calls that were already under way when the breaker tripped
 do not move it: after a trip, only the probe speaks.
@@ -34,8 +36,9 @@ half-open destination without a probe under way (the probe; rows written meanwhi
 and once the breaker closes re-queues them all, as after a pause.
 
 "Consecutive" is per destination across all workers, on the database: a worker sets the count
-back to 0 only when its claim saw it above 0 (no extra statement per healthy delivery), so a
-success racing a failure may leave one failure counted; ``window_seconds`` bounds that.
+back to 0 only when its claim saw it above 0 (no extra statement per healthy delivery), so the
+failures recorded while a success was under way (claimed when the count was 0) stay counted
+after it; ``window_seconds`` bounds how long.
 
 Statements only: the worker calls :func:`count_not_processed`, :func:`reset`, :func:`settle_probe`
 and :func:`close` after its record; the claim (``outbox.transitions``) reads and reserves;
@@ -99,16 +102,33 @@ class Verdict(enum.StrEnum):
     NEITHER = "neither"  # ambiguous, a handler's own retry, no call made: proves nothing
 
 
-def verdict(*, called: bool, outcome: str, not_processed: bool) -> Verdict:
+def verdict(*, called: bool, outcome: str, not_processed: bool, http_status: int | None) -> Verdict:
     """What a delivery says about the provider: ``outcome`` is the decision's (sent, retry,
-    failed, unknown), ``called`` whether a call was made at all."""
+    failed, unknown), ``called`` whether a call was made at all, ``http_status`` the provider's
+    last answer during it. A refusal counts as processed only with an answer behind it: a
+    handler that refuses a row by itself, before any request, proves nothing about the
+    provider (attack on part 3, F2)."""
     if not called:
         return Verdict.NEITHER
     if not_processed:
         return Verdict.NOT_PROCESSED
-    if outcome in ("sent", "failed"):
+    if outcome == "sent" or (outcome == "failed" and http_status is not None):
         return Verdict.PROCESSED
     return Verdict.NEITHER
+
+
+# Claims of the row that made a call (or may have): its attempts plus the probes refunded.
+_CALLS = """
+SELECT count(*) FROM outbox_attempt WHERE message_id = %(id)s AND outcome IS DISTINCT FROM 'released'
+"""
+
+
+def refunds_so_far(conn: psycopg.Connection[Any], *, row_id: int, attempts: int) -> int:
+    """How many of the row's probes were not counted as attempts (its claims, less its attempts,
+    this claim included in both): a row carries at most ``max_attempts`` uncounted probes, so that
+    a provider that never comes back still fails it in the end (attack on part 3, F1)."""
+    row = conn.execute(_CALLS, {"id": row_id}).fetchone()
+    return max(0, int(row[0]) - attempts) if row else 0
 
 
 # A "not processed" outcome while closed: counted, and the breaker opens at the threshold. One

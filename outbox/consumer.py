@@ -350,11 +350,16 @@ class Executor:
         failpoint("after_call")
 
         health = breaker.verdict(
-            called=observed.called, outcome=decision.outcome.value, not_processed=decision.not_processed
+            called=observed.called,
+            outcome=decision.outcome.value,
+            not_processed=decision.not_processed,
+            http_status=decision.http_status if decision.http_status is not None else observed.http_status,
         )
         # A probe that found the provider still down is not counted against its row: the row
-        # only carried the breaker's question (outbox.breaker).
+        # only carried the breaker's question (outbox.breaker); up to max_attempts times a row.
         refund = claimed.probe and handler.breaker is not None and health is breaker.Verdict.NOT_PROCESSED
+        if refund:
+            refund = self._refundable(handler, claimed)
         if refund:
             wait = max(handler.backoff_seconds(1), decision.retry_after_seconds or 0.0)
             nxt = Next("pending", wait, f"{decision.error} (the breaker's probe: not counted as an attempt)")
@@ -442,6 +447,16 @@ class Executor:
                 handler, call.error, last_status=call.http_status, last_retry_after=call.retry_after
             )
         return decide_result(call.result)
+
+    def _refundable(self, handler: Handler, claimed: transitions.Claimed) -> bool:
+        try:
+            carried = breaker.refunds_so_far(
+                self._conn("record_conn"), row_id=claimed.id, attempts=claimed.attempt
+            )
+        except psycopg.Error:
+            self._drop("record_conn")
+            return False  # counted: the safe side of a bound
+        return carried < handler.max_attempts
 
     def _breaker(
         self,

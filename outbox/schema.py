@@ -260,6 +260,9 @@ outbox_destination.append_column(Column("breaker_probes", Integer, nullable=Fals
 outbox_destination.append_column(Column("breaker_reason", Text, nullable=True))
 outbox_destination.append_column(Column("breaker_trips", Integer, nullable=False, server_default=text("0")))
 outbox_destination.append_column(Column("breaker_closed_at", DateTime(timezone=True), nullable=True))
+# When the reconciler's `held_destinations` job alerted the current pause / breaker episode.
+outbox_destination.append_column(Column("pause_alerted_at", DateTime(timezone=True), nullable=True))
+outbox_destination.append_column(Column("breaker_alerted_at", DateTime(timezone=True), nullable=True))
 outbox_destination.append_constraint(
     CheckConstraint(
         "breaker_opened_at IS NULL OR (breaker_open_until IS NOT NULL AND breaker_open_seconds > 0)",

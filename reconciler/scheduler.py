@@ -39,6 +39,7 @@ from .alerts import AlertHook, log_alert
 from .jobs._common import MaintenanceJob
 from .jobs.database_metrics import DatabaseMetrics
 from .jobs.expire_leases import ExpireLeases, ExpireLeasesConfig
+from .jobs.held_destinations import HeldDestinations, HeldDestinationsConfig
 from .jobs.no_consumer import NoConsumer, NoConsumerConfig
 from .jobs.purge import Purge, PurgeConfig
 from .jobs.redispatch import DEFAULT_REDISPATCH_GRACE_SECONDS, Redispatch, RedispatchConfig
@@ -79,6 +80,8 @@ JOB_LOCK_IDS: dict[str, int] = {
     "alerts": 5,
     # Not 6: a distinctive id, so that another job added beside it cannot share its lock.
     "no_consumer": 47,
+    # Pauses and breaker trips, alerted once per episode (issue 13).
+    "held_destinations": 49,
     # Only with a metrics port (outbox.metrics): one reconciler reads the rows for everyone.
     "database_metrics": 48,
 }
@@ -263,6 +266,7 @@ class Reconciler:
                 self.alert_hook,
             ),
             NoConsumer(NoConsumerConfig(cycles_before_alert=self.no_consumer_cycles), self.alert_hook),
+            HeldDestinations(HeldDestinationsConfig(), self.alert_hook),
         ) + (
             (DatabaseMetrics(self.database_metrics_interval_seconds, tuple(self.handlers)),)
             if self.database_metrics_interval_seconds is not None

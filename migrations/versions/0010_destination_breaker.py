@@ -3,7 +3,8 @@
 ``breaker_failures`` counts the consecutive "not processed" outcomes (connect error, 429, 503)
 since ``breaker_window_at``; the breaker is open while ``breaker_opened_at`` is set: no claim
 before ``breaker_open_until``, then one probe (``breaker_probe_token``, reserved by the claim that
-carries it until ``breaker_probe_until``). Added columns only (nullable or with a constant
+carries it until ``breaker_probe_until``). ``pause_alerted_at`` / ``breaker_alerted_at``: when the
+reconciler alerted the current episode (issue 13 part 4). Added columns only (nullable or with a constant
 default: no table rewrite); the previous release never reads them.
 
 Revision ID: 0010
@@ -38,6 +39,9 @@ def upgrade() -> None:
     op.add_column(_TABLE, sa.Column("breaker_reason", sa.Text(), nullable=True))
     op.add_column(_TABLE, sa.Column("breaker_trips", sa.Integer(), nullable=False, server_default="0"))
     op.add_column(_TABLE, sa.Column("breaker_closed_at", tz, nullable=True))
+    # When the reconciler alerted the current pause / breaker episode (once per episode).
+    op.add_column(_TABLE, sa.Column("pause_alerted_at", tz, nullable=True))
+    op.add_column(_TABLE, sa.Column("breaker_alerted_at", tz, nullable=True))
     op.create_check_constraint(
         "outbox_destination_breaker_check",
         _TABLE,
@@ -48,6 +52,8 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_constraint("outbox_destination_breaker_check", _TABLE, type_="check")
     for column in (
+        "breaker_alerted_at",
+        "pause_alerted_at",
         "breaker_closed_at",
         "breaker_trips",
         "breaker_reason",

@@ -1,7 +1,8 @@
 """The reconciler's jobs, one module each (River's ``internal/maintenance`` layout).
 
 Each module holds a job's statements, its function of a connection (``expire_leases``,
-``resolve_unknown``, ``redispatch``, ``purge``, ``send_alerts``, ``no_consumer``), a frozen
+``resolve_unknown``, ``redispatch``, ``purge``, ``send_alerts``, ``no_consumer``,
+``held_destinations``), a frozen
 config (timings in ``*_seconds``, batch sizes) and a job object whose ``run_once(conn)`` returns
 the counts of what it did: ``{}`` when it had nothing to do.
 

@@ -407,3 +407,55 @@ def test_a_bad_breaker_is_refused_at_declaration(kwargs, message):
     with pytest.raises(ConfigError, match=r"breaker") as caught:
         outbox.handler(f"bad.breaker{uuid.uuid4().hex[:6]}", breaker=outbox.Breaker(**kwargs))
     assert message in str(caught.value)
+
+
+def test_a_row_carries_at_most_max_attempts_uncounted_probes_then_fails(
+    clean, engine, db, provider, executor
+):
+    """(attack on part 3, F1) A provider that never takes the request again: the row that
+    tripped the breaker is its only probe. Its first max_attempts probes are not counted; the
+    next ones are, and the row ends `failed` instead of being called for ever."""
+    charge_handler(provider, max_attempts=4)
+    [row] = write_rows(engine, 1)
+    provider.unavailable()
+    for _ in range(40):
+        if get(db, row)["state"] not in ("pending", "dispatched"):
+            break
+        assert executor.deliver(row, DEST) in (RunResult.PENDING, RunResult.PAUSED, RunResult.FAILED)
+        half_open(db)
+    moved = get(db, row)
+    assert moved["state"] == "failed" and "gave up after 4 attempts" in moved["last_error"], moved
+    # 3 calls trip the breaker (attempts 1-3), 4 probes are not counted, the 5th is attempt 4.
+    assert provider.stats()["requests"] == 3 + 4 + 1
+
+
+def test_a_probe_refused_by_the_handler_itself_does_not_close_the_breaker(
+    clean, engine, db, provider, executor
+):
+    """(attack on part 3, F2) A handler that refuses a row before any request proves nothing
+    about the provider: the breaker stays open, the waiting rows are not called."""
+
+    @outbox.handler(DEST, time_limit=5, max_attempts=5, backoff=(0.01,), breaker=SMALL)
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        if d.payload["amount_cents"] == 1000:
+            raise outbox.PermanentError("refused before any request")
+        r = d.http.post(
+            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+        )
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    rows = write_rows(engine, 3)  # rows[0] is refused locally
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
+                "breaker_open_seconds) VALUES (:d, now(), now(), 2)"
+            ),
+            {"d": DEST},
+        )
+    provider.unavailable()
+    assert executor.deliver(rows[0], DEST) is RunResult.FAILED
+    assert row_of(db)["breaker_opened_at"] is not None, "no answer, no verdict"
+    assert [executor.deliver(r, DEST) for r in rows[1:]] == [RunResult.PAUSED] * 2
+    assert provider.stats()["requests"] == 0

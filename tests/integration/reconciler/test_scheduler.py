@@ -131,6 +131,8 @@ def test_two_reconcilers_at_once_act_once_per_job(clean, engine, db, provider, r
         # No worker heartbeat in this test: its waiting rows' destination has no consumer (one
         # destination, alerted only after OUTBOX_NO_CONSUMER_CYCLES runs).
         "no_consumer": {"no_consumer": 1},
+        # Nothing paused, no breaker open: nothing to do.
+        "held_destinations": {},
     }
     # No row moved twice: one fence closing per expired claim, one lookup entry per resolved row,
     # one alert per failed row.

@@ -1,0 +1,204 @@
+"""Job 7, ``held_destinations``: a destination held back (paused, or its breaker open) is alerted
+once per episode, not once per row; the episode's mark is cleared when it ends, so that the next
+one alerts again (issue 13 part 4).
+
+An episode is a pause (``outbox pause``, or a worker's Retry-After hold: ``outbox.pauses``) from
+its ``paused_at``, or a breaker trip (``outbox.breaker``) from its ``breaker_opened_at``, both on
+the destination's ``outbox_destination`` row; the mark is ``pause_alerted_at`` /
+``breaker_alerted_at`` on the same row. The "no consumer" episodes have their own job
+(``no_consumer``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import psycopg
+from psycopg.rows import namedtuple_row
+
+from reconciler.alerts import AlertHook, AlertRow, log_alert
+
+from ._common import _nonzero, _require_autocommit
+
+logger = logging.getLogger(__name__)
+
+#: An episode shorter than this is not alerted: a Retry-After of a few seconds, a breaker that
+#: closes at its first probe. Logged by the worker either way.
+DEFAULT_HELD_ALERT_AFTER_SECONDS = 60.0
+
+# Each kind of episode: whether it is on, when it began, its mark, and what it says.
+_HELD = """
+SELECT destination,
+       COALESCE(paused_until > now(), false) AS paused, paused_at, pause_alerted_at,
+       NULLIF(paused_until, 'infinity') AS paused_until, paused_by, pause_reason,
+       breaker_opened_at IS NOT NULL AS tripped, breaker_opened_at, breaker_alerted_at,
+       breaker_open_until, breaker_probes, breaker_reason,
+       now() AS now
+FROM outbox_destination
+WHERE paused_until > now() OR breaker_opened_at IS NOT NULL
+   OR pause_alerted_at IS NOT NULL OR breaker_alerted_at IS NOT NULL
+ORDER BY destination
+"""
+
+# The oldest row waiting for the destination (what the alert names) and how many wait.
+_WAITING = """
+SELECT (SELECT count(*) FROM outbox_message WHERE destination = %(d)s AND state IN ('pending', 'dispatched')),
+       w.id, w.key, w.step, EXTRACT(EPOCH FROM now() - w.created_at)
+FROM (SELECT 1) one
+LEFT JOIN LATERAL (
+    SELECT id, key, step, created_at FROM outbox_message
+    WHERE destination = %(d)s AND state IN ('pending', 'dispatched')
+    ORDER BY created_at, id LIMIT 1
+) w ON true
+"""
+
+# Marked only while it is still the episode that was read (a new pause or trip since has its
+# own start, and its own alert).
+_MARK = {
+    "paused": """
+        UPDATE outbox_destination SET pause_alerted_at = now()
+        WHERE destination = %(d)s AND paused_at = %(since)s AND paused_until > now()
+        RETURNING destination""",
+    "breaker_open": """
+        UPDATE outbox_destination SET breaker_alerted_at = now()
+        WHERE destination = %(d)s AND breaker_opened_at = %(since)s
+        RETURNING destination""",
+}
+_CLEAR = {
+    "paused": """
+        UPDATE outbox_destination SET pause_alerted_at = NULL
+        WHERE destination = %(d)s AND pause_alerted_at IS NOT NULL
+          AND NOT COALESCE(paused_until > now(), false)
+        RETURNING destination""",
+    "breaker_open": """
+        UPDATE outbox_destination SET breaker_alerted_at = NULL
+        WHERE destination = %(d)s AND breaker_alerted_at IS NOT NULL AND breaker_opened_at IS NULL
+        RETURNING destination""",
+}
+
+
+@dataclass(frozen=True)
+class _Episode:
+    kind: str  # "paused" | "breaker_open"
+    on: bool
+    since: Any
+    alerted_at: Any
+    reason: str
+
+
+def _episodes(row: Any) -> list[_Episode]:
+    fmt = "%Y-%m-%d %H:%M:%S %Z"
+    until = f"until {row.paused_until:{fmt}}" if row.paused_until else "until resumed"
+    pause = _Episode(
+        "paused",
+        row.paused,
+        row.paused_at,
+        row.pause_alerted_at,
+        f"{row.destination} paused since {row.paused_at:{fmt}} by {row.paused_by or '?'}, {until}: "
+        f"{row.pause_reason or 'no reason given'}"
+        if row.paused
+        else "",
+    )
+    breaker = _Episode(
+        "breaker_open",
+        row.tripped,
+        row.breaker_opened_at,
+        row.breaker_alerted_at,
+        f"{row.destination}'s circuit breaker open since {row.breaker_opened_at:{fmt}} "
+        f"({row.breaker_probes} probe(s) so far, next after {row.breaker_open_until:{fmt}}): "
+        f"{row.breaker_reason or 'no reason recorded'}"
+        if row.tripped
+        else "",
+    )
+    return [pause, breaker]
+
+
+def held_destinations(
+    conn: psycopg.Connection[Any],
+    hook: AlertHook = log_alert,
+    *,
+    alert_after_seconds: float = DEFAULT_HELD_ALERT_AFTER_SECONDS,
+) -> dict[str, int]:
+    """Alert each pause and each breaker episode once it has lasted ``alert_after_seconds``, as an
+    :class:`AlertRow` with state ``paused`` or ``breaker_open`` naming the destination's oldest
+    waiting row (id 0 and an empty key when none waits) and saying how many wait; clear the mark
+    of an episode that ended. A hook that raises is tried again at the next run.
+
+    Counts: ``held`` (episodes on), ``alerts``, ``hook_errors``, ``ended``.
+    """
+    _require_autocommit(conn, "held_destinations")
+    counts: Counter[str] = Counter()
+    with conn.cursor(row_factory=namedtuple_row) as cur:
+        rows: list[Any] = cur.execute(_HELD).fetchall()
+    for row in rows:
+        for episode in _episodes(row):
+            if not episode.on:
+                if (
+                    episode.alerted_at is not None
+                    and conn.execute(_CLEAR[episode.kind], {"d": row.destination}).fetchone()
+                ):
+                    counts["ended"] += 1
+                    logger.warning(
+                        "destination %s: the %s episode alerted at %s is over",
+                        row.destination,
+                        episode.kind,
+                        episode.alerted_at,
+                        extra={"destination": row.destination, "episode": episode.kind},
+                    )
+                continue
+            counts["held"] += 1
+            if episode.alerted_at is not None and episode.alerted_at >= episode.since:
+                continue  # alerted already
+            if (row.now - episode.since).total_seconds() < alert_after_seconds:
+                continue
+            counts[_alert(conn, hook, row.destination, episode)] += 1
+    return _nonzero(counts)
+
+
+def _alert(conn: psycopg.Connection[Any], hook: AlertHook, destination: str, episode: _Episode) -> str:
+    waiting, first_id, key, step, age = conn.execute(_WAITING, {"d": destination}).fetchone() or (
+        0,
+        None,
+        None,
+        None,
+        None,
+    )
+    alert = AlertRow(
+        id=first_id or 0,
+        key=key or "",
+        step=step or "",
+        destination=destination,
+        state=episode.kind,
+        reason=f"{episode.reason}; {waiting} row(s) wait without spending attempts",
+        age=float(age or 0.0),
+    )
+    try:
+        hook(alert)
+    except Exception:
+        logger.exception(
+            "alert hook failed for destination %s; it will be reported again",
+            destination,
+            extra={"destination": destination},
+        )
+        return "hook_errors"
+    marked = conn.execute(_MARK[episode.kind], {"d": destination, "since": episode.since}).fetchone()
+    return "alerts" if marked else "raced"
+
+
+@dataclass(frozen=True)
+class HeldDestinationsConfig:
+    #: A pause or breaker episode shorter than this is not alerted.
+    alert_after_seconds: float = DEFAULT_HELD_ALERT_AFTER_SECONDS
+
+
+@dataclass(frozen=True)
+class HeldDestinations:
+    name: ClassVar[str] = "held_destinations"
+    config: HeldDestinationsConfig
+    hook: AlertHook = log_alert
+
+    def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return held_destinations(conn, self.hook, alert_after_seconds=self.config.alert_after_seconds)

@@ -1,0 +1,135 @@
+"""Job ``held_destinations`` (issue 13 part 4): a pause or a breaker trip is alerted once per
+episode through the alert hook, not once per row, and the mark is cleared when the episode ends,
+so that the next one alerts again. Real PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from outbox import pauses
+from reconciler.alerts import AlertRow
+from reconciler.jobs.held_destinations import held_destinations
+
+from .support import DEST, declare_charge, write_rows
+
+
+class Hook:
+    def __init__(self, *, fail: bool = False) -> None:
+        self.alerts: list[AlertRow] = []
+        self.fail = fail
+
+    def __call__(self, row: AlertRow) -> None:
+        if self.fail:
+            raise RuntimeError("pager down")
+        self.alerts.append(row)
+
+
+def pause(engine: Any, **kw: Any) -> None:
+    with engine.begin() as conn:
+        pauses.pause(conn, DEST, by="ana", reason="INC-42", **kw)
+
+
+def resume(engine: Any) -> None:
+    with engine.begin() as conn:
+        pauses.resume(conn, DEST, by="ana")
+
+
+def trip(engine: Any) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
+                "breaker_open_seconds, breaker_reason) VALUES (:d, now(), now() + interval '1 minute', 10, "
+                "'HTTP 503 from 127.0.0.1 (row 1)') ON CONFLICT (destination) DO UPDATE SET "
+                "breaker_opened_at = now(), breaker_open_until = now() + interval '1 minute', "
+                "breaker_open_seconds = 10, breaker_reason = EXCLUDED.breaker_reason"
+            ),
+            {"d": DEST},
+        )
+
+
+def test_a_pause_is_alerted_once_and_again_after_it_ended_and_began_anew(clean, engine, db, provider):
+    declare_charge(provider)
+    ids = write_rows(engine, 3)
+    hook = Hook()
+    pause(engine)
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1, "alerts": 1}
+    [alert] = hook.alerts
+    assert alert.state == "paused" and alert.destination == DEST and alert.id == ids[0]
+    assert (
+        alert.key == "order:0"
+        and "paused since" in alert.reason
+        and "by ana, until resumed: INC-42" in alert.reason
+    )
+    assert "3 row(s) wait" in alert.reason
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1}, "once per episode"
+    pause(engine, for_seconds=3600)  # the same episode, a new end: not a new alert
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1}
+    assert len(hook.alerts) == 1
+
+    resume(engine)
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"ended": 1}
+    assert held_destinations(db, hook, alert_after_seconds=0) == {}
+    pause(engine)
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1, "alerts": 1}
+    assert len(hook.alerts) == 2
+
+
+def test_a_breaker_trip_is_alerted_once_and_its_end_clears_the_mark(clean, engine, db, provider):
+    declare_charge(provider)
+    hook = Hook()
+    trip(engine)
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1, "alerts": 1}
+    [alert] = hook.alerts
+    assert alert.state == "breaker_open" and alert.id == 0 and alert.key == ""
+    assert "circuit breaker open since" in alert.reason and "HTTP 503" in alert.reason
+    assert "0 row(s) wait" in alert.reason
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1}
+    db.execute("UPDATE outbox_destination SET breaker_opened_at = NULL, breaker_open_until = NULL")
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"ended": 1}
+    trip(engine)
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1, "alerts": 1}
+    assert [a.state for a in hook.alerts] == ["breaker_open", "breaker_open"]
+
+
+def test_a_short_episode_is_not_alerted_and_a_failing_hook_is_tried_again(clean, engine, db, provider):
+    declare_charge(provider)
+    pause(engine)
+    trip(engine)
+    assert held_destinations(db, Hook(), alert_after_seconds=3600) == {"held": 2}
+    failing = Hook(fail=True)
+    assert held_destinations(db, failing, alert_after_seconds=0) == {"held": 2, "hook_errors": 2}
+    hook = Hook()
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 2, "alerts": 2}
+    assert sorted(a.state for a in hook.alerts) == ["breaker_open", "paused"]
+
+
+@pytest.mark.parametrize("kind", ["pause", "breaker"])
+def test_the_reconciler_runs_it_with_its_alert_hook(clean, engine, db, provider, kind):
+    from outbox.handlers import registry
+    from reconciler.scheduler import Reconciler
+
+    declare_charge(provider)
+    pause(engine) if kind == "pause" else trip(engine)
+    db.execute(
+        "UPDATE outbox_destination SET paused_at = now() - interval '2 minutes', "
+        "breaker_opened_at = breaker_opened_at - interval '2 minutes'"
+    )
+    hook = Hook()
+    reconciler = Reconciler(
+        database_url=clean.database_url,
+        redis_url=clean.redis_url,
+        handlers=registry(),
+        module="tests",
+        namespace=clean.namespace,
+        alert_hook=hook,
+    )
+    try:
+        done = reconciler.run_once()
+    finally:
+        reconciler.close()
+    assert done["held_destinations"] == {"held": 1, "alerts": 1}
+    assert [a.state for a in hook.alerts] == ["paused" if kind == "pause" else "breaker_open"]
