@@ -153,7 +153,7 @@ SET breaker_failures = {_NEW_COUNT},
     breaker_open_until = CASE WHEN {_NEW_COUNT} >= %(threshold)s
                               THEN now() + %(open)s * interval '1 second' END,
     breaker_open_seconds = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN %(open)s END,
-    breaker_probes = 0,
+    breaker_probes = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN 0 ELSE d.breaker_probes END,
     breaker_probe_token = NULL,
     breaker_probe_until = NULL,
     breaker_reason = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN %(reason)s ELSE d.breaker_reason END,

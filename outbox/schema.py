@@ -109,6 +109,12 @@ Index(
     outbox_message.c.destination,
     postgresql_where=text("state = 'failed'"),
 )
+# Rows of a held-back destination whose deadline passes (migration 0010).
+Index(
+    "outbox_message_deadline_idx",
+    outbox_message.c.deadline,
+    postgresql_where=text("state IN ('pending', 'dispatched') AND deadline IS NOT NULL"),
+)
 Index(
     "outbox_message_purge_idx",
     outbox_message.c.completed_at,

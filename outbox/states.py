@@ -2,8 +2,10 @@
 
 Every move is one guarded statement in :mod:`outbox.transitions` (the function named below);
 nothing else in the product writes ``outbox_message``. A paused destination's rows
-(:mod:`outbox.pauses`) move no further than ``dispatched``: ``claim`` refuses them and
-``requeue`` leaves them alone until the pause ends.
+(:mod:`outbox.pauses`), and those behind an open breaker (:mod:`outbox.breaker`) but for its
+probe, move no further than ``dispatched``: ``claim`` refuses them and ``requeue`` leaves them
+alone until the pause ends (the breaker closes); ``fail_past_deadline`` fails those whose
+deadline passes meanwhile.
 
 ==============  ==================================  =================================================
 state           meaning                             moved out by (``outbox.transitions`` function)
@@ -12,14 +14,16 @@ state           meaning                             moved out by (``outbox.trans
                 (or retried at ``available_at``)    consumer: ``claim`` -> in_flight (a redelivered
                                                     message; -> unknown when an idempotent row's
                                                     earlier call is older than key_ttl),
-                                                    ``fail_unhandled`` -> failed;
+                                                    ``fail_unhandled`` -> failed; reconciler:
+                                                    ``fail_past_deadline`` -> failed (held back);
                                                     application: ``cancel_by_key``; operator:
                                                     ``cancel_rows`` -> cancelled
 ``dispatched``  published to the broker, not yet    consumer: ``claim`` -> in_flight (or unknown, as
                 claimed                             for pending), ``fail_unhandled`` -> failed; relay:
                                                     ``undispatch`` -> pending (Redis refused);
                                                     reconciler: ``requeue`` -> pending (message
-                                                    lost); ``cancel_by_key``/``cancel_rows``
+                                                    lost), ``fail_past_deadline`` -> failed;
+                                                    ``cancel_by_key``/``cancel_rows``
 ``in_flight``   claimed; the external call may be   consumer: ``record`` -> sent/pending/failed/
                 under way                           unknown, ``release`` -> pending (no call made);
                                                     reconciler: ``expire_leases`` -> unknown

@@ -24,6 +24,7 @@ function                              move                            called by
 :func:`park_unknown`                  unknown (waits for a human)     reconciler
 :func:`park_past_key_ttl`             unknown (waits for a human)     reconciler
 :func:`requeue`                       dispatched -> pending           reconciler (message lost)
+:func:`fail_past_deadline`            pending/dispatched -> failed    reconciler (held back)
 :func:`purge`                         sent/cancelled -> key ledger    reconciler
 :func:`mark_alerted`                  failed/unknown (alerted once)   reconciler
 :func:`replay_planned`                failed -> pending               ``outbox replay``
@@ -863,6 +864,43 @@ def requeue(conn: psycopg.Connection[Any], rows: Sequence[tuple[int, datetime]])
         return 0
     params = {"ids": [r[0] for r in rows], "dispatched": [r[1] for r in rows]}
     return len(conn.execute(_REQUEUE, params).fetchall())
+
+
+# A destination held back (paused, or its breaker open) has no claim to fail its rows whose
+# deadline passes (the claim would, "deadline passed before the call"): the reconciler does,
+# so that the failure is reported when it happens, not when the provider is back. No call
+# follows a deadline either way.
+_FAIL_PAST_DEADLINE = """
+UPDATE outbox_message m
+SET state = 'failed', completed_at = now(), dispatched_at = NULL, alerted_at = NULL,
+    last_error = 'deadline ' || to_char(m.deadline AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+                 || ' passed while its destination was held back ('
+                 || CASE WHEN d.paused_until > now() THEN 'paused' ELSE 'its breaker open' END
+                 || '); no call was made after it'
+FROM outbox_destination d
+WHERE m.id IN (
+    SELECT id FROM outbox_message
+    WHERE state IN ('pending', 'dispatched') AND deadline IS NOT NULL AND deadline <= now()
+      AND destination = ANY(%(destinations)s)
+    ORDER BY deadline
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+  AND m.state IN ('pending', 'dispatched')
+  AND d.destination = m.destination
+  AND (d.paused_until > now() OR d.breaker_opened_at IS NOT NULL)
+RETURNING m.id
+"""
+
+
+def fail_past_deadline(conn: psycopg.Connection[Any], *, destinations: Sequence[str], limit: int) -> int:
+    """``pending``/``dispatched`` -> ``failed`` for up to ``limit`` rows of ``destinations`` whose
+    deadline has passed while their destination is held back (paused, or its breaker open:
+    no claim comes to fail them); how many moved."""
+    if not destinations:
+        return 0
+    params = {"destinations": list(destinations), "limit": limit}
+    return len(conn.execute(_FAIL_PAST_DEADLINE, params).fetchall())
 
 
 def purge(conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
+from outbox.migrations.helpers import create_index_concurrently
 from sqlalchemy.dialects.postgresql import DOUBLE_PRECISION, UUID
 
 revision = "0010"
@@ -47,9 +48,20 @@ def upgrade() -> None:
         _TABLE,
         "breaker_opened_at IS NULL OR (breaker_open_until IS NOT NULL AND breaker_open_seconds > 0)",
     )
+    # The reconciler fails waiting rows of a held-back destination once their deadline passes
+    # (outbox.transitions.fail_past_deadline): found by deadline, not by scanning the backlog.
+    create_index_concurrently(
+        op,
+        "outbox_message_deadline_idx",
+        "outbox_message",
+        ["deadline"],
+        postgresql_where=sa.text("state IN ('pending', 'dispatched') AND deadline IS NOT NULL"),
+    )
 
 
 def downgrade() -> None:
+    # Not CONCURRENTLY: a downgrade runs in the migration's transaction, and the drop is brief.
+    op.drop_index("outbox_message_deadline_idx", table_name="outbox_message", if_exists=True)
     op.drop_constraint("outbox_destination_breaker_check", _TABLE, type_="check")
     for column in (
         "breaker_alerted_at",

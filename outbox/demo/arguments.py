@@ -9,6 +9,7 @@ import argparse
 
 from .base import (
     DEFAULT_ORDERS,
+    DEFAULT_OUTAGE_SECONDS,
     DEFAULT_RATE,
     DEFAULT_SEED,
     DEFAULT_TIMEOUT_SECONDS,
@@ -42,7 +43,11 @@ What runs (each a real process; logs go to files in a temporary directory):
     reconcile every 0.5 s).
 
 Chaos (unless --no-chaos): a worker is SIGKILLed and restarted every {WORKER_KILL_EVERY_SECONDS:g} s while
-orders are written, the relay is SIGKILLed and restarted once, and Redis is flushed once.
+orders are written, the relay is SIGKILLed and restarted once, and Redis is flushed once. And the
+provider goes down for --outage seconds (default {DEFAULT_OUTAGE_SECONDS:g}; 0: no outage): every
+charge is answered 503. The destination's circuit breaker trips after 3 of them, the rows wait
+without spending attempts, one probe at a time asks whether the provider is back, and once one
+is processed the breaker closes and the waiting rows are sent, each once.
 
 It ends when every row is terminal, or fails after --timeout seconds, and prints the audit:
 orders, provider charges, keys charged twice, rows not terminal, unknowns resolved by the
@@ -78,6 +83,16 @@ def _positive_float(value: str) -> float:
     return number
 
 
+def _non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
+    return number
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -93,7 +108,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_RATE,
         help=f"orders per second (default {DEFAULT_RATE:g})",
     )
-    parser.add_argument("--no-chaos", action="store_true", help="no SIGKILLs, no Redis flush")
+    parser.add_argument("--no-chaos", action="store_true", help="no SIGKILLs, no Redis flush, no outage")
+    parser.add_argument(
+        "--outage",
+        type=_non_negative_float,
+        default=DEFAULT_OUTAGE_SECONDS,
+        metavar="S",
+        help=f"seconds the provider answers 503 to every charge, while orders flow (default "
+        f"{DEFAULT_OUTAGE_SECONDS:g}; 0: none)",
+    )
     parser.add_argument(
         "--timeout",
         type=_positive_float,

@@ -11,6 +11,8 @@ DEFAULT_ORDERS = 300
 DEFAULT_RATE = 50.0
 DEFAULT_TIMEOUT_SECONDS = 120.0
 DEFAULT_SEED = 7
+#: The provider's outage (issue 13): every charge answered 503 for this long, while orders flow.
+DEFAULT_OUTAGE_SECONDS = 8.0
 
 #: Names of the demo's own: its rows, keys and queues never mix with an application's.
 DEMO_NAMESPACE = "outbox-demo"
@@ -34,6 +36,10 @@ FAST_ENV = {
     "SHOP_TIME_LIMIT": "2",
     "SHOP_LEASE_SECONDS": "3",
     "SHOP_BACKOFF": "0.5,1,2",
+    # The destination's circuit breaker: 3 "not processed" outcomes within 10 s open it for 1 s,
+    # then 2, 4 s between probes (failures,window_seconds,open_seconds,max_open_seconds): below
+    # the handler's 5 attempts, so that a row alone in its retries trips it before it fails.
+    "SHOP_BREAKER": "3,10,1,4",
     "OUTBOX_POLL_INTERVAL": "0.5",
     "OUTBOX_REDISPATCH_AFTER": "5",
     "OUTBOX_RECONCILE_INTERVAL": "0.5",
@@ -66,3 +72,5 @@ class Options:
     redis_url: str | None
     keep_logs: bool
     plain: bool
+    #: 0: no outage.
+    outage_seconds: float = DEFAULT_OUTAGE_SECONDS

@@ -1,15 +1,20 @@
-"""The faults ``outbox demo`` injects: workers SIGKILLed, the relay SIGKILLed once, Redis flushed once.
+"""The faults ``outbox demo`` injects: workers SIGKILLed, the relay SIGKILLed once, Redis flushed
+once, the provider down for a while.
 
 Each is what production sees: an OOM kill or a lost node (no cleanup runs), a Redis restarted
-without persistence (every queued message gone, the database still holding the rows).
+without persistence (every queued message gone, the database still holding the rows), a payment
+provider answering 503 to everything (its status page says "degraded").
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .base import WORKER_KILL_EVERY_SECONDS
+import httpx
+
+from .base import FAIL_BEFORE_RATE, WORKER_KILL_EVERY_SECONDS
 from .display import Display
 from .processes import Supervisor, start_relay, start_worker
 from .servers import Servers, delete_namespace, flushdb
@@ -22,9 +27,12 @@ class ChaosPlan:
     worker_kills: list[float]
     relay_kill: float | None
     redis_flush: float | None
+    #: The provider answers 503 to every charge from outage_at to outage_end.
+    outage_at: float | None = None
+    outage_end: float | None = None
 
     @classmethod
-    def for_run(cls, orders: int, rate: float, chaos: bool) -> ChaosPlan:
+    def for_run(cls, orders: int, rate: float, chaos: bool, outage_seconds: float = 0.0) -> ChaosPlan:
         if not chaos:
             return cls([], None, None)
         writing = orders / rate
@@ -34,11 +42,14 @@ class ChaosPlan:
         while at <= window:
             kills.append(at)
             at += WORKER_KILL_EVERY_SECONDS
-        return cls(kills, max(1.0, 0.3 * writing), max(2.0, 0.6 * writing))
+        # While orders are still written: the breaker holds back a flow, not a last straggler.
+        outage_at = max(1.5, 0.45 * writing) if outage_seconds > 0 else None
+        outage_end = outage_at + outage_seconds if outage_at is not None else None
+        return cls(kills, max(1.0, 0.3 * writing), max(2.0, 0.6 * writing), outage_at, outage_end)
 
     @property
     def one_shots_done(self) -> bool:
-        return self.relay_kill is None and self.redis_flush is None
+        return self.relay_kill is None and self.redis_flush is None and self.outage_end is None
 
 
 @dataclass
@@ -47,6 +58,12 @@ class Counters:
     worker_restarts: int = 0
     relay_kills: int = 0
     redis_flushes: int = 0
+    outages: int = 0
+    outage_seconds: float = 0.0
+    #: Charges the provider answered 503 while it was down: what reached it during the outage.
+    outage_calls: int = 0
+    _refused_before: int = 0
+    _outage_started: float = 0.0
 
 
 @dataclass
@@ -59,8 +76,15 @@ class Chaos:
     display: Display
     elapsed: Callable[[], float]
     counters: Counters
+    provider_url: str = ""
 
     def step(self, plan: ChaosPlan, since_first_order: float) -> None:
+        if plan.outage_at is not None and since_first_order >= plan.outage_at:
+            plan.outage_at = None
+            self.provider_down()
+        if plan.outage_at is None and plan.outage_end is not None and since_first_order >= plan.outage_end:
+            plan.outage_end = None
+            self.provider_back()
         if plan.worker_kills and since_first_order >= plan.worker_kills[0]:
             plan.worker_kills.pop(0)
             self.kill_worker()
@@ -97,6 +121,42 @@ class Chaos:
             f"{self.elapsed():5.1f} s  SIGKILL the relay; started {fresh.name} (pid {fresh.pid}). "
             "A batch published but not committed stays pending and is published again: the claim "
             "makes the duplicate harmless"
+        )
+
+    def _provider(self, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
+        with httpx.Client(base_url=self.provider_url, timeout=5.0) as client:
+            r = client.post(path, json=body) if body is not None else client.get(path)
+            r.raise_for_status()
+            answer: dict[str, object] = r.json()
+            return answer
+
+    def _refused(self) -> int:
+        with contextlib.suppress(httpx.HTTPError, KeyError, TypeError, ValueError):
+            faults = self._provider("/_stats")["faults"]
+            assert isinstance(faults, dict)
+            return int(faults["fail_before"])
+        return 0
+
+    def provider_down(self) -> None:
+        c = self.counters
+        c._refused_before = self._refused()
+        c._outage_started = self.elapsed()
+        self._provider("/_config", {"fail_before_rate": 1.0})
+        c.outages += 1
+        self.display.event(
+            f"{self.elapsed():5.1f} s  the provider is DOWN: every charge answered 503. After 3 of "
+            "them the breaker trips: the rows wait, attempts untouched, one probe at a time"
+        )
+
+    def provider_back(self) -> None:
+        c = self.counters
+        self._provider("/_config", {"fail_before_rate": FAIL_BEFORE_RATE})
+        c.outage_seconds = self.elapsed() - c._outage_started
+        c.outage_calls = self._refused() - c._refused_before
+        self.display.event(
+            f"{self.elapsed():5.1f} s  the provider is BACK after {c.outage_seconds:.1f} s; "
+            f"{c.outage_calls} call(s) reached it while it was down. The next probe closes the "
+            "breaker and the waiting rows go out"
         )
 
     def flush_redis(self) -> None:

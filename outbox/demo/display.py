@@ -32,6 +32,8 @@ class Progress:
     relay_kills: int = 0
     redis_flushes: int = 0
     chaos: bool = True
+    #: The destination's circuit breaker, in words (outbox.demo.report.breaker_state).
+    breaker: str = "closed"
 
     def chaos_line(self) -> str:
         if not self.chaos:
@@ -96,7 +98,7 @@ class PlainDisplay:
             f"[{progress.elapsed:5.1f} s] {progress.phase}: orders {progress.orders_written}/"
             f"{progress.orders_target} | rows: {shown or 'none yet'} | charges {charges}, "
             f"twice {progress.charged_twice} | kills: worker {progress.worker_kills}, "
-            f"relay {progress.relay_kills}, flushes {progress.redis_flushes}"
+            f"relay {progress.relay_kills}, flushes {progress.redis_flushes} | breaker {progress.breaker}"
         )
 
     def audit(self, result: DemoAudit, elapsed_seconds: float) -> None:
@@ -167,6 +169,7 @@ class RichDisplay:
         grid.add_row("rows by state", row_states)
         grid.add_row("provider", p.provider_line())
         grid.add_row("chaos", p.chaos_line())
+        grid.add_row("breaker", p.breaker)
         return Panel(grid, title=f"outbox demo — {p.phase} — {p.elapsed:.1f} s", border_style="blue")
 
     def audit(self, result: DemoAudit, elapsed_seconds: float) -> None:

@@ -31,6 +31,19 @@ def _lease_seconds() -> float | None:
     return float(raw) if raw else None
 
 
+def _breaker() -> outbox.Breaker | None:
+    # "failures,window_seconds,open_seconds,max_open_seconds", or "off"; unset: the default.
+    raw = os.environ.get("SHOP_BREAKER", "").strip()
+    if not raw:
+        return outbox.Breaker()
+    if raw == "off":
+        return None
+    failures, window, opened, most = (float(x) for x in raw.split(","))
+    return outbox.Breaker(
+        failures=int(failures), window_seconds=window, open_seconds=opened, max_open_seconds=most
+    )
+
+
 #: Must match what outbox/demo/shop.py writes (it reads the same variable).
 DESTINATION = os.environ.get("SHOP_DESTINATION", "payments.charge")
 
@@ -42,6 +55,7 @@ DESTINATION = os.environ.get("SHOP_DESTINATION", "payments.charge")
     backoff=tuple(float(x) for x in os.environ.get("SHOP_BACKOFF", "1,5,30").split(",")),
     idempotent=os.environ.get("SHOP_IDEMPOTENT", "") == "1",
     lease_seconds=_lease_seconds(),
+    breaker=_breaker(),
 )
 def charge(d: Delivery) -> Confirmed:
     # The Idempotency-Key comes from the business operation, never from the attempt number.

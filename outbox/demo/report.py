@@ -249,3 +249,31 @@ def final_audit(
 def ops_audit(conn: Connection, since: datetime) -> AuditReport:
     """``outbox audit`` over the run's time window."""
     return audit(conn, since=since)
+
+
+def breaker_state(conn: Connection, destination: str) -> str:
+    """The destination's circuit breaker, in words, for the progress display."""
+    row = conn.execute(
+        text(
+            "SELECT breaker_opened_at IS NOT NULL, breaker_open_until <= now(), "
+            "COALESCE(breaker_probe_until > now(), false), breaker_probes, breaker_trips "
+            "FROM outbox_destination WHERE destination = :d"
+        ),
+        {"d": destination},
+    ).first()
+    if row is None or not row[4]:
+        return "closed"
+    opened, half, probing, probes, trips = row
+    if not opened:
+        return f"closed (tripped {trips}x)"
+    now = "a probe under way" if probing else ("half-open" if half else "open")
+    return f"{now}: rows wait, attempts untouched ({probes} probe(s) so far, tripped {trips}x)"
+
+
+def breaker_totals(conn: Connection, destination: str) -> tuple[int, int]:
+    """(trips, probes of the latest episode) of the destination's breaker."""
+    row = conn.execute(
+        text("SELECT breaker_trips, breaker_probes FROM outbox_destination WHERE destination = :d"),
+        {"d": destination},
+    ).first()
+    return (int(row[0]), int(row[1])) if row else (0, 0)

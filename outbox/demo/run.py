@@ -59,7 +59,17 @@ from .processes import (
     wait_for_setup,
     wait_until_started,
 )
-from .report import DemoAudit, RunScope, final_audit, floors, ops_audit, orders_written, state_counts
+from .report import (
+    DemoAudit,
+    RunScope,
+    breaker_state,
+    breaker_totals,
+    final_audit,
+    floors,
+    ops_audit,
+    orders_written,
+    state_counts,
+)
 from .servers import (
     delete_namespace,
     make_engine,
@@ -83,6 +93,7 @@ def _options(args: argparse.Namespace, cfg: settings.Settings) -> Options:
         redis_url=cfg.redis_url,
         keep_logs=args.keep_logs,
         plain=args.plain,
+        outage_seconds=args.outage,
     )
 
 
@@ -202,16 +213,23 @@ class Demo:
             + ", ".join(f"{c.name} (pid {c.pid})" for c, _ in markers)
             + f" after {self.elapsed():.1f} s"
         )
-        plan = ChaosPlan.for_run(opts.orders, opts.rate, opts.chaos)
+        plan = ChaosPlan.for_run(opts.orders, opts.rate, opts.chaos, opts.outage_seconds)
         if opts.chaos:
+            outage = (
+                f", the provider down (503) from {plan.outage_at:.1f} s to {plan.outage_end:.1f} s"
+                if plan.outage_at is not None and plan.outage_end is not None
+                else ""
+            )
             self.display.text(
                 f"chaos: a worker SIGKILLed every {WORKER_KILL_EVERY_SECONDS:g} s "
                 f"({len(plan.worker_kills)} times), the relay SIGKILLed at {plan.relay_kill:.1f} s, "
-                f"Redis flushed at {plan.redis_flush:.1f} s (counted from the first order)"
+                f"Redis flushed at {plan.redis_flush:.1f} s{outage} (counted from the first order)"
             )
         else:
             self.display.text("chaos: off")
-        self.chaos = Chaos(sup, servers, opts.namespace, self.display, self.elapsed, self.counters)
+        self.chaos = Chaos(
+            sup, servers, opts.namespace, self.display, self.elapsed, self.counters, provider_url
+        )
 
         shop = start_shop(sup, opts.orders, opts.rate, opts.seed)
         with httpx.Client(base_url=provider_url, timeout=5.0) as provider_client:
@@ -254,7 +272,10 @@ class Demo:
         with contextlib.suppress(httpx.HTTPError):
             stats = provider.get("/_stats").raise_for_status().json()
         c = self.counters
+        with engine.connect() as conn:
+            breaker = breaker_state(conn, DESTINATION)
         return Progress(
+            breaker=breaker,
             elapsed=self.elapsed(),
             phase=phase,
             orders_target=self.opts.orders,
@@ -334,6 +355,15 @@ class Demo:
             else "off"
         )
         self.display.text(f"\nchaos: {chaos}; provider faults: {faults}")
+        if c.outages:
+            with engine.connect() as conn:
+                trips, probes = breaker_totals(conn, DESTINATION)
+            self.display.text(
+                f"provider outage: {c.outage_seconds:.1f} s of 503s; {c.outage_calls} call(s) reached it "
+                f"meanwhile (without the breaker every waiting row would have spent its attempts "
+                f"on them); breaker tripped {trips}x, {probes} probe(s); rows failed: "
+                f"{result.by_state.get(states.FAILED, 0)}"
+            )
         self.display.text("\n" + report.render())
         self.display.text("")
         if result.ok:

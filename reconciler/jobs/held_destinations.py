@@ -1,6 +1,8 @@
 """Job 7, ``held_destinations``: a destination held back (paused, or its breaker open) is alerted
 once per episode, not once per row; the episode's mark is cleared when it ends, so that the next
-one alerts again (issue 13 part 4).
+one alerts again (issue 13 part 4). Its waiting rows whose deadline passes meanwhile are failed
+(``outbox.transitions.fail_past_deadline``): no claim comes to do it, and the failure is then
+reported by the ``alerts`` job when it happens, not when the provider is back.
 
 An episode is a pause (``outbox pause``, or a worker's Retry-After hold: ``outbox.pauses``) from
 its ``paused_at``, or a breaker trip (``outbox.breaker``) from its ``breaker_opened_at``, both on
@@ -19,6 +21,7 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg.rows import namedtuple_row
 
+from outbox import transitions
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
@@ -28,6 +31,8 @@ logger = logging.getLogger(__name__)
 #: An episode shorter than this is not alerted: a Retry-After of a few seconds, a breaker that
 #: closes at its first probe. Logged by the worker either way.
 DEFAULT_HELD_ALERT_AFTER_SECONDS = 60.0
+#: Rows past their deadline failed per run, at most.
+DEADLINE_BATCH = 1000
 
 # Each kind of episode: whether it is on, when it began, its mark, and what it says.
 _HELD = """
@@ -127,12 +132,22 @@ def held_destinations(
     waiting row (id 0 and an empty key when none waits) and saying how many wait; clear the mark
     of an episode that ended. A hook that raises is tried again at the next run.
 
-    Counts: ``held`` (episodes on), ``alerts``, ``hook_errors``, ``ended``.
+    Counts: ``held`` (episodes on), ``alerts``, ``hook_errors``, ``ended``, ``past_deadline``
+    (rows failed).
     """
     _require_autocommit(conn, "held_destinations")
     counts: Counter[str] = Counter()
     with conn.cursor(row_factory=namedtuple_row) as cur:
         rows: list[Any] = cur.execute(_HELD).fetchall()
+    held = [r.destination for r in rows if r.paused or r.tripped]
+    failed = transitions.fail_past_deadline(conn, destinations=held, limit=DEADLINE_BATCH)
+    if failed:
+        counts["past_deadline"] += failed
+        logger.warning(
+            "%s row(s) of held-back destinations failed: their deadline passed while they waited",
+            failed,
+            extra={"rows": failed},
+        )
     for row in rows:
         for episode in _episodes(row):
             if not episode.on:

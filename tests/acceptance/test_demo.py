@@ -81,6 +81,16 @@ def test_the_demo_runs_with_chaos_and_ends_in_a_clean_audit():
         r"chaos: workers SIGKILLed [1-9]\d*x \(restarted [1-9]\d*x\), relay SIGKILLed 1x, Redis flushed 1x",
         output,
     )
+    # The provider outage (issue 13): the breaker tripped, a bounded number of calls reached the
+    # provider while it was down, and no row failed for it.
+    outage = re.search(
+        r"provider outage: [\d.]+ s of 503s; (\d+) call\(s\) reached it meanwhile .*breaker tripped "
+        r"([1-9]\d*)x, (\d+) probe\(s\); rows failed: 0",
+        output,
+    )
+    assert outage, output
+    assert int(outage.group(1)) <= 30, outage.group(0)
+    assert "the provider is DOWN" in output and "the provider is BACK" in output
     assert "outbox audit:" in output and "OK: no violation" in output
     workdir = re.search(r"working directory (\S+)", output).group(1)
     assert not Path(workdir).exists(), "the demo left its directory behind"

@@ -133,3 +133,30 @@ def test_the_reconciler_runs_it_with_its_alert_hook(clean, engine, db, provider,
         reconciler.close()
     assert done["held_destinations"] == {"held": 1, "alerts": 1}
     assert [a.state for a in hook.alerts] == ["paused" if kind == "pause" else "breaker_open"]
+
+
+def test_rows_whose_deadline_passes_while_held_back_are_failed_without_a_call(clean, engine, db, provider):
+    """(attack on part 3, F4) Behind an open breaker (or a pause) no claim comes to fail a row
+    whose deadline passed: the job does, so the failure is reported when it happens."""
+    from datetime import UTC, datetime, timedelta
+
+    from .support import get
+
+    declare_charge(provider)
+    soon = datetime.now(UTC) + timedelta(seconds=1)
+    late = write_rows(engine, 2, deadline=soon)
+    later = write_rows(engine, 1, start=2, deadline=datetime.now(UTC) + timedelta(hours=1))
+    other = write_rows(engine, 1, start=3, destination="mail.send", deadline=soon)
+    trip(engine)
+    db.execute(
+        "UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() WHERE id = %s", (late[0],)
+    )
+    db.execute("SELECT pg_sleep(1.1)")
+    assert held_destinations(db, Hook(), alert_after_seconds=3600) == {"held": 1, "past_deadline": 2}
+    for row_id in late:
+        moved = get(db, row_id)
+        assert moved["state"] == "failed" and moved["attempts"] == 0
+        assert "passed while its destination was held back (its breaker open)" in moved["last_error"]
+    assert get(db, later[0])["state"] == "pending", "its deadline has not passed"
+    assert get(db, other[0])["state"] == "pending", "not held back: its claim fails it"
+    assert provider.stats()["requests"] == 0
