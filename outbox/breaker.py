@@ -58,6 +58,7 @@ import psycopg
 from sqlalchemy import Connection, text
 
 from . import sanitize
+from .settings import DESTINATION_EPISODE_GAP_SECONDS
 
 
 @dataclass(frozen=True)
@@ -136,16 +137,20 @@ def refunds_so_far(conn: psycopg.Connection[Any], *, row_id: int, attempts: int)
 _WINDOW_OPEN = "d.breaker_window_at > now() - %(window)s * interval '1 second'"
 _NEW_COUNT = f"(CASE WHEN {_WINDOW_OPEN} THEN d.breaker_failures + 1 ELSE 1 END)"
 _TRIPS_AT_ONE = "1 >= %(threshold)s"
+# A trip that follows a close by less than the gap continues that episode (one alert for a
+# flapping provider).
+_EPISODE_GAP = f"interval '{DESTINATION_EPISODE_GAP_SECONDS} seconds'"
 _COUNT = f"""
 INSERT INTO outbox_destination AS d (destination, breaker_failures, breaker_window_at, breaker_opened_at,
                                      breaker_open_until, breaker_open_seconds, breaker_reason,
-                                     breaker_trips)
+                                     breaker_trips, breaker_since)
 VALUES (%(destination)s, 1, now(),
         CASE WHEN {_TRIPS_AT_ONE} THEN now() END,
         CASE WHEN {_TRIPS_AT_ONE} THEN now() + %(open)s * interval '1 second' END,
         CASE WHEN {_TRIPS_AT_ONE} THEN CAST(%(open)s AS float8) END,
         CASE WHEN {_TRIPS_AT_ONE} THEN %(reason)s END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN 1 ELSE 0 END)
+        CASE WHEN {_TRIPS_AT_ONE} THEN 1 ELSE 0 END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN now() END)
 ON CONFLICT (destination) DO UPDATE
 SET breaker_failures = {_NEW_COUNT},
     breaker_window_at = CASE WHEN {_WINDOW_OPEN} THEN d.breaker_window_at ELSE now() END,
@@ -157,7 +162,10 @@ SET breaker_failures = {_NEW_COUNT},
     breaker_probe_token = NULL,
     breaker_probe_until = NULL,
     breaker_reason = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN %(reason)s ELSE d.breaker_reason END,
-    breaker_trips = d.breaker_trips + CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN 1 ELSE 0 END
+    breaker_trips = d.breaker_trips + CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN 1 ELSE 0 END,
+    breaker_since = CASE WHEN {_NEW_COUNT} < %(threshold)s THEN d.breaker_since
+                         WHEN d.breaker_closed_at > now() - {_EPISODE_GAP} AND d.breaker_since IS NOT NULL
+                         THEN d.breaker_since ELSE now() END
 WHERE d.breaker_opened_at IS NULL
 RETURNING breaker_opened_at IS NOT NULL AS tripped, breaker_failures
 """

@@ -323,6 +323,22 @@ class Executor:
 
         if claimed.deadline_passed:
             decision = Decision(Outcome.FAILED, error="deadline passed before the call")
+            if transitions.earlier_call_may_have_taken_effect(conn, row_id=claimed.id, token=claimed.token):
+                # Not failed: an earlier call (an idempotent destination's ambiguous one, retried)
+                # may have charged. No call now; the lookup, or a human, decides.
+                why = (
+                    "deadline passed before the call; an earlier call may have taken effect: "
+                    "the lookup decides"
+                )
+                moved = self._record(claimed, decision, Next("unknown", 0.0, why), None)
+                logger.warning(
+                    "outbox %s:%s -> unknown: %s",
+                    claimed.key,
+                    claimed.step,
+                    why,
+                    extra={"outbox_id": claimed.id, "destination": destination, "outbox_run": "unknown"},
+                )
+                return RunResult(moved) if moved is not None else RunResult.SUPERSEDED
         elif not header_safe(idempotency_key(claimed.key, claimed.step)):
             # Only rows written before `write` refused such keys get here. Failing before the
             # call is certain and clear; the call could only fail to encode its header, and go

@@ -30,9 +30,20 @@ from sqlalchemy import Connection, text
 from . import sanitize
 from .breaker import CLOSE_SQL
 from .exceptions import ConfigError
+from .settings import DESTINATION_EPISODE_GAP_SECONDS
 
 #: A pause's reason is kept whole up to this length.
 REASON_CHARS = 2000
+
+# The episode's start: kept while paused, or after a pause that ran out by itself less than
+# DESTINATION_EPISODE_GAP_SECONDS ago, so that a chain of short Retry-After holds is one episode,
+# alerted once (attack on issue 13, F3); resume sets resumed_at to the end it gives, which ends
+# the episode.
+_EPISODE_START = (
+    f"CASE WHEN d.paused_until > now() OR (d.paused_until > now() - interval "
+    f"'{DESTINATION_EPISODE_GAP_SECONDS} seconds' AND d.resumed_at IS DISTINCT FROM d.paused_until) "
+    "THEN d.paused_at ELSE now() END"
+)
 
 # Why a claim of the destination's rows was refused, if it was held back at all.
 _HELD_REASON = """
@@ -47,7 +58,7 @@ FROM outbox_destination WHERE destination = %(destination)s
 """
 
 _PAUSE = text(
-    """
+    f"""
     INSERT INTO outbox_destination AS d (destination, paused_until, paused_at, paused_by, pause_reason)
     VALUES (:destination,
             COALESCE(CAST(:until AS timestamptz),
@@ -57,7 +68,7 @@ _PAUSE = text(
     ON CONFLICT (destination) DO UPDATE
     SET paused_until = EXCLUDED.paused_until,
         -- A pause of a paused destination changes its end and reason, not when it began.
-        paused_at = CASE WHEN d.paused_until > now() THEN d.paused_at ELSE now() END,
+        paused_at = {_EPISODE_START},
         paused_by = EXCLUDED.paused_by,
         pause_reason = EXCLUDED.pause_reason
     RETURNING destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by,
@@ -199,12 +210,12 @@ def known_destinations(connection: Connection) -> set[str]:
 
 # A worker's pause: only ever lengthens one (an operator's longer or indefinite pause, and its
 # reason, stay as they are).
-_HOLD = """
+_HOLD = f"""
 INSERT INTO outbox_destination AS d (destination, paused_until, paused_at, paused_by, pause_reason)
 VALUES (%(destination)s, now() + %(seconds)s * interval '1 second', now(), %(by)s, %(reason)s)
 ON CONFLICT (destination) DO UPDATE
 SET paused_until = EXCLUDED.paused_until,
-    paused_at = CASE WHEN d.paused_until > now() THEN d.paused_at ELSE now() END,
+    paused_at = {_EPISODE_START},
     paused_by = EXCLUDED.paused_by,
     pause_reason = EXCLUDED.pause_reason
 WHERE d.paused_until IS NULL OR d.paused_until < EXCLUDED.paused_until

@@ -109,7 +109,7 @@ Index(
     outbox_message.c.destination,
     postgresql_where=text("state = 'failed'"),
 )
-# Rows of a held-back destination whose deadline passes (migration 0010).
+# Rows of a held-back destination whose deadline passes (migration 0011).
 Index(
     "outbox_message_deadline_idx",
     outbox_message.c.deadline,
@@ -266,6 +266,8 @@ outbox_destination.append_column(Column("breaker_probes", Integer, nullable=Fals
 outbox_destination.append_column(Column("breaker_reason", Text, nullable=True))
 outbox_destination.append_column(Column("breaker_trips", Integer, nullable=False, server_default=text("0")))
 outbox_destination.append_column(Column("breaker_closed_at", DateTime(timezone=True), nullable=True))
+# The episode's start, kept by a trip that follows a close within outbox.pauses.EPISODE_GAP_SECONDS.
+outbox_destination.append_column(Column("breaker_since", DateTime(timezone=True), nullable=True))
 # When the reconciler's `held_destinations` job alerted the current pause / breaker episode.
 outbox_destination.append_column(Column("pause_alerted_at", DateTime(timezone=True), nullable=True))
 outbox_destination.append_column(Column("breaker_alerted_at", DateTime(timezone=True), nullable=True))

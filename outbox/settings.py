@@ -31,6 +31,10 @@ DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS = 3600.0
 DEFAULT_HEARTBEAT_INTERVAL_SECONDS = 5.0
 #: Reconciler cycles a destination must go without a consumer before it is alerted.
 DEFAULT_NO_CONSUMER_CYCLES = 3
+#: A destination's pause or breaker trip that begins less than this after the previous one ended
+#: by itself continues its episode (outbox.pauses, outbox.breaker): a provider answering "503,
+#: Retry-After: 55" to every probe makes a chain of short holds, which is one outage, alerted once.
+DESTINATION_EPISODE_GAP_SECONDS = 300
 DEFAULT_CLOCK_SKEW_WARN_SECONDS = 2.0
 DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS = 30.0
 

@@ -24,7 +24,8 @@ function                              move                            called by
 :func:`park_unknown`                  unknown (waits for a human)     reconciler
 :func:`park_past_key_ttl`             unknown (waits for a human)     reconciler
 :func:`requeue`                       dispatched -> pending           reconciler (message lost)
-:func:`fail_past_deadline`            pending/dispatched -> failed    reconciler (held back)
+:func:`fail_past_deadline`            pending/dispatched -> failed    reconciler (held back; ->
+                                                                      unknown if it may have charged)
 :func:`purge`                         sent/cancelled -> key ledger    reconciler
 :func:`mark_alerted`                  failed/unknown (alerted once)   reconciler
 :func:`replay_planned`                failed -> pending               ``outbox replay``
@@ -869,38 +870,80 @@ def requeue(conn: psycopg.Connection[Any], rows: Sequence[tuple[int, datetime]])
 # A destination held back (paused, or its breaker open) has no claim to fail its rows whose
 # deadline passes (the claim would, "deadline passed before the call"): the reconciler does,
 # so that the failure is reported when it happens, not when the provider is back. No call
-# follows a deadline either way.
-_FAIL_PAST_DEADLINE = """
-UPDATE outbox_message m
-SET state = 'failed', completed_at = now(), dispatched_at = NULL, alerted_at = NULL,
-    last_error = 'deadline ' || to_char(m.deadline AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
-                 || ' passed while its destination was held back ('
-                 || CASE WHEN d.paused_until > now() THEN 'paused' ELSE 'its breaker open' END
-                 || '); no call was made after it'
-FROM outbox_destination d
-WHERE m.id IN (
-    SELECT id FROM outbox_message
-    WHERE state IN ('pending', 'dispatched') AND deadline IS NOT NULL AND deadline <= now()
-      AND destination = ANY(%(destinations)s)
-    ORDER BY deadline
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+# follows a deadline either way. A row whose earlier call may have taken effect (an idempotent
+# destination's ambiguous call, retried) is not failed but sent to `unknown`: the lookup (or a
+# human) says whether the provider holds it (attack on issue 13, F1: failed, it hid a charge).
+_HELD_BACK_BECAUSE = (
+    "' passed while its destination was held back ('"
+    " || CASE WHEN d.paused_until > now() THEN 'paused' ELSE 'its breaker open' END || ')'"
 )
+_FAIL_PAST_DEADLINE = f"""
+WITH due AS (
+    SELECT om.id,
+           EXISTS (SELECT 1 FROM outbox_attempt a
+                   WHERE a.message_id = om.id AND {outcomes.may_have_taken_effect_sql("a")}) AS called
+    FROM outbox_message om
+    WHERE om.state IN ('pending', 'dispatched') AND om.deadline IS NOT NULL AND om.deadline <= now()
+      AND om.destination = ANY(%(destinations)s)
+    ORDER BY om.deadline
+    LIMIT %(limit)s
+    FOR UPDATE OF om SKIP LOCKED
+)
+UPDATE outbox_message m
+SET state = CASE WHEN due.called THEN 'unknown' ELSE 'failed' END,
+    completed_at = CASE WHEN due.called THEN NULL ELSE now() END,
+    unknown_since = CASE WHEN due.called THEN now() END,
+    available_at = CASE WHEN due.called THEN now() ELSE m.available_at END,
+    dispatched_at = NULL, alerted_at = NULL,
+    last_error = 'deadline ' || to_char(m.deadline AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+                 || {_HELD_BACK_BECAUSE}
+                 || CASE WHEN due.called
+                         THEN '; an earlier call may have taken effect: the lookup decides'
+                         ELSE '; no call was made after it' END
+FROM due, outbox_destination d
+WHERE m.id = due.id
   AND m.state IN ('pending', 'dispatched')
   AND d.destination = m.destination
   AND (d.paused_until > now() OR d.breaker_opened_at IS NOT NULL)
-RETURNING m.id
+RETURNING m.state
 """
 
 
-def fail_past_deadline(conn: psycopg.Connection[Any], *, destinations: Sequence[str], limit: int) -> int:
+@dataclass(frozen=True)
+class PastDeadline:
+    failed: int = 0
+    #: Rows whose earlier call may have taken effect: sent to `unknown` for the lookup.
+    unknown: int = 0
+
+
+def fail_past_deadline(
+    conn: psycopg.Connection[Any], *, destinations: Sequence[str], limit: int
+) -> PastDeadline:
     """``pending``/``dispatched`` -> ``failed`` for up to ``limit`` rows of ``destinations`` whose
     deadline has passed while their destination is held back (paused, or its breaker open:
-    no claim comes to fail them); how many moved."""
+    no claim comes to fail them); -> ``unknown`` instead for a row whose earlier call may have
+    taken effect."""
     if not destinations:
-        return 0
+        return PastDeadline()
     params = {"destinations": list(destinations), "limit": limit}
-    return len(conn.execute(_FAIL_PAST_DEADLINE, params).fetchall())
+    moved = [r[0] for r in conn.execute(_FAIL_PAST_DEADLINE, params).fetchall()]
+    return PastDeadline(failed=moved.count("failed"), unknown=moved.count("unknown"))
+
+
+_EARLIER_CALL = f"""
+SELECT EXISTS (SELECT 1 FROM outbox_attempt a
+               WHERE a.message_id = %(id)s AND a.claim_token <> %(token)s
+                 AND {outcomes.may_have_taken_effect_sql("a")})
+"""
+
+
+def earlier_call_may_have_taken_effect(
+    conn: psycopg.Connection[Any], *, row_id: int, token: uuid.UUID
+) -> bool:
+    """Whether a claim of the row before the one holding ``token`` made a call the provider may
+    hold (outbox.outcomes): a read, for a claim that found the deadline passed."""
+    row = conn.execute(_EARLIER_CALL, {"id": row_id, "token": token}).fetchone()
+    return bool(row and row[0])
 
 
 def purge(conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
-from outbox.migrations.helpers import create_index_concurrently
 from sqlalchemy.dialects.postgresql import DOUBLE_PRECISION, UUID
 
 revision = "0010"
@@ -40,6 +39,8 @@ def upgrade() -> None:
     op.add_column(_TABLE, sa.Column("breaker_reason", sa.Text(), nullable=True))
     op.add_column(_TABLE, sa.Column("breaker_trips", sa.Integer(), nullable=False, server_default="0"))
     op.add_column(_TABLE, sa.Column("breaker_closed_at", tz, nullable=True))
+    # The episode's start: a trip soon after a close continues it (outbox.pauses.EPISODE_GAP_SECONDS).
+    op.add_column(_TABLE, sa.Column("breaker_since", tz, nullable=True))
     # When the reconciler alerted the current pause / breaker episode (once per episode).
     op.add_column(_TABLE, sa.Column("pause_alerted_at", tz, nullable=True))
     op.add_column(_TABLE, sa.Column("breaker_alerted_at", tz, nullable=True))
@@ -48,24 +49,14 @@ def upgrade() -> None:
         _TABLE,
         "breaker_opened_at IS NULL OR (breaker_open_until IS NOT NULL AND breaker_open_seconds > 0)",
     )
-    # The reconciler fails waiting rows of a held-back destination once their deadline passes
-    # (outbox.transitions.fail_past_deadline): found by deadline, not by scanning the backlog.
-    create_index_concurrently(
-        op,
-        "outbox_message_deadline_idx",
-        "outbox_message",
-        ["deadline"],
-        postgresql_where=sa.text("state IN ('pending', 'dispatched') AND deadline IS NOT NULL"),
-    )
 
 
 def downgrade() -> None:
-    # Not CONCURRENTLY: a downgrade runs in the migration's transaction, and the drop is brief.
-    op.drop_index("outbox_message_deadline_idx", table_name="outbox_message", if_exists=True)
     op.drop_constraint("outbox_destination_breaker_check", _TABLE, type_="check")
     for column in (
         "breaker_alerted_at",
         "pause_alerted_at",
+        "breaker_since",
         "breaker_closed_at",
         "breaker_trips",
         "breaker_reason",

@@ -43,6 +43,8 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
                    the new one replaces it. A message still waiting in its queue is never
                    re-published, whatever its age. Rows for a destination MODULE has no handler
                    for are re-dispatched alike and logged (count no_handler), never failed.
+                   A paused destination's rows, and those behind an open circuit breaker, are
+                   left alone; a half-open breaker gets its oldest waiting row (the probe).
   purge            moves sent/cancelled rows older than OUTBOX_RETENTION (default {_RETENTION}) into the
                    key ledger (key, step, destination, payload hash, final state, provider ref,
                    attempts) in the statement that deletes them, so writing the key again answers
@@ -58,6 +60,10 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
                    queue for OUTBOX_NO_CONSUMER_CYCLES (default {_CYCLES}) runs: reported once per
                    episode through the alert hook ("no consumer for D since T, K rows
                    waiting"); also deletes heartbeats older than a day.
+  held_destinations a pause (outbox pause, a Retry-After hold) or an open circuit breaker that
+                   lasts a minute: reported once per episode through the alert hook (state
+                   paused / breaker_open), the mark cleared when it ends; waiting rows of such
+                   a destination whose deadline passed -> failed (no call was made after it).
 
 Environment: OUTBOX_DATABASE_URL, OUTBOX_REDIS_URL (both required), OUTBOX_NAMESPACE,
 OUTBOX_RECONCILE_INTERVAL (default {_INTERVAL}), OUTBOX_REDISPATCH_AFTER, OUTBOX_RETENTION,

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg.rows import namedtuple_row
 
-from outbox import transitions
+from outbox import settings, transitions
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
@@ -39,7 +39,8 @@ _HELD = """
 SELECT destination,
        COALESCE(paused_until > now(), false) AS paused, paused_at, pause_alerted_at,
        NULLIF(paused_until, 'infinity') AS paused_until, paused_by, pause_reason,
-       breaker_opened_at IS NOT NULL AS tripped, breaker_opened_at, breaker_alerted_at,
+       breaker_opened_at IS NOT NULL AS tripped, COALESCE(breaker_since, breaker_opened_at) AS breaker_since,
+       breaker_opened_at, breaker_alerted_at,
        breaker_open_until, breaker_probes, breaker_reason,
        now() AS now
 FROM outbox_destination
@@ -69,7 +70,8 @@ _MARK = {
         RETURNING destination""",
     "breaker_open": """
         UPDATE outbox_destination SET breaker_alerted_at = now()
-        WHERE destination = %(d)s AND breaker_opened_at = %(since)s
+        WHERE destination = %(d)s AND COALESCE(breaker_since, breaker_opened_at) = %(since)s
+          AND breaker_opened_at IS NOT NULL
         RETURNING destination""",
 }
 _CLEAR = {
@@ -77,10 +79,13 @@ _CLEAR = {
         UPDATE outbox_destination SET pause_alerted_at = NULL
         WHERE destination = %(d)s AND pause_alerted_at IS NOT NULL
           AND NOT COALESCE(paused_until > now(), false)
+          -- Resumed, or run out longer ago than a new hold would still continue it.
+          AND (resumed_at = paused_until OR paused_until <= now() - %(gap)s * interval '1 second')
         RETURNING destination""",
     "breaker_open": """
         UPDATE outbox_destination SET breaker_alerted_at = NULL
         WHERE destination = %(d)s AND breaker_alerted_at IS NOT NULL AND breaker_opened_at IS NULL
+          AND (breaker_closed_at IS NULL OR breaker_closed_at <= now() - %(gap)s * interval '1 second')
         RETURNING destination""",
 }
 
@@ -110,9 +115,9 @@ def _episodes(row: Any) -> list[_Episode]:
     breaker = _Episode(
         "breaker_open",
         row.tripped,
-        row.breaker_opened_at,
+        row.breaker_since,
         row.breaker_alerted_at,
-        f"{row.destination}'s circuit breaker open since {row.breaker_opened_at:{fmt}} "
+        f"{row.destination}'s circuit breaker open since {row.breaker_since:{fmt}} "
         f"({row.breaker_probes} probe(s) so far, next after {row.breaker_open_until:{fmt}}): "
         f"{row.breaker_reason or 'no reason recorded'}"
         if row.tripped
@@ -126,34 +131,43 @@ def held_destinations(
     hook: AlertHook = log_alert,
     *,
     alert_after_seconds: float = DEFAULT_HELD_ALERT_AFTER_SECONDS,
+    episode_gap_seconds: float = settings.DESTINATION_EPISODE_GAP_SECONDS,
 ) -> dict[str, int]:
     """Alert each pause and each breaker episode once it has lasted ``alert_after_seconds``, as an
     :class:`AlertRow` with state ``paused`` or ``breaker_open`` naming the destination's oldest
     waiting row (id 0 and an empty key when none waits) and saying how many wait; clear the mark
-    of an episode that ended. A hook that raises is tried again at the next run.
+    of an episode once it has ended for good: resumed, or over for ``episode_gap_seconds``
+    (a pause or trip that follows sooner continues the episode, so a chain of short holds is
+    alerted once). A hook that raises is tried again at the next run.
 
     Counts: ``held`` (episodes on), ``alerts``, ``hook_errors``, ``ended``, ``past_deadline``
-    (rows failed).
+    (rows failed), ``past_deadline_unknown`` (rows whose earlier call may have taken effect: to
+    ``unknown``, for the lookup).
     """
     _require_autocommit(conn, "held_destinations")
     counts: Counter[str] = Counter()
     with conn.cursor(row_factory=namedtuple_row) as cur:
         rows: list[Any] = cur.execute(_HELD).fetchall()
     held = [r.destination for r in rows if r.paused or r.tripped]
-    failed = transitions.fail_past_deadline(conn, destinations=held, limit=DEADLINE_BATCH)
-    if failed:
-        counts["past_deadline"] += failed
+    past = transitions.fail_past_deadline(conn, destinations=held, limit=DEADLINE_BATCH)
+    if past.failed or past.unknown:
+        counts["past_deadline"] += past.failed
+        counts["past_deadline_unknown"] += past.unknown
         logger.warning(
-            "%s row(s) of held-back destinations failed: their deadline passed while they waited",
-            failed,
-            extra={"rows": failed},
+            "%s row(s) of held-back destinations failed, %s sent to unknown for the lookup (an "
+            "earlier call may have taken effect): their deadline passed while they waited",
+            past.failed,
+            past.unknown,
+            extra={"rows": past.failed + past.unknown},
         )
     for row in rows:
         for episode in _episodes(row):
             if not episode.on:
                 if (
                     episode.alerted_at is not None
-                    and conn.execute(_CLEAR[episode.kind], {"d": row.destination}).fetchone()
+                    and conn.execute(
+                        _CLEAR[episode.kind], {"d": row.destination, "gap": float(episode_gap_seconds)}
+                    ).fetchone()
                 ):
                     counts["ended"] += 1
                     logger.warning(

@@ -264,3 +264,64 @@ def test_migrations_are_packaged() -> None:
     assert len(revisions) == len([v for v in versions if v != "__init__.py"])
     assert script.get_heads() == [head_revision()]
     assert revisions[-1].down_revision is None
+
+
+def test_an_interrupted_concurrent_index_build_is_retried_to_the_head(services) -> None:
+    """(attack on issue 13, F2) `outbox migrate` waits in CREATE INDEX CONCURRENTLY for an open
+    writing transaction (the previous release's application); the deploy gives up on it. The
+    next `outbox migrate` must get to the head, not fail on what the interrupted run committed."""
+    import threading
+    import time
+
+    import psycopg
+
+    with fresh_database(services.database_url) as url:
+        engine = make_engine(url)
+        try:
+            upgrade(engine, "0009")
+            blocker = psycopg.connect(libpq_url(url))
+            blocker.execute(
+                "INSERT INTO outbox_message (key, step, destination, payload) "
+                "VALUES ('order:2', 'charge', 'payments.charge', '{}')"
+            )
+            errors: list[BaseException] = []
+
+            def run() -> None:
+                try:
+                    upgrade(engine)
+                except Exception as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            with psycopg.connect(libpq_url(url), autocommit=True) as admin:
+                pid = None
+                for _ in range(200):
+                    row = admin.execute(
+                        "SELECT pid FROM pg_stat_activity WHERE query ILIKE 'CREATE INDEX CONCURRENTLY%%' "
+                        "AND datname = current_database()"
+                    ).fetchone()
+                    if row:
+                        pid = row[0]
+                        break
+                    time.sleep(0.05)
+                assert pid is not None, "the index build did not start"
+                admin.execute("SELECT pg_cancel_backend(%s)", (pid,))
+                thread.join(30)
+            assert errors, "the cancelled upgrade did not fail"
+            blocker.rollback()
+            blocker.close()
+            with engine.connect() as conn:
+                assert current_revision(conn) == "0010", "the revision before the index committed"
+            upgrade(engine)
+            with engine.connect() as conn:
+                assert current_revision(conn) == head_revision()
+                valid = conn.execute(
+                    text(
+                        "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                        "WHERE c.relname = 'outbox_message_deadline_idx'"
+                    )
+                ).scalar_one()
+                assert valid
+        finally:
+            engine.dispose()

@@ -455,9 +455,19 @@ def run_job(reconciler: Reconciler, name: str) -> dict[str, int]:
 # -- the application and the operator -------------------------------------------------------------
 
 
-def write(engine: Engine, *, key: str, step: str, destination: str, payload: dict[str, Any]) -> Any:
+def write(
+    engine: Engine,
+    *,
+    key: str,
+    step: str,
+    destination: str,
+    payload: dict[str, Any],
+    deadline: datetime | None = None,
+) -> Any:
     with Session(engine) as s, s.begin():
-        return outbox.write(s, key=key, step=step, destination=destination, payload=payload)
+        return outbox.write(
+            s, key=key, step=step, destination=destination, payload=payload, deadline=deadline
+        )
 
 
 def cancel(engine: Engine, *, key: str, step: str) -> bool:

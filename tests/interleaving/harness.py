@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -409,9 +410,17 @@ class World:
             # A negative amount is a declined card: a permanent error, never charged.
             amount = -100 if self.rng.random() < 0.08 else self.rng.randrange(100, 10000)
             payload = {"amount_cents": amount, "currency": "EUR"}
-            written = c.write(self.engine, key=key, step=step, destination=destination, payload=payload)
+            # issue 13: some rows must be done within seconds; a deadline passing while the
+            # destination is paused or its breaker open fails the row in the reconciler.
+            deadline = None
+            if self.rng.random() < 0.2:
+                deadline = datetime.now(UTC) + timedelta(seconds=self.rng.uniform(1.5, 8.0))
+            written = c.write(
+                self.engine, key=key, step=step, destination=destination, payload=payload, deadline=deadline
+            )
             self.keys[(key, step)] = (destination, payload)
-            self.log(f"app: write {key}:{step} on {destination} -> row {written.id}", written.id)
+            shown = f" deadline in {(deadline - datetime.now(UTC)).total_seconds():.1f} s" if deadline else ""
+            self.log(f"app: write {key}:{step} on {destination} -> row {written.id}{shown}", written.id)
 
     def step_rewrite(self) -> None:
         """The application writes an operation it already wrote (a retried request)."""

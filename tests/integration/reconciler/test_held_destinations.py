@@ -160,3 +160,96 @@ def test_rows_whose_deadline_passes_while_held_back_are_failed_without_a_call(cl
     assert get(db, later[0])["state"] == "pending", "its deadline has not passed"
     assert get(db, other[0])["state"] == "pending", "not held back: its claim fails it"
     assert provider.stats()["requests"] == 0
+
+
+def _idempotent_charge_held_past_its_deadline(engine: Any, db: Any, provider: Any, consumer: Any) -> Any:
+    """An idempotent destination's row whose first call charged and answered 500 (ambiguous):
+    retried, so `pending` with the charge at the provider; then its destination is paused
+    past the row's deadline."""
+    from datetime import UTC, datetime, timedelta
+
+    from helpers import elapse
+
+    from outbox.consumer import RunResult
+
+    handler = declare_charge(provider, idempotent=True)
+    [row] = write_rows(engine, 1, deadline=datetime.now(UTC) + timedelta(hours=2))
+    provider.configure(fault_next=["fail_after"])
+    assert consumer().deliver(row, DEST) is RunResult.PENDING
+    assert provider.charges("order:0:charge") == 1
+    pause(engine)
+    elapse(db, 3 * 3600)
+    return handler, row
+
+
+def test_a_row_that_may_have_charged_goes_unknown_not_failed_past_its_deadline(
+    clean, engine, db, provider, consumer
+):
+    """(attack on issue 13, F1) Failed, the row would hide the provider's charge: it goes to
+    `unknown` and the lookup finds the charge."""
+    from reconciler.jobs.resolve_unknown import resolve_unknown
+
+    from .support import get
+
+    handler, row = _idempotent_charge_held_past_its_deadline(engine, db, provider, consumer)
+    counts = held_destinations(db, Hook(), alert_after_seconds=3600)
+    assert counts == {"held": 1, "past_deadline_unknown": 1}
+    moved = get(db, row)
+    assert moved["state"] == "unknown" and "the lookup decides" in moved["last_error"]
+    assert resolve_unknown(db, {DEST: handler}) == {"sent": 1}
+    final = get(db, row)
+    assert final["state"] == "sent" and final["provider_ref"] == "ch_1"
+    assert provider.charges("order:0:charge") == 1
+
+
+def test_a_claim_past_the_deadline_of_a_row_that_may_have_charged_sends_it_unknown(
+    clean, engine, db, provider, consumer
+):
+    """The same row claimed after the resume (the reconciler did not run meanwhile): no call,
+    and not failed either: `unknown`, for the lookup."""
+    from outbox.consumer import RunResult
+
+    from .support import get
+
+    _, row = _idempotent_charge_held_past_its_deadline(engine, db, provider, consumer)
+    resume(engine)
+    assert consumer().deliver(row, DEST) is RunResult.UNKNOWN
+    moved = get(db, row)
+    assert moved["state"] == "unknown" and "deadline passed before the call" in moved["last_error"]
+    assert provider.stats()["requests"] == 1, "no second call"
+
+
+def test_a_chain_of_short_retry_after_holds_is_one_episode_alerted_once(clean, engine, db, provider):
+    """(attack on issue 13, F3) A provider answering "503, Retry-After: 55" to every probe makes
+    holds shorter than the alert threshold, one after the other: one episode, alerted once it
+    has lasted the threshold, cleared once over for good."""
+    import time
+
+    declare_charge(provider)
+    hook = Hook()
+
+    def hold() -> Any:
+        pauses.hold(db, DEST, seconds=0.3, by="worker h:1", reason="HTTP 503 with Retry-After 0.3 s")
+        return db.execute("SELECT paused_at FROM outbox_destination").fetchone()[0]
+
+    first = hold()
+    time.sleep(0.4)  # it ran out; the next probe got a 503 again
+    assert hold() == first, "the same episode"
+    time.sleep(0.2)
+    assert held_destinations(db, hook, alert_after_seconds=0.5) == {"held": 1, "alerts": 1}
+    time.sleep(0.2)
+    assert hold() == first
+    assert held_destinations(db, hook, alert_after_seconds=0.5) == {"held": 1}, "alerted once"
+    time.sleep(0.4)
+    assert held_destinations(db, hook, alert_after_seconds=0.5) == {}, "a gap, not the end yet"
+    assert held_destinations(db, hook, alert_after_seconds=0.5, episode_gap_seconds=0.1) == {"ended": 1}
+    assert len(hook.alerts) == 1
+
+
+def test_a_resume_ends_the_episode_at_once(clean, engine, db, provider):
+    declare_charge(provider)
+    pause(engine)
+    first = db.execute("SELECT paused_at FROM outbox_destination").fetchone()[0]
+    resume(engine)
+    pause(engine)
+    assert db.execute("SELECT paused_at FROM outbox_destination").fetchone()[0] > first
