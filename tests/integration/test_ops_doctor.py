@@ -111,6 +111,7 @@ def _healthy(clean, capsys, module):
         "relay",
         "consumers",
         "pauses",
+        "breakers",
         "clocks",
         "failed",
         "unknown",
