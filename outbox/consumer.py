@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from . import breaker, db, metrics, pauses, policy, tracing, transitions
+from . import breaker, db, metrics, outcomes, pauses, policy, tracing, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -323,7 +323,7 @@ class Executor:
 
         if claimed.deadline_passed:
             decision = Decision(Outcome.FAILED, error="deadline passed before the call")
-            if transitions.earlier_call_may_have_taken_effect(conn, row_id=claimed.id, token=claimed.token):
+            if outcomes.earlier_call_may_have_taken_effect(conn, row_id=claimed.id, token=claimed.token):
                 # Not failed: an earlier call (an idempotent destination's ambiguous one, retried)
                 # may have charged. No call now; the lookup, or a human, decides.
                 why = (

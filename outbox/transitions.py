@@ -930,22 +930,6 @@ def fail_past_deadline(
     return PastDeadline(failed=moved.count("failed"), unknown=moved.count("unknown"))
 
 
-_EARLIER_CALL = f"""
-SELECT EXISTS (SELECT 1 FROM outbox_attempt a
-               WHERE a.message_id = %(id)s AND a.claim_token <> %(token)s
-                 AND {outcomes.may_have_taken_effect_sql("a")})
-"""
-
-
-def earlier_call_may_have_taken_effect(
-    conn: psycopg.Connection[Any], *, row_id: int, token: uuid.UUID
-) -> bool:
-    """Whether a claim of the row before the one holding ``token`` made a call the provider may
-    hold (outbox.outcomes): a read, for a claim that found the deadline passed."""
-    row = conn.execute(_EARLIER_CALL, {"id": row_id, "token": token}).fetchone()
-    return bool(row and row[0])
-
-
 def purge(conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int) -> int:
     """``sent``/``cancelled`` rows completed more than ``retention_seconds`` ago (and before the
     oldest open client transaction began) leave the table for the key ledger, at most ``limit``;
