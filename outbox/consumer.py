@@ -206,6 +206,20 @@ class Executor:
                 self._callers.append(caller)
         return caller
 
+    def close_thread(self) -> None:
+        """Close the calling thread's connections and call thread: for a thread that runs no more
+        deliveries (Dramatiq's worker threads live as long as the worker; a caller that runs each
+        delivery on a thread of its own would otherwise keep two connections per thread)."""
+        self._drop("claim_conn")
+        self._drop("record_conn")
+        caller: _CallThread | None = getattr(self._local, "caller", None)
+        if caller is not None:
+            self._local.caller = None
+            with self._all_lock:
+                if caller in self._callers:
+                    self._callers.remove(caller)
+            caller.stop()
+
     def close(self) -> None:
         """Close every thread's connections (call once the worker threads have stopped)."""
         with self._all_lock:

@@ -230,6 +230,11 @@ class Run(Parkable):
             self.proc.die()
         except Exception as exc:  # the ack, on a flushed or dropped Redis
             self.world.log(f"{self.name}: {type(exc).__name__}: {exc}", self.row_id)
+        if not self.crashed:
+            # Each run is a thread of its own: its connections end with it (a Dramatiq worker's
+            # threads are a fixed pool), or a long schedule runs the server out of connections.
+            with contextlib.suppress(Exception):
+                self.proc.consumer.close_thread()
 
 
 class RelayRun(Parkable):
