@@ -118,6 +118,12 @@ def show_arguments(p: argparse.ArgumentParser) -> None:
     _describe(
         p,
         """
+        Every step of a business key (outbox show order:42): one line a step, in the order they
+        were written, with its milestones (written, published, first claimed, confirmed with the
+        provider's reference; a purged step from the key ledger), and where the key's work
+        stopped and why (the first step neither sent nor cancelled). A key made of digits only
+        reads as a row id: give its step.
+
         One outbox row, by id (outbox show 42) or by business key and step
         (outbox show order:42 charge): every column, every attempt (the fence rows, in claim
         order: #, attempt, claim token, started/finished, outcome, HTTP status, error) and the
@@ -131,7 +137,9 @@ def show_arguments(p: argparse.ArgumentParser) -> None:
         horizon. Exit 1 when there is no such row.
         """,
     )
-    p.add_argument("target", metavar="ID|KEY", help="the row id, or its business key (then give STEP)")
+    p.add_argument(
+        "target", metavar="ID|KEY", help="the row id, or a business key (every step; with STEP, that row)"
+    )
     p.add_argument("step", nargs="?", metavar="STEP", help="the step, with KEY: outbox show order:42 charge")
     p.add_argument(
         "--payload", action="store_true", help="also print the payload (may contain personal data)"
@@ -139,6 +147,8 @@ def show_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def show(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    if args.step is None and not args.target.strip().isdigit():
+        return _show_key(args, cfg)
     if args.step is None:
         lookup: dict[str, Any] = {
             "row_id": _parse_id(args.target, "to look a row up by key, give its step too")
@@ -153,6 +163,18 @@ def show(args: argparse.Namespace, cfg: settings.Settings) -> int:
         print_json(detail.to_dict())
     else:
         out(detail.render())
+    return exits.OK
+
+
+def _show_key(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..ops.inspect import key_steps
+
+    with _connection(cfg) as conn:
+        report = key_steps(conn, args.target)
+    if args.json:
+        print_json(report.to_dict())
+    else:
+        out(report.render())
     return exits.OK
 
 

@@ -232,6 +232,65 @@ def show(
     return RowDetail(row, attempts, history, body)
 
 
+# -- show KEY: every step of a business key, with its milestones -----------------------------------
+
+# Written, (last) published, first claimed, confirmed: from the rows' own timestamps and their
+# fence rows; a step whose row was purged comes from the key ledger (its final state and ref).
+_KEY_STEPS = text(
+    """
+SELECT m.id, m.step, m.destination, m.state, m.attempts, m.created_at AS written,
+       m.dispatched_at AS published,
+       (SELECT min(a.started_at) FROM outbox_attempt a WHERE a.message_id = m.id) AS claimed,
+       CASE WHEN m.state = 'sent' THEN m.completed_at END AS confirmed,
+       m.provider_ref, m.last_error, false AS purged
+FROM outbox_message m WHERE m.key = :key
+UNION ALL
+SELECT l.message_id, l.step, l.destination, l.state, l.attempts, NULL, NULL, NULL,
+       CASE WHEN l.state = 'sent' THEN l.completed_at END, l.provider_ref, NULL, true
+FROM outbox_key_ledger l
+WHERE l.key = :key AND NOT EXISTS (SELECT 1 FROM outbox_message m WHERE m.key = l.key AND m.step = l.step)
+ORDER BY 6 NULLS FIRST, 1
+"""
+)
+
+
+@dataclass
+class KeySteps:
+    """``outbox show KEY``: every step of a business key in the order they were written (purged
+    steps first, from the key ledger), with their milestones, and where the key's work stopped."""
+
+    key: str
+    steps: list[dict[str, Any]]
+
+    @property
+    def stopped(self) -> dict[str, Any] | None:
+        """The first step not confirmed (None: every step is `sent` or `cancelled`)."""
+        for s in self.steps:
+            if s["state"] not in (states.SENT, states.CANCELLED):
+                waiting = s["state"] in (states.PENDING, states.DISPATCHED, states.IN_FLIGHT)
+                return {
+                    "step": s["step"],
+                    "state": s["state"],
+                    "why": s["last_error"] or ("under way" if waiting else "no reason recorded"),
+                    "waiting": waiting,
+                }
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "steps": self.steps, "stopped": self.stopped}
+
+    def render(self) -> str:
+        return tables.render_key_steps(self)
+
+
+def key_steps(connection: Connection, key: str) -> KeySteps:
+    """Every step of ``key`` with its milestones. Raises :class:`NotFound` when the key has none."""
+    steps = [dict(r) for r in connection.execute(_KEY_STEPS, {"key": key}).mappings()]
+    if not steps:
+        raise NotFound(f"no outbox row with key {key!r} (nor in the key ledger)")
+    return KeySteps(key, steps)
+
+
 # -- lists: `list`, and its shortcuts `failed` and `unknown` --------------------------------------
 
 # Age is the time spent in the state, the number an on-call compares with alert thresholds:

@@ -359,3 +359,33 @@ def render_audit(report: AuditReport) -> str:
         if len(report.violations) < report.violation_count:
             lines.append(f"  … {report.violation_count - len(report.violations)} more not listed")
     return "\n".join(lines)
+
+
+def render_key_steps(report: Any) -> str:
+    """``outbox show KEY``: one line a step, its milestones, then where the key's work stopped."""
+    rows = [
+        [
+            s["step"],
+            s["destination"],
+            s["state"] + (" (purged)" if s["purged"] else ""),
+            s["attempts"],
+            cell(s["written"]),
+            cell(s["published"]),
+            cell(s["claimed"]),
+            cell(s["confirmed"]),
+            s["provider_ref"],
+        ]
+        for s in report.steps
+    ]
+    headers = ["step", "destination", "state", "attempts", "written", "published", "first claimed"]
+    table = format_table([*headers, "confirmed", "provider ref"], rows)
+    stopped = report.stopped
+    if stopped is None:
+        verdict = f"{report.key}: every step confirmed (or cancelled)"
+    elif stopped["waiting"]:
+        verdict = f"{report.key}: under way at step {stopped['step']} ({stopped['state']})"
+    else:
+        verdict = (
+            f"{report.key}: stopped at step {stopped['step']} ({stopped['state']}): {short(stopped['why'])}"
+        )
+    return f"{table}\n\n{verdict}"

@@ -217,7 +217,7 @@ def test_show_unknown_row(clean, capsys):
     code, _, err = run(clean, capsys, "show", "order:42", "charge")
     assert code == 1 and "no outbox row with key 'order:42' and step 'charge'" in err
     code, _, err = run(clean, capsys, "show", "not-a-number")
-    assert code == 2 and "not a row id" in err
+    assert code == 1 and "no outbox row with key 'not-a-number' (nor in the key ledger)" in err
 
 
 # -- failed / unknown lists --------------------------------------------------------------------------

@@ -51,6 +51,63 @@ def fail_once(services, row_id: int, *, status: int, error: str) -> None:
 # -- show --------------------------------------------------------------------------------------------
 
 
+def test_show_key_lists_every_step_with_its_milestones_and_where_it_stopped(clean, engine, capsys):
+    """A chain of three steps under one key (invoice -> export -> notify, the user-land pattern
+    of examples/invoicing): the first confirmed, the second refused for good, the third never
+    written; `outbox show KEY` says where the work stopped and why."""
+    first = write(engine, "invoice:7", step="issue")
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        claimed = transitions.claim(conn, row_id=first, destination="payments.charge", lease_seconds=60)
+        assert claimed is not None
+        moved = transitions.record(
+            conn, row_id=first, token=claimed.token, state="sent", outcome="sent", ref="inv_1"
+        )
+        assert moved == "sent"
+    second = write(engine, "invoice:7", step="export")
+    fail_once(clean, second, status=422, error="accounting refused: unknown ledger account")
+    write(engine, "invoice:8", step="issue")  # another key: not listed
+
+    code, out, err = run(clean, capsys, "show", "invoice:7")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["step", "destination", "state", "attempts"]
+    assert [line.split()[0] for line in lines[2:4]] == ["issue", "export"]
+    assert "inv_1" in lines[2] and "sent" in lines[2]
+    assert "invoice:7: stopped at step export (failed): accounting refused" in out
+    assert "invoice:8" not in out
+
+    code, out, _ = run(clean, capsys, "show", "invoice:7", "--json")
+    data = json.loads(out)
+    assert [s["step"] for s in data["steps"]] == ["issue", "export"]
+    issued = data["steps"][0]
+    assert (
+        issued["confirmed"] is not None
+        and issued["claimed"] is not None
+        and issued["provider_ref"] == "inv_1"
+    )
+    assert data["stopped"] == {
+        "step": "export",
+        "state": "failed",
+        "why": "accounting refused: unknown ledger account",
+        "waiting": False,
+    }
+
+    code, out, _ = run(clean, capsys, "show", "invoice:8")
+    assert code == 0 and "invoice:8: under way at step issue (pending)" in out
+
+    # The confirmed step purged: the key ledger still tells it.
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        conn.execute(
+            "UPDATE outbox_message SET completed_at = completed_at - interval '1 hour' WHERE id = %s",
+            (first,),
+        )
+        assert transitions.purge(conn, retention_seconds=60, limit=10) == 1
+    code, out, _ = run(clean, capsys, "show", "invoice:7", "--json")
+    purged = json.loads(out)["steps"][0]
+    assert purged["step"] == "issue" and purged["purged"] and purged["provider_ref"] == "inv_1"
+    assert json.loads(out)["stopped"]["step"] == "export"
+
+
 def test_show_tells_apart_the_fence_rows_of_a_replayed_row(clean, engine, capsys):
     row_id = write(engine, "order:1")
     fail_once(clean, row_id, status=402, error="card declined")
