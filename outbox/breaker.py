@@ -81,8 +81,8 @@ class Breaker:
             problems.append(f"breaker failures must be a whole number >= 1, got {self.failures!r}")
         for name in ("window_seconds", "open_seconds", "max_open_seconds"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                problems.append(f"breaker {name} must be > 0 seconds, got {value!r}")
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
+                problems.append(f"breaker {name} must be a finite number of seconds > 0, got {value!r}")
         if not problems and self.max_open_seconds < self.open_seconds:
             problems.append(
                 f"breaker max_open_seconds ({self.max_open_seconds:g}) must be >= open_seconds "
@@ -195,10 +195,12 @@ WHERE destination = %(destination)s AND breaker_probe_token = %(token)s AND brea
 RETURNING breaker_opened_at IS NULL AS closed, breaker_open_seconds
 """
 
+# Closed by hand (`outbox resume`, or a deploy without a breaker): that also ends the episode
+# (breaker_since), so a trip right after it is a new one, alerted again.
 _CLOSE_SET = """
 SET breaker_opened_at = NULL, breaker_open_until = NULL, breaker_open_seconds = NULL,
     breaker_probe_token = NULL, breaker_probe_until = NULL, breaker_failures = 0,
-    breaker_window_at = NULL, breaker_closed_at = now()
+    breaker_window_at = NULL, breaker_closed_at = now(), breaker_since = NULL
 """
 _CLOSE = f"""
 UPDATE outbox_destination {_CLOSE_SET}

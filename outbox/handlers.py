@@ -388,7 +388,7 @@ def handler(
     if breaker is not None and not isinstance(breaker, Breaker):
         problems.append(f"breaker must be an outbox.Breaker or None, got {breaker!r}")
     elif breaker is not None:
-        problems.extend(breaker.problems())
+        problems.extend(f"{destination}: {p}" for p in breaker.problems())
     if problems:
         raise ConfigError("handler " + "; ".join(problems))
     assert lease is not None

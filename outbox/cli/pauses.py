@@ -10,7 +10,7 @@ from .. import settings
 from ..exceptions import ConfigError, InvalidMessage
 from ..validation import check_destination
 from . import exits
-from .operator import _by_and_reason, _connection, _describe
+from .operator import _connection, _describe
 from .output import err, out, print_json
 
 
@@ -39,7 +39,11 @@ def pause_arguments(p: argparse.ArgumentParser) -> None:
         help="end the pause by itself: a duration from now (90s, 30m, 2h, 1d) or an ISO 8601 time "
         "with its offset; default: until outbox resume",
     )
-    _by_and_reason(p)
+    p.add_argument(
+        "--reason",
+        help="why (required): shown by outbox status and doctor and in the alert (card numbers masked)",
+    )
+    p.add_argument("--by", help="who (default: $USER or the login name)")
 
 
 def resume_arguments(p: argparse.ArgumentParser) -> None:

@@ -63,7 +63,8 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
   held_destinations a pause (outbox pause, a Retry-After hold) or an open circuit breaker that
                    lasts a minute: reported once per episode through the alert hook (state
                    paused / breaker_open), the mark cleared when it ends; waiting rows of such
-                   a destination whose deadline passed -> failed (no call was made after it).
+                   a destination whose deadline passed -> failed (no call was made after it), or
+                   -> unknown when an earlier call of it may have taken effect (the lookup decides).
 
 Environment: OUTBOX_DATABASE_URL, OUTBOX_REDIS_URL (both required), OUTBOX_NAMESPACE,
 OUTBOX_RECONCILE_INTERVAL (default {_INTERVAL}), OUTBOX_REDISPATCH_AFTER, OUTBOX_RETENTION,

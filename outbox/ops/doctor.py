@@ -68,8 +68,12 @@ SELECT
   count(*) FILTER (WHERE state = 'pending'
                      AND available_at < now() - :grace * interval '1 second') AS stale_pending,
   EXTRACT(EPOCH FROM now() - min(available_at) FILTER (WHERE state = 'pending')) AS pending_overdue
-FROM outbox_message
+FROM outbox_message m
 WHERE state IN ('in_flight', 'dispatched', 'pending')
+  -- A paused destination's rows, and those behind an open breaker, wait by design (the
+  -- `pauses` and `breakers` checks report them).
+  AND NOT EXISTS (SELECT 1 FROM outbox_destination d WHERE d.destination = m.destination
+                  AND (d.paused_until > now() OR d.breaker_opened_at IS NOT NULL))
 """
 )
 

@@ -384,6 +384,8 @@ def render_key_steps(report: Any) -> str:
         verdict = f"{report.key}: every step confirmed (or cancelled)"
     elif stopped["waiting"]:
         verdict = f"{report.key}: under way at step {stopped['step']} ({stopped['state']})"
+        if stopped["why"] != "under way":
+            verdict += f"; last error: {short(stopped['why'])}"
     else:
         verdict = (
             f"{report.key}: stopped at step {stopped['step']} ({stopped['state']}): {short(stopped['why'])}"

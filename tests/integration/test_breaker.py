@@ -398,15 +398,17 @@ def test_resume_closes_an_open_breaker_and_status_doctor_and_the_metrics_show_it
     [
         ({"failures": 0}, "failures must be a whole number >= 1"),
         ({"failures": 2.5}, "failures must be a whole number >= 1"),
-        ({"window_seconds": 0}, "window_seconds must be > 0"),
-        ({"open_seconds": -1}, "open_seconds must be > 0"),
+        ({"window_seconds": 0}, "window_seconds must be a finite number of seconds > 0"),
+        ({"open_seconds": -1}, "open_seconds must be a finite number of seconds > 0"),
+        ({"open_seconds": float("inf")}, "open_seconds must be a finite number of seconds > 0"),
         ({"open_seconds": 60, "max_open_seconds": 30}, "max_open_seconds (30) must be >= open_seconds"),
     ],
 )
 def test_a_bad_breaker_is_refused_at_declaration(kwargs, message):
+    name = f"bad.breaker{uuid.uuid4().hex[:6]}"
     with pytest.raises(ConfigError, match=r"breaker") as caught:
-        outbox.handler(f"bad.breaker{uuid.uuid4().hex[:6]}", breaker=outbox.Breaker(**kwargs))
-    assert message in str(caught.value)
+        outbox.handler(name, breaker=outbox.Breaker(**kwargs))
+    assert message in str(caught.value) and f"{name}: breaker" in str(caught.value)
 
 
 def test_a_row_carries_at_most_max_attempts_uncounted_probes_then_fails(
@@ -459,3 +461,23 @@ def test_a_probe_refused_by_the_handler_itself_does_not_close_the_breaker(
     assert row_of(db)["breaker_opened_at"] is not None, "no answer, no verdict"
     assert [executor.deliver(r, DEST) for r in rows[1:]] == [RunResult.PAUSED] * 2
     assert provider.stats()["requests"] == 0
+
+
+def test_doctor_does_not_fail_the_rows_a_breaker_holds_back(clean, engine, db, provider, capsys):
+    """(user review) Rows waiting `dispatched` behind an open breaker wait by design: the
+    `dispatched` check leaves them to the `breakers` check instead of failing doctor."""
+    charge_handler(provider)
+    write_rows(engine, 2)
+    db.execute("UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() - interval '2 hours'")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
+                "breaker_open_seconds) VALUES (:d, now(), now() + interval '1 minute', 10)"
+            ),
+            {"d": DEST},
+        )
+    main(["doctor", "--json", "--database-url", clean.database_url, "--redis-url", clean.redis_url])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["dispatched"]["ok"] is True, checks["dispatched"]
+    assert checks["breakers"]["status"].upper() == "WARN"

@@ -253,3 +253,28 @@ def test_a_resume_ends_the_episode_at_once(clean, engine, db, provider):
     resume(engine)
     pause(engine)
     assert db.execute("SELECT paused_at FROM outbox_destination").fetchone()[0] > first
+
+
+def test_a_resume_ends_a_breaker_episode_and_the_next_trip_alerts_again(clean, engine, db, provider):
+    """(user review) The on-call who resumed by hand must hear of a re-trip; a breaker that closes
+    by its own probe and trips again soon after is the same outage, alerted once."""
+    import outbox
+    from outbox import breaker
+
+    declare_charge(provider)
+    hook = Hook()
+    one = outbox.Breaker(failures=1)
+    assert breaker.count_not_processed(db, DEST, one, reason="HTTP 503 (row 1)")
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1, "alerts": 1}
+    resume(engine)
+    assert breaker.count_not_processed(db, DEST, one, reason="HTTP 503 (row 2)")
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1, "alerts": 1}
+
+    # Closed by a probe (not by hand), then tripped again: the same episode.
+    db.execute(
+        "UPDATE outbox_destination SET breaker_opened_at = NULL, breaker_open_until = NULL, "
+        "breaker_open_seconds = NULL, breaker_closed_at = now()"
+    )
+    assert breaker.count_not_processed(db, DEST, one, reason="HTTP 503 (row 3)")
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1}
+    assert len(hook.alerts) == 2
