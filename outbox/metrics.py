@@ -291,6 +291,16 @@ def read_database(conn: Any) -> DatabaseReading:
     return reading
 
 
+def _destination_flags(
+    name: str, help_text: str, destinations: list[str], flagged: list[str]
+) -> GaugeMetricFamily:
+    """A 0/1 gauge per destination: every known destination, and any flagged one besides."""
+    family = GaugeMetricFamily(name, help_text, labels=["destination"])
+    for d in sorted(set(destinations) | set(flagged)):
+        family.add_metric([d], 1.0 if d in flagged else 0.0)
+    return family
+
+
 class _DatabaseCollector(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -339,31 +349,25 @@ class _DatabaseCollector(Collector):
             for state in AGE_STATES:
                 ages.add_metric([d, state], reading.ages.get((d, state)) or 0.0)
         yield ages
-        gaps = GaugeMetricFamily(
-            "outbox_destination_without_consumer",
-            "1 for a destination with rows waiting and no live worker heartbeat serving its queue.",
-            labels=["destination"],
-        )
-        for d in sorted(set(destinations) | set(reading.no_consumer)):
-            gaps.add_metric([d], 1.0 if d in reading.no_consumer else 0.0)
-        yield gaps
-        paused = GaugeMetricFamily(
-            "outbox_destination_paused",
-            "1 for a destination an operator paused (outbox pause): its rows are not claimed.",
-            labels=["destination"],
-        )
-        for d in sorted(set(destinations) | set(reading.paused)):
-            paused.add_metric([d], 1.0 if d in reading.paused else 0.0)
-        yield paused
-        breakers = GaugeMetricFamily(
-            "outbox_destination_breaker_open",
-            "1 for a destination whose circuit breaker is open or half-open: its rows wait, one probe "
-            "at a time goes through.",
-            labels=["destination"],
-        )
-        for d in sorted(set(destinations) | set(reading.breakers)):
-            breakers.add_metric([d], 1.0 if d in reading.breakers else 0.0)
-        yield breakers
+        for name, help_text, flagged in (
+            (
+                "outbox_destination_without_consumer",
+                "1 for a destination with rows waiting and no live worker heartbeat serving its queue.",
+                reading.no_consumer,
+            ),
+            (
+                "outbox_destination_paused",
+                "1 for a destination an operator paused (outbox pause): its rows are not claimed.",
+                reading.paused,
+            ),
+            (
+                "outbox_destination_breaker_open",
+                "1 for a destination whose circuit breaker is open or half-open: its rows wait, one "
+                "probe at a time goes through.",
+                reading.breakers,
+            ),
+        ):
+            yield _destination_flags(name, help_text, destinations, flagged)
         taken = GaugeMetricFamily(
             "outbox_database_reading_age_seconds",
             "How old the database reading above is (it is taken once per reconcile interval).",

@@ -52,6 +52,11 @@ class Check:
         return {"name": self.name, "status": self.status, "ok": self.ok, "detail": self.detail}
 
 
+def _held_check(name: str, held: list[str], advice: str, ok: str) -> Check:
+    """WARN naming each destination held back (paused, breaker open), else OK."""
+    return Check(name, WARN, "; ".join(held) + f": {advice}") if held else Check(name, OK, ok)
+
+
 # -- database ----------------------------------------------------------------------------------------
 
 _LIVENESS = text(
@@ -193,30 +198,23 @@ def _transport_checks(conn: Connection, cfg: Settings) -> list[Check]:
         )
     else:
         checks.append(Check("consumers", OK, "every destination with rows waiting has a live worker"))
-    paused = pauses.paused(conn)
-    if paused:
-        checks.append(
-            Check(
-                "pauses",
-                WARN,
-                "; ".join(p.describe() for p in paused) + ": its rows wait, none is claimed; "
-                "`outbox resume D` when the provider is back",
-            )
+    checks.append(
+        _held_check(
+            "pauses",
+            [p.describe() for p in pauses.paused(conn)],
+            "its rows wait, none is claimed; `outbox resume D` when the provider is back",
+            "no destination is paused",
         )
-    else:
-        checks.append(Check("pauses", OK, "no destination is paused"))
-    tripped = breaker.open_breakers(conn)
-    if tripped:
-        checks.append(
-            Check(
-                "breakers",
-                WARN,
-                "; ".join(b.describe() for b in tripped) + ": its rows wait without spending attempts "
-                "and a probe goes through when it half-opens; `outbox resume D` closes it by hand",
-            )
+    )
+    checks.append(
+        _held_check(
+            "breakers",
+            [b.describe() for b in breaker.open_breakers(conn)],
+            "its rows wait without spending attempts and a probe goes through when it half-opens; "
+            "`outbox resume D` closes it by hand",
+            "no destination's breaker is open",
         )
-    else:
-        checks.append(Check("breakers", OK, "no destination's breaker is open"))
+    )
     processes = heartbeat.live_processes(conn.execute(text(heartbeat.LIVE_PROCESSES_SQL)))
     limit = cfg.clock_skew_warn_seconds
     skewed = [p for p in processes if abs(p.skew_seconds) > limit]

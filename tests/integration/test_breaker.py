@@ -61,6 +61,21 @@ def half_open(db: Any) -> None:
     db.execute("UPDATE outbox_message SET available_at = now() WHERE state = 'pending'")  # backoffs too
 
 
+def open_breaker(
+    engine: Any, *, for_seconds: float = 0, open_seconds: float = 2, reason: str | None = None
+) -> None:
+    """The destination's breaker tripped, open ``for_seconds`` more (0: half-open now)."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
+                "breaker_open_seconds, breaker_reason) "
+                "VALUES (:d, now(), now() + :for_seconds * interval '1 second', :secs, :reason)"
+            ),
+            {"d": DEST, "for_seconds": for_seconds, "secs": open_seconds, "reason": reason},
+        )
+
+
 def attempts(db: Any) -> dict[int, int]:
     return dict(db.execute("SELECT id, attempts FROM outbox_message").fetchall())
 
@@ -212,14 +227,7 @@ def test_exactly_one_claim_gets_the_probe_when_many_race(clean, engine, db, prov
     one of them is the probe, the others are refused."""
     charge_handler(provider)
     rows = write_rows(engine, 8)
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
-                "breaker_open_seconds) VALUES (:d, now(), now(), 2)"
-            ),
-            {"d": DEST},
-        )
+    open_breaker(engine)
     results: list[Any] = []
     lock = threading.Lock()
 
@@ -265,14 +273,7 @@ def test_exactly_one_claim_gets_the_probe_when_many_race(clean, engine, db, prov
 def test_a_probe_that_never_records_frees_the_probe_at_its_lease_end(clean, engine, db, provider):
     charge_handler(provider)
     rows = write_rows(engine, 2)
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
-                "breaker_open_seconds) VALUES (:d, now(), now(), 2)"
-            ),
-            {"d": DEST},
-        )
+    open_breaker(engine)
     first = transitions.claim(db, row_id=rows[0], destination=DEST, lease_seconds=0.5)  # then dies
     assert first is not None and first.probe
     assert transitions.claim(db, row_id=rows[1], destination=DEST, lease_seconds=30) is None
@@ -284,14 +285,7 @@ def test_a_probe_that_never_records_frees_the_probe_at_its_lease_end(clean, engi
 def test_a_released_probe_frees_the_probe_at_once(clean, engine, db, provider):
     charge_handler(provider)
     rows = write_rows(engine, 2)
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
-                "breaker_open_seconds) VALUES (:d, now(), now(), 2)"
-            ),
-            {"d": DEST},
-        )
+    open_breaker(engine)
     first = transitions.claim(db, row_id=rows[0], destination=DEST, lease_seconds=30)
     assert isinstance(first, transitions.Claimed) and first.probe
     assert transitions.release(db, row_id=first.id, token=first.token, reason="no call") is not None
@@ -317,14 +311,7 @@ def test_the_reconciler_leaves_an_open_breakers_rows_alone_requeues_one_probe_th
 ):
     charge_handler(provider)
     rows = write_rows(engine, 10)
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
-                "breaker_open_seconds) VALUES (:d, now(), now() + interval '1 hour', 2)"
-            ),
-            {"d": DEST},
-        )
+    open_breaker(engine, for_seconds=3600)
     assert relay_once(clean) == 10
     executor = Executor(clean.database_url, registry())
     try:
@@ -353,15 +340,7 @@ def test_resume_closes_an_open_breaker_and_status_doctor_and_the_metrics_show_it
     clean, engine, db, provider, capsys
 ):
     charge_handler(provider)
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
-                "breaker_open_seconds, breaker_reason) VALUES (:d, now(), now() + interval '1 hour', 2, "
-                "'HTTP 503 from 127.0.0.1')"
-            ),
-            {"d": DEST},
-        )
+    open_breaker(engine, for_seconds=3600, reason="HTTP 503 from 127.0.0.1")
 
     def cli(*argv: str) -> tuple[int, str, str]:
         code = main([*argv, "--database-url", clean.database_url])
@@ -448,14 +427,7 @@ def test_a_probe_refused_by_the_handler_itself_does_not_close_the_breaker(
         return outbox.Confirmed(ref=r.json()["id"])
 
     rows = write_rows(engine, 3)  # rows[0] is refused locally
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
-                "breaker_open_seconds) VALUES (:d, now(), now(), 2)"
-            ),
-            {"d": DEST},
-        )
+    open_breaker(engine)
     provider.unavailable()
     assert executor.deliver(rows[0], DEST) is RunResult.FAILED
     assert row_of(db)["breaker_opened_at"] is not None, "no answer, no verdict"
@@ -469,14 +441,7 @@ def test_doctor_does_not_fail_the_rows_a_breaker_holds_back(clean, engine, db, p
     charge_handler(provider)
     write_rows(engine, 2)
     db.execute("UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() - interval '2 hours'")
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO outbox_destination (destination, breaker_opened_at, breaker_open_until, "
-                "breaker_open_seconds) VALUES (:d, now(), now() + interval '1 minute', 10)"
-            ),
-            {"d": DEST},
-        )
+    open_breaker(engine, for_seconds=60, open_seconds=10)
     main(["doctor", "--json", "--database-url", clean.database_url, "--redis-url", clean.redis_url])
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["dispatched"]["ok"] is True, checks["dispatched"]
