@@ -214,11 +214,15 @@ class Executor:
         self._drop("record_conn")
         caller: _CallThread | None = getattr(self._local, "caller", None)
         if caller is not None:
-            self._local.caller = None
-            with self._all_lock:
-                if caller in self._callers:
-                    self._callers.remove(caller)
+            self._forget_caller(caller)
             caller.stop()
+
+    def _forget_caller(self, caller: _CallThread) -> None:
+        """This thread's next call gets a new call thread; ``caller`` is no longer closed here."""
+        self._local.caller = None
+        with self._all_lock:
+            if caller in self._callers:
+                self._callers.remove(caller)
 
     def close(self) -> None:
         """Close every thread's connections (call once the worker threads have stopped)."""
@@ -335,6 +339,9 @@ class Executor:
             )
             return self._release(handler, claimed.id, claimed.token, reason)
 
+        # Where the row goes other than by next_state: a deadline-passed row that may have charged,
+        # or a probe not counted as an attempt (None: next_state decides).
+        chosen: Next | None = None
         if claimed.deadline_passed:
             decision = Decision(Outcome.FAILED, error="deadline passed before the call")
             if outcomes.earlier_call_may_have_taken_effect(conn, row_id=claimed.id, token=claimed.token):
@@ -344,15 +351,7 @@ class Executor:
                     "deadline passed before the call; an earlier call may have taken effect: "
                     "the lookup decides"
                 )
-                moved = self._record(claimed, decision, Next("unknown", 0.0, why), None)
-                logger.warning(
-                    "outbox %s:%s -> unknown: %s",
-                    claimed.key,
-                    claimed.step,
-                    why,
-                    extra={"outbox_id": claimed.id, "destination": destination, "outbox_run": "unknown"},
-                )
-                return RunResult(moved) if moved is not None else RunResult.SUPERSEDED
+                chosen = Next("unknown", 0.0, why)
         elif not header_safe(idempotency_key(claimed.key, claimed.step)):
             # Only rows written before `write` refused such keys get here. Failing before the
             # call is certain and clear; the call could only fail to encode its header, and go
@@ -392,9 +391,10 @@ class Executor:
             refund = self._refundable(handler, claimed)
         if refund:
             wait = max(handler.backoff_seconds(1), decision.retry_after_seconds or 0.0)
-            nxt = Next("pending", wait, f"{decision.error} (the breaker's probe: not counted as an attempt)")
-        else:
-            nxt = next_state(handler, decision, attempt=claimed.attempt)
+            chosen = Next(
+                "pending", wait, f"{decision.error} (the breaker's probe: not counted as an attempt)"
+            )
+        nxt = chosen or next_state(handler, decision, attempt=claimed.attempt)
         state = self._record(
             claimed, decision, nxt, policy.deadline_error(claimed.deadline, nxt.error), refund=refund
         )
@@ -461,10 +461,7 @@ class Executor:
         self._local.http_status = call.http_status if call is not None else None
         if call is None:
             # Its late result, if any, is ignored: the outcome is recorded now, inside the lease.
-            self._local.caller = None
-            with self._all_lock:
-                if caller in self._callers:
-                    self._callers.remove(caller)
+            self._forget_caller(caller)
             return Decision(
                 Outcome.UNKNOWN,
                 error=f"the handler hit its time limit ({handler.time_limit:g} s); the call was "

@@ -63,6 +63,17 @@ def log_alert(row: AlertRow) -> None:
     )
 
 
+def send(hook: AlertHook, alert: AlertRow, *, about: str, extra: dict[str, object]) -> bool:
+    """Give ``alert`` to ``hook``; False when the hook raised (logged with its traceback): the
+    caller leaves the alert unmarked, so the next run reports it again."""
+    try:
+        hook(alert)
+    except Exception:
+        logger.exception("alert hook failed for %s; it will be reported again", about, extra=extra)
+        return False
+    return True
+
+
 def load_alert_hook(spec: str | None) -> AlertHook:
     """``"package.module:function"`` → that function; None or empty → :func:`log_alert`."""
     if not spec or not spec.strip():

@@ -22,6 +22,7 @@ import psycopg
 from psycopg.rows import namedtuple_row
 
 from outbox import settings, transitions
+from reconciler import alerts
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
@@ -204,14 +205,7 @@ def _alert(conn: psycopg.Connection[Any], hook: AlertHook, destination: str, epi
         reason=f"{episode.reason}; {waiting} row(s) wait without spending attempts",
         age=float(age or 0.0),
     )
-    try:
-        hook(alert)
-    except Exception:
-        logger.exception(
-            "alert hook failed for destination %s; it will be reported again",
-            destination,
-            extra={"destination": destination},
-        )
+    if not alerts.send(hook, alert, about=f"destination {destination}", extra={"destination": destination}):
         return "hook_errors"
     marked = conn.execute(_MARK[episode.kind], {"d": destination, "since": episode.since}).fetchone()
     return "alerts" if marked else "raced"

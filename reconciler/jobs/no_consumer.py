@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import psycopg
 
 from outbox import heartbeat, settings
+from reconciler import alerts
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
@@ -95,15 +96,10 @@ def no_consumer(
             f"(outbox cancel --destination {gap.destination} --reason …)",
             age=float(first[3]),
         )
-        try:
-            hook(alert)
-        except Exception:
+        if not alerts.send(
+            hook, alert, about=f"destination {gap.destination}", extra={"destination": gap.destination}
+        ):
             counts["hook_errors"] += 1
-            logger.exception(
-                "alert hook failed for destination %s; it will be reported again",
-                gap.destination,
-                extra={"destination": gap.destination},
-            )
             continue
         if conn.execute(_MARK_EPISODE_ALERTED, {"destination": gap.destination}).fetchone() is not None:
             counts["alerts"] += 1

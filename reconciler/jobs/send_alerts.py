@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import psycopg
 
 from outbox import settings, transitions
+from reconciler import alerts
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
@@ -66,15 +67,11 @@ def send_alerts(
             reason=reason,
             age=float(age),
         )
-        try:
-            hook(alert)
-        except Exception:
+        sent = alerts.send(
+            hook, alert, about=f"outbox row {row_id}", extra={"outbox_id": row_id, "destination": destination}
+        )
+        if not sent:
             counts["hook_errors"] += 1
-            logger.exception(
-                "alert hook failed for outbox row %s; it will be reported again",
-                row_id,
-                extra={"outbox_id": row_id, "destination": destination},
-            )
             continue
         marked = transitions.mark_alerted(conn, row_id=row_id, state=state)
         counts["alerts" if marked else "raced"] += 1
