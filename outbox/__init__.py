@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .breaker import Breaker
+    from .chains import Next
     from .exceptions import (
         AmbiguousError,
         ConfigError,
@@ -50,6 +51,7 @@ __all__ = [
     "InvalidMessage",
     "InvalidTransition",
     "KeyConflict",
+    "Next",
     "NotFound",
     "NotMigrated",
     "OutboxError",
@@ -88,6 +90,7 @@ _HOME = {
     **dict.fromkeys(("Written", "cancel", "cancel_async", "write", "write_async"), "write"),
     "worker_middleware": "middleware",
     "Breaker": "breaker",
+    "Next": "chains",
 }
 
 

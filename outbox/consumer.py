@@ -26,11 +26,12 @@ from typing import Any
 
 import psycopg
 
-from . import breaker, db, metrics, outcomes, pauses, policy, tracing, transitions
+from . import breaker, chains, db, metrics, outcomes, pauses, policy, tracing, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
 from .handlers import (
+    Confirmed,
     Deliveries,
     Delivery,
     Handler,
@@ -39,7 +40,7 @@ from .handlers import (
     last_retry_after,
     set_send_bound,
 )
-from .policy import Decision, Next, Outcome, decide_exception, decide_result, next_state
+from .policy import Decision, Move, Outcome, decide_exception, decide_result, next_state
 from .validation import header_safe
 
 logger = logging.getLogger(__name__)
@@ -341,7 +342,7 @@ class Executor:
 
         # Where the row goes other than by next_state: a deadline-passed row that may have charged,
         # or a probe not counted as an attempt (None: next_state decides).
-        chosen: Next | None = None
+        chosen: Move | None = None
         if claimed.deadline_passed:
             decision = Decision(Outcome.FAILED, error="deadline passed before the call")
             if outcomes.earlier_call_may_have_taken_effect(conn, row_id=claimed.id, token=claimed.token):
@@ -351,7 +352,7 @@ class Executor:
                     "deadline passed before the call; an earlier call may have taken effect: "
                     "the lookup decides"
                 )
-                chosen = Next("unknown", 0.0, why)
+                chosen = Move("unknown", 0.0, why)
         elif not header_safe(idempotency_key(claimed.key, claimed.step)):
             # Only rows written before `write` refused such keys get here. Failing before the
             # call is certain and clear; the call could only fail to encode its header, and go
@@ -391,14 +392,34 @@ class Executor:
             refund = self._refundable(handler, claimed)
         if refund:
             wait = max(handler.backoff_seconds(1), decision.retry_after_seconds or 0.0)
-            chosen = Next(
+            chosen = Move(
                 "pending", wait, f"{decision.error} (the breaker's probe: not counted as an attempt)"
             )
         nxt = chosen or next_state(handler, decision, attempt=claimed.attempt)
-        state = self._record(
-            claimed, decision, nxt, policy.deadline_error(claimed.deadline, nxt.error), refund=refund
+        plan = self._plan(handler, claimed, decision, nxt)
+        recorded = self._record(
+            claimed,
+            decision,
+            nxt,
+            policy.deadline_error(claimed.deadline, nxt.error),
+            refund=refund,
+            follow=plan,
         )
+        state = recorded.state
         failpoint("after_record")
+        if recorded.chain_problem:
+            logger.error(
+                "outbox %s:%s: next steps not all written: %s",
+                claimed.key,
+                claimed.step,
+                recorded.chain_problem,
+                extra={
+                    "outbox_id": claimed.id,
+                    "key": claimed.key,
+                    "step": claimed.step,
+                    "destination": destination,
+                },
+            )
         if decision.retry_after_seconds and handler.retry_after_scope == "destination":
             self._hold(handler, decision)
         self._breaker(handler, claimed, health, decision, called=observed.called)
@@ -425,6 +446,26 @@ class Executor:
             },
         )
         return result
+
+    def _plan(
+        self, handler: Handler, claimed: transitions.Claimed, decision: Decision, nxt: Move
+    ) -> chains.Plan:
+        """The next steps the record writes (outbox.chains): the ``then`` steps of a confirmed
+        call; the ``on_failure`` steps of a certain failure, also of a retry that the record may
+        fail for its deadline (the record decides, on the database's clock)."""
+        if decision.outcome is Outcome.SENT:
+            if handler.then_fn is None or not decision.ref:
+                return chains.NOTHING
+            confirmed = Confirmed(decision.ref, decision.response)
+            return chains.then_plan(handler, self._delivery(handler, claimed), confirmed)
+        if handler.on_failure_fn is None or decision.outcome is Outcome.UNKNOWN:
+            return chains.NOTHING
+        if nxt.state == "failed" or (nxt.state == "pending" and claimed.deadline is not None):
+            return chains.failure_plan(handler, self._delivery(handler, claimed), nxt.error)
+        return chains.NOTHING
+
+    def _delivery(self, handler: Handler, claimed: transitions.Claimed) -> Delivery:
+        return delivery_for(claimed, handler, self._caller().deliveries)
 
     def _call(self, handler: Handler, claimed: transitions.Claimed, sent_at: float) -> Decision | None:
         """The call's decision, or None when it was not started: the start check passed, but a
@@ -665,11 +706,12 @@ class Executor:
         self,
         claimed: transitions.Claimed,
         decision: Decision,
-        nxt: Next,
+        nxt: Move,
         deadline_error: str | None,
         *,
         refund: bool = False,
-    ) -> str | None:
+        follow: chains.Plan = chains.NOTHING,
+    ) -> transitions.Recorded:
         # A failed record is not a lost outcome (the lease and the lookup recover it), but a
         # short database blip should not cost a lookup: try a few times within the lease.
         # An ambiguous call stays "unknown" on its fence row even when the row fails (an
@@ -678,7 +720,7 @@ class Executor:
         outcome = decision.outcome.value if nxt.state != "failed" or ambiguous else "failed"
         for attempt in range(3):
             try:
-                return transitions.record(
+                return transitions.record_outcome(
                     self._conn("record_conn"),
                     row_id=claimed.id,
                     token=claimed.token,
@@ -691,6 +733,7 @@ class Executor:
                     delay_seconds=nxt.delay_seconds,
                     deadline_error=deadline_error,
                     refund_attempt=refund,
+                    follow=follow,
                 )
             except psycopg.OperationalError:
                 self._drop("record_conn")

@@ -126,6 +126,9 @@ class Delivery:
 
 #: Lookups by destination (``@handler.lookup``): registered after the handler, which stays frozen.
 _lookups: dict[str, Callable[[Delivery], Confirmed | None]] = {}
+#: Next steps by destination (``@handler.then``, ``@handler.on_failure``; outbox.chains).
+_thens: dict[str, Callable[[Delivery, Confirmed], Any]] = {}
+_on_failures: dict[str, Callable[[Delivery, str], Any]] = {}
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,31 @@ class Handler:
     @property
     def lookup_fn(self) -> Callable[[Delivery], Confirmed | None] | None:
         return _lookups.get(self.destination)
+
+    def then(self, fn: Callable[[Delivery, Confirmed], Any]) -> Callable[[Delivery, Confirmed], Any]:
+        """Register the steps that follow this one once the provider confirmed it: a pure
+        function of the delivery and the confirmed answer returning a list of ``outbox.Next``.
+        Every path that settles a row of this destination ``sent`` writes them, in the statement
+        that settles it (outbox.chains)."""
+        with _registry_lock:
+            _thens[self.destination] = fn
+        return fn
+
+    def on_failure(self, fn: Callable[[Delivery, str], Any]) -> Callable[[Delivery, str], Any]:
+        """Register the compensation written when a row of this destination fails for a certain
+        reason (never out of ``unknown``): a pure function of the delivery and the failure's
+        reason returning a list of ``outbox.Next``."""
+        with _registry_lock:
+            _on_failures[self.destination] = fn
+        return fn
+
+    @property
+    def then_fn(self) -> Callable[[Delivery, Confirmed], Any] | None:
+        return _thens.get(self.destination)
+
+    @property
+    def on_failure_fn(self) -> Callable[[Delivery, str], Any] | None:
+        return _on_failures.get(self.destination)
 
     @property
     def start_margin_seconds(self) -> float:
@@ -448,6 +476,8 @@ def clear_registry() -> None:
     with _registry_lock:
         _registry.clear()
         _lookups.clear()
+        _thens.clear()
+        _on_failures.clear()
 
 
 @contextlib.contextmanager
@@ -455,12 +485,12 @@ def isolated_registry() -> Iterator[None]:
     """For tests: handlers and lookups declared inside are forgotten on exit; those declared
     before (a handler module imported by the test file) are what they were."""
     with _registry_lock:
-        handlers, lookups = dict(_registry), dict(_lookups)
+        tables: tuple[dict[str, Any], ...] = (_registry, _lookups, _thens, _on_failures)
+        saved = [(table, dict(table)) for table in tables]
     try:
         yield
     finally:
         with _registry_lock:
-            _registry.clear()
-            _registry.update(handlers)
-            _lookups.clear()
-            _lookups.update(lookups)
+            for table, content in saved:
+                table.clear()
+                table.update(content)

@@ -233,7 +233,7 @@ def decide_exception(
 
 
 @dataclass(frozen=True)
-class Next:
+class Move:
     """Where a row goes after a decision: its state, and in how long it is due again.
 
     A delay, never an instant: the statement that applies it adds it to the database's clock
@@ -246,20 +246,20 @@ class Next:
     error: str | None
 
 
-def next_state(handler: Handler, decision: Decision, *, attempt: int) -> Next:
+def next_state(handler: Handler, decision: Decision, *, attempt: int) -> Move:
     outcome = decision.outcome
     if outcome is Outcome.UNKNOWN and handler.idempotent:
         # The provider deduplicates on our key: repeating the call cannot charge twice.
         outcome = Outcome.RETRY
     if outcome is Outcome.SENT:
-        return Next("sent", None, None)
+        return Move("sent", None, None)
     if outcome is Outcome.FAILED:
-        return Next("failed", None, decision.error)
+        return Move("failed", None, decision.error)
     if outcome is Outcome.UNKNOWN:
         # The provider may still be executing the request we stopped waiting for: a lookup
         # before it lands would find no record and the retry would charge twice. Wait one
         # time_limit before the first lookup.
-        return Next("unknown", handler.time_limit, decision.error)
+        return Move("unknown", handler.time_limit, decision.error)
     return retry_or_fail(
         handler, attempt=attempt, error=decision.error, at_least=decision.retry_after_seconds
     )
@@ -267,14 +267,14 @@ def next_state(handler: Handler, decision: Decision, *, attempt: int) -> Next:
 
 def retry_or_fail(
     handler: Handler, *, attempt: int, error: str | None, at_least: float | None = None
-) -> Next:
+) -> Move:
     """A retry after the next backoff (or ``at_least`` seconds, the provider's ``Retry-After``,
     when longer), or ``failed`` when no attempt is left. Whether the retry still falls before
     the row's deadline is decided in SQL, on the database's clock: a Retry-After past the
     deadline fails the row then."""
     if attempt >= handler.max_attempts:
-        return Next("failed", None, f"gave up after {attempt} attempts; last error: {error}")
-    return Next("pending", max(handler.backoff_seconds(attempt), at_least or 0.0), error)
+        return Move("failed", None, f"gave up after {attempt} attempts; last error: {error}")
+    return Move("pending", max(handler.backoff_seconds(attempt), at_least or 0.0), error)
 
 
 def deadline_error(deadline: datetime | None, error: str | None) -> str | None:

@@ -297,6 +297,29 @@ outbox_db_identity = Table(
     CheckConstraint("id = 1", name="outbox_db_identity_one_row_check"),
 )
 
+# -- Issue 14 (migrations 0012, 0013): chains ------------------------------------------------------
+
+#: The row whose settlement wrote this one in the same statement (outbox.chains): its ``sent``
+#: (``via = 'then'``) or its certain failure (``via = 'on_failure'``). No foreign key: a parent is
+#: purged to the key ledger before its children may be.
+for _table in (outbox_message, outbox_key_ledger):
+    _table.append_column(Column("parent_id", BigInteger, nullable=True))
+    _table.append_column(Column("via", Text, nullable=True))
+    _table.append_constraint(
+        CheckConstraint(
+            "via IS NULL OR via IN ('then', 'on_failure', 'batch_then', 'batch_catch')",
+            name=f"{_table.name}_via_check",
+        )
+    )
+#: Why a settled row's declared next steps were not all written (the function raised, a step
+#: exists with another payload): alerted once by the reconciler, cleared by ``outbox repair``.
+outbox_message.append_column(Column("chain_problem", Text, nullable=True))
+Index(
+    "outbox_message_chain_problem_idx",
+    outbox_message.c.id,
+    postgresql_where=text("chain_problem IS NOT NULL AND alerted_at IS NULL"),
+)
+
 # -- migration 0007 (attack finding F6): a new row's step holds no ':' ------------------------------
 # CHECK outbox_message_step_colon_check: strpos(step, ':') = 0 OR id <= <highest id at upgrade>,
 # NOT VALID. Not declared here: its bound is each database's own (rows stored before the upgrade

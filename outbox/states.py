@@ -41,8 +41,13 @@ state           meaning                             moved out by (``outbox.trans
                 have taken effect
 ==============  ==================================  =================================================
 
-Rows are created ``pending`` by ``insert`` (``outbox.write``). ``mark_alerted`` only marks a
-``failed`` or long-``unknown`` row as reported; ``close_abandoned`` serves ``outbox demo`` only.
+Rows are created ``pending`` by ``insert`` (``outbox.write``), and by the statement that settles
+another row of the same key (:mod:`outbox.chains`): ``record_outcome`` (the consumer's
+``record`` with the next steps), ``settle_unknown`` and ``resolve_sent`` write the settled row's
+"then" steps when it moves to ``sent`` (``record_outcome`` its "on_failure" steps when it
+fails for a certain reason); ``write_next_steps`` writes a ``sent`` row's missing ones later.
+``mark_alerted`` only marks a ``failed`` or long-``unknown`` row (or a ``sent`` one whose next
+steps are missing) as reported; ``close_abandoned`` serves ``outbox demo`` only.
 """
 
 from __future__ import annotations

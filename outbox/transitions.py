@@ -16,6 +16,7 @@ function                              move                            called by
 :func:`undispatch`                    dispatched -> pending           relay (Redis refused)
 :func:`claim`                         pending/dispatched -> in_flight consumer
 :func:`record`                        in_flight/unknown -> any        consumer (the call's outcome)
+:func:`record_outcome`                (the same, with next steps)     consumer (outbox.chains)
 :func:`release`                       in_flight/unknown -> pending    consumer (no call was made)
 :func:`fail_unhandled`                pending/dispatched -> failed    consumer (no handler)
 :func:`expire_leases`                 in_flight -> unknown            reconciler
@@ -26,6 +27,7 @@ function                              move                            called by
 :func:`requeue`                       dispatched -> pending           reconciler (message lost)
 :func:`fail_past_deadline`            pending/dispatched -> failed    reconciler (held back; ->
                                                                       unknown if it may have charged)
+:func:`write_next_steps`              (a sent row's next steps)       reconciler, ``outbox repair``
 :func:`purge`                         sent/cancelled -> key ledger    reconciler
 :func:`mark_alerted`                  failed/unknown (alerted once)   reconciler
 :func:`replay_planned`                failed -> pending               ``outbox replay``
@@ -50,6 +52,7 @@ of its own; only the application's own ``available_at``/``deadline`` come from o
 from __future__ import annotations
 
 import functools
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -59,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from sqlalchemy import text
 
-from . import outcomes, sanitize
+from . import chains, outcomes, sanitize
 from .schema import NOTIFY_CHANNEL
 
 if TYPE_CHECKING:
@@ -72,6 +75,66 @@ if TYPE_CHECKING:
 def _text(sql: str) -> Any:
     # One construct per statement, made once: `outbox.write` runs in the application's hot path.
     return text(sql)
+
+
+# == chains (outbox.chains): the next steps a settling statement writes ==========================
+
+#: The next steps of the plan, as rows (an empty set when the parameter is NULL).
+_PLANNED = (
+    "jsonb_to_recordset(CAST(%(follow)s AS jsonb)) AS n(step text, destination text, payload jsonb, via text)"
+)
+
+
+def _follow_sql(moved: str, *, certain: str = "false") -> str:
+    """The CTE (``, followed AS (…)``) that writes the plan's rows after the row of CTE ``moved``
+    (which returns ``id, key, state, trace_context``): the ``then`` steps when it moved to
+    ``sent``, the ``on_failure`` steps when it moved to ``failed`` and ``certain`` (an SQL
+    expression over ``moved``) holds. ``ON CONFLICT DO NOTHING`` and the key ledger's guard make
+    a step that exists already a no-op; :func:`_conflict_sql` tells whether it differs."""
+    return f"""
+, followed AS (
+    INSERT INTO outbox_message (key, step, destination, payload, parent_id, via, trace_context)
+    SELECT {moved}.key, n.step, n.destination, n.payload, {moved}.id, n.via, {moved}.trace_context
+    FROM {moved}, {_PLANNED}
+    WHERE (n.via = '{chains.THEN}' AND {moved}.state = 'sent')
+       OR (n.via = '{chains.ON_FAILURE}' AND {moved}.state = 'failed' AND {certain})
+    ON CONFLICT (key, step) DO NOTHING
+    RETURNING id
+)"""
+
+
+def _conflict_sql(row: str, new_state: str) -> str:
+    """An expression, in the SET of the statement that moves ``row`` to ``new_state`` (SQL
+    expressions), that says which planned steps exist already with another destination or
+    payload (a live row, or a purged one in the key ledger); NULL when none does. Read on the
+    statement's snapshot: a conflicting row committed while it runs is not seen."""
+    return f"""(SELECT string_agg('step ' || n.step || ' exists already with another '
+                  || CASE WHEN COALESCE(e.destination, l.destination) <> n.destination
+                          THEN 'destination' ELSE 'payload' END, '; ')
+    FROM {_PLANNED}
+    LEFT JOIN outbox_message e ON e.key = {row}.key AND e.step = n.step
+    LEFT JOIN outbox_key_ledger l ON l.key = {row}.key AND l.step = n.step
+    WHERE n.via = CASE {new_state} WHEN 'sent' THEN '{chains.THEN}'
+                                   WHEN 'failed' THEN '{chains.ON_FAILURE}' END
+      AND (e.destination <> n.destination OR e.payload <> n.payload
+           OR l.destination <> n.destination OR l.payload_hash <> outbox_payload_digest(n.payload)))"""
+
+
+def _problem_sql(row: str, new_state: str) -> str:
+    """``chain_problem`` after the move: the plan's own problem (``%(chain_problem)s``, from
+    Python) and the conflicts, when the row moves to a state that writes steps; else unchanged."""
+    return f"""CASE WHEN CAST(%(follow)s AS jsonb) IS NULL AND CAST(%(chain_problem)s AS text) IS NULL
+         THEN {row}.chain_problem
+         WHEN {new_state} IN ('sent', 'failed')
+         THEN NULLIF(concat_ws('; ', CAST(%(chain_problem)s AS text), {_conflict_sql(row, new_state)}), '')
+         ELSE {row}.chain_problem END"""
+
+
+def _certain_failure_sql(row_id: str, token: str) -> str:
+    """No call of row ``row_id`` other than the one under ``token`` may have taken effect."""
+    return f"""NOT EXISTS (SELECT 1 FROM outbox_attempt a
+                    WHERE a.message_id = {row_id} AND a.claim_token IS DISTINCT FROM {token}
+                      AND {outcomes.may_have_taken_effect_sql("a")})"""
 
 
 # == the application: write and cancel, in the caller's transaction ================================
@@ -311,15 +374,19 @@ WITH moved AS (
         dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
         -- A row alerted while unknown and then settled must be able to alert again (failed).
         alerted_at = NULL,
-        lease_expires_at = NULL
+        lease_expires_at = NULL,
+        chain_problem = {_problem_sql("outbox_message", NEW_STATE_SQL)}
     -- A confirmed answer also settles a row that a lookup sent back (pending, dispatched) or
     -- failed while this claim's call was still on its way, as long as no newer claim owns it:
     -- the provider's confirmation beats the lookup's earlier "not found".
     WHERE id = %(id)s AND claim_token = %(token)s
       AND (state IN ('in_flight', 'unknown')
            OR (%(state)s = 'sent' AND state IN ('pending', 'dispatched', 'failed')))
-    RETURNING id, state, last_error
-)
+    RETURNING id, key, state, last_error, trace_context, chain_problem,
+              -- Compensation only for a certain failure (outbox.chains); read only with a plan.
+              CASE WHEN CAST(%(follow)s AS jsonb) IS NULL OR %(outcome)s = 'unknown' THEN false
+                   ELSE {_certain_failure_sql("outbox_message.id", "%(token)s")} END AS certain
+){_follow_sql("moved", certain="moved.certain")}
 UPDATE outbox_attempt
 SET finished_at = now(),
     -- An ambiguous call keeps "unknown" on its fence row even when the row fails (an idempotent
@@ -340,7 +407,7 @@ SET finished_at = now(),
                            AND settled IS NULL
                       THEN now() ELSE settled_at END
 WHERE claim_token = %(token)s
-RETURNING (SELECT state FROM moved)
+RETURNING (SELECT state FROM moved), (SELECT count(*) FROM followed), (SELECT chain_problem FROM moved)
 """
 
 # The claim is given back without a call: the row is due again at once (the relay re-publishes
@@ -489,7 +556,23 @@ def claim(
     )
 
 
-def record(
+@dataclass(frozen=True)
+class Recorded:
+    #: The state the row moved to, or None when a newer claim owns it.
+    state: str | None
+    #: Next steps (outbox.chains) this record wrote.
+    followed: int = 0
+    #: Why declared next steps were not all written (outbox.chains), or None.
+    chain_problem: str | None = None
+
+
+def record(conn: psycopg.Connection[Any], **kwargs: Any) -> str | None:
+    """:func:`record_outcome`'s state: the state the row moved to, or None when a newer claim
+    owns it."""
+    return record_outcome(conn, **kwargs).state
+
+
+def record_outcome(
     conn: psycopg.Connection[Any],
     *,
     row_id: int,
@@ -503,8 +586,11 @@ def record(
     delay_seconds: float | None = None,
     deadline_error: str | None = None,
     refund_attempt: bool = False,
-) -> str | None:
-    """Record a claim's outcome; the state the row moved to, or None when a newer claim owns it.
+    follow: chains.Plan = chains.NOTHING,
+) -> Recorded:
+    """Record a claim's outcome, and write the next steps of ``follow`` (outbox.chains) in the
+    same statement: its ``then`` steps if the row moves to ``sent``, its ``on_failure`` steps if
+    it moves to ``failed`` for a certain reason.
 
     ``delay_seconds``: the row is due again that long after the database's now (the backoff of
     a retry, the wait before the first lookup of an unknown row). A retry that would fall on or
@@ -525,6 +611,8 @@ def record(
         "id": row_id,
         "token": token,
         "refund": 1 if refund_attempt else 0,
+        "follow": follow.param,
+        "chain_problem": follow.problem,
     }
     try:
         row = conn.execute(_RECORD, params).fetchone()
@@ -538,8 +626,14 @@ def record(
             text = params[name]
             if isinstance(text, str):
                 params[name] = text.encode("ascii", "replace").decode()
+        if params["follow"] is not None:
+            # Nor the next steps: recorded as a chain problem, `outbox repair` writes them.
+            params["follow"] = None
+            params["chain_problem"] = f"next steps refused by the database ({type(exc).__name__})"
         row = conn.execute(_RECORD, params).fetchone()
-    return row[0] if row else None
+    if row is None:
+        return Recorded(None)
+    return Recorded(row[0], int(row[1] or 0), row[2])
 
 
 def release(conn: psycopg.Connection[Any], *, row_id: int, token: uuid.UUID, reason: str) -> Released | None:
@@ -647,12 +741,14 @@ SET state = {NEW_STATE_SQL},
     history = history || jsonb_build_array(jsonb_build_object(
         'at', now(), 'by', 'reconciler', 'action', 'lookup',
         'result', CAST(%(result)s AS text), 'state', {NEW_STATE_SQL},
-        'provider_ref', CAST(%(ref)s AS text)))
+        'provider_ref', CAST(%(ref)s AS text))),
+    -- Next steps (outbox.chains): only of a row found sent; no compensation out of unknown.
+    chain_problem = {_problem_sql("outbox_message", NEW_STATE_SQL)}
 WHERE id = %(id)s AND state = 'unknown'
   AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
   AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({_CALL_OLDER_THAN_KEY_TTL}))
-RETURNING id, state
-), settled AS (
+RETURNING id, key, state, trace_context
+){_follow_sql("moved")}, settled AS (
     UPDATE outbox_attempt a SET settled = %(settled)s, settled_at = now()
     FROM moved
     WHERE a.message_id = moved.id AND CAST(%(settled)s AS text) IS NOT NULL
@@ -723,16 +819,16 @@ WITH gone AS (
         LIMIT %(limit)s
     )
     AND state IN ('sent', 'cancelled')
-    RETURNING id, key, step, destination, payload, state, provider_ref, completed_at, history
+    RETURNING id, key, step, destination, payload, state, provider_ref, completed_at, history, parent_id, via
 ),
 ledgered AS (
     INSERT INTO outbox_key_ledger AS l (
         message_id, completed_at, attempts, confirmed, ambiguous,
-        key, step, destination, payload_hash, state, provider_ref)
+        key, step, destination, payload_hash, state, provider_ref, parent_id, via)
     SELECT g.id, g.completed_at, f.claims, f.confirmed,
            f.ambiguous OR g.history @> '[{"action": "resolve", "from": "unknown"}]'::jsonb,
            g.key, g.step, g.destination, outbox_payload_digest(g.payload),
-           g.state, g.provider_ref
+           g.state, g.provider_ref, g.parent_id, g.via
     FROM gone g CROSS JOIN LATERAL (
         SELECT count(*) AS claims,
                count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,
@@ -806,12 +902,16 @@ def settle_unknown(
     deadline_error: str | None = None,
     settled: str | None = None,
     key_ttl: float | None = None,
+    follow: chains.Plan = chains.NOTHING,
 ) -> str | None:
     """``unknown`` -> ``state`` (sent, pending or failed) after a lookup: the state the row moved
     to, or None when it had moved meanwhile (or, with ``key_ttl``, when a call that may have
     taken effect is older than it). ``settled`` marks the row's ambiguous fence rows in the same
-    statement (:mod:`outbox.outcomes`)."""
+    statement (:mod:`outbox.outcomes`); ``follow``'s ``then`` steps are written with a ``sent``
+    (never its ``on_failure`` steps: a failure out of unknown is not certain)."""
     params = {
+        "follow": follow.param,
+        "chain_problem": follow.problem,
         **_stored(ref=ref, response=response, error=error, deadline_error=deadline_error),
         "settled": settled,
         "key_ttl": key_ttl,
@@ -930,6 +1030,40 @@ def fail_past_deadline(
     return PastDeadline(failed=moved.count("failed"), unknown=moved.count("unknown"))
 
 
+# The next steps of a row already sent (outbox.chains): written late, by the reconciler for a row
+# an operator resolved without the handler module, or by `outbox repair`. Guarded by the
+# chain_problem the caller read, so that two writers do not both report; the steps themselves
+# are unique by (key, step) either way.
+_WRITE_NEXT_STEPS = f"""
+WITH moved AS (
+    UPDATE outbox_message
+    SET chain_problem = NULLIF(concat_ws('; ', CAST(%(chain_problem)s AS text),
+                                         {_conflict_sql("outbox_message", "'sent'")}), ''),
+        -- A new problem is alerted (again).
+        alerted_at = NULL
+    WHERE id = %(id)s AND state = 'sent' AND chain_problem IS NOT DISTINCT FROM %(expected)s
+    RETURNING id, key, state, trace_context, chain_problem
+){_follow_sql("moved")}
+SELECT (SELECT count(*) FROM followed), chain_problem FROM moved
+"""
+
+
+def write_next_steps(
+    conn: psycopg.Connection[Any], *, row_id: int, follow: chains.Plan, expected_problem: str | None
+) -> Recorded | None:
+    """Write ``follow``'s ``then`` steps after the ``sent`` row ``row_id`` and set its
+    ``chain_problem`` to what is still missing, only while its ``chain_problem`` is still
+    ``expected_problem`` (what the caller read); None when it was not."""
+    params = {
+        "id": row_id,
+        "expected": expected_problem,
+        "follow": follow.param,
+        "chain_problem": follow.problem,
+    }
+    row = conn.execute(_WRITE_NEXT_STEPS, params).fetchone()
+    return Recorded("sent", int(row[0]), row[1]) if row is not None else None
+
+
 def purge(conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int) -> int:
     """``sent``/``cancelled`` rows completed more than ``retention_seconds`` ago (and before the
     oldest open client transaction began) leave the table for the key ledger, at most ``limit``;
@@ -969,7 +1103,11 @@ SET state = 'pending', attempts = 0, available_at = now(),
 BLOCKING_ATTEMPT_SQL = (
     f"SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql('a')}"
 )
-REPLAYABLE_SQL = f"NOT EXISTS ({BLOCKING_ATTEMPT_SQL}) AND NOT {outcomes.operator_failed_unknown_sql('m')}"
+REPLAYABLE_SQL = (
+    f"NOT EXISTS ({BLOCKING_ATTEMPT_SQL}) AND NOT {outcomes.operator_failed_unknown_sql('m')}"
+    # Its compensation ran (or will): replaying the step would undo the undo.
+    f" AND NOT {chains.COMPENSATED_SQL}"
+)
 
 
 # Acts on exactly the previewed rows: each one only if it is still failed with the failure the
@@ -998,15 +1136,26 @@ WITH moved AS (
 SELECT id, past_deadline FROM moved
 """
 
-_RESOLVE_SENT = (
-    """
-UPDATE outbox_message
-SET state = 'sent', provider_ref = :ref, completed_at = now(), last_error = NULL,
-    unknown_since = NULL, lease_expires_at = NULL,
+
+def _sqlalchemy(sql: str) -> str:
+    """psycopg's ``%(name)s`` placeholders as SQLAlchemy's ``:name``: the chain fragments
+    (outbox.chains) serve both drivers."""
+    return re.sub(r"%\((\w+)\)s", r":\1", sql)
+
+
+# The row's then steps (outbox.chains) are written by the same statement.
+_RESOLVE_SENT = f"""
+WITH moved AS (
+    UPDATE outbox_message
+    SET state = 'sent', provider_ref = :ref, completed_at = now(), last_error = NULL,
+        unknown_since = NULL, lease_expires_at = NULL, alerted_at = NULL,
+        chain_problem = {_sqlalchemy(_problem_sql("outbox_message", "'sent'"))},
+    {HISTORY_ENTRY}
+    WHERE id = :id AND state = 'unknown'
+    RETURNING id, key, state, trace_context
+){_sqlalchemy(_follow_sql("moved"))}
+SELECT id, (SELECT count(*) FROM followed) FROM moved
 """
-    + HISTORY_ENTRY
-    + " WHERE id = :id AND state = 'unknown' RETURNING id"
-)
 # attempts stay: the earlier call is known not to have taken effect, but it counted. The row's
 # ambiguous fence rows are marked settled in the same statement (what lets a later replay through);
 # a call the provider confirmed is not "not sent", whatever anyone says, so it refuses.
@@ -1087,10 +1236,19 @@ def replay_forced(
     return connection.execute(_text(_REPLAY_FORCED), params).first()
 
 
-def resolve_sent(connection: Connection, *, row_id: int, ref: str, history: Mapping[str, Any]) -> bool:
-    """``unknown`` -> ``sent`` with the provider's reference an operator found."""
-    params = {**history, "id": row_id, "ref": ref}
-    return connection.execute(_text(_RESOLVE_SENT), params).first() is not None
+def resolve_sent(
+    connection: Connection,
+    *,
+    row_id: int,
+    ref: str,
+    history: Mapping[str, Any],
+    follow: chains.Plan = chains.NOTHING,
+) -> int | None:
+    """``unknown`` -> ``sent`` with the provider's reference an operator found, and ``follow``'s
+    ``then`` steps written; how many were, or None when the row did not move."""
+    params = {**history, "id": row_id, "ref": ref, "follow": follow.param, "chain_problem": follow.problem}
+    row = connection.execute(_text(_RESOLVE_SENT), params).first()
+    return int(row[1]) if row is not None else None
 
 
 def resolve_not_sent(connection: Connection, *, row_id: int, history: Mapping[str, Any]) -> bool:

@@ -29,7 +29,8 @@ class AlertRow:
     key: str
     step: str
     destination: str
-    #: ``failed`` or ``unknown`` for a row; ``no_consumer``, ``paused`` or ``breaker_open`` for a
+    #: ``failed`` or ``unknown`` for a row, ``chain_broken`` for a sent row whose next steps were
+    #: not all written (outbox.chains); ``no_consumer``, ``paused`` or ``breaker_open`` for a
     #: destination (then ``id``/``key`` name its oldest waiting row: 0 and "" when none waits).
     state: str
     #: Why: the row's ``last_error`` (for ``unknown`` rows, prefixed with how long it has waited).

@@ -1,41 +1,39 @@
 """Invoice → accounting export → notification: a chain of three outbox steps.
 
 Each step is its own outbox row under the same business key (``invoice:INV-7`` + ``issue``,
-then ``+ export``, then ``+ notify``), and each handler, once its own call is confirmed, writes
-the NEXT step's row in a transaction of its own. Run with::
+then ``+ export``, then ``+ notify``). The application writes the first; each handler declares
+the step that follows it with ``@handler.then``, and the outbox writes that row in the very
+statement that records this step as ``sent`` (``outbox.chains``). Run with::
 
     outbox worker examples.invoicing.handlers
     outbox reconcile examples.invoicing.handlers
 
 Why this is safe (see README.md next to this file):
 
-* The next row is written only after this step's call was confirmed, and before the handler
-  returns, so "step N is sent" implies "step N+1 exists".
-* Writing the same ``(key, step)`` with the same destination and payload again is a no-op
-  (``outbox.write`` returns the existing row, ``created=False``). A handler re-run after a crash
-  (or the lookup that settles it) therefore cannot create a second next step. That is why the
-  next payload is derived from this step's payload only, never from anything that could differ
-  between two runs (a timestamp, a random id).
-* The lookup continues the chain too: if the worker died after the provider answered but
-  before the next row was committed, the reconciler's lookup finds the effect, writes the
-  next row, and only then is the step settled as sent.
+* "step N is sent" and "step N+1 exists" commit together, whoever settles step N: the worker's
+  record, the reconciler's lookup after a crash, or an operator's
+  ``outbox resolve ID --sent REF --module examples.invoicing.handlers``.
+* Writing the same ``(key, step)`` again is a no-op: ``outbox repair`` may rewrite a missing
+  step without creating a second one. A next step whose payload differs from an existing row's
+  is not written; the confirmed step is still recorded, flagged and alerted.
+* ``next_steps`` is a pure function of the delivery and the provider's answer: the invoice
+  number from the payload, the provider's reference from the answer, nothing from the clock.
 
 The three external APIs (invoicing, accounting, mail) are stood in for by the payment provider
 simulator's ``/charges`` endpoint at ``INVOICING_API_URL`` (default ``http://127.0.0.1:8099``):
 it records one effect per Idempotency-Key, which is what lets the tests count them.
+``INVOICING_TIME_LIMIT`` / ``INVOICING_LEASE_SECONDS`` shorten the timings for the crash tests.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
-from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import Confirmed, Delivery, PermanentError
+from outbox import Confirmed, Delivery, Next, PermanentError
 
 #: step → destination (one queue per step, so a slow mail API never delays invoicing).
 DESTINATIONS = {
@@ -43,8 +41,6 @@ DESTINATIONS = {
     "export": "invoicing.export",
     "notify": "invoicing.notify",
 }
-#: step → the step it feeds.
-NEXT_STEP = {"issue": "export", "export": "notify"}
 
 
 def api_url() -> str:
@@ -73,58 +69,6 @@ def start_invoice(
     )
 
 
-def next_payload(step: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """The payload of ``step`` derived from the previous step's payload, and from it only, so
-    that a re-run writes exactly the same row (a no-op) instead of a conflicting one."""
-    if step == "export":
-        return {
-            "invoice": payload["invoice"],
-            "amount_cents": payload["amount_cents"],
-            "currency": payload["currency"],
-            "ledger": "sales",
-        }
-    if step == "notify":
-        return {"invoice": payload["invoice"], "template": "invoice-issued"}
-    raise ValueError(f"no step {step!r} in the invoicing chain")
-
-
-# -- the outbox's database, for writing the next step ----------------------------------------------
-
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
-
-
-def _engine() -> Engine:
-    # The next row must land in the outbox's own database, which the worker already knows.
-    url = os.environ.get("OUTBOX_DATABASE_URL")
-    if not url:
-        raise outbox.ConfigError("examples.invoicing.handlers needs OUTBOX_DATABASE_URL")
-    with _engines_lock:
-        engine = _engines.get(url)
-        if engine is None:
-            from outbox.db import make_engine
-
-            engine = _engines[url] = make_engine(url, pool_size=4, max_overflow=4)
-        return engine
-
-
-def continue_chain(d: Delivery) -> outbox.Written | None:
-    """Write the step after ``d`` in a committed transaction of its own; a no-op when it exists."""
-    step = NEXT_STEP.get(d.step)
-    if step is None:
-        return None
-    # Committed before the handler returns: once this step is recorded as sent, the next
-    # one is guaranteed to exist.
-    with _engine().begin() as conn:
-        return outbox.write(
-            conn,
-            key=d.key,
-            step=step,
-            destination=DESTINATIONS[step],
-            payload=next_payload(step, d.payload),
-        )
-
-
 # -- the calls -------------------------------------------------------------------------------------
 
 
@@ -150,48 +94,71 @@ def _find(d: Delivery) -> Confirmed | None:
     return Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
 
 
-def _run_step(d: Delivery) -> Confirmed:
-    confirmed = _call(d)
-    continue_chain(d)
-    return confirmed
+def _timings() -> dict[str, Any]:
+    lease = os.environ.get("INVOICING_LEASE_SECONDS")
+    return {
+        "time_limit": float(os.environ.get("INVOICING_TIME_LIMIT", "10")),
+        "lease_seconds": float(lease) if lease else None,
+        "max_attempts": 5,
+        "backoff": (5, 30, 120),
+    }
 
 
-def _look_up_step(d: Delivery) -> Confirmed | None:
-    found = _find(d)
-    if found is not None:
-        # The worker may have died between the provider's answer and the next row's commit.
-        continue_chain(d)
-    return found
-
-
-_TIMINGS: dict[str, Any] = {"time_limit": 10, "max_attempts": 5, "backoff": (5, 30, 120)}
-
-
-@outbox.handler(DESTINATIONS["issue"], **_TIMINGS)
+@outbox.handler(DESTINATIONS["issue"], **_timings())
 def issue_invoice(d: Delivery) -> Confirmed:
-    return _run_step(d)
+    return _call(d)
 
 
-@issue_invoice.lookup
-def find_invoice(d: Delivery) -> Confirmed | None:
-    return _look_up_step(d)
-
-
-@outbox.handler(DESTINATIONS["export"], **_TIMINGS)
+@outbox.handler(DESTINATIONS["export"], **_timings())
 def export_to_accounting(d: Delivery) -> Confirmed:
-    return _run_step(d)
+    return _call(d)
 
 
-@export_to_accounting.lookup
-def find_export(d: Delivery) -> Confirmed | None:
-    return _look_up_step(d)
-
-
-@outbox.handler(DESTINATIONS["notify"], **_TIMINGS)
+@outbox.handler(DESTINATIONS["notify"], **_timings())
 def notify_customer(d: Delivery) -> Confirmed:
-    return _run_step(d)
+    return _call(d)
 
 
-@notify_customer.lookup
-def find_notification(d: Delivery) -> Confirmed | None:
-    return _look_up_step(d)
+for _step in (issue_invoice, export_to_accounting, notify_customer):
+    _step.lookup(_find)
+
+
+# -- the chain: pure functions of the delivery and the provider's answer ---------------------------
+
+
+@issue_invoice.then
+def export_after_issue(d: Delivery, c: Confirmed) -> list[Next]:
+    return [
+        Next(
+            "export",
+            DESTINATIONS["export"],
+            {
+                "invoice": d.payload["invoice"],
+                "invoice_ref": c.ref,
+                "amount_cents": d.payload["amount_cents"],
+                "currency": d.payload["currency"],
+                "ledger": "sales",
+            },
+        )
+    ]
+
+
+@export_to_accounting.then
+def notify_after_export(d: Delivery, c: Confirmed) -> list[Next]:
+    return [
+        Next(
+            "notify", DESTINATIONS["notify"], {"invoice": d.payload["invoice"], "template": "invoice-issued"}
+        )
+    ]
+
+
+@issue_invoice.on_failure
+def tell_sales(d: Delivery, error: str) -> list[Next]:
+    """The invoicing provider refused the invoice for good: sales hears of it (compensation)."""
+    return [
+        Next(
+            "refused-mail",
+            DESTINATIONS["notify"],
+            {"invoice": d.payload["invoice"], "template": "invoice-refused", "reason": error},
+        )
+    ]

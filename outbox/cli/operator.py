@@ -433,13 +433,21 @@ def resolve_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument("--sent", metavar="REF", help="the provider's reference of the effect")
     how.add_argument("--not-sent", action="store_true", help="the call did not take effect: retry it")
     how.add_argument("--failed", metavar="REASON", help="give up with this reason")
+    p.add_argument(
+        "--module",
+        metavar="MODULE",
+        help="the handler module (e.g. myapp.handlers): with --sent, the row's @then steps are "
+        "written in the same transaction; without it they are not (outbox repair writes them)",
+    )
     _by_and_reason(p)
 
 
 def resolve(args: argparse.Namespace, cfg: settings.Settings) -> int:
     row_id = _parse_id(args.id, "resolve takes one row id")
+    from ..handlers import load_module
     from ..ops.actions import resolve as resolve_row
 
+    handlers = load_module(args.module) if args.module else None
     with _connection(cfg, write=True) as conn:
         result = resolve_row(
             conn,
@@ -449,6 +457,7 @@ def resolve(args: argparse.Namespace, cfg: settings.Settings) -> int:
             failed_reason=args.failed,
             by=args.by,
             reason=args.reason,
+            handlers=handlers,
         )
     if args.json:
         print_json(result.to_dict())

@@ -14,15 +14,16 @@ import getpass
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import outcomes, sanitize, states, transitions
+from .. import chains, outcomes, sanitize, states, transitions
 from ..exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
+from ..handlers import Confirmed, Handler
 from . import tables
 from .inspect import require_destination
 
@@ -31,6 +32,8 @@ from .inspect import require_destination
 _FAILED_OUT_OF_UNKNOWN = (
     "an operator failed it out of unknown (resolve --failed): nobody knows whether its call took effect"
 )
+_COMPENSATED = "its @on_failure compensation was written: replayed, the step would run after its own undo"
+_REFUSAL_TEXTS = {"failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN, "compensated": _COMPENSATED}
 
 # What a replay would do to each row, and why it refuses: read to preview, never to act (the
 # acting statements re-check every rule themselves).
@@ -49,7 +52,9 @@ SELECT m.id, m.key, m.step, m.destination, m.state, m.completed_at, m.last_error
            FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql("a")}
            ORDER BY a.started_at, a.id
        ) || CASE WHEN {outcomes.operator_failed_unknown_sql("m")}
-                 THEN ARRAY[CAST(:failed_out_of_unknown AS text)] ELSE ARRAY[]::text[] END AS refusals,
+                 THEN ARRAY[CAST(:failed_out_of_unknown AS text)] ELSE ARRAY[]::text[] END
+         || CASE WHEN {chains.COMPENSATED_SQL}
+                 THEN ARRAY[CAST(:compensated AS text)] ELSE ARRAY[]::text[] END AS refusals,
        ARRAY(SELECT a.id FROM outbox_attempt a
              WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql("a")} ORDER BY a.id) AS blockers
 FROM outbox_message m
@@ -163,6 +168,11 @@ class ReplayCandidate:
     def refusal(self) -> str:
         if self.state != states.FAILED:
             return f"row {self.id} is {self.state}, only failed rows can be replayed"
+        if self.refusals == [_COMPENSATED]:
+            return (
+                f"row {self.id} refused: {_COMPENSATED}. If the step must run again anyway: "
+                f"outbox replay {self.id} --force --reason WHY"
+            )
         return (
             f"row {self.id} refused: {'; '.join(self.refusals)}. Replaying it could charge twice; "
             f"if the provider confirms it cannot: outbox replay {self.id} --force --reason WHY"
@@ -263,7 +273,7 @@ def plan_replay(
             "--force replays one row named by its id, never in bulk (not with --destination, not "
             "with several ids): look at each such row with outbox show ID first"
         )
-    params = {"failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN}
+    params = dict(_REFUSAL_TEXTS)
     if destination:
         require_destination(connection, destination)
         found = connection.execute(_PLAN_DESTINATION, {**params, "destination": destination}).all()
@@ -314,7 +324,7 @@ def execute_replay(
 
 def _changed(connection: Connection, planned: ReplayCandidate, force: bool) -> ActionResult:
     """Why a previewed row did not move: read only to explain, the guarded UPDATE decided."""
-    params = {"failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN, "ids": [planned.id]}
+    params = {**_REFUSAL_TEXTS, "ids": [planned.id]}
     now = connection.execute(_PLAN_IDS, params).first()
     if now is None:
         return ActionResult(planned.id, False, f"no outbox row with id {planned.id}")
@@ -365,17 +375,23 @@ def resolve(
     failed_reason: str | None = None,
     by: str | None = None,
     reason: str | None = None,
+    handlers: Mapping[str, Handler] | None = None,
 ) -> ActionResult:
     """Settle an ``unknown`` row by hand, exactly one of: the provider has it (``sent_ref``), it
     certainly has not (``not_sent``: back to pending, attempts kept, its ambiguous fence rows
     marked settled, which is what lets a later replay through; refused when a fence row holds a
     call the provider confirmed), or give up (``failed_reason``: a later replay is refused unless
     forced). Raises :class:`InvalidTransition` (or :class:`NotFound`) and changes
-    nothing when the row is not ``unknown``."""
+    nothing when the row is not ``unknown``.
+
+    ``handlers`` (the handler module's): a row resolved ``sent`` writes its destination's
+    ``then`` steps in the same statement (outbox.chains). Without them, none are written, and
+    the result says so: ``outbox repair`` writes them later."""
     chosen = [sent_ref is not None, not_sent, failed_reason is not None]
     if sum(chosen) != 1:
         raise ConfigError("resolve needs exactly one of --sent REF, --not-sent, --failed REASON")
     actor = by or default_actor()
+    notes: list[str] = []
     if sent_ref is not None:
         if not sent_ref.strip():
             raise ConfigError("--sent needs the provider's reference, e.g. --sent ch_123")
@@ -383,7 +399,13 @@ def resolve(
         sent_ref = sanitize.clean_ref(sent_ref)
         to_state = states.SENT
         history = _history_params("resolve", to_state, actor, reason, provider_ref=sent_ref)
-        moved = transitions.resolve_sent(connection, row_id=row_id, ref=sent_ref, history=history)
+        plan = _then_plan(connection, row_id, sent_ref, handlers)
+        followed = transitions.resolve_sent(
+            connection, row_id=row_id, ref=sent_ref, history=history, follow=plan
+        )
+        moved = followed is not None
+        if moved:
+            notes.extend(_chain_notes(plan, followed or 0, with_module=handlers is not None))
     elif not_sent:
         to_state = states.PENDING
         history = _history_params("resolve", to_state, actor, reason)
@@ -411,7 +433,42 @@ def resolve(
         raise _refusal(connection, row_id, "unknown", "resolved")
     if to_state == states.PENDING:
         _notify(connection)
-    return ActionResult(row_id, True, f"row {row_id} resolved: unknown -> {to_state}")
+    return ActionResult(row_id, True, "; ".join([f"row {row_id} resolved: unknown -> {to_state}", *notes]))
+
+
+_ROW_FOR_PLAN = text(
+    "SELECT id, key, step, destination, payload, attempts, deadline FROM outbox_message WHERE id = :id"
+)
+
+
+def _then_plan(
+    connection: Connection, row_id: int, ref: str, handlers: Mapping[str, Handler] | None
+) -> chains.Plan:
+    """The ``then`` steps of ``row_id`` once sent with ``ref`` (outbox.chains)."""
+    if handlers is None:
+        # The reconciler's `chains` job computes them with its module (outbox.chains).
+        return chains.UNCOMPUTED
+    row = connection.execute(_ROW_FOR_PLAN, {"id": row_id}).mappings().first()
+    handler = handlers.get(row["destination"]) if row is not None else None
+    if row is None or handler is None:
+        return chains.NOTHING
+    return chains.then_plan_for_row(handler, dict(row), Confirmed(ref))
+
+
+def _chain_notes(plan: chains.Plan, written: int, *, with_module: bool) -> list[str]:
+    """What an operator is told of the next steps a settlement wrote."""
+    if not with_module:
+        return ["without --module its @then steps, if any, are written by the reconciler"]
+    notes = []
+    if plan.rows:
+        steps = ", ".join(str(r["step"]) for r in plan.rows)
+        existed = len(plan.rows) - written
+        notes.append(
+            f"next steps {steps}: {written} written" + (f", {existed} existed already" if existed else "")
+        )
+    if plan.problem:
+        notes.append(f"next steps not all written: {plan.problem}")
+    return notes
 
 
 # -- cancel ------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import psycopg
 
-from outbox import logs, outcomes, policy, sanitize, tracing, transitions
+from outbox import chains, logs, outcomes, policy, sanitize, tracing, transitions
 from outbox.handlers import Confirmed, Handler, idempotency_key
 from outbox.validation import header_safe
 from reconciler.alerts import AlertHook, AlertRow, log_alert
@@ -349,6 +349,7 @@ def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
         return counted
     run.consecutive_failures[destination] = 0
     if found is not None:
+        # The row's next steps (outbox.chains) are written by the statement that settles it.
         moved = transitions.settle_unknown(
             conn,
             row_id=row_id,
@@ -357,6 +358,7 @@ def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
             result="found",
             ref=found.ref,
             response=found.response,
+            follow=chains.then_plan(handler, delivery, found),
         )
         return "sent" if moved else "raced"
     state = _settle_not_found(

@@ -1,4 +1,5 @@
-"""Job 5, ``alerts``: each `failed` row, and each row `unknown` for too long, is reported once.
+"""Job 5, ``alerts``: each `failed` row, each row `unknown` for too long, and each `sent` row whose
+next steps were not all written (outbox.chains), is reported once.
 
 Named ``send_alerts`` beside ``reconciler.alerts``, which defines the hook the alerts go to.
 """
@@ -12,7 +13,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import settings, transitions
+from outbox import chains, settings, transitions
 from reconciler import alerts
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 
@@ -22,14 +23,26 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ALERT_BATCH = 100
 
+#: The alert state of a confirmed row whose next steps were not all written (outbox.chains).
+CHAIN_BROKEN = "chain_broken"
+
+# A sent row whose next steps were not all written (outbox.chains) is alerted once too, found by
+# its own partial index (outbox_message_chain_problem_idx).
 _ALERTABLE = """
-SELECT id, key, step, destination, state, last_error,
-       EXTRACT(EPOCH FROM now() - created_at) AS age,
-       EXTRACT(EPOCH FROM now() - unknown_since) AS unknown_for
-FROM outbox_message
-WHERE alerted_at IS NULL
-  AND (state = 'failed'
-       OR (state = 'unknown' AND unknown_since < now() - %(after)s * interval '1 second'))
+(SELECT id, key, step, destination, state, last_error,
+        EXTRACT(EPOCH FROM now() - created_at) AS age,
+        EXTRACT(EPOCH FROM now() - unknown_since) AS unknown_for, chain_problem
+ FROM outbox_message
+ WHERE alerted_at IS NULL
+   AND (state = 'failed'
+        OR (state = 'unknown' AND unknown_since < now() - %(after)s * interval '1 second')))
+UNION ALL
+(SELECT id, key, step, destination, state, last_error,
+        EXTRACT(EPOCH FROM now() - created_at), NULL, chain_problem
+ FROM outbox_message
+ WHERE chain_problem IS NOT NULL AND alerted_at IS NULL AND state = 'sent'
+   -- The `chains` job computes those (outbox.chains.NOT_COMPUTED).
+   AND chain_problem <> %(uncomputed)s)
 ORDER BY id
 LIMIT %(limit)s
 """
@@ -52,18 +65,23 @@ def send_alerts(
     _require_autocommit(conn, "alerts")
     counts: Counter[str] = Counter()
     rows = conn.execute(
-        _ALERTABLE, {"after": float(unknown_alert_after_seconds), "limit": batch_size}
+        _ALERTABLE,
+        {"after": float(unknown_alert_after_seconds), "limit": batch_size, "uncomputed": chains.NOT_COMPUTED},
     ).fetchall()
-    for row_id, key, step, destination, state, last_error, age, unknown_for in rows:
+    for row_id, key, step, destination, state, last_error, age, unknown_for, chain_problem in rows:
         reason = last_error or "no reason recorded"
         if state == "unknown":
             reason = f"outcome unknown for {float(unknown_for):.0f} s: {reason}"
+        if state == "sent":
+            reason = f"confirmed, but its next steps were not all written: {chain_problem}"
+        elif chain_problem:
+            reason = f"{reason}; its compensation was not all written: {chain_problem}"
         alert = AlertRow(
             id=row_id,
             key=key,
             step=step,
             destination=destination,
-            state=state,
+            state=CHAIN_BROKEN if state == "sent" else state,
             reason=reason,
             age=float(age),
         )

@@ -492,6 +492,14 @@ class Shop:
                 f"SELECT key, step, destination, state FROM outbox_message WHERE {where} ORDER BY id", params
             ).fetchall()
 
+    def rows_id(self, key: str, step: str) -> int:
+        with psycopg.connect(libpq_url(self.services.database_url)) as conn:
+            found = conn.execute(
+                "SELECT id FROM outbox_message WHERE key = %s AND step = %s", (key, step)
+            ).fetchone()
+            assert found is not None, f"no outbox row {key}:{step}"
+            return int(found[0])
+
     def delivery(self, handler: Handler, row_id: int) -> Delivery:
         row = self.row(row_id)
         assert row["destination"] == handler.destination
@@ -665,9 +673,19 @@ def check_handlers(run: PageRun, shop: Shop) -> None:
     assert shop.deliver(receipt, row_id) is RunResult.PENDING
     assert "SMTP server unreachable" in shop.row(row_id)["last_error"]
 
-    # Chaining: the charge writes the receipt step; the lookup writes it again, a no-op.
+    # Chaining: recording the charge sent writes the receipt step in the same statement.
     chained = run.handler("payments.charge", 1)
     ref = charge_scenario(shop, chained, "order:10")
+    assert shop.row(shop.rows_id("order:10", "receipt"))["parent_id"] == shop.rows_id("order:10", "charge")
+    # A certain failure writes the compensation instead.
+    declined = shop.write(
+        "order:11", "charge", "payments.charge", {"amount_cents": -1, "email": "bo@example.com"}
+    )
+    assert shop.deliver(chained, declined) is RunResult.FAILED
+    assert shop.rows("key = %s", ("order:11",)) == [
+        ("order:11", "charge", "payments.charge", "failed"),
+        ("order:11", "declined-mail", "mail.receipt", "pending"),
+    ]
     assert shop.rows("key = %s AND step = 'receipt'", ("order:10",)) == [
         ("order:10", "receipt", "mail.receipt", "pending")
     ]

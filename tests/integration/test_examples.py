@@ -140,9 +140,6 @@ def _chain(clean, monkeypatch, *, dedupe: bool) -> Iterator[Chain]:
             yield Chain(module, handlers, provider)
         finally:
             close_http_clients()
-            for eng in module._engines.values():
-                eng.dispose()
-            module._engines.clear()
 
 
 @pytest.fixture
@@ -206,11 +203,11 @@ def test_the_chain_runs_each_step_once_and_in_order(clean, engine, chain):
     assert effects == {f"invoice:INV-{n}:{step}": 1 for n in (1, 2, 3) for step in STEPS}
 
 
-def test_a_failed_step_stops_the_chain(clean, engine, chain):
+def test_a_failed_step_stops_the_chain_and_writes_its_compensation(clean, engine, chain):
     # The provider simulator declines negative amounts: the invoice is refused for good.
     start(engine, chain, "INV-BAD", amount_cents=-1)
     run_pipeline(clean, chain)
-    assert chain_rows(clean, "invoice:INV-BAD") == [("issue", "failed", 1, 1)]
+    assert chain_rows(clean, "invoice:INV-BAD") == [("issue", "failed", 1, 1), ("refused-mail", "sent", 1, 1)]
 
 
 LEASE_SECONDS = 60
@@ -253,16 +250,16 @@ def test_rerunning_a_step_after_a_crash_does_not_create_a_second_next_step(
     handler = chain.handlers["invoicing.issue"]
 
     first = handler(delivery)
-    # The worker dies here: the provider answered and the next step was committed, but the
-    # outcome was never recorded. The step runs again (a redelivery, an idempotent retry)…
+    # The worker dies here: the provider answered, the outcome was never recorded. The step
+    # runs again (a redelivery, an idempotent retry)…
     second = handler(delivery)
     assert first.ref == second.ref  # the provider deduplicated on the Idempotency-Key
-    # …and writing the next step again was a no-op.
-    assert chain.module.continue_chain(delivery).created is False
-    assert [step for step, *_ in chain_rows(clean, "invoice:INV-7")] == ["issue", "export"]
+    # …and no next step exists before the step is settled.
+    assert [step for step, *_ in chain_rows(clean, "invoice:INV-7")] == ["issue"]
 
-    # The reconciler settles the step through the lookup, which continues the chain: a no-op too.
+    # The reconciler settles the step through the lookup, which writes the next step with it.
     assert expire_and_reconcile(clean, chain) == {"sent": 1}
+    assert [step for step, *_ in chain_rows(clean, "invoice:INV-7")] == ["issue", "export"]
     run_pipeline(clean, chain)
     rows = chain_rows(clean, "invoice:INV-7")
     assert [(step, state) for step, state, *_ in rows] == [(s, "sent") for s in STEPS]
@@ -273,12 +270,12 @@ def test_a_crash_between_the_call_and_the_next_step_is_continued_by_the_lookup(c
     start(engine, chain, "INV-8")
     relay_once(clean)
     delivery = claim(clean, chain, "issue", "invoice:INV-8")
-    # The call reaches the provider and the worker dies before writing the next step.
+    # The call reaches the provider and the worker dies before recording it.
     chain.module._call(delivery)
     assert [step for step, *_ in chain_rows(clean, "invoice:INV-8")] == ["issue"]
 
     assert expire_and_reconcile(clean, chain) == {"sent": 1}
-    # The lookup found the invoice, wrote the next step, and only then settled the step.
+    # The lookup found the invoice and settled the step, writing the next one in that statement.
     assert [(s, st) for s, st, *_ in chain_rows(clean, "invoice:INV-8")] == [
         ("issue", "sent"),
         ("export", "pending"),

@@ -105,6 +105,7 @@ def test_reconcile_once_resolves_alerts_prints_counts_and_exits_0(clean, engine,
         "alerts",
         "no_consumer",
         "held_destinations",
+        "chains",
     ]
     assert "resolve_unknown: sent=1" in lines
     assert "alerts: alerts=1" in lines

@@ -48,8 +48,9 @@ VERSIONS = Path(str(resources.files("outbox.migrations"))) / "versions"
 #: The last release's commit. Bump it at each release: a revision added after it must leave that
 #: code running (test_previous_release_*). 9dcb8e0 demanded the exact head, which is why issue 10
 #: shipped no revision; 91058b4 (issue 11, schema range 0007 and newer) is the release before
-#: 0008; 13b453f (issue 13 parts 1-2, schema range 0009 and newer) the release before 0010.
-PREVIOUS_RELEASE = "13b453f"
+#: 0008; 13b453f (issue 13 parts 1-2, schema range 0009 and newer) the release before 0010;
+#: ffe982d (issue 13, schema range 0010 and newer) the release before 0012.
+PREVIOUS_RELEASE = "ffe982d"
 
 #: Revisions numbered below this were written before the rule; from this one on, the lint holds.
 LINT_FROM = 8

@@ -181,6 +181,8 @@ class Destination:
     retry_after_scope: str = "row"
     #: issue 13 part 3: the destination's circuit breaker (outbox.breaker); None: none
     breaker: outbox.Breaker | None = None
+    #: issue 14: a `then` and an `on_failure` step (outbox.chains)
+    chained: bool = False
 
 
 DESTINATIONS = (
@@ -192,6 +194,7 @@ DESTINATIONS = (
         lookup=True,
         retry_after_scope="destination",
         breaker=outbox.Breaker(failures=2, window_seconds=10, open_seconds=0.5, max_open_seconds=2),
+        chained=True,
     ),
     Destination(
         "ix.once",
@@ -257,6 +260,12 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
         r.raise_for_status()
         body = r.json()
         return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+
+    if dest.chained:
+        # issue 14: a confirmed charge writes its next step, a certainly failed one its
+        # compensation, both on ix.once, in the statement that settles it.
+        charge.then(lambda d, c: [outbox.Next(f"{d.step}-next", "ix.once", {"of": c.ref})])
+        charge.on_failure(lambda d, error: [outbox.Next(f"{d.step}-undo", "ix.once", {"failed": True})])
 
     if dest.lookup:
 

@@ -28,6 +28,7 @@ import redis
 from sqlalchemy import Engine
 from sqlalchemy.pool import NullPool
 
+from outbox.chains import NOT_COMPUTED
 from outbox.db import make_engine
 from outbox.settings import libpq_url
 from outbox.transport import delete_namespace
@@ -964,6 +965,7 @@ class World:
                             [row_id],
                         )
                     )
+        findings += self._check_chains(effects)
         for claim in self.lost_claims:
             token = claim["token"]
             if token is None:
@@ -977,6 +979,49 @@ class World:
                         f"{claim['worker']} stayed alive and made no call; the claim was left to "
                         "expire into unknown (an operator is asked to check a call that never happened)",
                         [claim["row_id"]],
+                    )
+                )
+        return findings
+
+    def _check_chains(self, effects: dict[str, int]) -> list[Finding]:
+        """issue 14: a step is sent exactly when its next step exists (or the reason it could not
+        be written is flagged on it); a compensation exists only for a step that failed and was
+        never charged."""
+        findings: list[Finding] = []
+        for row_id, key, step in self.sql(
+            """SELECT p.id, p.key, p.step FROM outbox_message p
+               WHERE p.destination = 'ix.charge' AND p.state = 'sent'
+                 AND (p.chain_problem IS NULL OR p.chain_problem = %s)
+                 AND NOT EXISTS (SELECT 1 FROM outbox_message n
+                                 WHERE n.parent_id = p.id AND n.via = 'then')
+                 AND NOT EXISTS (SELECT 1 FROM outbox_key_ledger n
+                                 WHERE n.parent_id = p.id AND n.via = 'then')""",
+            (NOT_COMPUTED,),
+        ):
+            findings.append(Finding("sent without its next step", f"row {row_id} ({key}:{step})", [row_id]))
+        for row_id, parent_id, parent_state in self.sql(
+            """SELECT n.id, p.id, p.state FROM outbox_message n JOIN outbox_message p ON p.id = n.parent_id
+               WHERE n.via = 'then' AND p.state <> 'sent'"""
+        ):
+            findings.append(
+                Finding(
+                    "next step of an unconfirmed step",
+                    f"row {row_id}: parent {parent_id} is {parent_state}",
+                    [row_id, parent_id],
+                )
+            )
+        for row_id, parent_id, key, step, parent_state in self.sql(
+            """SELECT n.id, p.id, p.key, p.step, p.state FROM outbox_message n
+               JOIN outbox_message p ON p.id = n.parent_id WHERE n.via = 'on_failure'"""
+        ):
+            charged = effects.get(c.idempotency_key(key, step), 0)
+            if parent_state != "failed" or charged:
+                findings.append(
+                    Finding(
+                        "compensation of a step that may have taken effect",
+                        f"row {row_id} compensates row {parent_id} ({parent_state}, "
+                        f"charged {charged} time(s))",
+                        [row_id, parent_id],
                     )
                 )
         return findings

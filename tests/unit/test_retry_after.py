@@ -77,7 +77,7 @@ def test_a_retry_waits_the_longer_of_its_backoff_and_the_retry_after():
     h = handler()
     long = policy.decide_exception(h, status_error(503, **{"Retry-After": "120"}))
     assert long.retry_after_seconds == 120 and "Retry-After 120 s" in (long.error or "")
-    assert policy.next_state(h, long, attempt=1) == policy.Next("pending", 120.0, long.error)
+    assert policy.next_state(h, long, attempt=1) == policy.Move("pending", 120.0, long.error)
     short = policy.decide_exception(h, status_error(429, **{"Retry-After": "1"}))
     assert policy.next_state(h, short, attempt=1).delay_seconds == 5.0  # the backoff is longer
     # Out of attempts: the Retry-After changes nothing.

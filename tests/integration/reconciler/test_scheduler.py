@@ -133,6 +133,8 @@ def test_two_reconcilers_at_once_act_once_per_job(clean, engine, db, provider, r
         "no_consumer": {"no_consumer": 1},
         # Nothing paused, no breaker open: nothing to do.
         "held_destinations": {},
+        # No row resolved sent without the handler module.
+        "chains": {},
     }
     # No row moved twice: one fence closing per expired claim, one lookup entry per resolved row,
     # one alert per failed row.

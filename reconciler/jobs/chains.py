@@ -1,0 +1,91 @@
+"""Job 8, ``chains``: a row an operator resolved ``sent`` without the handler module (``outbox
+resolve --sent`` without ``--module``) gets its ``then`` steps from the reconciler's module
+(issue 14; ``outbox.chains``). One guarded statement per row writes the steps and clears the
+mark; a destination this module has no handler for keeps a problem that the ``alerts`` job
+reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import psycopg
+from psycopg.rows import dict_row
+
+from outbox import chains, transitions
+from outbox.handlers import Confirmed, Handler
+
+from ._common import _nonzero, _require_autocommit
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHAINS_BATCH = 100
+
+_UNCOMPUTED = """
+SELECT id, key, step, destination, payload, attempts, deadline, provider_ref, response
+FROM outbox_message
+WHERE chain_problem = %(marker)s AND alerted_at IS NULL AND state = 'sent'
+ORDER BY id
+LIMIT %(limit)s
+"""
+
+
+def write_uncomputed(
+    conn: psycopg.Connection[Any],
+    handlers: Mapping[str, Handler],
+    *,
+    module: str = "the handler module",
+    batch_size: int = DEFAULT_CHAINS_BATCH,
+) -> dict[str, int]:
+    """Write the next steps of up to ``batch_size`` rows resolved ``sent`` without the handler
+    module. Counts: ``followed`` (rows done), ``steps`` (rows written), ``no_handler``, ``raced``."""
+    _require_autocommit(conn, "chains")
+    counts: Counter[str] = Counter()
+    with conn.cursor(row_factory=dict_row) as cur:
+        rows = cur.execute(_UNCOMPUTED, {"marker": chains.NOT_COMPUTED, "limit": batch_size}).fetchall()
+    for row in rows:
+        handler = handlers.get(row["destination"])
+        if handler is None:
+            plan = chains.Plan(
+                (), f"no handler for destination {row['destination']} in {module}: its next steps are unknown"
+            )
+        else:
+            confirmed = Confirmed(ref=row["provider_ref"], response=row["response"])
+            plan = chains.then_plan_for_row(handler, row, confirmed)
+        done = transitions.write_next_steps(
+            conn, row_id=row["id"], follow=plan, expected_problem=chains.NOT_COMPUTED
+        )
+        if done is None:
+            counts["raced"] += 1
+            continue
+        counts["no_handler" if handler is None else "followed"] += 1
+        counts["steps"] += done.followed
+        if done.followed:
+            logger.info(
+                "outbox %s:%s (resolved by hand): %d next step(s) written",
+                row["key"],
+                row["step"],
+                done.followed,
+                extra={"outbox_id": row["id"], "key": row["key"], "step": row["step"]},
+            )
+    return _nonzero(counts)
+
+
+@dataclass(frozen=True)
+class ChainsConfig:
+    batch_size: int = DEFAULT_CHAINS_BATCH
+
+
+@dataclass(frozen=True)
+class Chains:
+    name: ClassVar[str] = "chains"
+    config: ChainsConfig
+    handlers: Mapping[str, Handler]
+    module: str = "the handler module"
+
+    def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        return write_uncomputed(conn, self.handlers, module=self.module, batch_size=self.config.batch_size)
