@@ -354,11 +354,29 @@ DUE_SQL = "now() + CAST(%(delay)s AS float8) * interval '1 second'"
 PAST_DEADLINE_SQL = f"(%(state)s = 'pending' AND deadline IS NOT NULL AND {DUE_SQL} >= deadline)"
 NEW_STATE_SQL = f"(CASE WHEN {PAST_DEADLINE_SQL} THEN 'failed' ELSE %(state)s END)"
 
+
 # The message row moves only if this claim still owns it: a late recording after the lease was
 # taken over updates the attempt row alone, marked superseded. An `unknown` row with the same
 # token is this claim's own call, expired by the reconciler: the worker's answer is better
 # evidence than a lookup, so it may still settle it.
-_RECORD = f"""
+def _record_sql(follow: bool) -> str:
+    """The record; ``follow``: with the CTEs that write the next steps (outbox.chains). Two
+    statements, not one: the INSERT of an empty plan would still fire the table's statement-level
+    NOTIFY trigger, waking the relay at every delivery (bench/e2e.py: 20% fewer deliveries/s)."""
+    chain_set = (
+        f",\n        chain_problem = {_problem_sql('outbox_message', NEW_STATE_SQL)}" if follow else ""
+    )
+    chain_returning = (
+        f""", chain_problem,
+              -- Compensation only for a certain failure (outbox.chains).
+              CASE WHEN %(outcome)s = 'unknown' THEN false
+                   ELSE {_certain_failure_sql("outbox_message.id", "%(token)s")} END AS certain"""
+        if follow
+        else ""
+    )
+    follow_cte = _follow_sql("moved", certain="moved.certain") if follow else ""
+    chain_tail = "(SELECT count(*) FROM followed), (SELECT chain_problem FROM moved)" if follow else "0, NULL"
+    return f"""
 WITH moved AS (
     UPDATE outbox_message
     SET state = {NEW_STATE_SQL},
@@ -374,19 +392,15 @@ WITH moved AS (
         dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
         -- A row alerted while unknown and then settled must be able to alert again (failed).
         alerted_at = NULL,
-        lease_expires_at = NULL,
-        chain_problem = {_problem_sql("outbox_message", NEW_STATE_SQL)}
+        lease_expires_at = NULL{chain_set}
     -- A confirmed answer also settles a row that a lookup sent back (pending, dispatched) or
     -- failed while this claim's call was still on its way, as long as no newer claim owns it:
     -- the provider's confirmation beats the lookup's earlier "not found".
     WHERE id = %(id)s AND claim_token = %(token)s
       AND (state IN ('in_flight', 'unknown')
            OR (%(state)s = 'sent' AND state IN ('pending', 'dispatched', 'failed')))
-    RETURNING id, key, state, last_error, trace_context, chain_problem,
-              -- Compensation only for a certain failure (outbox.chains); read only with a plan.
-              CASE WHEN CAST(%(follow)s AS jsonb) IS NULL OR %(outcome)s = 'unknown' THEN false
-                   ELSE {_certain_failure_sql("outbox_message.id", "%(token)s")} END AS certain
-){_follow_sql("moved", certain="moved.certain")}
+    RETURNING id, key, state, last_error, trace_context{chain_returning}
+){follow_cte}
 UPDATE outbox_attempt
 SET finished_at = now(),
     -- An ambiguous call keeps "unknown" on its fence row even when the row fails (an idempotent
@@ -407,8 +421,12 @@ SET finished_at = now(),
                            AND settled IS NULL
                       THEN now() ELSE settled_at END
 WHERE claim_token = %(token)s
-RETURNING (SELECT state FROM moved), (SELECT count(*) FROM followed), (SELECT chain_problem FROM moved)
+RETURNING (SELECT state FROM moved), {chain_tail}
 """
+
+
+_RECORD = _record_sql(follow=False)
+_RECORD_FOLLOW = _record_sql(follow=True)
 
 # The claim is given back without a call: the row is due again at once (the relay re-publishes
 # it), the claim is not counted as an attempt, and the fence row says `released`. From `unknown`
@@ -614,8 +632,9 @@ def record_outcome(
         "follow": follow.param,
         "chain_problem": follow.problem,
     }
+    statement = _RECORD if follow.param is None and follow.problem is None else _RECORD_FOLLOW
     try:
-        row = conn.execute(_RECORD, params).fetchone()
+        row = conn.execute(statement, params).fetchone()
     except psycopg.DataError as exc:
         # Autocommit: the refused statement changed nothing; the second one stores no summary.
         params["response"] = sanitize.encode_response({"unstorable_response": type(exc).__name__})
@@ -630,7 +649,7 @@ def record_outcome(
             # Nor the next steps: recorded as a chain problem, `outbox repair` writes them.
             params["follow"] = None
             params["chain_problem"] = f"next steps refused by the database ({type(exc).__name__})"
-        row = conn.execute(_RECORD, params).fetchone()
+        row = conn.execute(statement, params).fetchone()
     if row is None:
         return Recorded(None)
     return Recorded(row[0], int(row[1] or 0), row[2])
@@ -724,7 +743,16 @@ RETURNING id
 # (outbox.outcomes), and only while every call that may have taken effect is younger than the
 # destination's key_ttl (database clock): past it, the provider may have forgotten the call, and
 # the row does not move.
-_SETTLE_UNKNOWN = f"""
+def _settle_unknown_sql(follow: bool) -> str:
+    # As for the record (:func:`_record_sql`): the next steps' INSERT only in a statement of its own.
+    chain_set = (
+        ",\n    -- Next steps (outbox.chains): only of a row found sent; no compensation out of unknown.\n"
+        f"    chain_problem = {_problem_sql('outbox_message', NEW_STATE_SQL)}"
+        if follow
+        else ""
+    )
+    follow_cte = _follow_sql("moved") if follow else ""
+    return f"""
 WITH moved AS (
 UPDATE outbox_message
 SET state = {NEW_STATE_SQL},
@@ -741,14 +769,12 @@ SET state = {NEW_STATE_SQL},
     history = history || jsonb_build_array(jsonb_build_object(
         'at', now(), 'by', 'reconciler', 'action', 'lookup',
         'result', CAST(%(result)s AS text), 'state', {NEW_STATE_SQL},
-        'provider_ref', CAST(%(ref)s AS text))),
-    -- Next steps (outbox.chains): only of a row found sent; no compensation out of unknown.
-    chain_problem = {_problem_sql("outbox_message", NEW_STATE_SQL)}
+        'provider_ref', CAST(%(ref)s AS text))){chain_set}
 WHERE id = %(id)s AND state = 'unknown'
   AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
   AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({_CALL_OLDER_THAN_KEY_TTL}))
 RETURNING id, key, state, trace_context
-){_follow_sql("moved")}, settled AS (
+){follow_cte}, settled AS (
     UPDATE outbox_attempt a SET settled = %(settled)s, settled_at = now()
     FROM moved
     WHERE a.message_id = moved.id AND CAST(%(settled)s AS text) IS NOT NULL
@@ -756,6 +782,10 @@ RETURNING id, key, state, trace_context
 )
 SELECT state FROM moved
 """
+
+
+_SETTLE_UNKNOWN = _settle_unknown_sql(follow=False)
+_SETTLE_UNKNOWN_FOLLOW = _settle_unknown_sql(follow=True)
 
 # The next lookup waits as long as the row has already waited (10 s to 1 h): a provider that is
 # down for hours is not asked every few seconds, a blip is retried quickly.
@@ -921,7 +951,8 @@ def settle_unknown(
         "result": result,
         "delay": delay_seconds,
     }
-    moved = conn.execute(_SETTLE_UNKNOWN, params).fetchone()
+    statement = _SETTLE_UNKNOWN if follow.param is None and follow.problem is None else _SETTLE_UNKNOWN_FOLLOW
+    moved = conn.execute(statement, params).fetchone()
     return str(moved[0]) if moved is not None else None
 
 
