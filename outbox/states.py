@@ -35,7 +35,9 @@ state           meaning                             moved out by (``outbox.trans
                                                     ``resolve_failed``
 ``sent``        confirmed, ``provider_ref`` stored  terminal; reconciler: ``purge`` -> key ledger
 ``failed``      permanent error, attempts or        operator: ``replay_planned``/``replay_forced``
-                deadline exhausted                  -> pending; consumer: ``record`` -> sent (a late
+                deadline exhausted                  -> pending (``outbox repair`` too);
+                                                    ``repair_found`` -> sent (its lookup found the
+                                                    call); consumer: ``record`` -> sent (a late
                                                     confirmation under the same claim)
 ``cancelled``   cancelled before any call could     terminal; reconciler: ``purge`` -> key ledger
                 have taken effect
@@ -45,7 +47,9 @@ Rows are created ``pending`` by ``insert`` (``outbox.write``), and by the statem
 another row of the same key (:mod:`outbox.chains`): ``record_outcome`` (the consumer's
 ``record`` with the next steps), ``settle_unknown`` and ``resolve_sent`` write the settled row's
 "then" steps when it moves to ``sent`` (``record_outcome`` its "on_failure" steps when it
-fails for a certain reason); ``write_next_steps`` writes a ``sent`` row's missing ones later.
+fails for a certain reason); ``write_next_steps`` writes a ``sent`` row's missing ones later,
+``repair_found`` a failed row's when its lookup finds the call. ``note_history`` only appends
+who asked and why to a row's history (``outbox repair``).
 ``mark_alerted`` only marks a ``failed`` or long-``unknown`` row (or a ``sent`` one whose next
 steps are missing) as reported; ``close_abandoned`` serves ``outbox demo`` only.
 """
@@ -63,3 +67,5 @@ CANCELLED = "cancelled"
 ALL = (PENDING, DISPATCHED, IN_FLIGHT, UNKNOWN, SENT, FAILED, CANCELLED)
 TERMINAL = (SENT, FAILED, CANCELLED)
 CLAIMABLE = (PENDING, DISPATCHED)
+#: On their way to the provider: someone (relay, worker, reconciler) moves them without a human.
+WAITING = (PENDING, DISPATCHED, IN_FLIGHT)

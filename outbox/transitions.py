@@ -28,6 +28,8 @@ function                              move                            called by
 :func:`fail_past_deadline`            pending/dispatched -> failed    reconciler (held back; ->
                                                                       unknown if it may have charged)
 :func:`write_next_steps`              (a sent row's next steps)       reconciler, ``outbox repair``
+:func:`repair_found`                  failed -> sent                  ``outbox repair`` (a lookup)
+:func:`note_history`                  (history only)                  ``outbox repair``
 :func:`purge`                         sent/cancelled -> key ledger    reconciler
 :func:`mark_alerted`                  failed/unknown (alerted once)   reconciler
 :func:`replay_planned`                failed -> pending               ``outbox replay``
@@ -1093,6 +1095,74 @@ def write_next_steps(
     }
     row = conn.execute(_WRITE_NEXT_STEPS, params).fetchone()
     return Recorded("sent", int(row[0]), row[1]) if row is not None else None
+
+
+# `outbox repair` (outbox.ops.repair) of a row failed with an ambiguous history (a call that may
+# have taken effect: failed past its deadline out of unknown, or by an operator's resolve --failed)
+# whose provider, asked through the lookup, has the call: failed -> sent with its reference, and
+# its then steps written by the same statement. Guarded by the failure the operator's plan read
+# (completed_at is set anew at every failure) and refused when the row's compensation was
+# written: a charge that both happened and was undone is for a human to untangle.
+_REPAIR_FOUND = f"""
+WITH moved AS (
+    UPDATE outbox_message m
+    SET state = 'sent', provider_ref = %(ref)s, response = COALESCE(CAST(%(response)s AS jsonb), response),
+        last_error = NULL, completed_at = now(), alerted_at = NULL, unknown_since = NULL,
+        lease_expires_at = NULL,
+        chain_problem = {_problem_sql("m", "'sent'")},
+        history = history || jsonb_build_array(jsonb_build_object(
+            'at', now(), 'by', CAST(%(by)s AS text), 'action', 'repair', 'reason', CAST(%(reason)s AS text),
+            'from', 'failed', 'to', 'sent', 'result', 'found', 'provider_ref', CAST(%(ref)s AS text)))
+    WHERE m.id = %(id)s AND m.state = 'failed' AND m.completed_at IS NOT DISTINCT FROM %(version)s
+      AND NOT {chains.COMPENSATED_SQL}
+    RETURNING m.id, m.key, m.state, m.trace_context
+){_follow_sql("moved")}
+SELECT (SELECT count(*) FROM followed) FROM moved
+"""
+
+# A line of a row's history for an action whose own statement wrote none of its own (a lookup
+# asked by `outbox repair`, the next steps it wrote): who asked and why.
+_NOTE_HISTORY = """
+UPDATE outbox_message
+SET history = history || jsonb_build_array(jsonb_build_object(
+    'at', now(), 'by', CAST(%(by)s AS text), 'action', CAST(%(action)s AS text),
+    'reason', CAST(%(reason)s AS text)) || CAST(%(extra)s AS jsonb))
+WHERE id = %(id)s
+"""
+
+
+def repair_found(
+    conn: psycopg.Connection[Any],
+    *,
+    row_id: int,
+    version: datetime | None,
+    ref: str | None,
+    response: dict[str, Any] | None,
+    follow: chains.Plan,
+    by: str,
+    reason: str | None,
+) -> int | None:
+    """``failed`` -> ``sent`` for a row whose lookup found the call (``outbox repair``), with
+    ``follow``'s ``then`` steps: how many were written, or None when the row did not move (it
+    changed since ``version``, its failure time, or its compensation exists)."""
+    params = {
+        **_stored(ref=ref, response=response, error=None, deadline_error=None),
+        "id": row_id,
+        "version": version,
+        "follow": follow.param,
+        "chain_problem": follow.problem,
+        "by": by,
+        "reason": reason,
+    }
+    row = conn.execute(_REPAIR_FOUND, params).fetchone()
+    return int(row[0]) if row is not None else None
+
+
+def note_history(
+    conn: psycopg.Connection[Any], *, row_id: int, by: str, action: str, reason: str | None, extra: str
+) -> None:
+    """Append ``{at, by, action, reason, **extra}`` (``extra``: a JSON object) to the row's history."""
+    conn.execute(_NOTE_HISTORY, {"id": row_id, "by": by, "action": action, "reason": reason, "extra": extra})
 
 
 def purge(conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int) -> int:

@@ -116,6 +116,20 @@ COMMANDS: tuple[Command, ...] = (
         _LOOK,
     ),
     Command(
+        "chains",
+        "keys whose work stopped (chains --stalled [--destination D] [--older-than T])",
+        "outbox.cli.chains:chains_arguments",
+        "outbox.cli.chains:chains",
+        _LOOK,
+    ),
+    Command(
+        "repair",
+        "resume stopped keys at the first step not confirmed: repair KEY… | --stalled --module M",
+        "outbox.cli.chains:repair_arguments",
+        "outbox.cli.chains:repair",
+        _LOOK,
+    ),
+    Command(
         "pause",
         "stop claims of a destination's rows (outage, incident): pause D --reason R [--until 30m]",
         "outbox.cli.pauses:pause_arguments",

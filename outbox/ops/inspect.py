@@ -242,11 +242,15 @@ SELECT m.id, m.step, m.destination, m.state, m.attempts, m.created_at AS written
        m.dispatched_at AS published,
        (SELECT min(a.started_at) FROM outbox_attempt a WHERE a.message_id = m.id) AS claimed,
        CASE WHEN m.state = 'sent' THEN m.completed_at END AS confirmed,
-       m.provider_ref, m.last_error, false AS purged
+       m.provider_ref, m.last_error, false AS purged, m.via,
+       COALESCE((SELECT p.step FROM outbox_message p WHERE p.id = m.parent_id),
+                (SELECT p.step FROM outbox_key_ledger p WHERE p.message_id = m.parent_id)) AS after,
+       m.chain_problem
 FROM outbox_message m WHERE m.key = :key
 UNION ALL
 SELECT l.message_id, l.step, l.destination, l.state, l.attempts, NULL, NULL, NULL,
-       CASE WHEN l.state = 'sent' THEN l.completed_at END, l.provider_ref, NULL, true
+       CASE WHEN l.state = 'sent' THEN l.completed_at END, l.provider_ref, NULL, true, l.via,
+       (SELECT p.step FROM outbox_key_ledger p WHERE p.message_id = l.parent_id), NULL
 FROM outbox_key_ledger l
 WHERE l.key = :key AND NOT EXISTS (SELECT 1 FROM outbox_message m WHERE m.key = l.key AND m.step = l.step)
 ORDER BY 6 NULLS FIRST, 1
@@ -263,18 +267,37 @@ class KeySteps:
     steps: list[dict[str, Any]]
 
     @property
-    def stopped(self) -> dict[str, Any] | None:
-        """The first step not confirmed (None: every step is `sent` or `cancelled`)."""
+    def stopped_at(self) -> dict[str, Any] | None:
+        """The step where the key's work stopped: the first not confirmed, or confirmed without
+        its next steps (a ``sent`` step with a ``chain_problem``, outbox.chains); None: every
+        step is `sent` or `cancelled` and wrote what it declared."""
         for s in self.steps:
+            if s["state"] == states.SENT and s.get("chain_problem"):
+                return s
             if s["state"] not in (states.SENT, states.CANCELLED):
-                waiting = s["state"] in (states.PENDING, states.DISPATCHED, states.IN_FLIGHT)
-                return {
-                    "step": s["step"],
-                    "state": s["state"],
-                    "why": s["last_error"] or ("under way" if waiting else "no reason recorded"),
-                    "waiting": waiting,
-                }
+                return s
         return None
+
+    @property
+    def stopped(self) -> dict[str, Any] | None:
+        """Where and why the key's work stopped (:attr:`stopped_at`), as shown."""
+        s = self.stopped_at
+        if s is None:
+            return None
+        if s["state"] == states.SENT:
+            return {
+                "step": s["step"],
+                "state": s["state"],
+                "why": f"its next steps are not written: {s['chain_problem']}",
+                "waiting": False,
+            }
+        waiting = s["state"] in states.WAITING
+        return {
+            "step": s["step"],
+            "state": s["state"],
+            "why": s["last_error"] or ("under way" if waiting else "no reason recorded"),
+            "waiting": waiting,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "steps": self.steps, "stopped": self.stopped}

@@ -361,11 +361,19 @@ def render_audit(report: AuditReport) -> str:
     return "\n".join(lines)
 
 
+def _written_by(step: dict[str, Any]) -> str:
+    """Who wrote a step: the application (``-``), or a step's ``then`` / ``on_failure``."""
+    if not step.get("via"):
+        return "-"
+    return f"{step['via']} of {step.get('after') or '(gone)'}"
+
+
 def render_key_steps(report: Any) -> str:
     """``outbox show KEY``: one line a step, its milestones, then where the key's work stopped."""
     rows = [
         [
             s["step"],
+            _written_by(s),
             s["destination"],
             s["state"] + (" (purged)" if s["purged"] else ""),
             s["attempts"],
@@ -377,7 +385,7 @@ def render_key_steps(report: Any) -> str:
         ]
         for s in report.steps
     ]
-    headers = ["step", "destination", "state", "attempts", "written", "published", "first claimed"]
+    headers = ["step", "by", "destination", "state", "attempts", "written", "published", "first claimed"]
     table = format_table([*headers, "confirmed", "provider ref"], rows)
     stopped = report.stopped
     if stopped is None:
@@ -391,3 +399,43 @@ def render_key_steps(report: Any) -> str:
             f"{report.key}: stopped at step {stopped['step']} ({stopped['state']}): {short(stopped['why'])}"
         )
     return f"{table}\n\n{verdict}"
+
+
+def render_stalled(report: Any) -> str:
+    """``outbox chains --stalled``: one line a key, the longest stopped first."""
+    rows = [
+        [
+            k["key"],
+            k["step"],
+            k["destination"],
+            k["state"],
+            age(k["age_seconds"]),
+            k["steps"],
+            "yes" if k["chained"] else "no",
+            short(k["why"], 70),
+        ]
+        for k in report.keys
+    ]
+    where = f" of {report.destination}" if report.destination else ""
+    t = report.older_than_seconds
+    threshold = next(
+        (f"{t / n:g}{u}" for n, u in ((86400, "d"), (3600, "h"), (60, "m")) if t >= n and t % n == 0),
+        f"{t:g}s",
+    )
+    if not rows:
+        return f"no key{where} stopped for {threshold} or more"
+    table = format_table(
+        ["key", "stopped at", "destination", "state", "for", "steps", "chained", "why"], rows
+    )
+    more = report.matching - len(report.keys)
+    tail = f"\n… and {more} more (--limit)" if more > 0 else ""
+    return (
+        f"{table}{tail}\n\n{report.matching} key(s){where} stopped for {threshold} or more; "
+        "outbox show KEY for every step, outbox repair KEY… --module M to resume them"
+    )
+
+
+def render_repair_plan(plan: Any) -> str:
+    """``outbox repair`` before ``--yes``: what it will do for each key."""
+    rows = [[i.key, i.step, i.state, i.action.replace("_", " "), short(i.detail, 100)] for i in plan.items]
+    return format_table(["key", "stopped at", "state", "repair will", "detail"], rows)

@@ -238,6 +238,38 @@ def resolve_unknown(
     return _nonzero(counts)
 
 
+_ONE_UNKNOWN = """
+SELECT id, key, step, destination, payload, attempts, deadline, claim_token, trace_context
+FROM outbox_message WHERE id = %(id)s AND state = 'unknown'
+"""
+
+
+def resolve_one(
+    conn: psycopg.Connection[Any],
+    handlers: Mapping[str, Handler],
+    row_id: int,
+    *,
+    module: str = "the handler module",
+    clients: LookupClients | None = None,
+) -> str | None:
+    """Ask the provider of one `unknown` row now, due or not, and settle it as a run of the job
+    would (``outbox repair``); returns the count it would add to (``sent``, ``pending``,
+    ``failed``, ``lookup_failed``, ``past_key_ttl``, ``needs_human``, ``no_handler``,
+    ``raced``), or None when the row is not `unknown`."""
+    _require_autocommit(conn, "resolve_one")
+    fields = conn.execute(_ONE_UNKNOWN, {"id": row_id}).fetchone()
+    if fields is None:
+        return None
+    own_clients = clients is None
+    lookup_clients = LookupClients() if clients is None else clients
+    try:
+        run = _Run(conn, handlers, module, lookup_clients, DEFAULT_RESOLVE_BUDGET_SECONDS, None)
+        return _resolve_row(run, _Due(*fields))
+    finally:
+        if own_clients:
+            lookup_clients.close()
+
+
 def _resolve_row(run: _Run, row: _Due) -> str:
     """Settle, defer or park one row; returns the count it adds to."""
     conn, row_id, token, destination = run.conn, row.row_id, row.token, row.destination

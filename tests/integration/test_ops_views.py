@@ -70,7 +70,7 @@ def test_show_key_lists_every_step_with_its_milestones_and_where_it_stopped(clea
     code, out, err = run(clean, capsys, "show", "invoice:7")
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split()[:4] == ["step", "destination", "state", "attempts"]
+    assert lines[0].split()[:5] == ["step", "by", "destination", "state", "attempts"]
     assert [line.split()[0] for line in lines[2:4]] == ["issue", "export"]
     assert "inv_1" in lines[2] and "sent" in lines[2]
     assert "invoice:7: stopped at step export (failed): accounting refused" in out

@@ -1,0 +1,210 @@
+"""``outbox chains --stalled`` and ``outbox repair``: flags in, ``outbox.ops.repair`` out."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from .. import settings
+from ..exceptions import ConfigError
+from . import exits
+from .operator import _by_and_reason, _connection, _describe
+from .output import err, out, print_json
+
+
+def _older_than(value: str) -> float:
+    try:
+        seconds = settings.parse_seconds(value, "--older-than")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"--older-than must not be negative, got {value!r}")
+    return seconds
+
+
+def _limit(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--limit takes a whole number, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--limit must be 1 or more, got {value!r}")
+    return n
+
+
+def _selection(p: argparse.ArgumentParser, *, with_limit: bool = True) -> None:
+    from ..ops.repair import DEFAULT_STALLED_AFTER_SECONDS, DEFAULT_STALLED_LIMIT
+
+    p.add_argument("--destination", help="only keys stopped at a step of this destination")
+    p.add_argument(
+        "--older-than",
+        type=_older_than,
+        default=DEFAULT_STALLED_AFTER_SECONDS,
+        metavar="T",
+        help="only steps in their state for T or more: 90s, 15m, 2h, 0 for all (default 15m)",
+    )
+    if with_limit:
+        p.add_argument(
+            "--limit",
+            type=_limit,
+            default=DEFAULT_STALLED_LIMIT,
+            help=f"at most this many keys, the longest stopped first (default {DEFAULT_STALLED_LIMIT})",
+        )
+
+
+def chains_arguments(p: argparse.ArgumentParser) -> None:
+    _describe(
+        p,
+        """
+        The keys whose work stopped (chains, issue 14): for each, the first step, in the order
+        they were written, that is failed, unknown, waiting (pending, dispatched, in flight) or
+        confirmed without its next steps, and has been so for --older-than or more (default 15m;
+        0 lists everything stopped now). The longest stopped first; `chained` says whether a
+        step of the key was written by another's @then or @on_failure (the database cannot tell
+        a lone step from a chain's first one: that is the handler module's). Read-only.
+
+        outbox chains --stalled                                   stopped for 15 minutes or more
+        outbox chains --stalled --older-than 0 --destination accounting.post
+        outbox show invoice:7                                     every step of one key
+        outbox repair invoice:7 --module myapp.handlers           its repair plan
+
+        Exit 0 (with or without keys listed).
+        """,
+    )
+    p.add_argument("--stalled", action="store_true", required=True, help="list the keys whose work stopped")
+    _selection(p)
+
+
+def chains(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..ops.repair import stalled
+
+    with _connection(cfg) as conn:
+        report = stalled(
+            conn, destination=args.destination, older_than_seconds=args.older_than, limit=args.limit
+        )
+    if args.json:
+        return print_json(report.to_dict())
+    out(report.render())
+    return exits.OK
+
+
+def repair_arguments(p: argparse.ArgumentParser) -> None:
+    _describe(
+        p,
+        """
+        Resume keys whose work stopped, at the first step the provider has not confirmed. For
+        each key, one step per run (run it again after that step moved):
+
+          confirmed, next steps missing   write them (computed by the step's @then)
+          unknown                         ask the provider (lookup): found -> sent, next steps
+                                          written, no second call; not found -> re-run once;
+                                          without a lookup, re-run only an idempotent destination
+          failed, ambiguous               (a call that may have taken effect) ask the provider
+                                          first: found -> sent with its next steps; not found
+                                          within key_ttl -> re-run; else refused
+          failed for good                 (a certain answer) refused; --force re-runs it
+          failed, compensated             refused (outbox replay ID --force)
+          waiting                         nothing: it is under way
+
+        A confirmed step is never re-run. Without --yes this prints the plan and changes
+        nothing; with --yes each action re-checks, in its own guarded statement, that the row is
+        still what the plan saw, and who (--by) and why (--reason) are appended to the row's
+        history. --module is required: the next steps and the lookups are the handler module's.
+
+        outbox repair invoice:7 --module myapp.handlers           the plan
+        outbox repair invoice:7 --module myapp.handlers --yes --reason "ledger account added"
+        outbox repair --stalled --older-than 1h --module myapp.handlers --yes
+        outbox repair invoice:7 --module myapp.handlers --force --yes --reason "card updated"
+
+        Exit 0 when every key was repaired or had nothing to repair (or after a plan without
+        --yes); 1 if any key was refused, not found, changed since the plan, or its lookup
+        failed (the others are repaired).
+        """,
+    )
+    p.add_argument("keys", nargs="*", metavar="KEY", help="business keys to repair")
+    p.add_argument("--stalled", action="store_true", help="every key `outbox chains --stalled` lists")
+    _selection(p)
+    p.add_argument(
+        "--module",
+        metavar="MODULE",
+        help="the handler module (e.g. myapp.handlers): its @then steps and lookups (required)",
+    )
+    p.add_argument("--yes", action="store_true", help="act on the plan (without it: print the plan only)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="re-run a step that failed for good (one KEY named alone, with --reason)",
+    )
+    _by_and_reason(p)
+
+
+def repair(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    if bool(args.keys) == bool(args.stalled):
+        raise ConfigError("repair takes keys or --stalled, not both and not neither")
+    if not args.module:
+        raise ConfigError(
+            "repair needs --module MODULE (e.g. myapp.handlers): the next steps it writes are the "
+            "handler's @then, and it asks providers through the handler's lookup"
+        )
+    if args.force and (args.stalled or len(set(args.keys)) != 1):
+        raise ConfigError("--force re-runs a step that failed for good: one KEY named alone, never in bulk")
+    if args.force and not (args.reason and args.reason.strip()):
+        raise ConfigError("--force needs --reason: why re-running this failed step is right now")
+    if args.destination and not args.stalled:
+        raise ConfigError("--destination selects among --stalled keys; named keys are repaired as named")
+    from ..handlers import load_module
+    from ..ops.repair import execute_repair, plan_repair, stalled
+
+    handlers = load_module(args.module)
+    with _connection(cfg) as conn:
+        if args.stalled:
+            found = stalled(
+                conn, destination=args.destination, older_than_seconds=args.older_than, limit=args.limit
+            )
+            keys = [k["key"] for k in found.keys]
+        else:
+            keys = list(args.keys)
+        plan = (
+            plan_repair(conn, keys, handlers=handlers, module=args.module, force=args.force) if keys else None
+        )
+    if plan is None:
+        if args.json:
+            return print_json({"acted": False, "keys": [], "results": []})
+        out("nothing to repair: no key stopped for that long")
+        return exits.OK
+    results = []
+    if args.yes:
+        results = execute_repair(
+            cfg.require_database_url(),
+            plan,
+            handlers=handlers,
+            module=args.module,
+            by=args.by,
+            reason=args.reason,
+        )
+    failed = [r for r in results if not r.done] if args.yes else []
+    code = exits.FAILED if failed else exits.OK
+    if args.json:
+        problem = "; ".join(f"{r.key}: {r.message}" for r in failed) or None
+        return print_json(
+            {**plan.to_dict(), "acted": args.yes, "results": [r.to_dict() for r in results]},
+            error=problem,
+            exit_code=code,
+        )
+    out(plan.render())
+    if not args.yes:
+        for item in plan.refused:
+            out(f"{item.key}: refused: {item.detail}")
+        again = ["outbox", "repair", *[i.key for i in plan.items], "--module", args.module]
+        if args.force:
+            again += ["--force", "--reason", args.reason]
+        out(
+            "\nnothing changed: this is the plan. To act on it: "
+            + " ".join(shlex.quote(a) for a in again)
+            + " --yes"
+        )
+        return exits.OK
+    out("")
+    for r in results:
+        (out if r.done else err)(f"{r.key}: {r.message}")
+    return code

@@ -1,0 +1,217 @@
+"""``outbox chains --stalled`` and ``outbox repair`` (issue 14): a chain stopped at an `unknown`
+step whose charge happened (the lookup finds it: sent, the chain goes on, no second call), one
+whose charge did not (re-run once), a step failed for good (refused without ``--force``), a
+confirmed step whose next steps are missing, and a failed step with an ambiguous history. Run
+through ``outbox.cli.main`` against real PostgreSQL and the provider simulator on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import elapse, lookup_on, sql
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import chains, ops, transitions
+from outbox.cli import main
+from outbox.consumer import Executor, RunResult
+from outbox.handlers import registry
+from outbox.settings import libpq_url
+from reconciler.jobs.expire_leases import expire_leases
+
+from .test_chains import KEY, invoice_chain, steps, write_charge
+
+#: The handler module `outbox repair --module` imports: this one (its handlers are declared per
+#: test in the registry that load_module returns).
+MODULE = __name__
+
+
+@pytest.fixture
+def deliver(clean: Any):
+    made: list[Executor] = []
+
+    def run(row_id: int, destination: str) -> RunResult:
+        if not made:
+            made.append(Executor(clean.database_url, registry()))
+        return made[0].deliver(row_id, destination)
+
+    yield run
+    for e in made:
+        e.close()
+    outbox.handlers.close_http_clients()
+
+
+def cli(services: Any, capsys: Any, *argv: str) -> tuple[int, str, str]:
+    code = main([*argv, "--database-url", services.database_url])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def history(services: Any, row_id: int) -> list[dict[str, Any]]:
+    return sql(services, "SELECT history FROM outbox_message WHERE id = %s", (row_id,))[0][0]
+
+
+def test_an_unknown_step_whose_charge_happened_is_found_and_the_chain_goes_on(
+    clean, engine, provider, deliver, capsys
+):
+    lookup_on(invoice_chain(provider), provider)
+    provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE)
+    assert code == 0, err
+    assert "look up" in out and "nothing changed: this is the plan" in out
+    assert set(steps(clean)) == {"charge"} and steps(clean)["charge"]["state"] == "unknown"
+
+    code, out, err = cli(
+        clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--by", "alice", "--reason", "INC-7"
+    )
+    assert code == 0, err
+    assert "the provider has it" in out and "no second call" in out
+    rows = steps(clean)
+    assert rows["charge"]["state"] == "sent"
+    assert rows["export"]["state"] == "pending" and rows["export"]["parent_id"] == charge_id
+    assert rows["export"]["payload"]["charge"] == rows["charge"]["provider_ref"]
+    assert {"by": "alice", "action": "repair", "reason": "INC-7", "result": "sent"}.items() <= history(
+        clean, charge_id
+    )[-1].items()
+    # The chain goes on from there; the charge was made once.
+    assert deliver(rows["export"]["id"], "accounting.export") is RunResult.SENT
+    assert provider.stats()["effects"] == {f"{KEY}:charge": 1, f"{KEY}:export": 1}
+    # Repairing again finds nothing to do at the charge: the chain waits at notify.
+    code, out, _ = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    assert code == 0 and "notify is pending: under way" in out
+
+
+def test_an_unknown_step_whose_charge_did_not_happen_is_re_run_once(clean, engine, provider, deliver, capsys):
+    lookup_on(invoice_chain(provider), provider)
+    charge_id = write_charge(engine)
+    # The worker died after its claim, before its call: the lease runs out, the row is unknown.
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        assert transitions.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
+        elapse(conn, 6, [charge_id])
+        assert expire_leases(conn, registry()) == 1
+    assert steps(clean)["charge"]["state"] == "unknown"
+
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    assert code == 0, err
+    assert "no record of it: re-run" in out
+    assert steps(clean)["charge"]["state"] == "pending"
+    assert provider.stats()["effects"] == {}
+    elapse(clean, 2, [charge_id])  # its retry's backoff
+    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
+    assert set(steps(clean)) == {"charge", "export"}
+
+
+def test_a_step_failed_for_good_is_refused_without_force(clean, engine, provider, deliver, capsys):
+    invoice_chain(provider)
+    charge_id = write_charge(engine, {"invoice": 7, "amount_cents": -1})  # the simulator declines
+    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
+
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    assert code == 1
+    assert "failed for good" in out + err and "--force" in out + err
+    assert steps(clean)["charge"]["state"] == "failed"
+
+    # --force names one key, with a reason.
+    code, _, err = cli(clean, capsys, "repair", KEY, "other:1", "--module", MODULE, "--force", "--yes")
+    assert code == 2 and "one KEY named alone" in err
+    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes")
+    assert code == 2 and "--force needs --reason" in err
+
+    sql(
+        clean,
+        "UPDATE outbox_message SET payload = %s WHERE id = %s",
+        ('{"invoice": 7, "amount_cents": 5}', charge_id),
+    )
+    code, out, err = cli(
+        clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "card updated"
+    )
+    assert code == 0, err
+    assert "re-run (failed -> pending)" in out
+    assert steps(clean)["charge"]["state"] == "pending"
+    assert history(clean, charge_id)[-1]["action"] == "repair"
+    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
+
+
+def test_a_confirmed_step_without_its_next_steps_gets_them(clean, engine, provider, deliver, capsys):
+    invoice_chain(provider)
+    provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    with engine.begin() as conn:
+        ops.resolve(conn, charge_id, sent_ref="ch_by_hand")  # no module: steps not computed
+    assert steps(clean)["charge"]["chain_problem"] == chains.NOT_COMPUTED
+
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["keys"][0]["action"] == "write_next_steps" and doc["results"][0]["done"] is True
+    rows = steps(clean)
+    assert rows["charge"]["chain_problem"] is None
+    assert rows["export"]["payload"] == {"invoice": 7, "charge": "ch_by_hand"}
+    # Never a second call: the charge stays as the operator settled it.
+    assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
+
+
+def test_a_failed_step_with_an_ambiguous_history_asks_the_provider_first(
+    clean, engine, provider, deliver, capsys
+):
+    lookup_on(invoice_chain(provider), provider)
+    provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    with engine.begin() as conn:
+        ops.resolve(conn, charge_id, failed_reason="gave up too early")
+    # replay alone would refuse it: the call may have taken effect.
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    assert code == 0, err
+    assert "failed -> sent, no second call" in out
+    rows = steps(clean)
+    assert rows["charge"]["state"] == "sent" and set(rows) == {"charge", "export"}
+    assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
+
+
+def test_without_a_lookup_an_ambiguous_failure_is_left_to_a_human(clean, engine, provider, deliver, capsys):
+    invoice_chain(provider)  # no lookup, not idempotent
+    provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    assert code == 1
+    assert "neither a lookup nor idempotency" in out + err
+    assert steps(clean)["charge"]["state"] == "unknown"
+
+
+def test_chains_stalled_lists_the_stopped_keys(clean, engine, provider, deliver, capsys):
+    invoice_chain(provider)
+    charge_id = write_charge(engine, {"invoice": 7, "amount_cents": -1})
+    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
+    with Session(engine) as s, s.begin():
+        outbox.write(s, key="invoice:8", step="charge", destination="payments.charge", payload={"invoice": 8})
+
+    # Just failed, just written: neither has been stopped for 15 minutes.
+    code, out, _ = cli(clean, capsys, "chains", "--stalled")
+    assert code == 0 and "no key stopped for 15m or more" in out
+    code, out, _ = cli(clean, capsys, "chains", "--stalled", "--older-than", "0", "--json")
+    doc = json.loads(out)
+    assert {k["key"] for k in doc["keys"]} == {KEY, "invoice:8"}
+    failed = next(k for k in doc["keys"] if k["key"] == KEY)
+    assert failed["state"] == "failed" and "card declined" in failed["why"] and failed["chained"] is False
+    elapse(clean, 3600)
+    code, out, _ = cli(clean, capsys, "chains", "--stalled")
+    assert code == 0 and KEY in out and "invoice:8" in out and "2 key(s) stopped for 15m" in out
+    # repair --stalled plans them all: the failed one refused, the pending one under way.
+    code, out, err = cli(clean, capsys, "repair", "--stalled", "--module", MODULE)
+    assert code == 0, err
+    assert "refused" in out and "under way" in out
+    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--destination", "payments.charge")
+    assert code == 2 and "--destination selects among --stalled keys" in err
+    code, _, err = cli(clean, capsys, "repair", KEY)
+    assert code == 2 and "repair needs --module" in err
