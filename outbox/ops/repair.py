@@ -397,6 +397,17 @@ SELECT EXISTS (SELECT 1 FROM outbox_attempt a
 """
 
 
+# Until when a call of the row may still land at the provider: the reconciler's own first lookup
+# of an expired claim is a lease plus a time_limit after the claim (expire_leases), so a "not
+# found" before then proves nothing. Seconds left (<= 0 or NULL: none can).
+_LANDING = f"""
+SELECT EXTRACT(EPOCH FROM max(a.started_at)
+       + CAST(%(wait)s AS float8) * interval '1 second' - now())
+FROM outbox_attempt a
+WHERE a.message_id = %(id)s AND {outcomes.may_have_taken_effect_sql("a")}
+"""
+
+
 @dataclass
 class _Acting:
     conn: psycopg.Connection[Any]
@@ -417,6 +428,13 @@ class _Acting:
         transitions.note_history(
             self.conn, row_id=row_id, by=self.by, action="repair", reason=self.reason, extra=json.dumps(extra)
         )
+
+    def landing_seconds(self, row_id: int, handler: Handler) -> float:
+        """How long a call of the row may still land at the provider (0: none can)."""
+        found = self.conn.execute(
+            _LANDING, {"id": row_id, "wait": handler.lease_seconds + handler.time_limit}
+        ).fetchone()
+        return max(0.0, float(found[0])) if found and found[0] is not None else 0.0
 
     def wake(self) -> None:
         from ..schema import NOTIFY_CHANNEL
@@ -506,8 +524,15 @@ def _write_next(acting: _Acting, item: RepairItem) -> RepairResult:
             f"step {item.step}: {done.followed} next step(s) written, still missing: {done.chain_problem}",
             item.row_id,
         )
+    if not plan.rows:
+        return RepairResult(
+            item.key,
+            True,
+            f"step {item.step}: its @then declares no next step: nothing was missing",
+            item.row_id,
+        )
     acting.wake()
-    steps = ", ".join(str(r["step"]) for r in plan.rows) or "none declared"
+    steps = ", ".join(str(r["step"]) for r in plan.rows)
     return RepairResult(
         item.key,
         True,
@@ -519,7 +544,19 @@ def _write_next(acting: _Acting, item: RepairItem) -> RepairResult:
 def _look_up_unknown(acting: _Acting, item: RepairItem) -> RepairResult:
     from reconciler.jobs.resolve_unknown import resolve_one
 
-    assert item.row_id is not None
+    assert item.row_id is not None and item.destination is not None
+    landing = acting.landing_seconds(item.row_id, acting.handlers[item.destination])
+    if landing > 0:
+        # Asked now, a provider still executing the call answers "not found", and a re-run would
+        # charge twice; the reconciler asks at the same moment by itself.
+        return RepairResult(
+            item.key,
+            False,
+            f"step {item.step}: its last call may still be landing at the provider for "
+            f"{landing:.0f} s more (lease_seconds + time_limit after its claim): nothing changed, "
+            "repair it after that (the reconciler looks it up by itself then)",
+            item.row_id,
+        )
     outcome = resolve_one(
         acting.conn, acting.handlers, item.row_id, module=acting.module, clients=acting.clients
     )
@@ -603,6 +640,17 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
             True,
             f"step {item.step}: the provider has it (ref {found.ref}): failed -> sent, no second call; "
             f"{written} next step(s) written",
+            item.row_id,
+        )
+    landing = acting.landing_seconds(item.row_id, handler)
+    if landing > 0:
+        acting.note(item.row_id, result="not_found_while_landing")
+        return RepairResult(
+            item.key,
+            False,
+            f"step {item.step}: the provider has no record yet, but its last call may still be landing "
+            f"for {landing:.0f} s more (lease_seconds + time_limit after its claim): nothing changed, "
+            "repair it after that",
             item.row_id,
         )
     old = acting.conn.execute(_OLD_CALL, {"id": item.row_id, "key_ttl": handler.key_ttl}).fetchone()

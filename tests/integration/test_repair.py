@@ -62,6 +62,13 @@ def test_an_unknown_step_whose_charge_happened_is_found_and_the_chain_goes_on(
     charge_id = write_charge(engine)
     assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
 
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    # Asked at once, a provider still executing the call would say "not found": repair waits as
+    # long as the reconciler would (a lease and a time_limit after the claim).
+    assert code == 1 and "may still be landing at the provider" in err
+    assert steps(clean)["charge"]["state"] == "unknown"
+    elapse(clean, 60, [charge_id])
+
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE)
     assert code == 0, err
     assert "look up" in out and "nothing changed: this is the plan" in out
@@ -96,6 +103,7 @@ def test_an_unknown_step_whose_charge_did_not_happen_is_re_run_once(clean, engin
         elapse(conn, 6, [charge_id])
         assert expire_leases(conn, registry()) == 1
     assert steps(clean)["charge"]["state"] == "unknown"
+    elapse(clean, 60, [charge_id])  # no call of it can still land
 
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
     assert code == 0, err
@@ -169,6 +177,7 @@ def test_a_failed_step_with_an_ambiguous_history_asks_the_provider_first(
     assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
     with engine.begin() as conn:
         ops.resolve(conn, charge_id, failed_reason="gave up too early")
+    elapse(clean, 60, [charge_id])
     # replay alone would refuse it: the call may have taken effect.
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
     assert code == 0, err
@@ -215,3 +224,44 @@ def test_chains_stalled_lists_the_stopped_keys(clean, engine, provider, deliver,
     assert code == 2 and "--destination selects among --stalled keys" in err
     code, _, err = cli(clean, capsys, "repair", KEY)
     assert code == 2 and "repair needs --module" in err
+
+
+def _claimed_then_failed_by_hand(clean: Any, engine: Any, charge_id: int) -> None:
+    """The worker died after its claim (no call reached the provider); the lease ran out and an
+    operator gave up on the row: failed, with a call that may have taken effect."""
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        assert transitions.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
+        elapse(conn, 6, [charge_id])
+        assert expire_leases(conn, registry()) == 1
+    with engine.begin() as conn:
+        assert ops.resolve(conn, charge_id, failed_reason="provider cannot tell").done
+
+
+def test_an_ambiguous_failure_the_provider_has_no_record_of_is_re_run_once_no_call_can_land(
+    clean, engine, provider, deliver, capsys
+):
+    lookup_on(invoice_chain(provider), provider)
+    charge_id = write_charge(engine)
+    _claimed_then_failed_by_hand(clean, engine, charge_id)
+    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    assert code == 1 and "may still be landing" in err
+    assert steps(clean)["charge"]["state"] == "failed"
+
+    elapse(clean, 60, [charge_id])
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--reason", "INC-9")
+    assert code == 0, err
+    assert "the provider has no record of it: re-run" in out
+    assert history(clean, charge_id)[-1]["action"] == "repair"
+    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
+
+
+def test_an_ambiguous_failure_past_key_ttl_is_left_to_a_human(clean, engine, provider, deliver, capsys):
+    charge = lookup_on(invoice_chain(provider), provider)
+    charge_id = write_charge(engine)
+    _claimed_then_failed_by_hand(clean, engine, charge_id)
+    elapse(clean, charge.key_ttl + 60, [charge_id])
+    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    assert code == 1 and "older than key_ttl" in err
+    assert steps(clean)["charge"]["state"] == "failed"
+    assert provider.stats()["effects"] == {}

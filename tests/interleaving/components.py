@@ -508,6 +508,19 @@ def operator_replay_destination(engine: Engine, destination: str, reason: str) -
         )
 
 
+def operator_repair(engine: Engine, database_url: str, key: str, handlers: Any) -> list[str]:
+    """``outbox repair KEY --module M --yes`` (issue 14), as the CLI calls it: the plan in one
+    transaction, then each action in its own guarded statement."""
+    from outbox.ops import repair
+
+    with engine.begin() as conn:
+        plan = repair.plan_repair(conn, [key], handlers=handlers, module="interleaving")
+    done = repair.execute_repair(
+        database_url, plan, handlers=handlers, module="interleaving", by=OPERATOR, reason="runbook: repair"
+    )
+    return [r.message for r in done]
+
+
 def operator_pause(engine: Engine, destination: str, *, for_seconds: float | None) -> str:
     """``outbox pause D --reason … [--until Ns]`` (issue 13), as the CLI calls it."""
     with engine.begin() as conn:

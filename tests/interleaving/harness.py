@@ -742,6 +742,24 @@ class World:
             )
         )
 
+    def step_operator_repair(self) -> None:
+        """``outbox repair KEY`` (issue 14) by the runbook: a key whose work stopped at a failed or
+        unknown step, or at a confirmed one without its next steps; any such key, at any time
+        (repair asks the provider before it re-runs anything)."""
+        rows = self.sql(
+            "SELECT DISTINCT key FROM outbox_message WHERE state IN ('failed', 'unknown')"
+            " OR (state = 'sent' AND chain_problem IS NOT NULL) ORDER BY 1"
+        )
+        if not rows:
+            return
+        key = self.rng.choice(rows)[0]
+        self.side_threads.append(
+            self._thread(
+                f"operator repair {key}",
+                lambda: c.operator_repair(self.operator_engine, self.database_url, key, self.handlers),
+            )
+        )
+
     def step_operator_pause(self) -> None:
         """``outbox pause D`` (issue 13): until resumed, or for a few seconds by itself. Rows
         already claimed finish; no other claim of D succeeds while it lasts."""
@@ -794,6 +812,7 @@ class World:
         if "operator" in f:
             steps += [(1, self.step_operator_resolve), (0.6, self.step_operator_replay)]
             steps += [(0.4, self.step_operator_pause), (0.6, self.step_operator_resume)]
+            steps.append((0.6, self.step_operator_repair))
         return steps
 
     def run(self) -> list[Finding]:
