@@ -841,6 +841,9 @@ WITH gone AS (
     WHERE id IN (
         SELECT id FROM outbox_message
         WHERE state IN ('sent', 'cancelled')
+          -- A sent row whose next steps are missing (outbox.chains) stays until outbox repair
+          -- writes them: the ledger keeps no chain_problem, and the chain would be forgotten.
+          AND chain_problem IS NULL
           AND completed_at < now() - %(retention)s * interval '1 second'
           AND completed_at < COALESCE(
               (SELECT min(xact_start) FROM pg_stat_activity

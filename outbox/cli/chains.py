@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from typing import TYPE_CHECKING
 
 from .. import settings
 from ..exceptions import ConfigError
+from ..ops.tables import printable
 from . import exits
 from .operator import _by_and_reason, _connection, _describe
 from .output import err, out, print_json
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
+    from ..ops.repair import StalledReport
 
 
 def _older_than(value: str) -> float:
@@ -33,13 +40,12 @@ def _limit(value: str) -> int:
 
 
 def _selection(p: argparse.ArgumentParser, *, with_limit: bool = True) -> None:
-    from ..ops.repair import DEFAULT_STALLED_AFTER_SECONDS, DEFAULT_STALLED_LIMIT
+    from ..ops.repair import DEFAULT_STALLED_LIMIT
 
     p.add_argument("--destination", help="only keys stopped at a step of this destination")
     p.add_argument(
         "--older-than",
         type=_older_than,
-        default=DEFAULT_STALLED_AFTER_SECONDS,
         metavar="T",
         help="only steps in their state for T or more: 90s, 15m, 2h, 0 for all (default 15m)",
     )
@@ -47,7 +53,6 @@ def _selection(p: argparse.ArgumentParser, *, with_limit: bool = True) -> None:
         p.add_argument(
             "--limit",
             type=_limit,
-            default=DEFAULT_STALLED_LIMIT,
             help=f"at most this many keys, the longest stopped first (default {DEFAULT_STALLED_LIMIT})",
         )
 
@@ -75,13 +80,20 @@ def chains_arguments(p: argparse.ArgumentParser) -> None:
     _selection(p)
 
 
-def chains(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    from ..ops.repair import stalled
+def _stalled(conn: Connection, args: argparse.Namespace) -> StalledReport:
+    from ..ops.repair import DEFAULT_STALLED_AFTER_SECONDS, DEFAULT_STALLED_LIMIT, stalled
 
+    return stalled(
+        conn,
+        destination=args.destination,
+        older_than_seconds=DEFAULT_STALLED_AFTER_SECONDS if args.older_than is None else args.older_than,
+        limit=DEFAULT_STALLED_LIMIT if args.limit is None else args.limit,
+    )
+
+
+def chains(args: argparse.Namespace, cfg: settings.Settings) -> int:
     with _connection(cfg) as conn:
-        report = stalled(
-            conn, destination=args.destination, older_than_seconds=args.older_than, limit=args.limit
-        )
+        report = _stalled(conn, args)
     if args.json:
         return print_json(report.to_dict())
     out(report.render())
@@ -150,18 +162,18 @@ def repair(args: argparse.Namespace, cfg: settings.Settings) -> int:
         raise ConfigError("--force re-runs a step that failed for good: one KEY named alone, never in bulk")
     if args.force and not (args.reason and args.reason.strip()):
         raise ConfigError("--force needs --reason: why re-running this failed step is right now")
-    if args.destination and not args.stalled:
-        raise ConfigError("--destination selects among --stalled keys; named keys are repaired as named")
+    if not args.stalled and (args.destination or args.older_than is not None or args.limit is not None):
+        raise ConfigError(
+            "--destination, --older-than and --limit select among --stalled keys; named keys are "
+            "repaired as named"
+        )
     from ..handlers import load_module
-    from ..ops.repair import execute_repair, plan_repair, stalled
+    from ..ops.repair import execute_repair, plan_repair
 
     handlers = load_module(args.module)
     with _connection(cfg) as conn:
         if args.stalled:
-            found = stalled(
-                conn, destination=args.destination, older_than_seconds=args.older_than, limit=args.limit
-            )
-            keys = [k["key"] for k in found.keys]
+            keys = [k["key"] for k in _stalled(conn, args).keys]
         else:
             keys = list(args.keys)
         plan = (
@@ -182,10 +194,17 @@ def repair(args: argparse.Namespace, cfg: settings.Settings) -> int:
             by=args.by,
             reason=args.reason,
         )
+    # The plan's own refusals count too: a plan that can only refuse is not a success.
     failed = [r for r in results if not r.done] if args.yes else []
-    code = exits.FAILED if failed else exits.OK
+    refused = [] if args.yes else plan.refused
+    code = exits.FAILED if failed or refused else exits.OK
     if args.json:
-        problem = "; ".join(f"{r.key}: {r.message}" for r in failed) or None
+        problem = (
+            "; ".join(
+                [f"{r.key}: {r.message}" for r in failed] + [f"{i.key}: refused: {i.detail}" for i in refused]
+            )
+            or None
+        )
         return print_json(
             {**plan.to_dict(), "acted": args.yes, "results": [r.to_dict() for r in results]},
             error=problem,
@@ -194,17 +213,21 @@ def repair(args: argparse.Namespace, cfg: settings.Settings) -> int:
     out(plan.render())
     if not args.yes:
         for item in plan.refused:
-            out(f"{item.key}: refused: {item.detail}")
-        again = ["outbox", "repair", *[i.key for i in plan.items], "--module", args.module]
+            out(printable(f"{item.key}: refused: {item.detail}"))
+        acting = [i.key for i in plan.items if i.acts]
+        if not acting:
+            out("\nnothing to act on: no key has a step repair can move")
+            return code
+        again = ["outbox", "repair", *acting, "--module", args.module]
         if args.force:
             again += ["--force", "--reason", args.reason]
         out(
             "\nnothing changed: this is the plan. To act on it: "
-            + " ".join(shlex.quote(a) for a in again)
+            + printable(" ".join(shlex.quote(a) for a in again))
             + " --yes"
         )
-        return exits.OK
+        return code
     out("")
     for r in results:
-        (out if r.done else err)(f"{r.key}: {r.message}")
+        (out if r.done else err)(printable(f"{r.key}: {r.message}"))
     return code

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import breaker, heartbeat, pauses, settings, states
+from .. import breaker, chains, heartbeat, pauses, settings, states
 from ..breaker import OpenBreaker
 from ..exceptions import ConfigError, NotFound
 from ..heartbeat import NoConsumer
@@ -270,10 +270,15 @@ class KeySteps:
     def stopped_at(self) -> dict[str, Any] | None:
         """The step where the key's work stopped: the first not confirmed, or confirmed without
         its next steps (a ``sent`` step with a ``chain_problem``, outbox.chains); None: every
-        step is `sent` or `cancelled` and wrote what it declared."""
+        step is `sent` or `cancelled` (or failed and compensated) and wrote what it declared."""
+        # A failed step whose @on_failure compensation was written is handled: its chain goes on
+        # with the compensation.
+        compensated = {s["after"] for s in self.steps if s.get("via") == chains.ON_FAILURE}
         for s in self.steps:
             if s["state"] == states.SENT and s.get("chain_problem"):
                 return s
+            if s["state"] == states.FAILED and s["step"] in compensated:
+                continue
             if s["state"] not in (states.SENT, states.CANCELLED):
                 return s
         return None

@@ -70,6 +70,8 @@ WITH stopped AS (
     FROM outbox_message m
     WHERE m.state IN ('failed', 'unknown', 'pending', 'dispatched', 'in_flight', 'sent')
       AND (m.state <> 'sent' OR m.chain_problem IS NOT NULL)
+      -- A failed step whose compensation was written is handled: the chain goes on with it.
+      AND NOT (m.state = 'failed' AND {chains.COMPENSATED_SQL})
       AND {_IN_STATE_SINCE} <= now() - CAST(:older AS float8) * interval '1 second'
       AND (CAST(:destination AS text) IS NULL OR m.destination = CAST(:destination AS text))
     ORDER BY m.key, m.created_at, m.id
@@ -310,10 +312,13 @@ def _plan_key(
     try:
         found = key_steps(connection, key)
     except NotFound as exc:
-        return RepairItem(key, REFUSED, str(exc))
+        hint = f"; {key} reads as a row id: outbox show {key} gives its key" if key.strip().isdigit() else ""
+        return RepairItem(key, REFUSED, f"{exc}{hint}")
     s = found.stopped_at
     if s is None:
-        return RepairItem(key, NOTHING, "every step is confirmed (or cancelled): nothing to repair")
+        return RepairItem(
+            key, NOTHING, "every step is confirmed, cancelled, or failed and compensated: nothing to repair"
+        )
     handler = handlers.get(s["destination"])
     state = s["state"]
     if state == states.SENT:
@@ -492,7 +497,19 @@ def _act(acting: _Acting, item: RepairItem) -> RepairResult:
 
 
 def _changed(item: RepairItem, row: Mapping[str, Any] | None) -> RepairResult:
+    """The guarded statement moved nothing: someone else (the reconciler, a worker, another
+    repair) moved the row first. Done when it moved on the way repair would have (on its way to
+    the provider again, or confirmed with its next steps); else left for a look."""
     now = row["state"] if row is not None else "gone"
+    if row is not None and (
+        row["state"] in states.WAITING or (row["state"] == states.SENT and row["chain_problem"] is None)
+    ):
+        return RepairResult(
+            item.key,
+            True,
+            f"step {item.step} moved on meanwhile (now {now}): nothing left to do",
+            item.row_id,
+        )
     return RepairResult(
         item.key, False, f"step {item.step} changed since the plan (now {now}): left alone", item.row_id
     )
@@ -504,9 +521,7 @@ def _write_next(acting: _Acting, item: RepairItem) -> RepairResult:
     if row is None or row["state"] != states.SENT:
         return _changed(item, row)
     if row["chain_problem"] is None:
-        return RepairResult(
-            item.key, True, f"step {item.step}: its next steps were written meanwhile", item.row_id
-        )
+        return _changed(item, row)
     handler = acting.handlers[item.destination]
     plan = chains.then_plan_for_row(
         handler, row, Confirmed(ref=row["provider_ref"], response=row["response"])
@@ -600,6 +615,18 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
         return _changed(item, row)
     handler = acting.handlers[item.destination]
     assert handler.lookup_fn is not None  # planned only with one
+    # Checked before the lookup: its "not found" proves something only if no call could still
+    # land once it was asked (a slow lookup answering after the bound proves nothing more).
+    landing = acting.landing_seconds(item.row_id, handler)
+    if landing > 0:
+        return RepairResult(
+            item.key,
+            False,
+            f"step {item.step}: its last call may still be landing at the provider for "
+            f"{landing:.0f} s more (lease_seconds + time_limit after its claim): nothing changed, "
+            "repair it after that",
+            item.row_id,
+        )
     delivery = acting.clients.delivery(
         handler,
         id=item.row_id,
@@ -640,17 +667,6 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
             True,
             f"step {item.step}: the provider has it (ref {found.ref}): failed -> sent, no second call; "
             f"{written} next step(s) written",
-            item.row_id,
-        )
-    landing = acting.landing_seconds(item.row_id, handler)
-    if landing > 0:
-        acting.note(item.row_id, result="not_found_while_landing")
-        return RepairResult(
-            item.key,
-            False,
-            f"step {item.step}: the provider has no record yet, but its last call may still be landing "
-            f"for {landing:.0f} s more (lease_seconds + time_limit after its claim): nothing changed, "
-            "repair it after that",
             item.row_id,
         )
     old = acting.conn.execute(_OLD_CALL, {"id": item.row_id, "key_ttl": handler.key_ttl}).fetchone()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -67,9 +68,18 @@ def json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped (``\\n``, ``\\x1b``): a key or an error
+    written by plain SQL must not forge table lines or colour a terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group(0))[1:-1], text)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """An aligned text table: numbers right-aligned, text left-aligned, ``-`` for None."""
-    cells = [[("-" if v is None else str(v)) for v in row] for row in rows]
+    cells = [[("-" if v is None else printable(str(v))) for v in row] for row in rows]
     numeric = [
         bool(rows) and all(isinstance(row[i], int | float) or row[i] is None for row in rows)
         for i in range(len(headers))

@@ -7,6 +7,8 @@ through ``outbox.cli.main`` against real PostgreSQL and the provider simulator o
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
 import psycopg
@@ -19,10 +21,12 @@ from outbox import chains, ops, transitions
 from outbox.cli import main
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
+from outbox.ops.repair import execute_repair, plan_repair
 from outbox.settings import libpq_url
 from reconciler.jobs.expire_leases import expire_leases
+from reconciler.jobs.purge import purge
 
-from .test_chains import KEY, invoice_chain, steps, write_charge
+from .test_chains import KEY, declare, invoice_chain, steps, write_charge
 
 #: The handler module `outbox repair --module` imports: this one (its handlers are declared per
 #: test in the registry that load_module returns).
@@ -218,10 +222,11 @@ def test_chains_stalled_lists_the_stopped_keys(clean, engine, provider, deliver,
     assert code == 0 and KEY in out and "invoice:8" in out and "2 key(s) stopped for 15m" in out
     # repair --stalled plans them all: the failed one refused, the pending one under way.
     code, out, err = cli(clean, capsys, "repair", "--stalled", "--module", MODULE)
-    assert code == 0, err
+    assert code == 1  # the plan refuses a key
     assert "refused" in out and "under way" in out
+    assert "nothing to act on" in out
     code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--destination", "payments.charge")
-    assert code == 2 and "--destination selects among --stalled keys" in err
+    assert code == 2 and "select among --stalled keys" in err
     code, _, err = cli(clean, capsys, "repair", KEY)
     assert code == 2 and "repair needs --module" in err
 
@@ -265,3 +270,169 @@ def test_an_ambiguous_failure_past_key_ttl_is_left_to_a_human(clean, engine, pro
     assert code == 1 and "older than key_ttl" in err
     assert steps(clean)["charge"]["state"] == "failed"
     assert provider.stats()["effects"] == {}
+
+
+# -- what a reviewer found (issue 14's attack) -------------------------------------------------------
+
+
+def _then_broken_until_fixed(provider: Any) -> dict[str, bool]:
+    charge = declare(provider, "payments.charge")
+    declare(provider, "accounting.export")
+    broken = {"on": True, "slow": False}
+
+    @charge.then
+    def after(d: outbox.Delivery, c: outbox.Confirmed) -> list[outbox.Next]:
+        if broken["on"]:
+            raise RuntimeError("ledger account missing")
+        if broken["slow"]:
+            time.sleep(0.3)
+        return [outbox.Next("export", "accounting.export", {"charge": c.ref})]
+
+    return broken
+
+
+def test_the_purge_keeps_a_sent_step_until_its_next_steps_are_written(
+    clean, engine, provider, deliver, capsys
+):
+    broken = _then_broken_until_fixed(provider)
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    elapse(clean, 30 * 86400, [charge_id])
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        purge(conn, retention_seconds=7 * 86400)
+    assert steps(clean)["charge"]["chain_problem"]  # still there, not in the ledger
+    broken["on"] = False
+    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    assert code == 0, err
+    assert steps(clean)["export"]["payload"] == {"charge": steps(clean)["charge"]["provider_ref"]}
+
+
+def test_two_repairs_writing_the_same_next_steps_both_succeed(clean, engine, provider, deliver):
+    broken = _then_broken_until_fixed(provider)
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    broken.update(on=False, slow=True)
+    with engine.connect() as conn:
+        plan = plan_repair(conn, [KEY], handlers=registry())
+    results: list[Any] = []
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(execute_repair(clean.database_url, plan, handlers=registry()))
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(steps(clean)) == {"charge", "export"}
+    assert [r[0].done for r in results] == [True, True], results
+
+
+def test_two_repairs_at_once_re_run_an_ambiguous_failure_once(clean, engine, provider, deliver):
+    lookup_on(invoice_chain(provider), provider)
+    charge_id = write_charge(engine)
+    _claimed_then_failed_by_hand(clean, engine, charge_id)
+    elapse(clean, 120, [charge_id])
+    with engine.connect() as conn:
+        plan = plan_repair(conn, [KEY], handlers=registry())
+    assert plan.items[0].action == "ask_provider"
+    results: list[Any] = []
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(
+                execute_repair(clean.database_url, plan, handlers=registry(), reason="x")
+            )
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    messages = sorted(r[0].message for r in results)
+    assert sum("re-run (failed -> pending)" in m for m in messages) == 1, messages
+    elapse(clean, 2, [charge_id])
+    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert deliver(charge_id, "payments.charge") is RunResult.EMPTY
+    assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
+
+
+def test_a_slow_lookup_cannot_outlast_the_landing_wait(clean, engine, provider, deliver, capsys):
+    # The lookup reads the provider's records when asked and answers 2.5 s later; the first
+    # call lands in between, inside the bound the design allows (lease + time_limit).
+    charge = invoice_chain(provider)
+
+    @charge.lookup
+    def find(d: outbox.Delivery) -> outbox.Confirmed | None:
+        seen = provider._state.lookup(d.idempotency_key)
+        time.sleep(2.5)
+        return None if seen is None else outbox.Confirmed(ref=seen["id"])
+
+    charge_id = write_charge(engine)
+    _claimed_then_failed_by_hand(clean, engine, charge_id)
+    window = charge.lease_seconds + charge.time_limit
+    elapse(clean, window - 6 - 1.5, [charge_id])  # 1.5 s of it left
+
+    def the_first_call_lands() -> None:
+        time.sleep(0.5)
+        provider._state.charge(f"{KEY}:charge", {"invoice": 7, "amount_cents": 1200})
+
+    landing = threading.Thread(target=the_first_call_lands)
+    landing.start()
+    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--reason", "r")
+    landing.join()
+    assert code == 1 and "may still be landing" in err
+    assert steps(clean)["charge"]["state"] == "failed"
+    assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
+
+
+def test_a_compensated_step_is_handled_and_its_compensation_is_what_stalls(
+    clean, engine, provider, deliver, capsys
+):
+    charge = declare(provider, "payments.charge")
+    declare(provider, "payments.refund")
+
+    @charge.on_failure
+    def undo(d: outbox.Delivery, error: str) -> list[outbox.Next]:
+        return [outbox.Next("release-stock", "payments.refund", {"amount_cents": -5})]  # declined too
+
+    charge_id = write_charge(engine, {"invoice": 7, "amount_cents": -1})
+    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
+    release = steps(clean)["release-stock"]
+    assert deliver(release["id"], "payments.refund") is RunResult.FAILED
+    elapse(clean, 3600)
+    code, out, _ = cli(clean, capsys, "chains", "--stalled", "--json")
+    assert [(k["key"], k["step"], k["chained"]) for k in json.loads(out)["keys"]] == [
+        (KEY, "release-stock", True)
+    ]
+    code, out, _ = cli(clean, capsys, "repair", KEY, "--module", MODULE)
+    assert code == 1 and "step release-stock failed for good" in out
+    code, out, _ = cli(clean, capsys, "show", KEY)
+    assert "stopped at step release-stock (failed)" in out
+
+
+def test_control_characters_in_a_key_are_escaped(clean, engine, provider, deliver, capsys):
+    invoice_chain(provider)
+    evil = "inv:1\n\x1b[31mFAKE  charge  sent\x1b[0m"
+    sql(
+        clean,
+        "INSERT INTO outbox_message (key, step, destination, payload, state, completed_at, last_error)"
+        " VALUES (%s, 'charge', 'payments.charge', '{}', 'failed', now() - interval '2 hours', 'x')",
+        (evil,),
+    )
+    _, out, _ = cli(clean, capsys, "chains", "--stalled")
+    _, out2, err2 = cli(clean, capsys, "repair", "--stalled", "--module", MODULE)
+    for text in (out, out2, err2):
+        assert "\x1b" not in text and "\nFAKE" not in text
+    assert "inv:1\\n\\x1b[31mFAKE" in out
+
+
+def test_named_keys_take_no_selection_flags_and_a_row_id_gets_a_hint(
+    clean, engine, provider, deliver, capsys
+):
+    invoice_chain(provider)
+    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--older-than", "1h")
+    assert code == 2 and "select among --stalled keys" in err
+    code, out, _ = cli(clean, capsys, "repair", "42", "--module", MODULE)
+    assert code == 1 and "42 reads as a row id: outbox show 42 gives its key" in out
