@@ -5,7 +5,8 @@ Redis; a consumer claims it, calls the provider with an Idempotency-Key derived 
 key, and records the confirmed answer. The database is the source of truth.
 
 The public API is what ``__all__`` lists, importable from ``outbox`` itself: ``write`` /
-``write_async`` and ``cancel`` / ``cancel_async``, the ``@handler`` decorator with ``Handler``,
+``write_async`` and ``cancel`` / ``cancel_async``, ``batch`` / ``batch_async`` (a group of rows
+with one row written when all are done), the ``@handler`` decorator with ``Handler``,
 ``Delivery`` and ``Confirmed``, ``worker_middleware`` (Dramatiq middleware of your own), and
 the exceptions (all subclasses of ``OutboxError``). Every other module (``outbox.relay``,
 ``outbox.ops``, ``outbox.cli``, …) is internal and may change.
@@ -22,10 +23,12 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .batches import Batch, batch, batch_async
     from .breaker import Breaker
     from .chains import Next
     from .exceptions import (
         AmbiguousError,
+        BatchConflict,
         ConfigError,
         InvalidMessage,
         InvalidTransition,
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AmbiguousError",
+    "Batch",
+    "BatchConflict",
     "Breaker",
     "ConfigError",
     "Confirmed",
@@ -60,6 +65,8 @@ __all__ = [
     "UnsafeBroker",
     "Written",
     "__version__",
+    "batch",
+    "batch_async",
     "cancel",
     "cancel_async",
     "handler",
@@ -73,6 +80,7 @@ _HOME = {
     **dict.fromkeys(
         (
             "AmbiguousError",
+            "BatchConflict",
             "ConfigError",
             "InvalidMessage",
             "InvalidTransition",
@@ -91,6 +99,7 @@ _HOME = {
     "worker_middleware": "middleware",
     "Breaker": "breaker",
     "Next": "chains",
+    **dict.fromkeys(("Batch", "batch", "batch_async"), "batches"),
 }
 
 

@@ -24,6 +24,11 @@ class KeyConflict(OutboxError):
         self.existing_id = existing_id
 
 
+class BatchConflict(OutboxError):
+    """A batch of this name exists with other ``then``/``catch`` steps, or a row was added to a
+    batch that an earlier transaction created (its members are fixed once it commits)."""
+
+
 class NotMigrated(OutboxError):
     """The outbox tables are missing or behind the packaged migrations."""
 

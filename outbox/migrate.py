@@ -52,8 +52,10 @@ def current_revision(connection: Connection) -> str | None:
 #: ``trace_context`` column that ``write`` inserts and the claim returns; 0009 the paused
 #: destinations (``outbox_destination``), which every claim reads; 0010 the breaker's columns of
 #: that table, which the claim reads and reserves (outbox.breaker); 0012 the chain columns
-#: (``parent_id``, ``via``, ``chain_problem``) that the record and the purge write (outbox.chains).
-SCHEMA_OLDEST = "0012"
+#: (``parent_id``, ``via``, ``chain_problem``) that the record and the purge write (outbox.chains);
+#: 0014 the batches (``outbox_batch``, ``batch_id``) that ``write(batch=)`` and the reconciler's
+#: ``batches`` job use.
+SCHEMA_OLDEST = "0014"
 
 #: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``): the
 #: oldest code, named by the newest revision it knows, that may still run on the database.

@@ -320,6 +320,45 @@ Index(
     postgresql_where=text("chain_problem IS NOT NULL AND alerted_at IS NULL"),
 )
 
+# -- Issue 14 (migrations 0014, 0015): batches (outbox.batches) ----------------------------------
+
+#: A group of rows written in one transaction (``created_txid``: only that transaction adds
+#: members); when every member is terminal, the reconciler's ``batches`` job writes its
+#: ``then_step`` (none failed) or its ``catch_step`` (any failed) as row ``(name, step)`` and sets
+#: ``finished_at``/``outcome`` and the counts, in one guarded statement, once.
+outbox_batch = Table(
+    "outbox_batch",
+    metadata,
+    Column("id", BigInteger, Identity(always=False), primary_key=True),
+    Column("name", Text, nullable=False),
+    Column("then_step", JSONB, nullable=True),
+    Column("catch_step", JSONB, nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("created_txid", BigInteger, nullable=False, server_default=text("txid_current()")),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
+    Column("outcome", Text, nullable=True),
+    Column("total", Integer, nullable=True),
+    Column("sent", Integer, nullable=True),
+    Column("failed", Integer, nullable=True),
+    Column("cancelled", Integer, nullable=True),
+    CheckConstraint("char_length(name) > 0", name="outbox_batch_name_check"),
+    CheckConstraint(
+        "(finished_at IS NULL AND outcome IS NULL)"
+        " OR (finished_at IS NOT NULL AND outcome IN ('then', 'catch'))",
+        name="outbox_batch_outcome_check",
+    ),
+    UniqueConstraint("name", name="outbox_batch_name_key"),
+)
+Index("outbox_batch_open_idx", outbox_batch.c.id, postgresql_where=text("finished_at IS NULL"))
+#: The batch the row belongs to (outbox.batches); NULL for most rows.
+outbox_message.append_column(Column("batch_id", BigInteger, nullable=True))
+Index(
+    "outbox_message_batch_idx",
+    outbox_message.c.batch_id,
+    outbox_message.c.state,
+    postgresql_where=text("batch_id IS NOT NULL"),
+)
+
 # -- migration 0007 (attack finding F6): a new row's step holds no ':' ------------------------------
 # CHECK outbox_message_step_colon_check: strpos(step, ':') = 0 OR id <= <highest id at upgrade>,
 # NOT VALID. Not declared here: its bound is each database's own (rows stored before the upgrade

@@ -48,7 +48,10 @@ another row of the same key (:mod:`outbox.chains`): ``record_outcome`` (the cons
 ``record`` with the next steps), ``settle_unknown`` and ``resolve_sent`` write the settled row's
 "then" steps when it moves to ``sent`` (``record_outcome`` its "on_failure" steps when it
 fails for a certain reason); ``write_next_steps`` writes a ``sent`` row's missing ones later,
-``repair_found`` a failed row's when its lookup finds the call. ``note_history`` only appends
+``repair_found`` a failed row's when its lookup finds the call. A batch's members are created
+``pending`` by ``insert_member`` (``outbox.write(batch=)``, in the transaction whose
+``insert_batch`` created the batch); ``finish_batch`` writes the batch's then or catch row once
+every member is terminal (the reconciler). ``note_history`` only appends
 who asked and why to a row's history (``outbox repair``).
 ``mark_alerted`` only marks a ``failed`` or long-``unknown`` row (or a ``sent`` one whose next
 steps are missing) as reported; ``close_abandoned`` serves ``outbox demo`` only.

@@ -12,6 +12,9 @@ function                              move                            called by
 ====================================  ==============================  ============================
 :func:`insert`                        (none) -> pending               ``outbox.write``
 :func:`cancel_by_key`                 pending/dispatched -> cancelled ``outbox.cancel``
+:func:`insert_batch`                  (a batch: ``outbox_batch``)     ``outbox.batch``
+:func:`insert_member`                 (none) -> pending, in a batch   ``outbox.write(batch=)``
+:func:`finish_batch`                  (a batch's then/catch row)      reconciler (batches)
 :func:`dispatch_due`                  pending -> dispatched           relay (a batch)
 :func:`undispatch`                    dispatched -> pending           relay (Redis refused)
 :func:`claim`                         pending/dispatched -> in_flight consumer
@@ -177,6 +180,96 @@ def cancel_by_key(target: Session | Connection, *, key: str, step: str) -> bool:
 
 async def cancel_by_key_async(target: AsyncSession | AsyncConnection, *, key: str, step: str) -> bool:
     return (await target.execute(_text(_CANCEL_BY_KEY), {"key": key, "step": step})).first() is not None
+
+
+# == batches (outbox.batches): a group of rows written in one transaction ========================
+
+# ON CONFLICT: a batch of that name exists (the caller's retry of a committed transaction, or a
+# name reused): the caller compares it (outbox.batches), the transaction stays usable.
+_INSERT_BATCH = """
+INSERT INTO outbox_batch (name, then_step, catch_step)
+VALUES (:name, CAST(:then_step AS jsonb), CAST(:catch_step AS jsonb))
+ON CONFLICT (name) DO NOTHING
+RETURNING id
+"""
+
+# A row joins a batch only in the transaction that created the batch (created_txid): once the
+# batch commits, its members are fixed, and "every member is terminal" means the same thing to
+# every reader. Casts: in a SELECT list a bare parameter would be text.
+_INSERT_MEMBER = """
+INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context, batch_id)
+SELECT CAST(:key AS text), CAST(:step AS text), CAST(:destination AS text), CAST(:payload AS jsonb),
+       COALESCE(CAST(:available_at AS timestamptz), now()), CAST(:deadline AS timestamptz),
+       CAST(:trace_context AS jsonb), b.id
+FROM outbox_batch b
+WHERE b.id = :batch_id AND b.created_txid = txid_current()
+ON CONFLICT (key, step) DO NOTHING
+RETURNING id
+"""
+
+
+def insert_batch(target: Session | Connection, params: Mapping[str, Any]) -> int | None:
+    """(none) -> an open batch: its id, or None when a batch of that name exists."""
+    return target.execute(_text(_INSERT_BATCH), params).scalar()
+
+
+async def insert_batch_async(target: AsyncSession | AsyncConnection, params: Mapping[str, Any]) -> int | None:
+    return (await target.execute(_text(_INSERT_BATCH), params)).scalar()
+
+
+def insert_member(target: Session | Connection, params: Mapping[str, Any]) -> int | None:
+    """(none) -> ``pending``, a member of batch ``batch_id``: the new row's id, or None when
+    ``(key, step)`` exists already or the batch was not created by this transaction."""
+    return target.execute(_text(_INSERT_MEMBER), params).scalar()
+
+
+async def insert_member_async(
+    target: AsyncSession | AsyncConnection, params: Mapping[str, Any]
+) -> int | None:
+    return (await target.execute(_text(_INSERT_MEMBER), params)).scalar()
+
+
+# When every member of the batch is terminal: the batch is finished, with its counts, and its
+# then step (none failed) or catch step (any failed) is written as row (name, step), by this one
+# statement. The members are read FOR SHARE: a member replayed (failed -> pending) after this
+# statement's snapshot is read as it is now (or waited for), never as it was. Two reconcilers
+# running it at once: the second waits on the batch row's lock, finds finished_at set, and
+# writes nothing. ON CONFLICT: a row (name, step) that exists already is left as it is.
+_FINISH_BATCH = """
+WITH members AS (
+    SELECT m.state FROM outbox_message m WHERE m.batch_id = %(id)s FOR SHARE
+), counts AS (
+    SELECT count(*) AS total,
+           count(*) FILTER (WHERE state = 'sent') AS sent,
+           count(*) FILTER (WHERE state = 'failed') AS failed,
+           count(*) FILTER (WHERE state = 'cancelled') AS cancelled
+    FROM members
+), done AS (
+    UPDATE outbox_batch b
+    SET finished_at = now(), outcome = CASE WHEN c.failed > 0 THEN 'catch' ELSE 'then' END,
+        total = c.total, sent = c.sent, failed = c.failed, cancelled = c.cancelled
+    FROM counts c
+    WHERE b.id = %(id)s AND b.finished_at IS NULL AND c.sent + c.failed + c.cancelled = c.total
+    RETURNING b.name, b.outcome,
+              CASE b.outcome WHEN 'then' THEN b.then_step ELSE b.catch_step END AS next_step
+), written AS (
+    INSERT INTO outbox_message (key, step, destination, payload, via)
+    SELECT d.name, d.next_step->>'step', d.next_step->>'destination', d.next_step->'payload',
+           'batch_' || d.outcome
+    FROM done d WHERE d.next_step IS NOT NULL
+    ON CONFLICT (key, step) DO NOTHING
+    RETURNING id
+)
+SELECT d.outcome, (SELECT id FROM written) FROM done d
+"""
+
+
+def finish_batch(conn: psycopg.Connection[Any], *, batch_id: int) -> tuple[str, int | None] | None:
+    """An open batch whose members are all terminal -> finished: ``(outcome, id of the row
+    written)`` (``then`` or ``catch``; the id is None when it declares no such step, or the row
+    exists already), or None when a member is still open or the batch was finished already."""
+    row = conn.execute(_FINISH_BATCH, {"id": batch_id}).fetchone()
+    return (str(row[0]), row[1]) if row is not None else None
 
 
 # == the relay ======================================================================================
@@ -844,6 +937,9 @@ WITH gone AS (
           -- A sent row whose next steps are missing (outbox.chains) stays until outbox repair
           -- writes them: the ledger keeps no chain_problem, and the chain would be forgotten.
           AND chain_problem IS NULL
+          -- A batch's members stay until it is finished: its counts and its outcome are theirs.
+          AND (batch_id IS NULL
+               OR EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = batch_id AND b.finished_at IS NOT NULL))
           AND completed_at < now() - %(retention)s * interval '1 second'
           AND completed_at < COALESCE(
               (SELECT min(xact_start) FROM pg_stat_activity

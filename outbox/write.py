@@ -17,11 +17,13 @@ from sqlalchemy.orm import Session
 
 from . import settings as _settings
 from . import tracing, transitions
-from .exceptions import ConfigError, KeyConflict
+from .exceptions import BatchConflict, ConfigError, InvalidMessage, KeyConflict
 from .validation import check_aware, check_destination, check_key_step, encode_payload
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+    from .batches import Batch
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,24 @@ _EXISTING = text(
      FROM outbox_key_ledger WHERE key = :key AND step = :step)
     LIMIT 1
     """
+)
+
+# A member of a batch: the same answer, and the row must be in that batch to be "the same".
+_EXISTING_MEMBER = text(
+    """
+    (SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb)
+                AND batch_id IS NOT DISTINCT FROM :batch_id AS same
+     FROM outbox_message WHERE key = :key AND step = :step)
+    UNION ALL
+    (SELECT message_id, destination = :destination
+            AND payload_hash = outbox_payload_digest(CAST(:payload AS jsonb))
+     FROM outbox_key_ledger WHERE key = :key AND step = :step)
+    LIMIT 1
+    """
+)
+# Why a member was not inserted when no row has its key: the batch is not this transaction's.
+_BATCH_OWNER = text(
+    "SELECT created_txid = txid_current() AS ours, name FROM outbox_batch WHERE id = :batch_id"
 )
 
 _max_payload_bytes: int | None = None
@@ -121,6 +141,29 @@ def _ensure_schema(target: Session | Connection) -> None:
         _checked_engines.add(engine)
 
 
+def _batch_id(batch: Any) -> int:
+    from .batches import Batch
+
+    if isinstance(batch, Batch):
+        return batch.id
+    if isinstance(batch, int) and not isinstance(batch, bool):
+        return batch
+    raise InvalidMessage(
+        f"batch= takes the outbox.Batch that outbox.batch returned, got {type(batch).__name__}"
+    )
+
+
+def _not_in_batch(owner: Any, batch_id: int) -> None:
+    """A member that was not inserted and conflicts with no row: its batch is not open here."""
+    if owner is None:
+        raise BatchConflict(f"no batch with id {batch_id}")
+    if not owner.ours:
+        raise BatchConflict(
+            f"batch {owner.name!r} was created by an earlier transaction: rows join a batch only in the "
+            "transaction that created it (its members are fixed once it commits)"
+        )
+
+
 def _conclude(inserted: Any, existing: Any, key: str, step: str) -> Written:
     if inserted is not None:
         return Written(int(inserted), True)
@@ -143,6 +186,7 @@ def write(
     available_at: datetime | None = None,
     deadline: datetime | None = None,
     max_payload_bytes: int | None = None,
+    batch: Batch | None = None,
 ) -> Written:
     """Add the outbox row ``(key, step)`` to the caller's transaction; never commits.
 
@@ -150,9 +194,21 @@ def write(
     existing id with ``created=False``; with a different one it raises :class:`KeyConflict`. The
     same holds for a key whose row was purged, while the key ledger keeps it (the horizon).
     Bad input raises :class:`InvalidMessage` before any statement is sent.
+
+    ``batch``: the row is a member of that batch (:func:`outbox.batch`, created in this same
+    transaction; else :class:`BatchConflict`).
     """
     params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
     _ensure_schema(target)
+    if batch is not None:
+        params["batch_id"] = _batch_id(batch)
+        inserted = transitions.insert_member(target, params)
+        if inserted is not None:
+            return Written(int(inserted), True)
+        existing = target.execute(_EXISTING_MEMBER, params).first()
+        if existing is None:
+            _not_in_batch(target.execute(_BATCH_OWNER, params).first(), params["batch_id"])
+        return _conclude(None, existing, key, step)
     inserted = transitions.insert(target, params)
     existing = None if inserted is not None else target.execute(_EXISTING, params).first()
     return _conclude(inserted, existing, key, step)
@@ -181,10 +237,20 @@ async def write_async(
     available_at: datetime | None = None,
     deadline: datetime | None = None,
     max_payload_bytes: int | None = None,
+    batch: Batch | None = None,
 ) -> Written:
     """The :func:`write` twin for ``AsyncSession`` / ``AsyncConnection`` (psycopg async)."""
     params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
     await _ensure_schema_async(target)
+    if batch is not None:
+        params["batch_id"] = _batch_id(batch)
+        inserted = await transitions.insert_member_async(target, params)
+        if inserted is not None:
+            return Written(int(inserted), True)
+        existing = (await target.execute(_EXISTING_MEMBER, params)).first()
+        if existing is None:
+            _not_in_batch((await target.execute(_BATCH_OWNER, params)).first(), params["batch_id"])
+        return _conclude(None, existing, key, step)
     inserted = await transitions.insert_async(target, params)
     existing = None if inserted is not None else (await target.execute(_EXISTING, params)).first()
     return _conclude(inserted, existing, key, step)

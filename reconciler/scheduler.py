@@ -37,6 +37,7 @@ from outbox.settings import DEFAULT_NAMESPACE, DEFAULT_NO_CONSUMER_CYCLES, Setti
 
 from .alerts import AlertHook, log_alert
 from .jobs._common import MaintenanceJob
+from .jobs.batches import Batches, BatchesConfig
 from .jobs.chains import Chains, ChainsConfig
 from .jobs.database_metrics import DatabaseMetrics
 from .jobs.expire_leases import ExpireLeases, ExpireLeasesConfig
@@ -85,6 +86,8 @@ JOB_LOCK_IDS: dict[str, int] = {
     "held_destinations": 49,
     # Next steps of rows resolved sent without the handler module (issue 14).
     "chains": 50,
+    # Batches whose members are all terminal get their then/catch row (issue 14).
+    "batches": 51,
     # Only with a metrics port (outbox.metrics): one reconciler reads the rows for everyone.
     "database_metrics": 48,
 }
@@ -271,6 +274,7 @@ class Reconciler:
             NoConsumer(NoConsumerConfig(cycles_before_alert=self.no_consumer_cycles), self.alert_hook),
             HeldDestinations(HeldDestinationsConfig(), self.alert_hook),
             Chains(ChainsConfig(), self.handlers, self.module),
+            Batches(BatchesConfig()),
         ) + (
             (DatabaseMetrics(self.database_metrics_interval_seconds, tuple(self.handlers)),)
             if self.database_metrics_interval_seconds is not None

@@ -130,6 +130,13 @@ COMMANDS: tuple[Command, ...] = (
         _LOOK,
     ),
     Command(
+        "batch",
+        "a batch's progress and how it ended: batch show ID|NAME, batch watch ID|NAME",
+        "outbox.cli.batches:arguments",
+        "outbox.cli.batches:run",
+        _LOOK,
+    ),
+    Command(
         "pause",
         "stop claims of a destination's rows (outage, incident): pause D --reason R [--until 30m]",
         "outbox.cli.pauses:pause_arguments",

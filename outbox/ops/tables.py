@@ -449,3 +449,21 @@ def render_repair_plan(plan: Any) -> str:
     """``outbox repair`` before ``--yes``: what it will do for each key."""
     rows = [[i.key, i.step, i.state, i.action.replace("_", " "), short(i.detail, 100)] for i in plan.items]
     return format_table(["key", "stopped at", "state", "repair will", "detail"], rows)
+
+
+def render_batch(report: Any) -> str:
+    """``outbox batch show``: the batch, its members by group, how it ends."""
+
+    def step(s: dict[str, Any] | None) -> str:
+        return f"{s['step']} -> {s['destination']}" if s else "-"
+
+    rows = [[g, report.counts[g]] for g in ("sent", "failed", "unknown", "waiting", "cancelled")]
+    lines = [
+        f"batch {printable(report.name)} (id {report.id}), created {cell(report.created_at)}",
+        f"then: {step(report.then_step)}    catch: {step(report.catch_step)}",
+        "",
+        format_table(["members", "count"], [*rows, ["total", report.total]]),
+        "",
+        report.ending(),
+    ]
+    return "\n".join(lines)

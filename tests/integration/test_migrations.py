@@ -39,6 +39,7 @@ TABLES = {"outbox_message", "outbox_attempt", "outbox_key_ledger"}
 TABLES |= {"outbox_process", "outbox_no_consumer"}  # 0005_transport
 TABLES |= {"outbox_db_identity"}  # 0006_integrity
 TABLES |= {"outbox_destination"}  # 0009_destination_pause
+TABLES |= {"outbox_batch"}  # 0014_batches
 
 
 @pytest.fixture

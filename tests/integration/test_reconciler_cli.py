@@ -106,6 +106,7 @@ def test_reconcile_once_resolves_alerts_prints_counts_and_exits_0(clean, engine,
         "no_consumer",
         "held_destinations",
         "chains",
+        "batches",
     ]
     assert "resolve_unknown: sent=1" in lines
     assert "alerts: alerts=1" in lines

@@ -135,6 +135,8 @@ def test_two_reconcilers_at_once_act_once_per_job(clean, engine, db, provider, r
         "held_destinations": {},
         # No row resolved sent without the handler module.
         "chains": {},
+        # No batch.
+        "batches": {},
     }
     # No row moved twice: one fence closing per expired claim, one lookup entry per resolved row,
     # one alert per failed row.

@@ -1,0 +1,126 @@
+"""Batches: rows written in one transaction as a group, and one row written when all are done.
+
+::
+
+    with Session(engine) as s, s.begin():
+        b = outbox.batch(s, name=f"import:{job.id}",
+                         then=outbox.Next("report", "mail.send", {"job": job.id}),
+                         catch=outbox.Next("alert", "mail.send", {"job": job.id, "failed": True}))
+        for chunk in chunks:
+            outbox.write(s, key=f"import:{job.id}", step=f"chunk-{chunk.n}",
+                         destination="crm.import", payload=chunk.payload, batch=b)
+
+The batch and its members commit together, in the caller's transaction (nothing here commits).
+A row joins a batch only in the transaction that created it, so a committed batch's members are
+fixed, and "every member is terminal" means the same to every reader. When it is, the
+reconciler's ``batches`` job finishes the batch in one guarded statement
+(:func:`outbox.transitions.finish_batch`): exactly one of ``then`` (no member failed: each is
+``sent`` or ``cancelled``) or ``catch`` (any failed) is written, as row ``(name, step)``, even
+with two reconcilers at once, and never lost: the job sweeps every open batch each run, so two
+last members settling at the same moment cannot each leave the finishing to the other.
+
+A batch's outcome is decided once, from its members' states at that moment: a failed member
+replayed afterwards does not undo its ``catch``. A batch with no member finishes with ``then``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import text
+
+from . import transitions
+from .chains import Next
+from .exceptions import BatchConflict, InvalidMessage
+from .validation import check_destination, check_key_step, encode_payload
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
+
+#: A then/catch step's payload: ``write``'s default limit.
+MAX_STEP_PAYLOAD_BYTES = 65536
+
+_EXISTING = text(
+    """
+SELECT id,
+       then_step IS NOT DISTINCT FROM CAST(:then_step AS jsonb)
+       AND catch_step IS NOT DISTINCT FROM CAST(:catch_step AS jsonb) AS same
+FROM outbox_batch WHERE name = :name
+"""
+)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Result of :func:`batch`: pass it as ``write(..., batch=b)``. ``created`` is False when the
+    batch existed already with the same steps (a retry of a committed transaction): its members
+    are fixed, and writing one of them again is the usual no-op."""
+
+    id: int
+    name: str
+    created: bool
+
+
+def _step(name: str, which: str, nxt: Next | None) -> str | None:
+    if nxt is None:
+        return None
+    if not isinstance(nxt, Next):
+        raise InvalidMessage(f"batch {which}= takes an outbox.Next, got {type(nxt).__name__}")
+    check_key_step(name, nxt.step)
+    check_destination(nxt.destination)
+    payload = json.loads(encode_payload(dict(nxt.payload), MAX_STEP_PAYLOAD_BYTES))
+    return json.dumps({"step": nxt.step, "destination": nxt.destination, "payload": payload})
+
+
+def _params(name: str, then: Next | None, catch: Next | None) -> dict[str, Any]:
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidMessage("a batch needs a name: the business key of the row it writes when done")
+    if then is not None and catch is not None and then.step == catch.step:
+        raise InvalidMessage(f"then and catch name the same step {then.step!r}: a batch ends one way")
+    return {"name": name, "then_step": _step(name, "then", then), "catch_step": _step(name, "catch", catch)}
+
+
+def _conclude(inserted: Any, existing: Any, name: str) -> Batch:
+    if inserted is not None:
+        return Batch(int(inserted), name, True)
+    if existing is None or not existing.same:
+        raise BatchConflict(
+            f"batch {name!r} exists already with other then/catch steps; a batch name names one group"
+        )
+    return Batch(int(existing.id), name, False)
+
+
+def batch(
+    target: Session | Connection, *, name: str, then: Next | None = None, catch: Next | None = None
+) -> Batch:
+    """Open a batch in the caller's transaction; never commits. ``name`` is unique and is the
+    business key of the row the batch writes when every member is terminal: ``then`` when none
+    failed, ``catch`` when any did (either may be None: nothing is written that way).
+
+    The same name again with the same steps returns the existing batch (``created=False``);
+    with other steps it raises :class:`BatchConflict`. Bad input raises :class:`InvalidMessage`
+    before any statement is sent."""
+    from .write import _ensure_schema
+
+    params = _params(name, then, catch)
+    _ensure_schema(target)
+    inserted = transitions.insert_batch(target, params)
+    existing = None if inserted is not None else target.execute(_EXISTING, params).first()
+    return _conclude(inserted, existing, name)
+
+
+async def batch_async(
+    target: AsyncSession | AsyncConnection, *, name: str, then: Next | None = None, catch: Next | None = None
+) -> Batch:
+    """The :func:`batch` twin for ``AsyncSession`` / ``AsyncConnection``."""
+    from .write import _ensure_schema_async
+
+    params = _params(name, then, catch)
+    await _ensure_schema_async(target)
+    inserted = await transitions.insert_batch_async(target, params)
+    existing = None if inserted is not None else (await target.execute(_EXISTING, params)).first()
+    return _conclude(inserted, existing, name)

@@ -1,0 +1,170 @@
+"""``outbox batch show ID|NAME`` and ``outbox batch watch ID|NAME``: flags in, ``outbox.ops.batches``
+out. ``watch`` is a progress bar on a terminal (rich, from the demo extra, when installed), one
+line per refresh anywhere else, until the batch is finished, ``--count`` refreshes, or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import settings
+from ..exceptions import ConfigError
+from . import exits
+from .operator import _connection, _describe
+from .output import out, print_json
+
+if TYPE_CHECKING:
+    from ..ops.batches import BatchReport
+
+# Looked up at each call, so that a test can make the wait instant.
+_sleep = time.sleep
+
+
+def _interval(value: str) -> float:
+    try:
+        seconds = settings.parse_seconds(value, "--interval")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"--interval must be more than 0, got {value!r}")
+    return seconds
+
+
+def _count(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--count takes a whole number, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--count must be 1 or more, got {value!r}")
+    return n
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    _describe(
+        p,
+        """
+        A batch (outbox.batch): rows written in one transaction as a group; once every member
+        is sent, failed or cancelled, the reconciler writes its `then` row (none failed) or its
+        `catch` row (any failed), exactly once.
+
+          show ID|NAME     its members by group (sent, failed, unknown, waiting, cancelled) of
+                           the total, and how it ended (or that it is open)
+          watch ID|NAME    the same as a progress bar (one line per refresh off a terminal),
+                           every --interval (default 2s), until the batch is finished, --count
+                           refreshes, or Ctrl-C
+
+        outbox batch show import:2026-12-01
+        outbox batch watch 42 --interval 5s
+
+        A batch is named by its id or its name (a name of digits only reads as an id). Exit 0;
+        `watch` exits 1 when the batch finished with `catch` (a member failed); 1 for no such
+        batch.
+        """,
+    )
+    p.add_argument("action", choices=("show", "watch"), help="show once, or watch until it is finished")
+    p.add_argument("batch", metavar="ID|NAME", help="the batch's id or name")
+    p.add_argument(
+        "--interval", type=_interval, default=2.0, metavar="S", help="watch: seconds between refreshes"
+    )
+    p.add_argument("--count", type=_count, metavar="N", help="watch: stop after N refreshes")
+
+
+def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..ops.batches import batch_report
+
+    target = args.batch.strip()
+    lookup: dict[str, Any] = {"batch_id": int(target)} if target.isdigit() else {"name": args.batch}
+    if args.action == "show" and (args.count is not None or args.interval != 2.0):
+        raise ConfigError("--interval and --count go with watch")
+
+    def take() -> BatchReport:
+        with _connection(cfg) as conn:
+            return batch_report(conn, **lookup)
+
+    if args.action == "show":
+        report = take()
+        if args.json:
+            return print_json(report.to_dict())
+        out(report.render())
+        return exits.OK
+    return watch(take, interval=args.interval, count=args.count, as_json=args.json)
+
+
+def watch(take: Callable[[], BatchReport], *, interval: float, count: int | None, as_json: bool) -> int:
+    """Refresh until the batch is finished (exit 1 if it ended with ``catch``), ``count``
+    refreshes, or Ctrl-C (exit 0)."""
+    last: BatchReport | None = None
+    try:
+        if sys.stdout.isatty() and not as_json:
+            try:
+                import rich  # noqa: F401
+            except ImportError:
+                last = _lines(take, interval, count, as_json=False)
+            else:
+                last = _bar(take, interval, count)
+        else:
+            last = _lines(take, interval, count, as_json=as_json)
+    except KeyboardInterrupt:
+        pass
+    return exits.FAILED if last is not None and last.outcome == "catch" else exits.OK
+
+
+def _refreshes(count: int | None) -> Any:
+    import itertools
+
+    return range(count) if count is not None else itertools.count()
+
+
+def _lines(
+    take: Callable[[], BatchReport], interval: float, count: int | None, *, as_json: bool
+) -> BatchReport | None:
+    from ..ops.tables import json_default
+
+    report = None
+    for n in _refreshes(count):
+        if n:
+            _sleep(interval)
+        report = take()
+        out(
+            json.dumps(report.to_dict(), ensure_ascii=False, default=json_default)
+            if as_json
+            else report.line()
+        )
+        if report.finished:
+            break
+    return report
+
+
+def _bar(take: Callable[[], BatchReport], interval: float, count: int | None) -> BatchReport | None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..ops.tables import printable
+
+    report = None
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, TextColumn("{task.fields[detail]}"), auto_refresh=False) as progress:
+        task = None
+        for n in _refreshes(count):
+            if n:
+                _sleep(interval)
+            report = take()
+            c = report.counts
+            detail = (
+                f"[green]{c['sent']} sent[/] [red]{c['failed']} failed[/] [yellow]{c['unknown']} unknown[/] "
+                f"{c['waiting']} waiting {c['cancelled']} cancelled"
+            )
+            if task is None:
+                task = progress.add_task(
+                    f"batch {printable(report.name)}", total=report.total or 1, detail=detail
+                )
+            progress.update(task, completed=report.done if report.total else 1, detail=detail, refresh=True)
+            if report.finished:
+                break
+    if report is not None and report.finished:
+        out(report.ending())
+    return report
