@@ -25,12 +25,9 @@ _sleep = time.sleep
 
 
 def _interval(value: str) -> float:
-    try:
-        seconds = settings.parse_seconds(value, "--interval")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    seconds = settings.parse_seconds(value, "--interval")
     if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"--interval must be more than 0, got {value!r}")
+        raise ConfigError(f"--interval must be more than 0, got {value!r}")
     return seconds
 
 
@@ -68,9 +65,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("action", choices=("show", "watch"), help="show once, or watch until it is finished")
     p.add_argument("batch", metavar="ID|NAME", help="the batch's id or name")
-    p.add_argument(
-        "--interval", type=_interval, default=2.0, metavar="S", help="watch: seconds between refreshes"
-    )
+    p.add_argument("--interval", default="2s", metavar="S", help="watch: time between refreshes (default 2s)")
     p.add_argument("--count", type=_count, metavar="N", help="watch: stop after N refreshes")
 
 
@@ -79,8 +74,9 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
     target = args.batch.strip()
     lookup: dict[str, Any] = {"batch_id": int(target)} if target.isdigit() else {"name": args.batch}
-    if args.action == "show" and (args.count is not None or args.interval != 2.0):
+    if args.action == "show" and (args.count is not None or args.interval != "2s"):
         raise ConfigError("--interval and --count go with watch")
+    interval = _interval(args.interval)
 
     def take() -> BatchReport:
         with _connection(cfg) as conn:
@@ -92,7 +88,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
             return print_json(report.to_dict())
         out(report.render())
         return exits.OK
-    return watch(take, interval=args.interval, count=args.count, as_json=args.json)
+    return watch(take, interval=interval, count=args.count, as_json=args.json)
 
 
 def watch(take: Callable[[], BatchReport], *, interval: float, count: int | None, as_json: bool) -> int:

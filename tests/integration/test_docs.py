@@ -70,6 +70,7 @@ PAGES = (
     "quickstart.md",
     "guarantee.md",
     "handlers.md",
+    "chains.md",
     "timings.md",
     "configuration.md",
     "production.md",
@@ -696,6 +697,44 @@ def check_handlers(run: PageRun, shop: Shop) -> None:
     assert ref in payload["text"] and payload["to"] == "ada@example.com"
 
 
+def check_chains(run: PageRun, shop: Shop) -> None:
+    from reconciler.jobs.batches import finish_batches
+
+    # The chain: each confirmed step writes the next in its record; every step is called once.
+    issue, export, notify = (run.handler(d) for d in ("billing.issue", "accounting.post", "mail.notify"))
+    assert shop.deliver(issue, shop.rows_id("invoice:7", "issue")) is RunResult.SENT
+    export_id = shop.rows_id("invoice:7", "export")
+    assert shop.row(export_id)["via"] == "then"
+    assert (
+        shop.row(export_id)["payload"]["number"]
+        == shop.row(shop.rows_id("invoice:7", "issue"))["provider_ref"]
+    )
+    assert shop.deliver(export, export_id) is RunResult.SENT
+    assert shop.deliver(notify, shop.rows_id("invoice:7", "notify")) is RunResult.SENT
+    assert shop.rows("key = %s", ("invoice:7",)) == [
+        ("invoice:7", step, destination, "sent")
+        for step, destination in (
+            ("issue", "billing.issue"),
+            ("export", "accounting.post"),
+            ("notify", "mail.notify"),
+        )
+    ]
+    effects = shop.provider.stats()["effects"]
+    assert [effects.get(f"invoice:7:{s}") for s in ("issue", "export", "notify")] == [1, 1, 1]
+    # A refused invoice writes its compensation instead.
+    refused = shop.write("invoice:8", "issue", "billing.issue", {"invoice": 8, "amount_cents": -1})
+    assert shop.deliver(issue, refused) is RunResult.FAILED
+    assert [r[1] for r in shop.rows("key = %s", ("invoice:8",))] == ["issue", "issue-failed"]
+    # The batch: its then row once every chunk is sent.
+    chunk = run.handler("crm.import")
+    for n in range(3):
+        assert shop.deliver(chunk, shop.rows_id("import:2026-12-01", f"chunk-{n}")) is RunResult.SENT
+    with psycopg.connect(libpq_url(shop.services.database_url), autocommit=True) as conn:
+        assert finish_batches(conn) == {"then": 1, "written": 1}
+    report = shop.row(shop.rows_id("import:2026-12-01", "report"))
+    assert report["payload"] == {"import": "2026-12-01", "chunks": 3} and report["via"] == "batch_then"
+
+
 def check_timings(run: PageRun, shop: Shop) -> None:
     rows = shop.rows()
     assert ("order:43", "charge", "payments.charge", "pending") in rows
@@ -750,6 +789,7 @@ PAGE_CHECKS: dict[str, Callable[[PageRun, Shop], None]] = {
     "README.md": check_readme,
     "docs/quickstart.md": check_quickstart,
     "docs/handlers.md": check_handlers,
+    "docs/chains.md": check_chains,
     "docs/timings.md": check_timings,
     "docs/not-a-queue.md": check_not_a_queue,
     "docs/runbook.md": check_runbook,
@@ -800,6 +840,8 @@ def test_project_pages_pass_their_own_tests(page: str, clean: Any, engine: Engin
 @pytest.mark.parametrize("page", python_pages())
 def test_python_blocks_run(page: str, clean: Any, engine: Engine, provider: Any, monkeypatch: Any) -> None:
     monkeypatch.setenv("PAYMENTS_API", provider.url)
+    for variable in ("INVOICES_URL", "LEDGER_URL", "MAIL_URL", "CRM_URL"):  # docs/chains.md
+        monkeypatch.setenv(variable, f"{provider.url}/charges")
     monkeypatch.setenv("SMTP_HOST", "127.0.0.1")
     monkeypatch.setenv("SMTP_PORT", str(free_port()))  # nothing listens there
     shop = Shop(clean, engine, provider)
