@@ -8,16 +8,19 @@ from __future__ import annotations
 import argparse
 
 from .base import (
+    CHAIN_INVOICES,
+    CHAIN_KEY_PREFIX,
     DEFAULT_ORDERS,
     DEFAULT_OUTAGE_SECONDS,
     DEFAULT_RATE,
     DEFAULT_SEED,
     DEFAULT_TIMEOUT_SECONDS,
+    DEMO_DESTINATIONS,
     DEMO_NAMESPACE,
-    DESTINATION,
     DROP_AFTER_RATE,
     FAIL_BEFORE_RATE,
     HANDLERS,
+    INVOICING,
     KEY_PREFIX,
     ORDERS_TABLE,
     WORKER_KILL_EVERY_SECONDS,
@@ -49,6 +52,14 @@ charge is answered 503. The destination's circuit breaker trips after 3 of them,
 without spending attempts, one probe at a time asks whether the provider is back, and once one
 is processed the breaker closes and the waiting rows are sent, each once.
 
+Then (unless --no-chain) the chain phase: {CHAIN_INVOICES} invoices, each issued then notified
+(outbox.demo.invoicing: the notify row is written by the commit that records the issue sent). A
+worker is SIGKILLed right after that commit for the first invoice, between the two steps; the
+provider drops its answer to the second invoice's issue, which ends unknown, and the demo runs
+`outbox repair KEY --module {INVOICING} --yes`, which finds the charge through the lookup and
+resumes the chain without a second call. It passes when every step is sent and the provider
+took each exactly once.
+
 It ends when every row is terminal, or fails after --timeout seconds, and prints the audit:
 orders, provider charges, keys charged twice, rows not terminal, unknowns resolved by the
 reconciler, elapsed time, then `outbox audit` for the run. Exit status 0 only when no key was
@@ -56,10 +67,10 @@ charged twice and every order has exactly one charge (its reference stored) or a
 with a reason. Ctrl-C stops every process and removes the temporary directory.
 
 On servers of yours the demo keeps to names of its own: Redis namespace {DEMO_NAMESPACE!r} (only its
-keys are deleted by the "flush"), table {ORDERS_TABLE!r}, keys {KEY_PREFIX}:N, destination
-{DESTINATION!r}. It refuses a database holding unfinished outbox rows of other destinations
-(its reconciler would sweep them with demo timings) or a {ORDERS_TABLE!r} table with other
-columns. Use a scratch database, not production.
+keys are deleted by the "flush"), table {ORDERS_TABLE!r}, keys {KEY_PREFIX}:N and
+{CHAIN_KEY_PREFIX}:RUN-N, destinations {", ".join(DEMO_DESTINATIONS)}. It refuses a database
+holding unfinished outbox rows of other destinations (its reconciler would sweep them with demo
+timings) or a {ORDERS_TABLE!r} table with other columns. Use a scratch database, not production.
 """
 
 
@@ -109,6 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"orders per second (default {DEFAULT_RATE:g})",
     )
     parser.add_argument("--no-chaos", action="store_true", help="no SIGKILLs, no Redis flush, no outage")
+    parser.add_argument(
+        "--no-chain",
+        action="store_true",
+        help="skip the chain phase after the audit (invoices issued then notified, a worker killed "
+        "between the steps, an unknown step repaired)",
+    )
     parser.add_argument(
         "--outage",
         type=_non_negative_float,

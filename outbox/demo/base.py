@@ -22,6 +22,14 @@ DESTINATION = "demo.payments.charge"
 #: Shipped in the package (not examples/): the demo runs from an install, outside a checkout.
 SHOP = "outbox.demo.shop"
 HANDLERS = "outbox.demo.handlers"
+#: The chain phase (issue 14): invoices issued then notified, by the handlers of INVOICING.
+INVOICING = "outbox.demo.invoicing"
+CHAIN_KEY_PREFIX = "demo-invoice"
+CHAIN_ISSUE = "demo.invoicing.issue"
+CHAIN_NOTIFY = "demo.invoicing.notify"
+#: Every destination the demo writes: its reconciler may sweep these and no other.
+DEMO_DESTINATIONS = (DESTINATION, CHAIN_ISSUE, CHAIN_NOTIFY)
+CHAIN_INVOICES = 3
 
 WORKERS = 2
 WORKER_THREADS = 4
@@ -74,3 +82,5 @@ class Options:
     plain: bool
     #: 0: no outage.
     outage_seconds: float = DEFAULT_OUTAGE_SECONDS
+    #: The chain phase after the audit (issue 14).
+    chain: bool = True

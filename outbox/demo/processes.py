@@ -72,14 +72,17 @@ class Supervisor:
         self.children: list[Child] = []
         self._count = 0
 
-    def start(self, role: str, argv: list[str], *, name: str | None = None) -> Child:
+    def start(
+        self, role: str, argv: list[str], *, name: str | None = None, env: Mapping[str, str] | None = None
+    ) -> Child:
+        """Start ``python argv`` with the demo's environment (and ``env`` over it)."""
         self._count += 1
         name = name or role
         log_path = self.log_dir / f"{self._count:02d}-{name}.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, *argv],
-                env=self.env,
+                env={**self.env, **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -43,6 +43,7 @@ from .base import (
     DemoFailed,
     Options,
 )
+from .chain import run_chain_phase
 from .chaos import Chaos, ChaosPlan, Counters
 from .display import Display, Progress, make_display
 from .processes import (
@@ -94,6 +95,7 @@ def _options(args: argparse.Namespace, cfg: settings.Settings) -> Options:
         keep_logs=args.keep_logs,
         plain=args.plain,
         outage_seconds=args.outage,
+        chain=not args.no_chain,
     )
 
 
@@ -237,7 +239,14 @@ class Demo:
             # Frozen before counting: nothing moves while the audit reads.
             sup.stop([c for c in sup.children if c.role != "provider"], STOP_GRACE_SECONDS)
             result = self._audit(engine, scope, provider_client, timed_out)
-        return 0 if result.ok else 1
+            if not (result.ok and opts.chain):
+                return 0 if result.ok else 1
+            chain = run_chain_phase(sup, engine, provider_client, self.display.text, started_at)
+        if not chain.ok:
+            self.display.text("FAIL (chain):")
+            for problem in chain.problems:
+                self.display.text(f"  - {problem}")
+        return 0 if chain.ok else 1
 
     def _settle_earlier_runs(self, engine: Engine) -> None:
         cancelled, failed = settle_earlier_runs(engine)

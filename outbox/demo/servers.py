@@ -19,7 +19,7 @@ from sqlalchemy import Engine, text
 from .. import settings, transitions, transport
 from ..exceptions import ConfigError
 from ..testing.embedded import embedded_postgres, embedded_redis
-from .base import DESTINATION
+from .base import DEMO_DESTINATIONS
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,12 @@ def refuse_foreign_rows(engine: Engine) -> None:
     sql = text(
         """
         SELECT destination, count(*) FROM outbox_message
-        WHERE state NOT IN ('sent', 'failed', 'cancelled') AND destination <> :destination
+        WHERE state NOT IN ('sent', 'failed', 'cancelled') AND destination <> ALL(:destinations)
         GROUP BY destination ORDER BY 2 DESC
         """
     )
     with engine.connect() as conn:
-        foreign = conn.execute(sql, {"destination": DESTINATION}).fetchall()
+        foreign = conn.execute(sql, {"destinations": list(DEMO_DESTINATIONS)}).fetchall()
     if foreign:
         shown = ", ".join(f"{d}: {n}" for d, n in foreign[:5])
         raise ConfigError(
@@ -103,14 +103,18 @@ def settle_earlier_runs(engine: Engine) -> tuple[int, int]:
     in-flight or unknown one took effect, and charging a pending one now would be a charge
     the audit of this run could not attribute to any of its orders.
     """
+    cancelled = failed = 0
     with engine.begin() as conn:
-        return transitions.close_abandoned(
-            conn,
-            destination=DESTINATION,
-            unclaimed_reason="cancelled by a later outbox demo run",
-            open_reason="left unfinished by an interrupted outbox demo run, whose provider simulator "
-            "is gone: its outcome cannot be known",
-        )
+        for destination in DEMO_DESTINATIONS:
+            c, f = transitions.close_abandoned(
+                conn,
+                destination=destination,
+                unclaimed_reason="cancelled by a later outbox demo run",
+                open_reason="left unfinished by an interrupted outbox demo run, whose provider simulator "
+                "is gone: its outcome cannot be known",
+            )
+            cancelled, failed = cancelled + c, failed + f
+    return cancelled, failed
 
 
 def delete_namespace(redis_url: str, namespace: str) -> int:

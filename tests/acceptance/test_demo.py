@@ -92,6 +92,11 @@ def test_the_demo_runs_with_chaos_and_ends_in_a_clean_audit():
     assert int(outage.group(1)) <= 30, outage.group(0)
     assert "the provider is DOWN" in output and "the provider is BACK" in output
     assert "outbox audit:" in output and "OK: no violation" in output
+    # The chain phase (issue 14): a worker killed between two steps, an unknown step repaired.
+    assert "the worker was SIGKILLed right after committing `issue` sent" in output, output
+    assert re.search(r"outbox repair demo-invoice:\S+ --module outbox.demo.invoicing --yes", output), output
+    assert "the provider has it" in output and "sent, no second call" in output, output
+    assert "the provider took each exactly once (6 calls for 6 steps)" in output, output
     workdir = re.search(r"working directory (\S+)", output).group(1)
     assert not Path(workdir).exists(), "the demo left its directory behind"
 
@@ -336,8 +341,8 @@ def test_on_servers_of_ones_own_the_demo_keeps_to_its_own_names(own_servers, eng
         client.delete(sentinel)
         client.close()
     with psycopg.connect(libpq_url(services.database_url)) as conn:
-        keys = conn.execute("SELECT DISTINCT destination FROM outbox_message").fetchall()
-        assert keys == [("demo.payments.charge",)]
+        keys = conn.execute("SELECT DISTINCT destination FROM outbox_message ORDER BY 1").fetchall()
+        assert keys == [("demo.invoicing.issue",), ("demo.invoicing.notify",), ("demo.payments.charge",)]
         left_over = conn.execute("SELECT state FROM outbox_message WHERE key = 'demo-order:left-over'")
         assert left_over.fetchall() == [("cancelled",)]
         assert conn.execute("SELECT count(*) FROM outbox_demo_orders").fetchone() == (60,)

@@ -479,6 +479,19 @@ def write(
         )
 
 
+def write_batch(
+    engine: Engine, *, name: str, members: list[tuple[str, dict[str, Any]]], then: Any, catch: Any
+) -> list[int]:
+    """``outbox.batch`` and its members in one transaction (issue 14): ``members`` are
+    ``(destination, payload)``, written as steps ``m0``, ``m1``, … of key ``name``."""
+    with Session(engine) as s, s.begin():
+        b = outbox.batch(s, name=name, then=then, catch=catch)
+        return [
+            outbox.write(s, key=name, step=f"m{n}", destination=d, payload=p, batch=b).id
+            for n, (d, p) in enumerate(members)
+        ]
+
+
 def cancel(engine: Engine, *, key: str, step: str) -> bool:
     with Session(engine) as s, s.begin():
         return outbox.cancel(s, key=key, step=step)

@@ -28,6 +28,7 @@ import redis
 from sqlalchemy import Engine
 from sqlalchemy.pool import NullPool
 
+import outbox
 from outbox.chains import NOT_COMPUTED
 from outbox.db import make_engine
 from outbox.settings import libpq_url
@@ -407,6 +408,22 @@ class World:
         return self.rng.choice([-5.0, -2.0, -0.5, 0.5, 2.0, 5.0])
 
     # -- steps -----------------------------------------------------------------------------------
+
+    def step_write_batch(self) -> None:
+        """issue 14: a batch of 2-3 members; its then (none failed) or catch row is written by
+        the reconciler's batches job once every member is terminal."""
+        name = f"batch:{self.cfg.seed}-{self._next_key}"
+        self._next_key += 1
+        members = []
+        for _ in range(self.rng.choice([2, 3])):
+            amount = -100 if self.rng.random() < 0.15 else self.rng.randrange(100, 10000)
+            members.append(
+                (self.rng.choice(c.DESTINATIONS).name, {"amount_cents": amount, "currency": "EUR"})
+            )
+        then = outbox.Next("done", "ix.once", {"amount_cents": 1, "currency": "EUR"})
+        catch = outbox.Next("undo", "ix.once", {"amount_cents": 2, "currency": "EUR"})
+        ids = c.write_batch(self.engine, name=name, members=members, then=then, catch=catch)
+        self.log(f"app: batch {name} of rows {ids}")
 
     def step_write(self) -> None:
         for _ in range(self.rng.choice([1, 1, 2, 3])):
@@ -801,6 +818,7 @@ class World:
         if "purge" in f:
             steps.append((0.7, self.step_rewrite))
         steps.append((0.5, self.step_cancel))
+        steps.append((0.6, self.step_write_batch))
         if "lock" in f:
             steps += [(1, self.step_block), (1, self.step_unblock)]
         if "pg_drop" in f:
@@ -985,6 +1003,7 @@ class World:
                         )
                     )
         findings += self._check_chains(effects)
+        findings += self._check_batches()
         for claim in self.lost_claims:
             token = claim["token"]
             if token is None:
@@ -1041,6 +1060,34 @@ class World:
                         f"row {row_id} compensates row {parent_id} ({parent_state}, "
                         f"charged {charged} time(s))",
                         [row_id, parent_id],
+                    )
+                )
+        return findings
+
+    def _check_batches(self) -> list[Finding]:
+        """issue 14: every batch ends once its members are terminal, with exactly one row of its
+        outcome (then: none failed; catch: a member failed, or did before its replay)."""
+        findings: list[Finding] = []
+        for batch_id, name, outcome, written, failed_now, failed_ever in self.sql(
+            """SELECT b.id, b.name, b.outcome,
+                      (SELECT array_agg(m.via || ':' || m.step) FROM outbox_message m
+                       WHERE m.key = b.name AND m.via LIKE 'batch_%%'),
+                      EXISTS (SELECT 1 FROM outbox_message m WHERE m.batch_id = b.id AND m.state = 'failed'),
+                      EXISTS (SELECT 1 FROM outbox_message m WHERE m.batch_id = b.id
+                              AND (m.state = 'failed' OR m.history @> '[{"from": "failed"}]'))
+               FROM outbox_batch b ORDER BY b.id"""
+        ):
+            expected = {"then": ["batch_then:done"], "catch": ["batch_catch:undo"]}.get(outcome)
+            if outcome is None:
+                findings.append(Finding("batch never finished", f"batch {batch_id} ({name})", []))
+            elif (written or []) != expected:
+                findings.append(
+                    Finding("batch rows", f"batch {batch_id} ({name}) ended {outcome}, wrote {written}", [])
+                )
+            elif (outcome == "then" and failed_now) or (outcome == "catch" and not failed_ever):
+                findings.append(
+                    Finding(
+                        "batch outcome", f"batch {batch_id} ({name}) ended {outcome} against its members", []
                     )
                 )
         return findings
