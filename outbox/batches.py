@@ -52,6 +52,15 @@ SELECT id,
 FROM outbox_batch WHERE name = :name
 """
 )
+# The rows a new batch will write when done must not exist yet: the finish's INSERT would find
+# them and write nothing (it records that as the batch's problem, but better refused here).
+_TAKEN = text(
+    """
+SELECT step FROM outbox_message WHERE key = :name AND step = ANY(CAST(:steps AS text[]))
+UNION
+SELECT step FROM outbox_key_ledger WHERE key = :name AND step = ANY(CAST(:steps AS text[]))
+"""
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,8 @@ class Batch:
     id: int
     name: str
     created: bool
+    #: The steps of its then/catch rows (key ``name``): no member may take them.
+    steps: tuple[str, ...] = ()
 
 
 def _step(name: str, which: str, nxt: Next | None) -> str | None:
@@ -79,19 +90,34 @@ def _step(name: str, which: str, nxt: Next | None) -> str | None:
 def _params(name: str, then: Next | None, catch: Next | None) -> dict[str, Any]:
     if not isinstance(name, str) or not name.strip():
         raise InvalidMessage("a batch needs a name: the business key of the row it writes when done")
+    # The name is the key of the row the batch writes: the rules of a key, whatever the steps.
+    check_key_step(name, "batch")
+    if name.strip().isdigit():
+        raise InvalidMessage(f"batch name {name!r} is digits only: outbox batch show would read it as an id")
+    then_step, catch_step = _step(name, "then", then), _step(name, "catch", catch)
     if then is not None and catch is not None and then.step == catch.step:
         raise InvalidMessage(f"then and catch name the same step {then.step!r}: a batch ends one way")
-    return {"name": name, "then_step": _step(name, "then", then), "catch_step": _step(name, "catch", catch)}
+    steps = [n.step for n in (then, catch) if n is not None]
+    return {"name": name, "then_step": then_step, "catch_step": catch_step, "steps": steps}
 
 
-def _conclude(inserted: Any, existing: Any, name: str) -> Batch:
+def _conclude(inserted: Any, existing: Any, params: dict[str, Any]) -> Batch:
+    name, steps = params["name"], tuple(params["steps"])
     if inserted is not None:
-        return Batch(int(inserted), name, True)
+        return Batch(int(inserted), name, True, steps)
     if existing is None or not existing.same:
         raise BatchConflict(
             f"batch {name!r} exists already with other then/catch steps; a batch name names one group"
         )
-    return Batch(int(existing.id), name, False)
+    return Batch(int(existing.id), name, False, steps)
+
+
+def _refuse_taken(taken: list[str], name: str) -> None:
+    if taken:
+        raise BatchConflict(
+            f"a row {name}:{taken[0]} exists already: batch {name!r} could never write its step "
+            f"{taken[0]!r}; name the batch or its step otherwise"
+        )
 
 
 def batch(
@@ -109,8 +135,11 @@ def batch(
     params = _params(name, then, catch)
     _ensure_schema(target)
     inserted = transitions.insert_batch(target, params)
-    existing = None if inserted is not None else target.execute(_EXISTING, params).first()
-    return _conclude(inserted, existing, name)
+    if inserted is None:
+        return _conclude(None, target.execute(_EXISTING, params).first(), params)
+    # After the insert: a concurrent writer of the same name waits on it instead of both passing.
+    _refuse_taken(list(target.execute(_TAKEN, params).scalars()), name)
+    return _conclude(inserted, None, params)
 
 
 async def batch_async(
@@ -122,5 +151,7 @@ async def batch_async(
     params = _params(name, then, catch)
     await _ensure_schema_async(target)
     inserted = await transitions.insert_batch_async(target, params)
-    existing = None if inserted is not None else (await target.execute(_EXISTING, params)).first()
-    return _conclude(inserted, existing, name)
+    if inserted is None:
+        return _conclude(None, (await target.execute(_EXISTING, params)).first(), params)
+    _refuse_taken(list((await target.execute(_TAKEN, params)).scalars()), name)
+    return _conclude(inserted, None, params)

@@ -341,6 +341,9 @@ outbox_batch = Table(
     Column("sent", Integer, nullable=True),
     Column("failed", Integer, nullable=True),
     Column("cancelled", Integer, nullable=True),
+    #: The then/catch row the finish wrote; ``problem`` says why none was (its key exists).
+    Column("written_id", BigInteger, nullable=True),
+    Column("problem", Text, nullable=True),
     CheckConstraint("char_length(name) > 0", name="outbox_batch_name_check"),
     CheckConstraint(
         "(finished_at IS NULL AND outcome IS NULL)"
@@ -350,8 +353,9 @@ outbox_batch = Table(
     UniqueConstraint("name", name="outbox_batch_name_key"),
 )
 Index("outbox_batch_open_idx", outbox_batch.c.id, postgresql_where=text("finished_at IS NULL"))
-#: The batch the row belongs to (outbox.batches); NULL for most rows.
+#: The batch the row belongs to (outbox.batches); NULL for most rows. The ledger keeps it.
 outbox_message.append_column(Column("batch_id", BigInteger, nullable=True))
+outbox_key_ledger.append_column(Column("batch_id", BigInteger, nullable=True))
 Index(
     "outbox_message_batch_idx",
     outbox_message.c.batch_id,

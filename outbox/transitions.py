@@ -244,32 +244,52 @@ WITH members AS (
            count(*) FILTER (WHERE state = 'failed') AS failed,
            count(*) FILTER (WHERE state = 'cancelled') AS cancelled
     FROM members
-), done AS (
-    UPDATE outbox_batch b
-    SET finished_at = now(), outcome = CASE WHEN c.failed > 0 THEN 'catch' ELSE 'then' END,
-        total = c.total, sent = c.sent, failed = c.failed, cancelled = c.cancelled
-    FROM counts c
+), due AS (
+    -- The batch row, locked: a second finisher waits here, then finds finished_at set.
+    SELECT b.id, b.name, c.total, c.sent, c.failed, c.cancelled,
+           CASE WHEN c.failed > 0 THEN 'catch' ELSE 'then' END AS outcome,
+           CASE WHEN c.failed > 0 THEN b.catch_step ELSE b.then_step END AS next_step
+    FROM outbox_batch b, counts c
     WHERE b.id = %(id)s AND b.finished_at IS NULL AND c.sent + c.failed + c.cancelled = c.total
-    RETURNING b.name, b.outcome,
-              CASE b.outcome WHEN 'then' THEN b.then_step ELSE b.catch_step END AS next_step
+      -- A failed member whose claim may still record a late answer (a worker past its call):
+      -- not before a lease and a time_limit after that claim.
+      AND NOT EXISTS (SELECT 1 FROM outbox_message m
+                      WHERE m.batch_id = b.id AND m.state = 'failed'
+                        AND m.claimed_at > now() - CAST(%(late_record_seconds)s AS float8) * interval '1 s')
+    FOR UPDATE OF b
 ), written AS (
     INSERT INTO outbox_message (key, step, destination, payload, via)
     SELECT d.name, d.next_step->>'step', d.next_step->>'destination', d.next_step->'payload',
            'batch_' || d.outcome
-    FROM done d WHERE d.next_step IS NOT NULL
+    FROM due d WHERE d.next_step IS NOT NULL
     ON CONFLICT (key, step) DO NOTHING
     RETURNING id
+), done AS (
+    UPDATE outbox_batch b
+    SET finished_at = now(), outcome = d.outcome,
+        total = d.total, sent = d.sent, failed = d.failed, cancelled = d.cancelled,
+        written_id = (SELECT id FROM written),
+        -- Not written: a row of that key and step exists (or its key is in the ledger).
+        problem = CASE WHEN d.next_step IS NOT NULL AND NOT EXISTS (SELECT 1 FROM written)
+                       THEN format('its %%s step %%s was not written: %%s:%%s exists already',
+                                   d.outcome, d.next_step->>'step', d.name, d.next_step->>'step') END
+    FROM due d WHERE b.id = d.id
+    RETURNING b.outcome, b.written_id, b.problem
 )
-SELECT d.outcome, (SELECT id FROM written) FROM done d
+SELECT outcome, written_id, problem FROM done
 """
 
 
-def finish_batch(conn: psycopg.Connection[Any], *, batch_id: int) -> tuple[str, int | None] | None:
+def finish_batch(
+    conn: psycopg.Connection[Any], *, batch_id: int, late_record_seconds: float = 0.0
+) -> tuple[str, int | None, str | None] | None:
     """An open batch whose members are all terminal -> finished: ``(outcome, id of the row
-    written)`` (``then`` or ``catch``; the id is None when it declares no such step, or the row
-    exists already), or None when a member is still open or the batch was finished already."""
-    row = conn.execute(_FINISH_BATCH, {"id": batch_id}).fetchone()
-    return (str(row[0]), row[1]) if row is not None else None
+    written, problem)`` (``then`` or ``catch``; the id is None when it declares no such step, or
+    when a row of that key and step exists, which ``problem`` says), or None when a member is
+    still open, a failed member was claimed less than ``late_record_seconds`` ago (its worker may
+    still record a late answer), or the batch was finished already."""
+    row = conn.execute(_FINISH_BATCH, {"id": batch_id, "late_record_seconds": late_record_seconds}).fetchone()
+    return (str(row[0]), row[1], row[2]) if row is not None else None
 
 
 # == the relay ======================================================================================
@@ -950,16 +970,17 @@ WITH gone AS (
         LIMIT %(limit)s
     )
     AND state IN ('sent', 'cancelled')
-    RETURNING id, key, step, destination, payload, state, provider_ref, completed_at, history, parent_id, via
+    RETURNING id, key, step, destination, payload, state, provider_ref, completed_at, history, parent_id, via,
+              batch_id
 ),
 ledgered AS (
     INSERT INTO outbox_key_ledger AS l (
         message_id, completed_at, attempts, confirmed, ambiguous,
-        key, step, destination, payload_hash, state, provider_ref, parent_id, via)
+        key, step, destination, payload_hash, state, provider_ref, parent_id, via, batch_id)
     SELECT g.id, g.completed_at, f.claims, f.confirmed,
            f.ambiguous OR g.history @> '[{"action": "resolve", "from": "unknown"}]'::jsonb,
            g.key, g.step, g.destination, outbox_payload_digest(g.payload),
-           g.state, g.provider_ref, g.parent_id, g.via
+           g.state, g.provider_ref, g.parent_id, g.via, g.batch_id
     FROM gone g CROSS JOIN LATERAL (
         SELECT count(*) AS claims,
                count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,

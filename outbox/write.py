@@ -59,6 +59,7 @@ _EXISTING_MEMBER = text(
     UNION ALL
     (SELECT message_id, destination = :destination
             AND payload_hash = outbox_payload_digest(CAST(:payload AS jsonb))
+            AND batch_id IS NOT DISTINCT FROM :batch_id
      FROM outbox_key_ledger WHERE key = :key AND step = :step)
     LIMIT 1
     """
@@ -141,16 +142,19 @@ def _ensure_schema(target: Session | Connection) -> None:
         _checked_engines.add(engine)
 
 
-def _batch_id(batch: Any) -> int:
+def _batch_id(batch: Any, key: str, step: str) -> int:
     from .batches import Batch
 
-    if isinstance(batch, Batch):
-        return batch.id
-    if isinstance(batch, int) and not isinstance(batch, bool):
-        return batch
-    raise InvalidMessage(
-        f"batch= takes the outbox.Batch that outbox.batch returned, got {type(batch).__name__}"
-    )
+    if not isinstance(batch, Batch):
+        raise InvalidMessage(
+            f"batch= takes the outbox.Batch that outbox.batch returned, got {type(batch).__name__}"
+        )
+    if key == batch.name and step in batch.steps:
+        raise InvalidMessage(
+            f"{key}:{step} is the row batch {batch.name!r} writes when it is done; "
+            "a member takes another step"
+        )
+    return batch.id
 
 
 def _not_in_batch(owner: Any, batch_id: int) -> None:
@@ -201,7 +205,7 @@ def write(
     params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
     _ensure_schema(target)
     if batch is not None:
-        params["batch_id"] = _batch_id(batch)
+        params["batch_id"] = _batch_id(batch, key, step)
         inserted = transitions.insert_member(target, params)
         if inserted is not None:
             return Written(int(inserted), True)
@@ -243,7 +247,7 @@ async def write_async(
     params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
     await _ensure_schema_async(target)
     if batch is not None:
-        params["batch_id"] = _batch_id(batch)
+        params["batch_id"] = _batch_id(batch, key, step)
         inserted = await transitions.insert_member_async(target, params)
         if inserted is not None:
             return Written(int(inserted), True)

@@ -5,10 +5,13 @@ writes when every member is sent (``then_step``) or when any failed (``catch_ste
 ``{"step", "destination", "payload"}``, and the transaction that created it (``created_txid``):
 a row joins a batch only in that transaction, so a batch's members are fixed when it commits.
 ``finished_at``/``outcome`` are set once, by the one guarded statement that also writes the
-then/catch row (the reconciler's ``batches`` job), with the members' counts at that moment.
+then/catch row (the reconciler's ``batches`` job), with the members' counts at that moment, the
+id of the row it wrote (``written_id``) or why none was (``problem``: a row of that key and step
+exists already).
 
-``outbox_message.batch_id`` names the batch a row belongs to: a nullable column (no table
-rewrite); the previous release never reads it. Its index is 0015's (built concurrently).
+``outbox_message.batch_id`` names the batch a row belongs to, and the key ledger keeps it so that
+``write(batch=)`` answers for a purged member as before the purge: nullable columns (no table
+rewrite); the previous release never reads them. The message index is 0015's (concurrently).
 
 Revision ID: 0014
 Revises: 0013
@@ -42,6 +45,8 @@ def upgrade() -> None:
         sa.Column("sent", sa.Integer(), nullable=True),
         sa.Column("failed", sa.Integer(), nullable=True),
         sa.Column("cancelled", sa.Integer(), nullable=True),
+        sa.Column("written_id", sa.BigInteger(), nullable=True),
+        sa.Column("problem", sa.Text(), nullable=True),
         sa.CheckConstraint("char_length(name) > 0", name="outbox_batch_name_check"),
         sa.CheckConstraint(
             "(finished_at IS NULL AND outcome IS NULL)"
@@ -53,10 +58,12 @@ def upgrade() -> None:
     op.create_index(
         "outbox_batch_open_idx", "outbox_batch", ["id"], postgresql_where=sa.text("finished_at IS NULL")
     )
-    op.add_column("outbox_message", sa.Column("batch_id", sa.BigInteger(), nullable=True))
+    for table in ("outbox_message", "outbox_key_ledger"):
+        op.add_column(table, sa.Column("batch_id", sa.BigInteger(), nullable=True))
 
 
 def downgrade() -> None:
-    op.drop_column("outbox_message", "batch_id")
+    for table in ("outbox_message", "outbox_key_ledger"):
+        op.drop_column(table, "batch_id")
     op.drop_index("outbox_batch_open_idx", table_name="outbox_batch")
     op.drop_table("outbox_batch")

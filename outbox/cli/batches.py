@@ -73,7 +73,9 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.batches import batch_report
 
     target = args.batch.strip()
-    lookup: dict[str, Any] = {"batch_id": int(target)} if target.isdigit() else {"name": args.batch}
+    # ASCII digits only ("²".isdigit() is true too), and within a bigint: else it is a name.
+    as_id = target.isascii() and target.isdigit() and int(target) < 2**63
+    lookup: dict[str, Any] = {"batch_id": int(target)} if as_id else {"name": args.batch}
     if args.action == "show" and (args.count is not None or args.interval != "2s"):
         raise ConfigError("--interval and --count go with watch")
     interval = _interval(args.interval)

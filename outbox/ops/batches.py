@@ -20,7 +20,7 @@ from . import tables
 _BATCH = text(
     """
 SELECT id, name, then_step, catch_step, created_at, finished_at, outcome, total, sent, failed,
-       cancelled, now() AS generated_at
+       cancelled, written_id, problem, now() AS generated_at
 FROM outbox_batch
 WHERE (CAST(:id AS bigint) IS NOT NULL AND id = CAST(:id AS bigint))
    OR (CAST(:id AS bigint) IS NULL AND name = CAST(:name AS text))
@@ -29,9 +29,9 @@ WHERE (CAST(:id AS bigint) IS NOT NULL AND id = CAST(:id AS bigint))
 _MEMBERS = text("SELECT state, count(*) AS n FROM outbox_message WHERE batch_id = :id GROUP BY state")
 _ROW = text(
     """
-(SELECT id, state FROM outbox_message WHERE key = :key AND step = :step)
+(SELECT id, state FROM outbox_message WHERE id = :id)
 UNION ALL
-(SELECT message_id, state FROM outbox_key_ledger WHERE key = :key AND step = :step)
+(SELECT message_id, state FROM outbox_key_ledger WHERE message_id = :id)
 LIMIT 1
 """
 )
@@ -59,8 +59,13 @@ class BatchReport:
     total: int
     finished_at: datetime | None = None
     outcome: str | None = None
-    #: The row its end wrote: ``{"step", "destination", "id", "state"}`` (id None: none exists).
+    #: The row its end wrote: ``{"step", "destination", "id", "state"}`` (id None: not written).
     written: dict[str, Any] | None = field(default=None)
+    #: Why its end wrote no row although a step was declared (a row of that key and step existed).
+    problem: str | None = None
+    #: A finished batch's members as they are now, when they moved since (a failed member
+    #: confirmed later, a replay): the stored counts are the ones its outcome was decided on.
+    now: dict[str, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -83,6 +88,8 @@ class BatchReport:
             "then": self.then_step,
             "catch": self.catch_step,
             "written": self.written,
+            "problem": self.problem,
+            "members_now": self.now,
         }
 
     def line(self) -> str:
@@ -99,9 +106,16 @@ class BatchReport:
             return "open: once every member is sent, failed or cancelled, the reconciler ends it"
         step = self.written
         if step is None:
-            return f"finished {self.outcome} (no {self.outcome} step declared)"
-        where = f"row {step['id']}, {step['state']}" if step["id"] is not None else "row missing"
-        return f"finished {self.outcome}: wrote step {step['step']} to {step['destination']} ({where})"
+            ended = f"finished {self.outcome} (no {self.outcome} step declared)"
+        elif step["id"] is None:
+            ended = f"finished {self.outcome}, but {self.problem or 'its row is missing'}"
+        else:
+            where = f"row {step['id']}, {step['state'] or 'purged'}"
+            ended = f"finished {self.outcome}: wrote step {step['step']} to {step['destination']} ({where})"
+        if self.now is not None:
+            moved = ", ".join(f"{self.now[g]} {g}" for g in GROUPS if self.now[g])
+            ended += f"; its members moved since: now {moved}"
+        return ended
 
     def render(self) -> str:
         return tables.render_batch(self)
@@ -114,23 +128,30 @@ def batch_report(
     found = connection.execute(_BATCH, {"id": batch_id, "name": name}).mappings().first()
     if found is None:
         raise NotFound(f"no batch {batch_id if batch_id is not None else repr(name)}")
-    counts = dict.fromkeys(GROUPS, 0)
+    live = dict.fromkeys(GROUPS, 0)
+    for state, n in connection.execute(_MEMBERS, {"id": found["id"]}).all():
+        live[_group(state)] += int(n)
+    counts, now = live, None
     if found["finished_at"] is not None:
+        counts = dict.fromkeys(GROUPS, 0)
         counts.update(sent=found["sent"], failed=found["failed"], cancelled=found["cancelled"])
-        total = int(found["total"])
-    else:
-        for state, n in connection.execute(_MEMBERS, {"id": found["id"]}).all():
-            counts[_group(state)] += int(n)
-        total = sum(counts.values())
+        # Purged members are gone from `live`; moved ones show as a difference of groups.
+        if live["failed"] != counts["failed"] or any(live[g] for g in ("unknown", "waiting")):
+            now = live
+    total = int(found["total"]) if found["finished_at"] is not None else sum(counts.values())
     written = None
     if found["outcome"] is not None:
         step = found["then_step"] if found["outcome"] == "then" else found["catch_step"]
         if step is not None:
-            row = connection.execute(_ROW, {"key": found["name"], "step": step["step"]}).first()
+            row = (
+                connection.execute(_ROW, {"id": found["written_id"]}).first()
+                if found["written_id"] is not None
+                else None
+            )
             written = {
                 "step": step["step"],
                 "destination": step["destination"],
-                "id": int(row.id) if row is not None else None,
+                "id": int(row.id) if row is not None else found["written_id"],
                 "state": row.state if row is not None else None,
             }
     return BatchReport(
@@ -145,4 +166,6 @@ def batch_report(
         finished_at=found["finished_at"],
         outcome=found["outcome"],
         written=written,
+        problem=found["problem"],
+        now=now,
     )

@@ -375,6 +375,8 @@ def _written_by(step: dict[str, Any]) -> str:
     """Who wrote a step: the application (``-``), or a step's ``then`` / ``on_failure``."""
     if not step.get("via"):
         return "-"
+    if str(step["via"]).startswith("batch_"):
+        return f"batch {step['via'][len('batch_') :]}"
     return f"{step['via']} of {step.get('after') or '(gone)'}"
 
 

@@ -6,29 +6,36 @@ A sweep rather than a counter bumped by each member's settling statement: the me
 statements (record, lookup, resolve, cancel, …) stay as they are, and two last members that
 settle at the same moment cannot each see the other still open and leave the finishing to
 nobody: the next run sees both. The pre-selection reads the batch index of 0015 (a few probes a
-batch, whatever its size); the finishing statement re-checks everything under its locks.
+batch, whatever its size); the finishing statement re-checks everything under its locks. Pages
+of batches follow each other within a run until one comes back short or the time budget is
+spent, so a steady stream of batches is not capped at one page per interval.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import psycopg
 
 from outbox import transitions
+from outbox.handlers import Handler
+from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS
 
 from ._common import _nonzero, _require_autocommit
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCHES_BATCH = 100
+DEFAULT_BATCHES_PAGE = 100
+DEFAULT_BATCHES_BUDGET_SECONDS = 5.0
 
 _DONE = """
 SELECT b.id, b.name FROM outbox_batch b
-WHERE b.finished_at IS NULL
+WHERE b.finished_at IS NULL AND b.id > %(after)s
   AND NOT EXISTS (SELECT 1 FROM outbox_message m
                   WHERE m.batch_id = b.id AND m.state IN ('pending', 'dispatched', 'in_flight', 'unknown'))
 ORDER BY b.id
@@ -36,41 +43,79 @@ LIMIT %(limit)s
 """
 
 
+def late_record_seconds(handlers: Mapping[str, Handler]) -> float:
+    """How long after its claim a worker may still record a row's answer: a lease and a
+    time_limit, the longest of the module's destinations (a default time_limit twice for none)."""
+    waits = [h.lease_seconds + h.time_limit for h in handlers.values()]
+    return max(waits, default=2 * DEFAULT_TIME_LIMIT_SECONDS)
+
+
 def finish_batches(
-    conn: psycopg.Connection[Any], *, batch_size: int = DEFAULT_BATCHES_BATCH
+    conn: psycopg.Connection[Any],
+    *,
+    page_size: int = DEFAULT_BATCHES_PAGE,
+    time_budget_seconds: float = DEFAULT_BATCHES_BUDGET_SECONDS,
+    late_record_after_seconds: float = 0.0,
 ) -> dict[str, int]:
-    """Finish up to ``batch_size`` batches whose members are all terminal. Counts: ``then``,
-    ``catch`` (batches finished each way), ``written`` (then/catch rows written), ``raced``
-    (finished by someone else meanwhile, or a member re-opened)."""
+    """Finish the batches whose members are all terminal, page after page within the budget.
+    Counts: ``then``, ``catch`` (batches finished each way), ``written`` (then/catch rows
+    written), ``problems`` (finished, its row not written: its key and step exist), ``waiting``
+    (a failed member may still get a late record), ``raced`` (finished by someone else
+    meanwhile, or a member re-opened)."""
     _require_autocommit(conn, "batches")
     counts: Counter[str] = Counter()
-    for batch_id, name in conn.execute(_DONE, {"limit": batch_size}).fetchall():
-        done = transitions.finish_batch(conn, batch_id=batch_id)
-        if done is None:
-            counts["raced"] += 1
-            continue
-        outcome, written = done
-        counts[outcome] += 1
-        counts["written"] += written is not None
-        logger.info(
-            "outbox batch %s finished: %s%s",
-            name,
-            outcome,
-            f", row {written} written" if written is not None else "",
-            extra={"outbox_batch": name, "outcome": outcome},
-        )
-    return _nonzero(counts)
+    started = time.monotonic()
+    after = 0
+    while True:
+        page = conn.execute(_DONE, {"limit": page_size, "after": after}).fetchall()
+        for batch_id, name in page:
+            after = batch_id
+            done = transitions.finish_batch(
+                conn, batch_id=batch_id, late_record_seconds=late_record_after_seconds
+            )
+            if done is None:
+                counts["waiting"] += 1
+                continue
+            outcome, written, problem = done
+            counts[outcome] += 1
+            counts["written"] += written is not None
+            if problem:
+                counts["problems"] += 1
+                logger.error(
+                    "outbox batch %s finished %s, but %s",
+                    name,
+                    outcome,
+                    problem,
+                    extra={"outbox_batch": name, "outcome": outcome},
+                )
+            else:
+                logger.info(
+                    "outbox batch %s finished: %s%s",
+                    name,
+                    outcome,
+                    f", row {written} written" if written is not None else "",
+                    extra={"outbox_batch": name, "outcome": outcome},
+                )
+        if len(page) < page_size or time.monotonic() - started > time_budget_seconds:
+            return _nonzero(counts)
 
 
 @dataclass(frozen=True)
 class BatchesConfig:
-    batch_size: int = DEFAULT_BATCHES_BATCH
+    page_size: int = DEFAULT_BATCHES_PAGE
+    time_budget_seconds: float = DEFAULT_BATCHES_BUDGET_SECONDS
 
 
 @dataclass(frozen=True)
 class Batches:
     name: ClassVar[str] = "batches"
     config: BatchesConfig
+    handlers: Mapping[str, Handler] = field(default_factory=dict)
 
     def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        return finish_batches(conn, batch_size=self.config.batch_size)
+        return finish_batches(
+            conn,
+            page_size=self.config.page_size,
+            time_budget_seconds=self.config.time_budget_seconds,
+            late_record_after_seconds=late_record_seconds(self.handlers),
+        )

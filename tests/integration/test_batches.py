@@ -212,7 +212,7 @@ def test_rows_join_a_batch_only_in_its_own_transaction(clean, engine, handlers):
     b, ids = write_batch(engine, [100])
     with Session(engine) as s, s.begin():
         again = outbox.batch(s, name=NAME, then=THEN, catch=CATCH)
-        assert again == outbox.Batch(b.id, NAME, False)
+        assert again == outbox.Batch(b.id, NAME, False, ("report", "alert"))
         # A retry of the committed transaction: the same member is the usual no-op ...
         same = outbox.write(
             s,
@@ -287,3 +287,87 @@ def test_batch_show_and_watch(clean, engine, db, handlers, consumer, capsys, mon
     assert code == 1 and "no batch 'import:404'" in err
     code, _, err = cli(clean, capsys, "batch", "show", NAME, "--count", "2")
     assert code == 2 and "go with watch" in err
+
+
+# -- what a reviewer found (issue 14's attack on batches) ---------------------------------------------
+
+
+def test_the_rows_a_batch_will_write_cannot_be_taken(clean, engine, handlers):
+    with Session(engine) as s, s.begin():
+        b = outbox.batch(s, name=NAME, then=THEN, catch=CATCH)
+        # The documented pattern gives members the batch's name as key: the then step is not theirs.
+        with pytest.raises(outbox.InvalidMessage, match="is the row batch 'import:7' writes"):
+            outbox.write(s, key=NAME, step="report", destination="crm.import", payload={}, batch=b)
+    with Session(engine) as s, s.begin():
+        outbox.write(s, key="import:8", step="report", destination="mail.notify", payload={"old": 1})
+    with Session(engine) as s, s.begin(), pytest.raises(outbox.BatchConflict, match="import:8:report exists"):
+        outbox.batch(s, name="import:8", then=THEN)
+
+
+def test_a_row_taking_the_then_step_after_the_batch_is_a_recorded_problem(
+    clean, engine, db, handlers, consumer, capsys
+):
+    _, ids = write_batch(engine, [100])
+    with Session(engine) as s, s.begin():  # plain write of the step, after the batch committed
+        outbox.write(s, key=NAME, step="report", destination="mail.notify", payload={"someone": "else"})
+    assert consumer().deliver(ids[0], "crm.import") is RunResult.SENT
+    assert finish_batches(db) == {"then": 1, "problems": 1}
+    code, out, _ = cli(clean, capsys, "batch", "show", NAME)
+    assert (
+        code == 0 and "finished then, but its then step report was not written: import:7:report exists" in out
+    )
+
+
+def test_a_purged_member_answers_write_as_before_the_purge(clean, engine, db, handlers, consumer):
+    with Session(engine) as s, s.begin():
+        outbox.write(s, key="order:1", step="charge", destination="crm.import", payload={"a": 1})
+    with engine.begin() as c:
+        assert outbox.cancel(c, key="order:1", step="charge")
+    elapse(clean, 30 * 86400)
+    assert purge(db, retention_seconds=86400)["purged"] == 1
+
+    def write_in_a_batch() -> Any:
+        with Session(engine) as s, s.begin():
+            b = outbox.batch(s, name="import:9")
+            return outbox.write(
+                s, key="order:1", step="charge", destination="crm.import", payload={"a": 1}, batch=b
+            )
+
+    # Not a member before the purge (KeyConflict), not one after it either.
+    with pytest.raises(outbox.KeyConflict):
+        write_in_a_batch()
+
+
+def test_a_failed_member_waits_out_a_late_record_before_the_batch_ends(clean, engine, db, handlers):
+    _, ids = write_batch(engine, [100])
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        claim = transitions.claim(conn, row_id=ids[0], destination="crm.import", lease_seconds=30)
+        transitions.record(
+            conn, row_id=ids[0], token=claim.token, state="failed", outcome="failed", error="no"
+        )
+    # Its worker may still record a late answer under that claim: not yet.
+    assert finish_batches(db, late_record_after_seconds=60) == {"waiting": 1}
+    elapse(clean, 61, ids)
+    assert finish_batches(db, late_record_after_seconds=60) == {"catch": 1, "written": 1}
+
+
+def test_the_sweep_goes_on_page_after_page(clean, engine, db, handlers):
+    for n in range(7):
+        with Session(engine) as s, s.begin():
+            outbox.batch(s, name=f"empty:{n}", then=THEN)
+    assert finish_batches(db, page_size=2) == {"then": 7, "written": 7}
+
+
+def test_odd_batch_names_and_ids(clean, engine, handlers, capsys):
+    with Session(engine) as s, s.begin():
+        for bad in ("42", "a\x00b", " "):
+            with pytest.raises(outbox.InvalidMessage):
+                outbox.batch(s, name=bad)
+        with pytest.raises(outbox.InvalidMessage, match=r"takes an outbox\.Next"):
+            outbox.batch(s, name="x:1", then={"step": "report"}, catch=CATCH)  # type: ignore[arg-type]
+    for target, message in (
+        ("²", "no batch '²'"),
+        ("99999999999999999999", "no batch '99999999999999999999'"),
+    ):
+        code, _, err = cli(clean, capsys, "batch", "show", target)
+        assert code == 1 and message in err, err

@@ -913,11 +913,15 @@ class World:
             for name in jobs:
                 self.step_job_sync(name)
             self.step_operator_resolve(patient=True)
+            # A batch whose members are terminal may still wait out a failed member's late
+            # record before its then/catch row is written: open until it is finished.
             open_rows = self.sql(
-                "SELECT count(*) FROM outbox_message WHERE state <> ALL(%s)", (sorted(TERMINAL),)
+                "SELECT (SELECT count(*) FROM outbox_message WHERE state <> ALL(%s))"
+                " + (SELECT count(*) FROM outbox_batch WHERE finished_at IS NULL)",
+                (sorted(TERMINAL),),
             )
             busy = any(not r.done for r in self.runs) or any(t.is_alive() for t in self.side_threads)
-            self.log(f"quiescence: {open_rows[0][0]} row(s) not terminal, busy={busy}")
+            self.log(f"quiescence: {open_rows[0][0]} row(s) not terminal or batch(es) open, busy={busy}")
             if open_rows[0][0] == 0 and not busy:
                 stable += 1
                 if stable >= 2:
