@@ -57,6 +57,7 @@ of its own; only the application's own ``available_at``/``deadline`` come from o
 from __future__ import annotations
 
 import functools
+import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -235,7 +236,15 @@ async def insert_member_async(
 # statement's snapshot is read as it is now (or waited for), never as it was. Two reconcilers
 # running it at once: the second waits on the batch row's lock, finds finished_at set, and
 # writes nothing. ON CONFLICT: a row (name, step) that exists already is left as it is.
-_FINISH_BATCH = """
+#: A failed member of batch ``b`` whose claim may still record a late answer (its worker past
+#: the call): not before a lease and a time_limit of its destination after that claim
+#: (``%(late_record)s``: ``{destination: seconds}``; ``%(late_record_default)s`` for the others).
+LATE_RECORD_SQL = """SELECT 1 FROM outbox_message m
+    WHERE m.batch_id = b.id AND m.state = 'failed'
+      AND m.claimed_at > now() - COALESCE(CAST(CAST(%(late_record)s AS jsonb) ->> m.destination AS float8),
+                                          CAST(%(late_record_default)s AS float8)) * interval '1 second'"""
+
+_FINISH_BATCH = f"""
 WITH members AS (
     SELECT m.state FROM outbox_message m WHERE m.batch_id = %(id)s FOR SHARE
 ), counts AS (
@@ -251,11 +260,7 @@ WITH members AS (
            CASE WHEN c.failed > 0 THEN b.catch_step ELSE b.then_step END AS next_step
     FROM outbox_batch b, counts c
     WHERE b.id = %(id)s AND b.finished_at IS NULL AND c.sent + c.failed + c.cancelled = c.total
-      -- A failed member whose claim may still record a late answer (a worker past its call):
-      -- not before a lease and a time_limit after that claim.
-      AND NOT EXISTS (SELECT 1 FROM outbox_message m
-                      WHERE m.batch_id = b.id AND m.state = 'failed'
-                        AND m.claimed_at > now() - CAST(%(late_record_seconds)s AS float8) * interval '1 s')
+      AND NOT EXISTS ({LATE_RECORD_SQL})
     FOR UPDATE OF b
 ), written AS (
     INSERT INTO outbox_message (key, step, destination, payload, via)
@@ -281,14 +286,24 @@ SELECT outcome, written_id, problem FROM done
 
 
 def finish_batch(
-    conn: psycopg.Connection[Any], *, batch_id: int, late_record_seconds: float = 0.0
+    conn: psycopg.Connection[Any],
+    *,
+    batch_id: int,
+    late_record_seconds: Mapping[str, float] | None = None,
+    late_record_default_seconds: float = 0.0,
 ) -> tuple[str, int | None, str | None] | None:
     """An open batch whose members are all terminal -> finished: ``(outcome, id of the row
     written, problem)`` (``then`` or ``catch``; the id is None when it declares no such step, or
     when a row of that key and step exists, which ``problem`` says), or None when a member is
-    still open, a failed member was claimed less than ``late_record_seconds`` ago (its worker may
-    still record a late answer), or the batch was finished already."""
-    row = conn.execute(_FINISH_BATCH, {"id": batch_id, "late_record_seconds": late_record_seconds}).fetchone()
+    still open, a failed member was claimed less than its destination's ``late_record_seconds``
+    (else ``late_record_default_seconds``) ago, when its worker may still record a late answer,
+    or the batch was finished already."""
+    params = {
+        "id": batch_id,
+        "late_record": json.dumps(dict(late_record_seconds or {})),
+        "late_record_default": late_record_default_seconds,
+    }
+    row = conn.execute(_FINISH_BATCH, params).fetchone()
     return (str(row[0]), row[1], row[2]) if row is not None else None
 
 

@@ -74,7 +74,8 @@ WITH stopped AS (
       -- so is a failed member of a batch that ended with its catch row.
       AND NOT (m.state = 'failed' AND {chains.COMPENSATED_SQL})
       AND NOT (m.state = 'failed' AND m.batch_id IS NOT NULL
-               AND EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = m.batch_id AND b.outcome = 'catch'))
+               AND EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = m.batch_id AND b.outcome = 'catch'
+                           AND b.written_id IS NOT NULL))
       AND {_IN_STATE_SINCE} <= now() - CAST(:older AS float8) * interval '1 second'
       AND (CAST(:destination AS text) IS NULL OR m.destination = CAST(:destination AS text))
     ORDER BY m.key, m.created_at, m.id

@@ -13,6 +13,7 @@ spent, so a steady stream of batches is not capped at one page per interval.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
@@ -24,7 +25,7 @@ import psycopg
 
 from outbox import transitions
 from outbox.handlers import Handler
-from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS
+from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS, default_lease_seconds
 
 from ._common import _nonzero, _require_autocommit
 
@@ -33,21 +34,30 @@ logger = logging.getLogger(__name__)
 DEFAULT_BATCHES_PAGE = 100
 DEFAULT_BATCHES_BUDGET_SECONDS = 5.0
 
-_DONE = """
+# Held batches (a failed member within its late-record wait) are left out of the page: tried
+# again first at every run, they would starve the finishable ones behind them.
+_DONE = f"""
 SELECT b.id, b.name FROM outbox_batch b
 WHERE b.finished_at IS NULL AND b.id > %(after)s
   AND NOT EXISTS (SELECT 1 FROM outbox_message m
                   WHERE m.batch_id = b.id AND m.state IN ('pending', 'dispatched', 'in_flight', 'unknown'))
+  AND NOT EXISTS ({transitions.LATE_RECORD_SQL})
 ORDER BY b.id
 LIMIT %(limit)s
 """
 
 
-def late_record_seconds(handlers: Mapping[str, Handler]) -> float:
-    """How long after its claim a worker may still record a row's answer: a lease and a
-    time_limit, the longest of the module's destinations (a default time_limit twice for none)."""
-    waits = [h.lease_seconds + h.time_limit for h in handlers.values()]
-    return max(waits, default=2 * DEFAULT_TIME_LIMIT_SECONDS)
+def late_record_seconds(handlers: Mapping[str, Handler]) -> dict[str, float]:
+    """How long after its claim a worker may still record a row's answer, per destination: its
+    lease and its time_limit."""
+    return {d: h.lease_seconds + h.time_limit for d, h in handlers.items()}
+
+
+def late_record_default_seconds(handlers: Mapping[str, Handler]) -> float:
+    """The same for a destination the module does not know: the longest of the module's, and
+    never less than a default handler's."""
+    default = default_lease_seconds(DEFAULT_TIME_LIMIT_SECONDS) + DEFAULT_TIME_LIMIT_SECONDS
+    return max([default, *late_record_seconds(handlers).values()])
 
 
 def finish_batches(
@@ -55,26 +65,35 @@ def finish_batches(
     *,
     page_size: int = DEFAULT_BATCHES_PAGE,
     time_budget_seconds: float = DEFAULT_BATCHES_BUDGET_SECONDS,
-    late_record_after_seconds: float = 0.0,
+    late_record_after_seconds: Mapping[str, float] | None = None,
+    late_record_default_seconds: float = 0.0,
 ) -> dict[str, int]:
-    """Finish the batches whose members are all terminal, page after page within the budget.
-    Counts: ``then``, ``catch`` (batches finished each way), ``written`` (then/catch rows
-    written), ``problems`` (finished, its row not written: its key and step exist), ``waiting``
-    (a failed member may still get a late record), ``raced`` (finished by someone else
-    meanwhile, or a member re-opened)."""
+    """Finish the batches whose members are all terminal, page after page within the budget; a
+    batch with a failed member claimed less than its destination's ``late_record_after_seconds``
+    (else ``late_record_default_seconds``) ago waits (its worker may still record a late answer)
+    and is not selected. Counts: ``then``, ``catch`` (batches finished each way), ``written``
+    (then/catch rows written), ``problems`` (finished, its row not written: its key and step
+    exist), ``raced`` (finished by someone else meanwhile, or a member re-opened)."""
     _require_autocommit(conn, "batches")
     counts: Counter[str] = Counter()
     started = time.monotonic()
     after = 0
+    late = {
+        "late_record": json.dumps(dict(late_record_after_seconds or {})),
+        "late_record_default": late_record_default_seconds,
+    }
     while True:
-        page = conn.execute(_DONE, {"limit": page_size, "after": after}).fetchall()
+        page = conn.execute(_DONE, {"limit": page_size, "after": after, **late}).fetchall()
         for batch_id, name in page:
             after = batch_id
             done = transitions.finish_batch(
-                conn, batch_id=batch_id, late_record_seconds=late_record_after_seconds
+                conn,
+                batch_id=batch_id,
+                late_record_seconds=late_record_after_seconds,
+                late_record_default_seconds=late_record_default_seconds,
             )
             if done is None:
-                counts["waiting"] += 1
+                counts["raced"] += 1
                 continue
             outcome, written, problem = done
             counts[outcome] += 1
@@ -118,4 +137,5 @@ class Batches:
             page_size=self.config.page_size,
             time_budget_seconds=self.config.time_budget_seconds,
             late_record_after_seconds=late_record_seconds(self.handlers),
+            late_record_default_seconds=late_record_default_seconds(self.handlers),
         )
