@@ -279,10 +279,25 @@ WITH members AS (
                        THEN format('its %%s step %%s was not written: %%s:%%s exists already',
                                    d.outcome, d.next_step->>'step', d.name, d.next_step->>'step') END
     FROM due d WHERE b.id = d.id
-    RETURNING b.outcome, b.written_id, b.problem
+    RETURNING b.outcome, b.written_id, b.problem, d.next_step->>'step' AS step,
+              d.next_step->>'destination' AS destination, EXTRACT(EPOCH FROM now() - b.created_at) AS age
 )
-SELECT outcome, written_id, problem FROM done
+SELECT outcome, written_id, problem, step, destination, age FROM done
 """
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What :func:`finish_batch` did: the outcome, the row it wrote (None: no step declared, or
+    ``problem``), and the step it meant to write."""
+
+    outcome: str
+    written_id: int | None
+    problem: str | None
+    step: str | None
+    destination: str | None
+    #: Seconds since the batch was created.
+    age: float
 
 
 def finish_batch(
@@ -291,10 +306,10 @@ def finish_batch(
     batch_id: int,
     late_record_seconds: Mapping[str, float] | None = None,
     late_record_default_seconds: float = 0.0,
-) -> tuple[str, int | None, str | None] | None:
-    """An open batch whose members are all terminal -> finished: ``(outcome, id of the row
-    written, problem)`` (``then`` or ``catch``; the id is None when it declares no such step, or
-    when a row of that key and step exists, which ``problem`` says), or None when a member is
+) -> Finished | None:
+    """An open batch whose members are all terminal -> finished (``then`` or ``catch``; no row
+    written when it declares no such step, or when a row of that key and step exists, which
+    ``problem`` says), or None when a member is
     still open, a failed member was claimed less than its destination's ``late_record_seconds``
     (else ``late_record_default_seconds``) ago, when its worker may still record a late answer,
     or the batch was finished already."""
@@ -304,7 +319,9 @@ def finish_batch(
         "late_record_default": late_record_default_seconds,
     }
     row = conn.execute(_FINISH_BATCH, params).fetchone()
-    return (str(row[0]), row[1], row[2]) if row is not None else None
+    if row is None:
+        return None
+    return Finished(str(row[0]), row[1], row[2], row[3], row[4], float(row[5]))
 
 
 # == the relay ======================================================================================

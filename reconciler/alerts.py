@@ -30,8 +30,10 @@ class AlertRow:
     step: str
     destination: str
     #: ``failed`` or ``unknown`` for a row, ``chain_broken`` for a sent row whose next steps were
-    #: not all written (outbox.chains); ``no_consumer``, ``paused`` or ``breaker_open`` for a
-    #: destination (then ``id``/``key`` name its oldest waiting row: 0 and "" when none waits).
+    #: not all written (outbox.chains); ``batch_broken`` for a batch that finished without its
+    #: then/catch row (``id`` the batch's, ``key`` its name, ``step`` the row's); ``no_consumer``,
+    #: ``paused`` or ``breaker_open`` for a destination (then ``id``/``key`` name its oldest
+    #: waiting row: 0 and "" when none waits).
     state: str
     #: Why: the row's ``last_error`` (for ``unknown`` rows, prefixed with how long it has waited).
     reason: str

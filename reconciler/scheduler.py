@@ -274,7 +274,7 @@ class Reconciler:
             NoConsumer(NoConsumerConfig(cycles_before_alert=self.no_consumer_cycles), self.alert_hook),
             HeldDestinations(HeldDestinationsConfig(), self.alert_hook),
             Chains(ChainsConfig(), self.handlers, self.module),
-            Batches(BatchesConfig(), self.handlers),
+            Batches(BatchesConfig(), self.handlers, self.alert_hook),
         ) + (
             (DatabaseMetrics(self.database_metrics_interval_seconds, tuple(self.handlers)),)
             if self.database_metrics_interval_seconds is not None

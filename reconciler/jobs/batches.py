@@ -26,10 +26,15 @@ import psycopg
 from outbox import transitions
 from outbox.handlers import Handler
 from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS, default_lease_seconds
+from reconciler import alerts
+from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
 
 logger = logging.getLogger(__name__)
+
+#: The alert state of a batch that finished without the row it declares (its key and step existed).
+BATCH_BROKEN = "batch_broken"
 
 DEFAULT_BATCHES_PAGE = 100
 DEFAULT_BATCHES_BUDGET_SECONDS = 5.0
@@ -67,13 +72,16 @@ def finish_batches(
     time_budget_seconds: float = DEFAULT_BATCHES_BUDGET_SECONDS,
     late_record_after_seconds: Mapping[str, float] | None = None,
     late_record_default_seconds: float = 0.0,
+    alert_hook: AlertHook | None = None,
 ) -> dict[str, int]:
     """Finish the batches whose members are all terminal, page after page within the budget; a
     batch with a failed member claimed less than its destination's ``late_record_after_seconds``
     (else ``late_record_default_seconds``) ago waits (its worker may still record a late answer)
     and is not selected. Counts: ``then``, ``catch`` (batches finished each way), ``written``
     (then/catch rows written), ``problems`` (finished, its row not written: its key and step
-    exist), ``raced`` (finished by someone else meanwhile, or a member re-opened)."""
+    exist; alerted once through ``alert_hook``, default :func:`~reconciler.alerts.log_alert`, as
+    state ``batch_broken``: ``alerts``), ``raced`` (finished by someone else meanwhile, or a
+    member re-opened)."""
     _require_autocommit(conn, "batches")
     counts: Counter[str] = Counter()
     started = time.monotonic()
@@ -95,18 +103,25 @@ def finish_batches(
             if done is None:
                 counts["raced"] += 1
                 continue
-            outcome, written, problem = done
+            outcome, written, problem = done.outcome, done.written_id, done.problem
             counts[outcome] += 1
             counts["written"] += written is not None
             if problem:
                 counts["problems"] += 1
-                logger.error(
-                    "outbox batch %s finished %s, but %s",
-                    name,
-                    outcome,
-                    problem,
-                    extra={"outbox_batch": name, "outcome": outcome},
+                # Once: the batch finishes once. A hook that raises is logged (alerts.send).
+                alert = AlertRow(
+                    id=batch_id,
+                    key=name,
+                    step=done.step or "",
+                    destination=done.destination or "",
+                    state=BATCH_BROKEN,
+                    reason=f"batch finished {outcome}, but {problem}",
+                    age=done.age,
                 )
+                if alerts.send(
+                    alert_hook or log_alert, alert, about=f"batch {name}", extra={"outbox_batch": name}
+                ):
+                    counts["alerts"] += 1
             else:
                 logger.info(
                     "outbox batch %s finished: %s%s",
@@ -130,6 +145,7 @@ class Batches:
     name: ClassVar[str] = "batches"
     config: BatchesConfig
     handlers: Mapping[str, Handler] = field(default_factory=dict)
+    alert: AlertHook = log_alert
 
     def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
         return finish_batches(
@@ -138,4 +154,5 @@ class Batches:
             time_budget_seconds=self.config.time_budget_seconds,
             late_record_after_seconds=late_record_seconds(self.handlers),
             late_record_default_seconds=late_record_default_seconds(self.handlers),
+            alert_hook=self.alert,
         )

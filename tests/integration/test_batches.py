@@ -135,7 +135,7 @@ def test_two_finishers_at_once_write_one_row(clean, engine, handlers, consumer):
         assert second.is_alive(), "the second finisher waits for the first one's lock"
         first.commit()
         second.join(10)
-    assert results[0] is not None and results[0][0] == "then"
+    assert results[0] is not None and results[0].outcome == "then"
     assert results[1] is None
     assert sql(clean, "SELECT count(*) FROM outbox_message WHERE key = %s AND via IS NOT NULL", (NAME,)) == [
         (1,)
@@ -311,7 +311,11 @@ def test_a_row_taking_the_then_step_after_the_batch_is_a_recorded_problem(
     with Session(engine) as s, s.begin():  # plain write of the step, after the batch committed
         outbox.write(s, key=NAME, step="report", destination="mail.notify", payload={"someone": "else"})
     assert consumer().deliver(ids[0], "crm.import") is RunResult.SENT
-    assert finish_batches(db) == {"then": 1, "problems": 1}
+    seen: list[Any] = []
+    assert finish_batches(db, alert_hook=seen.append) == {"then": 1, "problems": 1, "alerts": 1}
+    assert [(a.key, a.step, a.state) for a in seen] == [(NAME, "report", "batch_broken")]
+    assert "exists already" in seen[0].reason
+    assert finish_batches(db, alert_hook=seen.append) == {} and len(seen) == 1  # once
     code, out, _ = cli(clean, capsys, "batch", "show", NAME)
     assert (
         code == 0 and "finished then, but its then step report was not written: import:7:report exists" in out
