@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .. import settings
 from ..exceptions import ConfigError
 from . import exits
+from .flags import positive_int
 from .operator import _connection, _describe
 from .output import out, print_json
 
@@ -29,16 +30,6 @@ def _interval(value: str) -> float:
     if seconds <= 0:
         raise ConfigError(f"--interval must be more than 0, got {value!r}")
     return seconds
-
-
-def _count(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--count takes a whole number, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--count must be 1 or more, got {value!r}")
-    return n
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -66,7 +57,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=("show", "watch"), help="show once, or watch until it is finished")
     p.add_argument("batch", metavar="ID|NAME", help="the batch's id or name")
     p.add_argument("--interval", default="2s", metavar="S", help="watch: time between refreshes (default 2s)")
-    p.add_argument("--count", type=_count, metavar="N", help="watch: stop after N refreshes")
+    p.add_argument("--count", type=positive_int("--count"), metavar="N", help="watch: stop after N refreshes")
 
 
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:

@@ -10,6 +10,7 @@ from .. import settings
 from ..exceptions import ConfigError
 from ..ops.tables import printable
 from . import exits
+from .flags import duration, positive_int
 from .operator import _by_and_reason, _connection, _describe
 from .output import err, out, print_json
 
@@ -19,40 +20,20 @@ if TYPE_CHECKING:
     from ..ops.repair import StalledReport
 
 
-def _older_than(value: str) -> float:
-    try:
-        seconds = settings.parse_seconds(value, "--older-than")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if seconds < 0:
-        raise argparse.ArgumentTypeError(f"--older-than must not be negative, got {value!r}")
-    return seconds
-
-
-def _limit(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--limit takes a whole number, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--limit must be 1 or more, got {value!r}")
-    return n
-
-
 def _selection(p: argparse.ArgumentParser, *, with_limit: bool = True) -> None:
     from ..ops.repair import DEFAULT_STALLED_LIMIT
 
     p.add_argument("--destination", help="only keys stopped at a step of this destination")
     p.add_argument(
         "--older-than",
-        type=_older_than,
+        type=duration("--older-than"),
         metavar="T",
         help="only steps in their state for T or more: 90s, 15m, 2h, 0 for all (default 15m)",
     )
     if with_limit:
         p.add_argument(
             "--limit",
-            type=_limit,
+            type=positive_int("--limit"),
             help=f"at most this many keys, the longest stopped first (default {DEFAULT_STALLED_LIMIT})",
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 from ..exceptions import ConfigError
 
@@ -27,6 +28,38 @@ def log_level(value: str) -> str:
     if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(LOG_LEVELS)} (any case)")
     return level
+
+
+def duration(flag: str) -> Callable[[str], float]:
+    """An argparse ``type``: ``flag``'s value as seconds (``90``, ``90s``, ``15m``), 0 or more."""
+
+    def parse(value: str) -> float:
+        from .. import settings
+
+        try:
+            seconds = settings.parse_seconds(value, flag)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if seconds < 0:
+            raise argparse.ArgumentTypeError(f"{flag} must not be negative, got {value!r}")
+        return seconds
+
+    return parse
+
+
+def positive_int(flag: str) -> Callable[[str], int]:
+    """An argparse ``type``: ``flag``'s value as a whole number, 1 or more."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, got {value!r}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be 1 or more, got {value!r}")
+        return n
+
+    return parse
 
 
 def add_global(parser: argparse.ArgumentParser) -> None:

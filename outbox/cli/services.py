@@ -21,6 +21,7 @@ from ..probes import (
 )
 from ..signals import stop_event_on_signals
 from . import exits
+from .flags import duration
 from .handlers import load_handlers
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def migrate_arguments(p: argparse.ArgumentParser) -> None:
     p.description = "Create or upgrade the outbox tables. Safe to run twice, and concurrently."
     p.add_argument(
         "--wait",
-        type=_wait_seconds,
+        type=duration("--wait"),
         default=0.0,
         metavar="DURATION",
         help="wait up to this long (e.g. 60s, 2m) for a PostgreSQL that is not accepting "
@@ -76,16 +77,6 @@ def worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--threads", type=int, default=8, help="threads per process (default 8)")
     p.add_argument("--queues", nargs="+", metavar="DESTINATION", help="only these destinations")
-
-
-def _wait_seconds(value: str) -> float:
-    try:
-        seconds = settings.parse_seconds(value, "--wait")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if seconds < 0:
-        raise argparse.ArgumentTypeError(f"--wait must not be negative, got {value!r}")
-    return seconds
 
 
 def migrate(args: argparse.Namespace, cfg: settings.Settings) -> int:

@@ -438,12 +438,25 @@ class _Acting:
             self.conn, row_id=row_id, by=self.by, action="repair", reason=self.reason, extra=json.dumps(extra)
         )
 
-    def landing_seconds(self, row_id: int, handler: Handler) -> float:
-        """How long a call of the row may still land at the provider (0: none can)."""
+    def still_landing(self, item: RepairItem, handler: Handler) -> RepairResult | None:
+        """Refused while a call of the row may still land at the provider, which would answer a
+        lookup "not found" meanwhile (a re-run would charge twice); None once none can. Checked
+        before the lookup: a slow lookup answering after the bound proves nothing more."""
+        assert item.row_id is not None
         found = self.conn.execute(
-            _LANDING, {"id": row_id, "wait": handler.lease_seconds + handler.time_limit}
+            _LANDING, {"id": item.row_id, "wait": handler.lease_seconds + handler.time_limit}
         ).fetchone()
-        return max(0.0, float(found[0])) if found and found[0] is not None else 0.0
+        landing = max(0.0, float(found[0])) if found and found[0] is not None else 0.0
+        if landing <= 0:
+            return None
+        return RepairResult(
+            item.key,
+            False,
+            f"step {item.step}: its last call may still be landing at the provider for "
+            f"{landing:.0f} s more (lease_seconds + time_limit after its claim): nothing changed, "
+            "repair it after that",
+            item.row_id,
+        )
 
     def wake(self) -> None:
         from ..schema import NOTIFY_CHANNEL
@@ -564,18 +577,10 @@ def _look_up_unknown(acting: _Acting, item: RepairItem) -> RepairResult:
     from reconciler.jobs.resolve_unknown import resolve_one
 
     assert item.row_id is not None and item.destination is not None
-    landing = acting.landing_seconds(item.row_id, acting.handlers[item.destination])
-    if landing > 0:
-        # Asked now, a provider still executing the call answers "not found", and a re-run would
-        # charge twice; the reconciler asks at the same moment by itself.
-        return RepairResult(
-            item.key,
-            False,
-            f"step {item.step}: its last call may still be landing at the provider for "
-            f"{landing:.0f} s more (lease_seconds + time_limit after its claim): nothing changed, "
-            "repair it after that (the reconciler looks it up by itself then)",
-            item.row_id,
-        )
+    # The reconciler's own first lookup comes no sooner (expire_leases).
+    refused = acting.still_landing(item, acting.handlers[item.destination])
+    if refused is not None:
+        return refused
     outcome = resolve_one(
         acting.conn, acting.handlers, item.row_id, module=acting.module, clients=acting.clients
     )
@@ -619,18 +624,9 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
         return _changed(item, row)
     handler = acting.handlers[item.destination]
     assert handler.lookup_fn is not None  # planned only with one
-    # Checked before the lookup: its "not found" proves something only if no call could still
-    # land once it was asked (a slow lookup answering after the bound proves nothing more).
-    landing = acting.landing_seconds(item.row_id, handler)
-    if landing > 0:
-        return RepairResult(
-            item.key,
-            False,
-            f"step {item.step}: its last call may still be landing at the provider for "
-            f"{landing:.0f} s more (lease_seconds + time_limit after its claim): nothing changed, "
-            "repair it after that",
-            item.row_id,
-        )
+    refused = acting.still_landing(item, handler)
+    if refused is not None:
+        return refused
     delivery = acting.clients.delivery(
         handler,
         id=item.row_id,
