@@ -863,7 +863,7 @@ SELECT (SELECT count(*) FROM expired), (SELECT count(*) FROM fenced)
 
 
 # A call of this row that the provider may hold and may have forgotten by now.
-_CALL_OLDER_THAN_KEY_TTL = f"""
+CALL_OLDER_THAN_KEY_TTL_SQL = f"""
 SELECT 1 FROM outbox_attempt a
 WHERE a.message_id = outbox_message.id AND {outcomes.may_have_taken_effect_sql("a")}
   AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second'
@@ -878,7 +878,7 @@ SET available_at = now() + %(seconds)s * interval '1 second',
     last_error = %(error)s
 WHERE id = %(id)s AND state = 'unknown'
   AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
-  AND EXISTS ({_CALL_OLDER_THAN_KEY_TTL})
+  AND EXISTS ({CALL_OLDER_THAN_KEY_TTL_SQL})
 RETURNING id
 """
 
@@ -919,7 +919,7 @@ SET state = {NEW_STATE_SQL},
         'provider_ref', CAST(%(ref)s AS text))){chain_set}
 WHERE id = %(id)s AND state = 'unknown'
   AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
-  AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({_CALL_OLDER_THAN_KEY_TTL}))
+  AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({CALL_OLDER_THAN_KEY_TTL_SQL}))
 RETURNING id, key, state, trace_context
 ){follow_cte}, settled AS (
     UPDATE outbox_attempt a SET settled = %(settled)s, settled_at = now()

@@ -400,9 +400,7 @@ SELECT id, key, step, destination, payload, attempts, deadline, state, provider_
 FROM outbox_message WHERE id = %(id)s
 """
 _OLD_CALL = f"""
-SELECT EXISTS (SELECT 1 FROM outbox_attempt a
-               WHERE a.message_id = %(id)s AND {outcomes.may_have_taken_effect_sql("a")}
-                 AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second')
+SELECT EXISTS ({transitions.CALL_OLDER_THAN_KEY_TTL_SQL}) FROM outbox_message WHERE id = %(id)s
 """
 
 
@@ -535,9 +533,7 @@ def _changed(item: RepairItem, row: Mapping[str, Any] | None) -> RepairResult:
 def _write_next(acting: _Acting, item: RepairItem) -> RepairResult:
     assert item.row_id is not None and item.destination is not None
     row = acting.row(item.row_id)
-    if row is None or row["state"] != states.SENT:
-        return _changed(item, row)
-    if row["chain_problem"] is None:
+    if row is None or row["state"] != states.SENT or row["chain_problem"] is None:
         return _changed(item, row)
     handler = acting.handlers[item.destination]
     plan = chains.then_plan_for_row(
@@ -627,20 +623,21 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
     refused = acting.still_landing(item, handler)
     if refused is not None:
         return refused
-    delivery = acting.clients.delivery(
-        handler,
-        id=item.row_id,
-        key=row["key"],
-        step=row["step"],
-        payload=row["payload"],
-        attempt=row["attempts"],
-        deadline=row["deadline"],
-    )
+    from reconciler.jobs.resolve_unknown import ask_provider
+
     # No transaction is open: the connection is in autocommit mode.
     try:
-        found = handler.lookup_fn(delivery)
-        if found is not None and not isinstance(found, Confirmed):
-            raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
+        delivery, found = ask_provider(
+            acting.clients,
+            handler,
+            row_id=item.row_id,
+            key=row["key"],
+            step=row["step"],
+            payload=row["payload"],
+            attempts=row["attempts"],
+            deadline=row["deadline"],
+            trace_context=row["trace_context"],
+        )
     except Exception as exc:
         return RepairResult(
             item.key,

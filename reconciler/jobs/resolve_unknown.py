@@ -19,7 +19,7 @@ from typing import Any, ClassVar, NamedTuple
 import psycopg
 
 from outbox import chains, logs, outcomes, policy, sanitize, tracing, transitions
-from outbox.handlers import Confirmed, Handler, idempotency_key
+from outbox.handlers import Confirmed, Delivery, Handler, idempotency_key
 from outbox.validation import header_safe
 from reconciler.alerts import AlertHook, AlertRow, log_alert
 from reconciler.lookups import LookupClients
@@ -336,36 +336,59 @@ def _without_lookup(conn: psycopg.Connection[Any], handler: Handler, row: _Due) 
     return "needs_human"
 
 
-def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
-    """Ask the provider, then settle the row on its answer."""
-    conn, row_id, token, destination = run.conn, row.row_id, row.token, row.destination
+def ask_provider(
+    clients: LookupClients,
+    handler: Handler,
+    *,
+    row_id: int,
+    key: str,
+    step: str,
+    payload: Any,
+    attempts: int,
+    deadline: datetime | None,
+    trace_context: Any,
+) -> tuple[Delivery, Confirmed | None]:
+    """Call ``handler``'s lookup for a stored row (in a span of the writer's trace when tracing
+    is on): the delivery it got and its answer. Raises what the lookup raised, and TypeError for
+    an answer that is neither ``Confirmed`` nor None. Hold no transaction open around it."""
     assert handler.lookup_fn is not None  # checked by the caller
-    delivery = run.clients.delivery(
-        handler,
-        id=row_id,
-        key=row.key,
-        step=row.step,
-        payload=row.payload,
-        attempt=row.attempts,
-        deadline=row.deadline,
+    delivery = clients.delivery(
+        handler, id=row_id, key=key, step=step, payload=payload, attempt=attempts, deadline=deadline
     )
     lookup = handler.lookup_fn
     if tracing.active():
         lookup = tracing.in_span(
             lookup,
             operation="lookup",
-            trace_context=row.trace_context,
-            destination=destination,
+            trace_context=trace_context,
+            destination=handler.destination,
+            row_id=row_id,
+            key=key,
+            step=step,
+            attempt=attempts,
+        )
+    found = lookup(delivery)
+    if found is not None and not isinstance(found, Confirmed):
+        raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
+    return delivery, found
+
+
+def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
+    """Ask the provider, then settle the row on its answer."""
+    conn, row_id, token, destination = run.conn, row.row_id, row.token, row.destination
+    # No transaction is open here: the connection is in autocommit mode.
+    try:
+        delivery, found = ask_provider(
+            run.clients,
+            handler,
             row_id=row_id,
             key=row.key,
             step=row.step,
-            attempt=row.attempts,
+            payload=row.payload,
+            attempts=row.attempts,
+            deadline=row.deadline,
+            trace_context=row.trace_context,
         )
-    # No transaction is open here: the connection is in autocommit mode.
-    try:
-        found = lookup(delivery)
-        if found is not None and not isinstance(found, Confirmed):
-            raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
     except Exception as exc:
         run.consecutive_failures[destination] += 1
         error = _short(f"lookup failed: {_describe(exc)}")
