@@ -314,6 +314,12 @@ def _wait_listening(database_url: str, timeout_seconds: float = 30) -> None:
         wait_for(listening, timeout_seconds, "the relay to LISTEN")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used (Linux /proc), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_latency(db: str, rd: str, args: argparse.Namespace) -> dict[str, Any]:
     """Writer process → PostgreSQL → NOTIFY → relay process → Redis → this process (BLPOP)."""
     with connect_raw(db, autocommit=True) as conn:
@@ -327,6 +333,8 @@ def measure_latency(db: str, rd: str, args: argparse.Namespace) -> dict[str, Any
         OUTBOX_NAMESPACE=NAMESPACE,
         OUTBOX_POLL_INTERVAL="1",
     )
+    if args.gather is not None:
+        env["OUTBOX_RELAY_GATHER"] = args.gather
     relay = subprocess.Popen(
         [sys.executable, "-m", "outbox", "--log-level", "WARNING", "relay"],
         env=env,
@@ -352,14 +360,18 @@ def measure_latency(db: str, rd: str, args: argparse.Namespace) -> dict[str, Any
             client.close()
 
     watcher = threading.Thread(target=watch, daemon=True)
+    cpu_seconds = float("nan")
     try:
         _wait_listening(db)
         watcher.start()
+        cpu_start = _cpu_seconds(relay.pid)
         flags = ["--database-url", db, "--rate", str(args.latency_rate), "--seconds"]
         (result,) = run_children([["_writer", *flags, str(args.latency_seconds)]], args)
         deadline = time.monotonic() + 30
         while len(received) < expected and time.monotonic() < deadline:
             time.sleep(0.05)
+        # The relay's own CPU over the whole writing phase (start-up excluded), per row.
+        cpu_seconds = _cpu_seconds(relay.pid) - cpu_start
     finally:
         done.set()
         watcher.join(5)
@@ -384,8 +396,33 @@ def measure_latency(db: str, rd: str, args: argparse.Namespace) -> dict[str, Any
         "p90_ms": _percentile(samples, 0.90) if samples else float("nan"),
         "p99_ms": _percentile(samples, 0.99) if samples else float("nan"),
         "max_ms": samples[-1] if samples else float("nan"),
+        "relay_cpu_ms_per_row": cpu_seconds * 1000 / max(1, len(result["sent"])),
         "relay_exit": relay_exit,
     }
+
+
+def gather_curve(db: str, rd: str, args: argparse.Namespace) -> int:
+    """(e) for each gathering window x each offered rate: what the window buys (relay CPU per
+    row) and what it costs (commit -> Redis), in one run."""
+    windows = (args.gather or "0,1ms,2ms,5ms,10ms").split(",")
+    rates = [float(r) for r in args.latency_rates.split(",")]
+    print(
+        f"(e) per gathering window (OUTBOX_RELAY_GATHER) and offered rate, {args.latency_seconds:g} s each:"
+    )
+    print(
+        f"  {'window':>7} {'rows/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'relay CPU ms/row':>17} {'missing':>8}"
+    )
+    for rate in rates:
+        for window in windows:
+            lat = measure_latency(
+                db, rd, argparse.Namespace(**{**vars(args), "gather": window, "latency_rate": rate})
+            )
+            print(
+                f"  {window:>7} {rate:>7,.0f} {lat['p50_ms']:>8.2f} {lat['p99_ms']:>8.2f} "
+                f"{lat['relay_cpu_ms_per_row']:>17.3f} {lat['missing']:>8}",
+                flush=True,
+            )
+    return 0
 
 
 def repeat(label: str, times: int, measure: Callable[[], float]) -> float:
@@ -417,6 +454,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-rate", type=float, default=500.0, help="rows/s offered (default 500)")
     parser.add_argument("--latency-seconds", type=float, default=15.0, help="writer duration (default 15)")
     parser.add_argument("--latency-warmup", type=float, default=1.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--gather",
+        help="the relay's OUTBOX_RELAY_GATHER for (e), e.g. 0 or 2ms (default: the relay's); "
+        "with --curve a comma-separated list (default 0,1ms,2ms,5ms,10ms)",
+    )
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="only (e): latency and relay CPU per row for each gathering window x each rate",
+    )
+    parser.add_argument(
+        "--latency-rates", default="100,300,500", help="with --curve: rows/s offered (default 100,300,500)"
+    )
     parser.add_argument("--skip-send", action="store_true", help="skip (c), the slowest figure")
     parser.add_argument("--profile", action="store_true", help="pyinstrument profile of one relay drain")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
@@ -455,6 +505,8 @@ def run_bench(db: str, rd: str, origin: str, args: argparse.Namespace) -> int:
     if args.profile:
         measure_relays(db, rd, args, 1, profile=True)
         return 0
+    if args.curve:
+        return gather_curve(db, rd, args)
     one = repeat("(a) one relay process", args.repeat, lambda: measure_relays(db, rd, args, 1, False))
     two = repeat("(b) two relay processes", args.repeat, lambda: measure_relays(db, rd, args, 2, False))
     send = (
@@ -475,7 +527,8 @@ def run_bench(db: str, rd: str, origin: str, args: argparse.Namespace) -> int:
         f"(e) commit->Redis at {args.latency_rate:,.0f} rows/s for {args.latency_seconds:g} s "
         f"(first {args.latency_warmup:g} s not counted): {lat['samples']:,} samples, "
         f"{lat['missing']} missing; p50 {lat['p50_ms']:.2f} ms  p90 {lat['p90_ms']:.2f} ms  "
-        f"p99 {lat['p99_ms']:.2f} ms  max {lat['max_ms']:.2f} ms; relay exit {lat['relay_exit']}"
+        f"p99 {lat['p99_ms']:.2f} ms  max {lat['max_ms']:.2f} ms; relay CPU "
+        f"{lat['relay_cpu_ms_per_row']:.3f} ms/row; relay exit {lat['relay_exit']}"
     )
     print(f"load average at end {os.getloadavg()[0]:.2f}; ratios and targets (medians):")
     print(

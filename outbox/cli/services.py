@@ -125,6 +125,7 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         batch_size=args.batch_size or cfg.relay_batch_size,
         parallel=args.connections or cfg.relay_connections,
         poll_interval_seconds=cfg.poll_interval_seconds,
+        gather_seconds=cfg.relay_gather_seconds,
         failover_guard=guard,
     )
     if args.once:
@@ -148,11 +149,12 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         cfg.metrics_port, process="relay", liveness=liveness, database_url=database_url, redis_url=redis_url
     )
     logger.info(
-        "relay started: namespace=%s batch_size=%s connections=%s poll_interval=%ss",
+        "relay started: namespace=%s batch_size=%s connections=%s poll_interval=%ss gather=%ss",
         cfg.namespace,
         relay.batch_size,
         relay.parallel,
         cfg.poll_interval_seconds,
+        relay.gather_seconds,
     )
     try:
         relay.run_forever(stop)

@@ -459,3 +459,82 @@ def test_connections_come_from_the_flag_over_the_variable_and_must_be_positive(c
         assert expected in log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+# -- waking: swallowing queued NOTIFYs and the gathering window ------------------------------------
+
+
+def _commit_rows_one_by_one(services: Any, n: int, tag: str) -> None:
+    """n rows, one transaction each: n NOTIFYs."""
+    with psycopg.connect(libpq_url(services.database_url)) as conn:
+        for i in range(n):
+            conn.execute(
+                "INSERT INTO outbox_message (key, step, destination, payload) VALUES (%s, 'step', %s, '{}')",
+                (f"{tag}:{i}", DEST),
+            )
+            conn.commit()
+
+
+def test_one_wake_up_serves_every_notify_already_queued(clean, redis_client):
+    """Ten one-row commits while the relay is busy elsewhere: one wait returns, one take
+    publishes all ten, and the next wait sleeps (no nine empty takes)."""
+    relay = Relay(
+        database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace, gather_seconds=0
+    )
+    try:
+        relay._ensure_listening()
+        _commit_rows_one_by_one(clean, 10, "queued")
+        relay._wait_for_notify(5)
+        assert relay.run_once().published == 10
+        started = time.monotonic()
+        relay._wait_for_notify(0.5)
+        assert time.monotonic() - started >= 0.45, "a queued NOTIFY woke the relay for nothing"
+    finally:
+        relay.close()
+
+
+def test_a_notify_soon_after_a_take_waits_out_the_gathering_window(clean, redis_client):
+    relay = Relay(
+        database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace, gather_seconds=0.4
+    )
+    try:
+        relay._ensure_listening()
+        relay.run_once()  # a take: the window starts now
+        took = time.monotonic()
+        stop = threading.Event()
+        rows = threading.Thread(target=_commit_rows_one_by_one, args=(clean, 5, "gathered"))
+        rows.start()
+        relay._wait_for_notify(5, stop)
+        woke = time.monotonic()
+        rows.join(10)
+        assert woke - took >= 0.39, "the wake-up did not wait for the window"
+        assert woke - took < 2.0
+        published = relay.run_once().published
+        assert published >= 1
+        # Rows committed within the window went out in that one take; any that came after its
+        # snapshot still have their NOTIFY queued, so nothing waits for the poll.
+        if published < 5:
+            relay._wait_for_notify(0.3)
+            published += relay.run_once().published
+        assert published == 5
+    finally:
+        relay.close()
+
+
+def test_a_notify_after_a_quiet_spell_is_taken_at_once(clean, redis_client):
+    """The window only applies while takes follow each other: latency after a pause is not
+    affected, however long the window."""
+    relay = Relay(
+        database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace, gather_seconds=5
+    )
+    try:
+        relay._ensure_listening()
+        relay._last_take = time.monotonic() - 10  # the last take was 10 s ago
+        _commit_rows_one_by_one(clean, 1, "quiet")
+        started = time.monotonic()
+        relay._wait_for_notify(10)
+        assert time.monotonic() - started < 1.0
+        assert relay.run_once().published == 1
+    finally:
+        relay.close()
+

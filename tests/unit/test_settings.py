@@ -31,6 +31,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_POLL_INTERVAL": ("2.5", 2.5, ["abc", "0", "-1", "1w", "s"]),
     "OUTBOX_RELAY_BATCH_SIZE": ("500", 500, ["abc", "0", "-5", "1.5", "1e3"]),
     "OUTBOX_RELAY_CONNECTIONS": ("4", 4, ["two", "0", "-1", "2.5"]),
+    "OUTBOX_RELAY_GATHER": ("5ms", 0.005, ["soon", "-1ms", "1w", "5 ms later"]),
     "OUTBOX_REDISPATCH_AFTER": ("15m", 900.0, ["fifteen", "0s", "15 minutes"]),
     "OUTBOX_RETENTION": ("30d", 2592000.0, ["7 days", "0d", "-7d"]),
     "OUTBOX_LEDGER_HORIZON": ("30d", 2592000.0, ["30 days", "0d", "-1d", "1d"]),
@@ -115,6 +116,13 @@ def test_bad_durations(raw: str) -> None:
 )
 def test_booleans(raw: str, value: bool) -> None:
     assert settings.from_env({"OUTBOX_ALLOW_EVICTING_REDIS": raw}).allow_evicting_redis is value
+
+
+def test_a_zero_gathering_window_turns_it_off_where_other_durations_refuse_zero() -> None:
+    assert settings.from_env({"OUTBOX_RELAY_GATHER": "0"}).relay_gather_seconds == 0
+    assert settings.from_env({"OUTBOX_RELAY_GATHER": "0ms"}).relay_gather_seconds == 0
+    with pytest.raises(ConfigError, match="greater than zero"):
+        settings.from_env({"OUTBOX_POLL_INTERVAL": "0"})
 
 
 def test_empty_variable_means_unset() -> None:
