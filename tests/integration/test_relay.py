@@ -475,12 +475,19 @@ def _commit_rows_one_by_one(services: Any, n: int, tag: str) -> None:
             conn.commit()
 
 
+def _relay(services: Any, *, gather_seconds: float) -> Relay:
+    return Relay(
+        database_url=services.database_url,
+        redis_url=services.redis_url,
+        namespace=services.namespace,
+        gather_seconds=gather_seconds,
+    )
+
+
 def test_one_wake_up_serves_every_notify_already_queued(clean, redis_client):
     """Ten one-row commits while the relay is busy elsewhere: one wait returns, one take
     publishes all ten, and the next wait sleeps (no nine empty takes)."""
-    relay = Relay(
-        database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace, gather_seconds=0
-    )
+    relay = _relay(clean, gather_seconds=0)
     try:
         relay._ensure_listening()
         _commit_rows_one_by_one(clean, 10, "queued")
@@ -494,9 +501,7 @@ def test_one_wake_up_serves_every_notify_already_queued(clean, redis_client):
 
 
 def test_a_notify_soon_after_a_take_waits_out_the_gathering_window(clean, redis_client):
-    relay = Relay(
-        database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace, gather_seconds=0.4
-    )
+    relay = _relay(clean, gather_seconds=0.4)
     try:
         relay._ensure_listening()
         relay.run_once()  # a take: the window starts now
@@ -524,9 +529,7 @@ def test_a_notify_soon_after_a_take_waits_out_the_gathering_window(clean, redis_
 def test_a_notify_after_a_quiet_spell_is_taken_at_once(clean, redis_client):
     """The window only applies while takes follow each other: latency after a pause is not
     affected, however long the window."""
-    relay = Relay(
-        database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace, gather_seconds=5
-    )
+    relay = _relay(clean, gather_seconds=5)
     try:
         relay._ensure_listening()
         relay._last_take = time.monotonic() - 10  # the last take was 10 s ago
@@ -537,4 +540,3 @@ def test_a_notify_after_a_quiet_spell_is_taken_at_once(clean, redis_client):
         assert relay.run_once().published == 1
     finally:
         relay.close()
-
