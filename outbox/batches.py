@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import text
 
 from . import transitions
-from .chains import Next
+from .chains import Next, version_for
 from .exceptions import BatchConflict, InvalidMessage
 from .validation import check_destination, check_key_step, encode_payload
 
@@ -84,7 +84,12 @@ def _step(name: str, which: str, nxt: Next | None) -> str | None:
     check_key_step(name, nxt.step)
     check_destination(nxt.destination)
     payload = json.loads(encode_payload(dict(nxt.payload), MAX_STEP_PAYLOAD_BYTES))
-    return json.dumps({"step": nxt.step, "destination": nxt.destination, "payload": payload})
+    step = {"step": nxt.step, "destination": nxt.destination, "payload": payload}
+    version = version_for(nxt)
+    if version != 1:
+        # Only when not 1: a batch created before versions compares equal to its retry.
+        step["payload_version"] = version
+    return json.dumps(step)
 
 
 def _params(name: str, then: Next | None, catch: Next | None) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import sanitize
 from .exceptions import InvalidMessage
+from .payloads import check_version, imported_handler
 from .validation import check_destination, check_key_step, encode_payload
 
 if TYPE_CHECKING:
@@ -59,6 +60,9 @@ class Next:
     step: str
     destination: str
     payload: Mapping[str, Any] = field(default_factory=dict)
+    #: The version of the payload's shape (outbox.payloads); None: the current version of the
+    #: destination's handler when this process imported it, else 1 (as ``write`` does).
+    payload_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,16 @@ def _plan(
                 raise InvalidMessage(f"step {nxt.step!r} is named twice")
             seen.add(nxt.step)
             payload = json.loads(encode_payload(dict(nxt.payload), max_payload_bytes))
-            rows.append({"step": nxt.step, "destination": nxt.destination, "payload": payload, "via": via})
+            version = version_for(nxt)
+            rows.append(
+                {
+                    "step": nxt.step,
+                    "destination": nxt.destination,
+                    "payload": payload,
+                    "via": via,
+                    "payload_version": version,
+                }
+            )
     except Exception as exc:
         # A bug in a pure function must not keep a confirmed charge from being recorded: the
         # row settles, the problem is stored, alerted, and `outbox repair` writes the steps later.
@@ -135,6 +148,15 @@ def _plan(
         )
         return Plan((), problem)
     return Plan(tuple(rows))
+
+
+def version_for(nxt: Next) -> int:
+    """The payload version of a next step's row: its own, else the version this process's
+    handler of that destination delivers, else 1 (the rule of ``write``)."""
+    if nxt.payload_version is not None:
+        return check_version(nxt.payload_version)
+    known = imported_handler(nxt.destination)
+    return known.payload_version if known is not None else 1
 
 
 def then_plan(handler: Handler, delivery: Delivery, confirmed: Confirmed) -> Plan:
@@ -180,6 +202,8 @@ def then_plan_for_row(handler: Handler, row: Mapping[str, Any], confirmed: Confi
             payload=dict(row["payload"]),
             attempt=int(row["attempts"]),
             deadline=row["deadline"],
+            payload_version=int(row["payload_version"]),
+            strict=False,
         )
         return then_plan(handler, delivery, confirmed)
     finally:

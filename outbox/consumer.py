@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from . import breaker, chains, db, metrics, outcomes, pauses, policy, tracing, transitions
+from . import breaker, chains, db, metrics, outcomes, pauses, payloads, policy, tracing, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -340,6 +340,21 @@ class Executor:
             )
             return self._release(handler, claimed.id, claimed.token, reason)
 
+        invalid: str | None = None
+        if claimed.payload_version > handler.payload_version:
+            # Also for a handler without a model: it was written for code this worker is not.
+            return self._leave_for_newer(
+                handler,
+                claimed,
+                f"payload version {claimed.payload_version} of {destination} is newer than this "
+                f"handler's ({handler.payload_version}): left for a worker running the newer release",
+            )
+        if handler.checks_payloads:
+            try:
+                handler.prepare(claimed.payload, claimed.payload_version)
+            except payloads.PayloadInvalid as exc:
+                invalid = str(exc)
+
         # Where the row goes other than by next_state: a deadline-passed row that may have charged,
         # or a probe not counted as an attempt (None: next_state decides).
         chosen: Move | None = None
@@ -364,6 +379,19 @@ class Executor:
                     "ASCII); no call was made. Write the operation again under an ASCII key"
                 ),
             )
+        elif invalid is not None:
+            # No call now, and the same payload would fail the same way: final. Certain only when
+            # no earlier call may have charged (a model deployed between an ambiguous call and
+            # its retry): else `unknown`, for the lookup, like a deadline passed.
+            decision = Decision(Outcome.FAILED, error=f"{invalid}; no call was made")
+            chosen = Move("failed", 0.0, decision.error)
+            if outcomes.earlier_call_may_have_taken_effect(conn, row_id=claimed.id, token=claimed.token):
+                chosen = Move(
+                    "unknown",
+                    0.0,
+                    f"{invalid}; no call was made, but an earlier call may have taken effect: the "
+                    "lookup decides",
+                )
         else:
             called = self._call(handler, claimed, sent_at)
             if called is None:
@@ -461,11 +489,11 @@ class Executor:
         if handler.on_failure_fn is None or decision.outcome is Outcome.UNKNOWN:
             return chains.NOTHING
         if nxt.state == "failed" or (nxt.state == "pending" and claimed.deadline is not None):
-            return chains.failure_plan(handler, self._delivery(handler, claimed), nxt.error)
+            return chains.failure_plan(handler, self._delivery(handler, claimed, strict=False), nxt.error)
         return chains.NOTHING
 
-    def _delivery(self, handler: Handler, claimed: transitions.Claimed) -> Delivery:
-        return delivery_for(claimed, handler, self._caller().deliveries)
+    def _delivery(self, handler: Handler, claimed: transitions.Claimed, *, strict: bool = True) -> Delivery:
+        return delivery_for(claimed, handler, self._caller().deliveries, strict=strict)
 
     def _call(self, handler: Handler, claimed: transitions.Claimed, sent_at: float) -> Decision | None:
         """The call's decision, or None when it was not started: the start check passed, but a
@@ -622,6 +650,38 @@ class Executor:
                 extra={"destination": handler.destination, "outbox_run": "held"},
             )
 
+    def _leave_for_newer(self, handler: Handler, claimed: transitions.Claimed, reason: str) -> RunResult:
+        """A payload newer than this worker's handler (new writers deployed before the workers):
+        released, no attempt spent, due again in a while for a newer worker."""
+        released = transitions.release(
+            self._conn("claim_conn"),
+            row_id=claimed.id,
+            token=claimed.token,
+            reason=reason,
+            retry_after_seconds=payloads.NEWER_PAYLOAD_RETRY_SECONDS,
+        )
+        if released is None:
+            return RunResult.EMPTY
+        late = released.waited_seconds >= payloads.NEWER_PAYLOAD_ALERT_AFTER_SECONDS
+        (logger.error if late else logger.info)(
+            "outbox %s:%s released for a newer worker%s: %s",
+            claimed.key,
+            claimed.step,
+            f" (written {released.waited_seconds / 60:.0f} min ago: is the new release deployed?)"
+            if late
+            else "",
+            reason,
+            extra={
+                "outbox_id": claimed.id,
+                "key": claimed.key,
+                "step": claimed.step,
+                "destination": handler.destination,
+                "outbox_run": "released",
+                "payload_version": claimed.payload_version,
+            },
+        )
+        return RunResult.RELEASED
+
     def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> RunResult:
         released = transitions.release(self._conn("claim_conn"), row_id=row_id, token=token, reason=reason)
         if released is None:
@@ -743,8 +803,11 @@ class Executor:
         raise AssertionError("unreachable")
 
 
-def delivery_for(claimed: transitions.Claimed, handler: Handler, deliveries: Deliveries) -> Delivery:
-    """What the handler sees of a claimed row."""
+def delivery_for(
+    claimed: transitions.Claimed, handler: Handler, deliveries: Deliveries, *, strict: bool = True
+) -> Delivery:
+    """What the handler sees of a claimed row; ``strict=False``: the payload as stored when it
+    does not fit the handler's model (an ``on_failure`` function of a row failed for that)."""
     return deliveries.delivery(
         handler,
         id=claimed.id,
@@ -753,4 +816,6 @@ def delivery_for(claimed: transitions.Claimed, handler: Handler, deliveries: Del
         payload=claimed.payload,
         attempt=claimed.attempt,
         deadline=claimed.deadline,
+        payload_version=claimed.payload_version,
+        strict=strict,
     )

@@ -10,13 +10,14 @@ import contextlib
 import importlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import httpx
 
+from . import payloads
 from .breaker import DEFAULT_BREAKER, Breaker
 from .exceptions import ConfigError, RetryableError
 from .settings import (
@@ -122,6 +123,9 @@ class Delivery:
     deadline: datetime | None
     #: A client whose timeouts add up to less than the handler's time_limit.
     http: httpx.Client = field(repr=False, compare=False)
+    #: The payload validated by the handler's ``payload_model`` (None without one); ``payload``
+    #: is then the dict it was validated from, upgraded to the current version.
+    model: Any = field(default=None, repr=False, compare=False)
 
 
 #: Lookups by destination (``@handler.lookup``): registered after the handler, which stays frozen.
@@ -149,6 +153,10 @@ class Handler:
     #: The destination's circuit breaker (outbox.breaker); None: none, every row spends its
     #: attempts on a provider that is down.
     breaker: Breaker | None = DEFAULT_BREAKER
+    #: Optional pydantic model of the payload, and the upgrades that bring older payload
+    #: versions to its shape (outbox.payloads).
+    payload_model: Any = field(default=None, compare=False)
+    upgrades: Mapping[int, payloads.Upgrade] | None = field(default=None, compare=False)
 
     def __call__(self, delivery: Delivery) -> Any:
         return self.fn(delivery)
@@ -203,6 +211,26 @@ class Handler:
         is still classified by its kind (a connect timeout was certainly not sent). The record
         keeps the other half of the margin."""
         return self.time_limit + self.start_margin_seconds / 2
+
+    @property
+    def payload_version(self) -> int:
+        """The payload version this handler delivers (outbox.payloads): rows written without
+        ``payload_version=`` while it is imported get this one."""
+        return payloads.declared_version(self.payload_model, self.upgrades)
+
+    @property
+    def checks_payloads(self) -> bool:
+        return self.payload_model is not None or bool(self.upgrades)
+
+    def prepare(self, payload: Mapping[str, Any], version: int) -> payloads.Prepared:
+        """The payload at this handler's version, validated; raises PayloadTooNew/PayloadInvalid."""
+        return payloads.prepare(
+            destination=self.destination,
+            model=self.payload_model,
+            upgrades=self.upgrades,
+            payload=payload,
+            version=version,
+        )
 
     def backoff_seconds(self, attempt: int) -> float:
         """Delay before attempt ``attempt + 1`` (attempt counts from 1)."""
@@ -336,7 +364,22 @@ class Deliveries:
         payload: dict[str, Any],
         attempt: int,
         deadline: datetime | None,
+        payload_version: int,
+        strict: bool = True,
     ) -> Delivery:
+        """The row as ``handler`` sees it: with a payload model or upgrades, its payload brought
+        to the handler's version and validated (raises PayloadTooNew / PayloadInvalid; with
+        ``strict=False`` such a payload is given as stored, without a model: what a lookup, which
+        names the call by its key, and an ``on_failure`` function of a row failed for it see)."""
+        model = None
+        if handler.checks_payloads:
+            try:
+                prepared = handler.prepare(payload, payload_version)
+            except (payloads.PayloadInvalid, payloads.PayloadTooNew):
+                if strict:
+                    raise
+            else:
+                payload, model = prepared.payload, prepared.model
         return Delivery(
             id=id,
             key=key,
@@ -347,6 +390,7 @@ class Deliveries:
             idempotency_key=idempotency_key(key, step),
             deadline=deadline,
             http=self.client(handler),
+            model=model,
         )
 
     def close(self) -> None:
@@ -382,6 +426,8 @@ def handler(
     classify: Callable[[BaseException], str | None] | None = None,
     retry_after_scope: str = "row",
     breaker: Breaker | None = DEFAULT_BREAKER,
+    payload_model: Any = None,
+    upgrades: Mapping[int, payloads.Upgrade] | None = None,
 ) -> Callable[[Callable[[Delivery], Any]], Handler]:
     """Declare the handler of ``destination`` (all timings in seconds).
 
@@ -397,6 +443,9 @@ def handler(
     open it for 10 s, then 20, 40, … up to 300 s between probes) holds the whole destination back
     while its provider does not take requests, instead of letting every row spend its attempts;
     ``breaker=None`` turns it off (docs/handlers.md).
+    ``payload_model`` (a pydantic model) validates each payload before its call: an invalid one
+    fails its row, never retried; ``upgrades={1: fn}`` turn older payload versions into the
+    current shape first (outbox.payloads, docs/payloads.md).
     A declaration with any of :meth:`Handler.problems` raises ConfigError listing them all.
     """
     valid_limit = isinstance(time_limit, int | float) and time_limit > 0
@@ -417,6 +466,7 @@ def handler(
         problems.append(f"breaker must be an outbox.Breaker or None, got {breaker!r}")
     elif breaker is not None:
         problems.extend(f"{destination}: {p}" for p in breaker.problems())
+    problems.extend(f"{destination}: {p}" for p in payloads.declaration_problems(payload_model, upgrades))
     if problems:
         raise ConfigError("handler " + "; ".join(problems))
     assert lease is not None
@@ -434,6 +484,8 @@ def handler(
             classify=classify,
             retry_after_scope=retry_after_scope,
             breaker=breaker,
+            payload_model=payload_model,
+            upgrades=dict(upgrades) if upgrades else None,
         )
         with _registry_lock:
             existing = _registry.get(destination)
@@ -455,6 +507,11 @@ def handler(
 
 def registry() -> dict[str, Handler]:
     return dict(_registry)
+
+
+def registered(destination: str) -> Handler | None:
+    """The handler of ``destination`` if this process imported it (``write`` asks, per row)."""
+    return _registry.get(destination)
 
 
 def load_module(name: str) -> dict[str, Handler]:

@@ -363,6 +363,11 @@ Index(
     postgresql_where=text("batch_id IS NOT NULL"),
 )
 
+# -- Issue 15 (migration 0016): payload versions (outbox.payloads) ----------------------------------
+#: The version of the payload's shape its writer meant; the worker upgrades older ones and
+#: leaves newer ones to a newer worker. CHECK payload_version >= 1 (added NOT VALID, validated).
+outbox_message.append_column(Column("payload_version", Integer, nullable=False, server_default=text("1")))
+
 # -- migration 0007 (attack finding F6): a new row's step holds no ':' ------------------------------
 # CHECK outbox_message_step_colon_check: strpos(step, ':') = 0 OR id <= <highest id at upgrade>,
 # NOT VALID. Not declared here: its bound is each database's own (rows stored before the upgrade

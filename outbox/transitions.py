@@ -87,7 +87,8 @@ def _text(sql: str) -> Any:
 
 #: The next steps of the plan, as rows (an empty set when the parameter is NULL).
 _PLANNED = (
-    "jsonb_to_recordset(CAST(%(follow)s AS jsonb)) AS n(step text, destination text, payload jsonb, via text)"
+    "jsonb_to_recordset(CAST(%(follow)s AS jsonb)) "
+    "AS n(step text, destination text, payload jsonb, via text, payload_version integer)"
 )
 
 
@@ -99,8 +100,10 @@ def _follow_sql(moved: str, *, certain: str = "false") -> str:
     a step that exists already a no-op; :func:`_conflict_sql` tells whether it differs."""
     return f"""
 , followed AS (
-    INSERT INTO outbox_message (key, step, destination, payload, parent_id, via, trace_context)
-    SELECT {moved}.key, n.step, n.destination, n.payload, {moved}.id, n.via, {moved}.trace_context
+    INSERT INTO outbox_message (key, step, destination, payload, parent_id, via, trace_context,
+                                payload_version)
+    SELECT {moved}.key, n.step, n.destination, n.payload, {moved}.id, n.via, {moved}.trace_context,
+           COALESCE(n.payload_version, 1)
     FROM {moved}, {_PLANNED}
     WHERE (n.via = '{chains.THEN}' AND {moved}.state = 'sent')
        OR (n.via = '{chains.ON_FAILURE}' AND {moved}.state = 'failed' AND {certain})
@@ -146,9 +149,11 @@ def _certain_failure_sql(row_id: str, token: str) -> str:
 # == the application: write and cancel, in the caller's transaction ================================
 
 _INSERT = """
-INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context)
+INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context,
+                            payload_version)
 VALUES (:key, :step, :destination, CAST(:payload AS jsonb),
-        COALESCE(CAST(:available_at AS timestamptz), now()), :deadline, CAST(:trace_context AS jsonb))
+        COALESCE(CAST(:available_at AS timestamptz), now()), :deadline, CAST(:trace_context AS jsonb),
+        :payload_version)
 ON CONFLICT (key, step) DO NOTHING
 RETURNING id
 """
@@ -198,10 +203,11 @@ RETURNING id
 # batch commits, its members are fixed, and "every member is terminal" means the same thing to
 # every reader. Casts: in a SELECT list a bare parameter would be text.
 _INSERT_MEMBER = """
-INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context, batch_id)
+INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context, batch_id,
+                            payload_version)
 SELECT CAST(:key AS text), CAST(:step AS text), CAST(:destination AS text), CAST(:payload AS jsonb),
        COALESCE(CAST(:available_at AS timestamptz), now()), CAST(:deadline AS timestamptz),
-       CAST(:trace_context AS jsonb), b.id
+       CAST(:trace_context AS jsonb), b.id, CAST(:payload_version AS integer)
 FROM outbox_batch b
 WHERE b.id = :batch_id AND b.created_txid = txid_current()
 ON CONFLICT (key, step) DO NOTHING
@@ -263,9 +269,9 @@ WITH members AS (
       AND NOT EXISTS ({LATE_RECORD_SQL})
     FOR UPDATE OF b
 ), written AS (
-    INSERT INTO outbox_message (key, step, destination, payload, via)
+    INSERT INTO outbox_message (key, step, destination, payload, via, payload_version)
     SELECT d.name, d.next_step->>'step', d.next_step->>'destination', d.next_step->'payload',
-           'batch_' || d.outcome
+           'batch_' || d.outcome, COALESCE(CAST(d.next_step->>'payload_version' AS integer), 1)
     FROM due d WHERE d.next_step IS NOT NULL
     ON CONFLICT (key, step) DO NOTHING
     RETURNING id
@@ -459,7 +465,7 @@ claimed AS (
               CASE WHEN m.attempts = 1 AND m.releases = 0 THEN date_part('epoch', m.dispatched_at -
                   CASE WHEN m.last_error IS NULL THEN GREATEST(m.created_at, m.available_at)
                   ELSE m.created_at END) END AS written_to_published,
-              m.trace_context
+              m.trace_context, m.payload_version
 ), fence AS (
     INSERT INTO outbox_attempt (message_id, attempt, claim_token)
     SELECT id, attempts, claim_token FROM claimed
@@ -467,7 +473,7 @@ claimed AS (
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
        COALESCE(deadline_passed, false), since_written, since_published, written_to_published,
        trace_context, EXISTS (SELECT 1 FROM probe), COALESCE((SELECT breaker_failures FROM gate), 0),
-       false
+       false, payload_version
 FROM claimed"""
 
 # Two statements, not one with a switch: with the key_ttl branch behind a parameter, PostgreSQL
@@ -490,7 +496,8 @@ WITH {_GATE}, aged AS (
     FOR UPDATE
 ), {_PROBE}, {_CLAIMED}
 UNION ALL
-SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, false, 0, true FROM aged
+SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, false, 0, true, NULL
+FROM aged
 """
 
 #: SQL fragments shared by the record and the reconciler's settlement of a lookup: when a
@@ -576,7 +583,9 @@ _RECORD = _record_sql(follow=False)
 _RECORD_FOLLOW = _record_sql(follow=True)
 
 # The claim is given back without a call: the row is due again at once (the relay re-publishes
-# it), the claim is not counted as an attempt, and the fence row says `released`. From `unknown`
+# it; a NOTIFY wakes it) or after ``%(delay)s`` seconds (a payload newer than this worker's
+# handler: outbox.payloads), the claim is not counted as an attempt, and the fence row says
+# `released`. From `unknown`
 # too: the reconciler may have expired the lease meanwhile, but this claim knows no call was
 # made, which is better evidence than any lookup.
 _RELEASE = f"""
@@ -585,14 +594,14 @@ WITH released AS (
     SET state = 'pending',
         attempts = GREATEST(attempts - 1, 0),
         releases = releases + 1,
-        available_at = now(),
+        available_at = now() + CAST(%(delay)s AS float8) * interval '1 second',
         dispatched_at = NULL,
         lease_expires_at = NULL,
         unknown_since = NULL,
         alerted_at = NULL,
         last_error = %(reason)s
     WHERE id = %(id)s AND claim_token = %(token)s AND state IN ('in_flight', 'unknown')
-    RETURNING id, key, step, releases, destination
+    RETURNING id, key, step, releases, destination, date_part('epoch', now() - created_at) AS waited
 ), fenced AS (
     UPDATE outbox_attempt
     SET outcome = 'released', finished_at = now(), error = %(reason)s
@@ -603,7 +612,9 @@ WITH released AS (
     SET breaker_probe_token = NULL, breaker_probe_until = NULL
     WHERE destination = (SELECT destination FROM released) AND breaker_probe_token = %(token)s
 )
-SELECT key, step, releases, pg_notify('{NOTIFY_CHANNEL}', '') FROM released
+SELECT key, step, releases, waited,
+       CASE WHEN CAST(%(delay)s AS float8) = 0 THEN pg_notify('{NOTIFY_CHANNEL}', '') END
+FROM released
 """
 
 # For a message whose destination no handler in this deploy knows: never retried forever.
@@ -643,6 +654,8 @@ class Claimed:
     probe: bool = False
     #: The consecutive "not processed" outcomes its destination's breaker had counted.
     breaker_failures: int = 0
+    #: The version of the payload's shape (outbox.payloads).
+    payload_version: int = 1
 
 
 @dataclass(frozen=True)
@@ -660,6 +673,8 @@ class Released:
     step: str
     #: How many claims of this row have been released so far, this one included.
     releases: int
+    #: Seconds since the row was written.
+    waited_seconds: float = 0.0
 
 
 def claim(
@@ -698,7 +713,7 @@ def claim(
     ).fetchone()
     if row is None:
         return None
-    if row[-1]:
+    if row[15]:
         return Aged(row[0], str(aged_error))
     row_id, key, step, destination, payload, attempt, deadline, token, passed = row[:9]
     written, published, published_after, trace, probe, failures = row[9:15]  # row[15]: aged
@@ -718,6 +733,7 @@ def claim(
         trace_context=trace,
         probe=bool(probe),
         breaker_failures=int(failures),
+        payload_version=int(row[16]) if row[16] is not None else 1,
     )
 
 
@@ -802,11 +818,19 @@ def record_outcome(
     return Recorded(row[0], int(row[1] or 0), row[2])
 
 
-def release(conn: psycopg.Connection[Any], *, row_id: int, token: uuid.UUID, reason: str) -> Released | None:
-    """Give back a claim that made no call; None when ``token`` does not own the row (the claim
-    never committed, or the row has moved on)."""
-    row = conn.execute(_RELEASE, {"id": row_id, "token": token, "reason": reason}).fetchone()
-    return Released(row[0], row[1], row[2]) if row else None
+def release(
+    conn: psycopg.Connection[Any],
+    *,
+    row_id: int,
+    token: uuid.UUID,
+    reason: str,
+    retry_after_seconds: float = 0.0,
+) -> Released | None:
+    """Give back a claim that made no call, the row due again in ``retry_after_seconds``; None
+    when ``token`` does not own the row (the claim never committed, or the row has moved on)."""
+    params = {"id": row_id, "token": token, "reason": reason, "delay": retry_after_seconds}
+    row = conn.execute(_RELEASE, params).fetchone()
+    return Released(row[0], row[1], row[2], float(row[3] or 0.0)) if row else None
 
 
 def fail_unhandled(conn: psycopg.Connection[Any], *, row_id: int, error: str) -> bool:

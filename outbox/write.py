@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from . import settings as _settings
 from . import tracing, transitions
 from .exceptions import BatchConflict, ConfigError, InvalidMessage, KeyConflict
+from .payloads import check_version, imported_handler
 from .validation import check_aware, check_destination, check_key_step, encode_payload
 
 if TYPE_CHECKING:
@@ -34,13 +35,15 @@ class Written:
     created: bool
 
 
-# Compared in the database so that jsonb's normalisation (key order, whitespace) decides. A
-# purged key answers from the ledger, by the hash of the same canonical jsonb text the purge
-# stored. One statement, one snapshot: a purge commits the row's deletion and its ledger entry
-# together, so exactly one of the two branches finds the key.
+# Compared in the database so that jsonb's normalisation (key order, whitespace) decides; the
+# same payload at another payload_version is another operation (its fields mean something else).
+# A purged key answers from the ledger (which keeps no version), by the hash of the same
+# canonical jsonb text the purge stored. One statement, one snapshot: a purge commits the row's
+# deletion and its ledger entry together, so exactly one of the two branches finds the key.
 _EXISTING = text(
     """
-    (SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb) AS same
+    (SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb)
+                AND payload_version = :payload_version AS same
      FROM outbox_message WHERE key = :key AND step = :step)
     UNION ALL
     (SELECT message_id, destination = :destination
@@ -54,6 +57,7 @@ _EXISTING = text(
 _EXISTING_MEMBER = text(
     """
     (SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb)
+                AND payload_version = :payload_version
                 AND batch_id IS NOT DISTINCT FROM :batch_id AS same
      FROM outbox_message WHERE key = :key AND step = :step)
     UNION ALL
@@ -93,12 +97,15 @@ def _params(
     available_at: datetime | None,
     deadline: datetime | None,
     max_payload_bytes: int | None,
+    payload_version: int | None = None,
+    validate: bool = False,
 ) -> dict[str, Any]:
     check_key_step(key, step)
     check_destination(destination)
     check_aware("available_at", available_at)
     check_aware("deadline", deadline)
     encoded = encode_payload(payload, max_payload_bytes or _default_max_payload_bytes())
+    version = _payload_version(destination, payload, payload_version, validate)
     return {
         "key": key,
         "step": step,
@@ -107,7 +114,28 @@ def _params(
         "available_at": available_at,
         "deadline": deadline,
         "trace_context": tracing.current_context_json(),
+        "payload_version": version,
     }
+
+
+def _payload_version(destination: str, payload: Any, payload_version: Any, validate: bool) -> int:
+    """The row's payload version: the one given, else the destination's handler's current one
+    when this process imported it, else 1; with ``validate``, the payload checked against that
+    handler's model and upgrades (outbox.payloads) before any statement is sent."""
+    handler = imported_handler(destination)
+    if payload_version is not None:
+        version = check_version(payload_version)
+    else:
+        version = handler.payload_version if handler is not None else 1
+    if validate:
+        if handler is None or not handler.checks_payloads:
+            raise InvalidMessage(
+                f"validate=True: no handler of {destination!r} with a payload_model or upgrades is "
+                "imported in this process (import the handler module in the writer, or leave the "
+                "check to the worker)"
+            )
+        handler.prepare(payload, version)
+    return version
 
 
 def _engine_of(target: Session | Connection) -> Engine:
@@ -191,6 +219,8 @@ def write(
     deadline: datetime | None = None,
     max_payload_bytes: int | None = None,
     batch: Batch | None = None,
+    payload_version: int | None = None,
+    validate: bool = False,
 ) -> Written:
     """Add the outbox row ``(key, step)`` to the caller's transaction; never commits.
 
@@ -201,8 +231,14 @@ def write(
 
     ``batch``: the row is a member of that batch (:func:`outbox.batch`, created in this same
     transaction; else :class:`BatchConflict`).
+
+    ``payload_version``: the version of the payload's shape (default: the current version of the
+    destination's handler when this process imported it, else 1); ``validate=True`` checks the
+    payload against that handler's ``payload_model`` first (outbox.payloads; docs/payloads.md).
     """
-    params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
+    params = _params(
+        key, step, destination, payload, available_at, deadline, max_payload_bytes, payload_version, validate
+    )
     _ensure_schema(target)
     if batch is not None:
         params["batch_id"] = _batch_id(batch, key, step)
@@ -242,9 +278,13 @@ async def write_async(
     deadline: datetime | None = None,
     max_payload_bytes: int | None = None,
     batch: Batch | None = None,
+    payload_version: int | None = None,
+    validate: bool = False,
 ) -> Written:
     """The :func:`write` twin for ``AsyncSession`` / ``AsyncConnection`` (psycopg async)."""
-    params = _params(key, step, destination, payload, available_at, deadline, max_payload_bytes)
+    params = _params(
+        key, step, destination, payload, available_at, deadline, max_payload_bytes, payload_version, validate
+    )
     await _ensure_schema_async(target)
     if batch is not None:
         params["batch_id"] = _batch_id(batch, key, step)

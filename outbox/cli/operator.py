@@ -589,17 +589,30 @@ def doctor_arguments(p: argparse.ArgumentParser) -> None:
                         transaction left open)
 
         Exit 0 only when every check is ok (or WARN), 1 otherwise.
+
+        With --payloads (and MODULE), before rolling out new workers: only the database, the
+        module and every waiting row (pending, dispatched, in_flight, unknown, failed) of a
+        handler with a payload_model or upgrades, brought to the handler's version and
+        validated as the worker would; exit 1 naming the first rows that do not fit (up to 20)
+        and their fields. Redis is not needed.
         """,
     )
     p.add_argument(
         "module", nargs="?", metavar="MODULE", help="handler module to check too, e.g. myapp.handlers"
     )
+    p.add_argument(
+        "--payloads",
+        action="store_true",
+        help="only check waiting rows' payloads against MODULE's payload models and upgrades",
+    )
 
 
 def doctor(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    from ..ops.doctor import run_checks
+    from ..ops.doctor import run_checks, run_payload_checks
 
-    checks = run_checks(cfg, args.module)
+    if args.payloads and not args.module:
+        raise ConfigError("--payloads needs MODULE: the handler module whose payload models to check")
+    checks = run_payload_checks(cfg, args.module) if args.payloads else run_checks(cfg, args.module)
     healthy = all(c.ok for c in checks)
     failed = sum(1 for c in checks if c.status == "FAIL")
     code = exits.OK if healthy else exits.FAILED

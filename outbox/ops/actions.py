@@ -437,7 +437,8 @@ def resolve(
 
 
 _ROW_FOR_PLAN = text(
-    "SELECT id, key, step, destination, payload, attempts, deadline FROM outbox_message WHERE id = :id"
+    "SELECT id, key, step, destination, payload, attempts, deadline, payload_version "
+    "FROM outbox_message WHERE id = :id"
 )
 
 

@@ -9,6 +9,7 @@ Nothing here raises on an unreachable service: telling the operator is the whole
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -428,6 +429,72 @@ def _module_checks(module: str, conn: Connection | None) -> list[Check]:
     else:
         checks.append(Check("destinations", OK, "every destination with live rows has a handler"))
     return checks
+
+
+def run_payload_checks(cfg: Settings, module: str) -> list[Check]:
+    """``--payloads``: the database, the module, and every waiting row's payload against the
+    module's models and upgrades (outbox.ops.payload_check); nothing else, so that it runs in a
+    deploy pipeline that reaches the database alone."""
+    from .payload_check import check_payloads, stderr_progress
+
+    with _database(cfg) as (checks, conn):
+        checks = list(checks)
+        try:
+            handlers = load_module(module)
+        except Exception as exc:  # the user's module may raise anything while importing
+            return [
+                *checks,
+                Check("handlers", FAIL, f"importing {module} raised {type(exc).__name__}: {exc}"),
+            ]
+        problems = [f"handler {p}" for h in handlers.values() for p in h.problems()]
+        if problems:
+            return [*checks, Check("handlers", FAIL, "; ".join(problems))]
+        checks.append(Check("handlers", OK, f"{module}: {len(handlers)} handler(s)"))
+        if conn is None:
+            return [*checks, Check("payloads", SKIP, "database not usable")]
+        progress = stderr_progress()
+        report = check_payloads(conn, handlers, progress=progress)
+        if progress is not None:
+            print(file=sys.stderr)
+        total = sum(report.checked.values())
+
+        def shown_rows(rows: list[Any]) -> str:
+            return "; ".join(
+                f"row {r.id} {r.key}:{r.step} ({r.destination}, {r.state}, version {r.version}): {r.problem}"
+                for r in rows
+            )
+
+        if report.incompatible:
+            shown = shown_rows(report.incompatible)
+            more = ", stopped there: more may follow" if report.stopped else ""
+            checks.append(
+                Check(
+                    "payloads",
+                    FAIL,
+                    f"{len(report.incompatible)} waiting row(s) the handlers of {module} cannot deliver"
+                    f"{more}: {shown}; add an upgrade for their version (or keep the old field), then "
+                    "check again",
+                )
+            )
+        else:
+            unchecked = (
+                f"; not read (no payload_model, no upgrades): {', '.join(report.unchecked)}"
+                if report.unchecked
+                else ""
+            )
+            checks.append(
+                Check("payloads", OK, f"{total} waiting row(s) fit the handlers of {module}{unchecked}")
+            )
+        if report.failed:
+            checks.append(
+                Check(
+                    "replays",
+                    WARN,
+                    f"{len(report.failed)} failed row(s) a replay could not deliver with {module}: "
+                    f"{shown_rows(report.failed)}; leave them failed, or write the operation again",
+                )
+            )
+        return checks
 
 
 def run_checks(cfg: Settings, module: str | None = None) -> list[Check]:

@@ -396,7 +396,7 @@ class RepairResult:
 
 _ROW = """
 SELECT id, key, step, destination, payload, attempts, deadline, state, provider_ref, response,
-       chain_problem, last_error, completed_at, trace_context
+       chain_problem, last_error, completed_at, trace_context, payload_version
 FROM outbox_message WHERE id = %(id)s
 """
 _OLD_CALL = f"""
@@ -637,6 +637,7 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
             attempts=row["attempts"],
             deadline=row["deadline"],
             trace_context=row["trace_context"],
+            payload_version=row["payload_version"],
         )
     except Exception as exc:
         return RepairResult(

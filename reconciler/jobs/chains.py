@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHAINS_BATCH = 100
 
 _UNCOMPUTED = """
-SELECT id, key, step, destination, payload, attempts, deadline, provider_ref, response
+SELECT id, key, step, destination, payload, attempts, deadline, provider_ref, response, payload_version
 FROM outbox_message
 WHERE chain_problem = %(marker)s AND alerted_at IS NULL AND state = 'sent'
 ORDER BY id

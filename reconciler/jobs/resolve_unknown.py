@@ -39,7 +39,8 @@ LOOKUP_FAILURES_BEFORE_DEFERRING = 3
 HUMAN_RECHECK_SECONDS = 3600.0
 
 _DUE_UNKNOWN = """
-SELECT id, key, step, destination, payload, attempts, deadline, claim_token, trace_context
+SELECT id, key, step, destination, payload, attempts, deadline, claim_token, trace_context,
+       payload_version
 FROM outbox_message
 WHERE state = 'unknown' AND available_at <= now()
   AND (CAST(%(only)s AS text[]) IS NULL OR destination = ANY(CAST(%(only)s AS text[])))
@@ -166,6 +167,7 @@ class _Due(NamedTuple):
     token: uuid.UUID | None
     #: The writer's trace context as stored (outbox.tracing): the lookup is a span of it.
     trace_context: Any
+    payload_version: int
 
 
 @dataclass
@@ -239,7 +241,8 @@ def resolve_unknown(
 
 
 _ONE_UNKNOWN = """
-SELECT id, key, step, destination, payload, attempts, deadline, claim_token, trace_context
+SELECT id, key, step, destination, payload, attempts, deadline, claim_token, trace_context,
+       payload_version
 FROM outbox_message WHERE id = %(id)s AND state = 'unknown'
 """
 
@@ -347,13 +350,24 @@ def ask_provider(
     attempts: int,
     deadline: datetime | None,
     trace_context: Any,
+    payload_version: int,
 ) -> tuple[Delivery, Confirmed | None]:
     """Call ``handler``'s lookup for a stored row (in a span of the writer's trace when tracing
     is on): the delivery it got and its answer. Raises what the lookup raised, and TypeError for
     an answer that is neither ``Confirmed`` nor None. Hold no transaction open around it."""
     assert handler.lookup_fn is not None  # checked by the caller
     delivery = clients.delivery(
-        handler, id=row_id, key=key, step=step, payload=payload, attempt=attempts, deadline=deadline
+        handler,
+        id=row_id,
+        key=key,
+        step=step,
+        payload=payload,
+        attempt=attempts,
+        deadline=deadline,
+        payload_version=payload_version,
+        # A lookup names the call by its key: a payload the model now refuses (the row went
+        # `unknown` for it) must not keep the provider from being asked.
+        strict=False,
     )
     lookup = handler.lookup_fn
     if tracing.active():
@@ -388,6 +402,7 @@ def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
             attempts=row.attempts,
             deadline=row.deadline,
             trace_context=row.trace_context,
+            payload_version=row.payload_version,
         )
     except Exception as exc:
         run.consecutive_failures[destination] += 1

@@ -71,6 +71,7 @@ PAGES = (
     "guarantee.md",
     "handlers.md",
     "chains.md",
+    "payloads.md",
     "timings.md",
     "configuration.md",
     "production.md",
@@ -474,6 +475,12 @@ class Shop:
         with Session(self.engine) as s, s.begin():
             return outbox.write(s, key=key, step=step, destination=destination, payload=payload).id
 
+    def write_validated(self, key: str, step: str, destination: str, payload: dict[str, Any]) -> int:
+        with Session(self.engine) as s, s.begin():
+            return outbox.write(
+                s, key=key, step=step, destination=destination, payload=payload, validate=True
+            ).id
+
     def deliver(self, handler: Handler, row_id: int) -> RunResult:
         consumer = Executor(self.services.database_url, {handler.destination: handler})
         self._consumers.append(consumer)
@@ -512,6 +519,7 @@ class Shop:
             payload=row["payload"],
             attempt=max(row["attempts"], 1),
             deadline=row["deadline"],
+            payload_version=row["payload_version"],
         )
 
     def close(self) -> None:
@@ -735,6 +743,20 @@ def check_chains(run: PageRun, shop: Shop) -> None:
     assert report["payload"] == {"import": "2026-12-01", "chunks": 3} and report["via"] == "batch_then"
 
 
+def check_payloads(run: PageRun, shop: Shop) -> None:
+    charge = run.handler("payments.charge")
+    old, new = shop.rows_id("order:41", "charge"), shop.rows_id("order:42", "charge")
+    # Written before release 2's handler was imported: version 1; after: version 2.
+    assert (shop.row(old)["payload_version"], shop.row(new)["payload_version"]) == (1, 2)
+    assert shop.row(old)["payload"] == {"amount": 12}
+    assert shop.deliver(charge, old) is RunResult.SENT
+    assert shop.deliver(charge, new) is RunResult.SENT
+    assert shop.provider.stats()["effects"] == {"order:41:charge": 1, "order:42:charge": 1}
+    assert run.namespace["amount_in_cents"]({"amount": 12}) == {"amount_cents": 1200}
+    with pytest.raises(outbox.InvalidMessage, match="amount_cents"):
+        shop.write_validated("order:43", "charge", "payments.charge", {"amount": 12})
+
+
 def check_timings(run: PageRun, shop: Shop) -> None:
     rows = shop.rows()
     assert ("order:43", "charge", "payments.charge", "pending") in rows
@@ -790,6 +812,7 @@ PAGE_CHECKS: dict[str, Callable[[PageRun, Shop], None]] = {
     "docs/quickstart.md": check_quickstart,
     "docs/handlers.md": check_handlers,
     "docs/chains.md": check_chains,
+    "docs/payloads.md": check_payloads,
     "docs/timings.md": check_timings,
     "docs/not-a-queue.md": check_not_a_queue,
     "docs/runbook.md": check_runbook,

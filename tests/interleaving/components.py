@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 import psycopg
+import pydantic
 import pytest
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.message import Message
@@ -172,6 +173,13 @@ class WatchedConnection:
 # -- handlers -------------------------------------------------------------------------------------
 
 
+class IxCharge(pydantic.BaseModel):
+    """issue 15: the payload ix.charge accepts; the application sometimes writes one it does not."""
+
+    amount_cents: int
+    currency: str
+
+
 @dataclasses.dataclass(frozen=True)
 class Destination:
     name: str
@@ -183,6 +191,8 @@ class Destination:
     breaker: outbox.Breaker | None = None
     #: issue 14: a `then` and an `on_failure` step (outbox.chains)
     chained: bool = False
+    #: issue 15: the payload's model (outbox.payloads): an invalid payload fails without a call
+    model: Any = None
 
 
 DESTINATIONS = (
@@ -195,6 +205,7 @@ DESTINATIONS = (
         retry_after_scope="destination",
         breaker=outbox.Breaker(failures=2, window_seconds=10, open_seconds=0.5, max_open_seconds=2),
         chained=True,
+        model=IxCharge,
     ),
     Destination(
         "ix.once",
@@ -240,6 +251,7 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
         lease_seconds=lease,
         retry_after_scope=dest.retry_after_scope,
         breaker=dest.breaker,
+        payload_model=dest.model,
     )
     def charge(d: outbox.Delivery) -> outbox.Confirmed:
         checkpoint("before_post")

@@ -309,6 +309,8 @@ class World:
         self.side_threads: list[threading.Thread] = []
         self.blockers: list[tuple[psycopg.Connection[Any], int, float]] = []
         self.keys: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        #: issue 15: operations written with a payload ix.charge's model refuses
+        self.invalid_keys: set[tuple[str, str]] = set()
         self.claims: dict[uuid.UUID, dict[str, Any]] = {}
         self.lost_claims: list[dict[str, Any]] = []
         self.operator_failed: set[int] = set()
@@ -432,7 +434,11 @@ class World:
             self._next_key += 1
             # A negative amount is a declined card: a permanent error, never charged.
             amount = -100 if self.rng.random() < 0.08 else self.rng.randrange(100, 10000)
-            payload = {"amount_cents": amount, "currency": "EUR"}
+            payload: dict[str, Any] = {"amount_cents": amount, "currency": "EUR"}
+            if destination == "ix.charge" and self.rng.random() < 0.05:
+                # issue 15: a payload its handler's model refuses: failed without a call.
+                payload = {"amount_cents": "twelve", "currency": "EUR"}
+                self.invalid_keys.add((key, step))
             # issue 13: some rows must be done within seconds; a deadline passing while the
             # destination is paused or its breaker open fails the row in the reconciler.
             deadline = None
@@ -1008,6 +1014,7 @@ class World:
                     )
         findings += self._check_chains(effects)
         findings += self._check_batches()
+        findings += self._check_invalid_payloads(effects)
         for claim in self.lost_claims:
             token = claim["token"]
             if token is None:
@@ -1023,6 +1030,25 @@ class World:
                         [claim["row_id"]],
                     )
                 )
+        return findings
+
+    def _check_invalid_payloads(self, effects: dict[str, int]) -> list[Finding]:
+        """issue 15: a payload the handler's model refuses is never sent to the provider, and its
+        row ends failed (or cancelled), never sent."""
+        findings: list[Finding] = []
+        for key, step in sorted(self.invalid_keys):
+            ikey = c.idempotency_key(key, step)
+            rows = self.sql("SELECT id, state FROM outbox_message WHERE key = %s AND step = %s", (key, step))
+            ids = [r[0] for r in rows]
+            if effects.get(ikey):
+                findings.append(
+                    Finding("invalid payload called", f"{ikey} charged {effects[ikey]} time(s)", ids)
+                )
+            for row_id, state in rows:
+                if state not in ("failed", "cancelled"):
+                    findings.append(
+                        Finding("invalid payload not failed", f"row {row_id} ({ikey}) {state}", [row_id])
+                    )
         return findings
 
     def _check_chains(self, effects: dict[str, int]) -> list[Finding]:
