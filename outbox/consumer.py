@@ -287,6 +287,7 @@ class Executor:
                 lease_seconds=handler.lease_seconds,
                 token=token,
                 key_ttl=handler.key_ttl if handler.idempotent else None,
+                skip_when_failed=handler.on_failed_head == "skip",
             )
         except psycopg.OperationalError:
             # A broken connection may have lost the reply to a committed claim; on a live one the

@@ -20,6 +20,7 @@ import httpx
 from . import payloads
 from .breaker import DEFAULT_BREAKER, Breaker
 from .exceptions import ConfigError, RetryableError
+from .ordering import ON_FAILED_HEAD
 from .settings import (
     DEFAULT_BACKOFF_SECONDS,
     DEFAULT_KEY_TTL_SECONDS,
@@ -157,6 +158,8 @@ class Handler:
     #: versions to its shape (outbox.payloads).
     payload_model: Any = field(default=None, compare=False)
     upgrades: Mapping[int, payloads.Upgrade] | None = field(default=None, compare=False)
+    #: A failed row of an ordering key: "block" its key (default) or "skip" it (outbox.ordering).
+    on_failed_head: str = "block"
 
     def __call__(self, delivery: Delivery) -> Any:
         return self.fn(delivery)
@@ -428,6 +431,7 @@ def handler(
     breaker: Breaker | None = DEFAULT_BREAKER,
     payload_model: Any = None,
     upgrades: Mapping[int, payloads.Upgrade] | None = None,
+    on_failed_head: str = "block",
 ) -> Callable[[Callable[[Delivery], Any]], Handler]:
     """Declare the handler of ``destination`` (all timings in seconds).
 
@@ -446,6 +450,9 @@ def handler(
     ``payload_model`` (a pydantic model) validates each payload before its call: an invalid one
     fails its row, never retried; ``upgrades={1: fn}`` turn older payload versions into the
     current shape first (outbox.payloads, docs/payloads.md).
+    ``on_failed_head="skip"``: a row written with an ``ordering_key`` that fails for certain lets
+    the rows of its key behind it go; by default ("block") the key waits for an operator
+    (outbox.ordering, docs/ordering.md). An ``unknown`` or ``in_flight`` row always blocks.
     A declaration with any of :meth:`Handler.problems` raises ConfigError listing them all.
     """
     valid_limit = isinstance(time_limit, int | float) and time_limit > 0
@@ -467,6 +474,8 @@ def handler(
     elif breaker is not None:
         problems.extend(f"{destination}: {p}" for p in breaker.problems())
     problems.extend(f"{destination}: {p}" for p in payloads.declaration_problems(payload_model, upgrades))
+    if on_failed_head not in ON_FAILED_HEAD:
+        problems.append(f"on_failed_head must be 'block' or 'skip', got {on_failed_head!r}")
     if problems:
         raise ConfigError("handler " + "; ".join(problems))
     assert lease is not None
@@ -486,6 +495,7 @@ def handler(
             breaker=breaker,
             payload_model=payload_model,
             upgrades=dict(upgrades) if upgrades else None,
+            on_failed_head=on_failed_head,
         )
         with _registry_lock:
             existing = _registry.get(destination)

@@ -54,8 +54,9 @@ def current_revision(connection: Connection) -> str | None:
 #: that table, which the claim reads and reserves (outbox.breaker); 0012 the chain columns
 #: (``parent_id``, ``via``, ``chain_problem``) that the record and the purge write (outbox.chains);
 #: 0014 the batches (``outbox_batch``, ``batch_id``) that ``write(batch=)`` and the reconciler's
-#: ``batches`` job use; 0016 ``payload_version``, which ``write`` inserts and the claim returns.
-SCHEMA_OLDEST = "0016"
+#: ``batches`` job use; 0016 ``payload_version``, which ``write`` inserts and the claim returns;
+#: 0017 the ordering columns and triggers (outbox.ordering) that the relay and the claim read.
+SCHEMA_OLDEST = "0017"
 
 #: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``): the
 #: oldest code, named by the newest revision it knows, that may still run on the database.

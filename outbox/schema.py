@@ -368,6 +368,24 @@ Index(
 #: leaves newer ones to a newer worker. CHECK payload_version >= 1 (added NOT VALID, validated).
 outbox_message.append_column(Column("payload_version", Integer, nullable=False, server_default=text("1")))
 
+# -- Issue 15 (migrations 0017, 0018): per-key ordering (outbox.ordering) --------------------------
+#: Rows of one ordering key are claimed one at a time, in commit order. Triggers (not in the
+#: metadata): outbox_message_ordering_serialize (BEFORE INSERT: the writers of one key in turn)
+#: and outbox_message_ordering_wake (AFTER UPDATE: a settled head wakes the relay).
+outbox_message.append_column(Column("ordering_key", Text, nullable=True))
+#: Set by the claim from the handler's on_failed_head="skip": this row, failed, holds nothing back.
+outbox_message.append_column(
+    Column("skip_when_failed", Boolean, nullable=False, server_default=text("false"))
+)
+#: An operator skipped this failed head (outbox skip).
+outbox_message.append_column(Column("order_skipped_at", DateTime(timezone=True), nullable=True))
+Index(
+    "outbox_message_ordering_idx",
+    outbox_message.c.ordering_key,
+    outbox_message.c.id,
+    postgresql_where=text("ordering_key IS NOT NULL AND state NOT IN ('sent', 'cancelled')"),
+)
+
 # -- migration 0007 (attack finding F6): a new row's step holds no ':' ------------------------------
 # CHECK outbox_message_step_colon_check: strpos(step, ':') = 0 OR id <= <highest id at upgrade>,
 # NOT VALID. Not declared here: its bound is each database's own (rows stored before the upgrade

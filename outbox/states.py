@@ -53,6 +53,9 @@ fails for a certain reason); ``write_next_steps`` writes a ``sent`` row's missin
 ``insert_batch`` created the batch); ``finish_batch`` writes the batch's then or catch row once
 every member is terminal (the reconciler). ``note_history`` only appends
 who asked and why to a row's history (``outbox repair``).
+Rows of an ordering key (:mod:`outbox.ordering`) move as above, one at a time: ``dispatch_due``
+and ``claim`` pass over a row while an earlier row of its key holds it back; ``skip_head`` (an
+operator's ``outbox skip``) only marks a ``failed`` head as no longer holding its key.
 ``mark_alerted`` only marks a ``failed`` or long-``unknown`` row (or a ``sent`` one whose next
 steps are missing) as reported; ``close_abandoned`` serves ``outbox demo`` only.
 """

@@ -40,6 +40,7 @@ function                              move                            called by
 :func:`resolve_sent`                  unknown -> sent                 ``outbox resolve --sent``
 :func:`resolve_not_sent`              unknown -> pending              ``outbox resolve --not-sent``
 :func:`resolve_failed`                unknown -> failed               ``outbox resolve --failed``
+:func:`skip_head`                     failed (its ordering key goes)  ``outbox skip``
 :func:`cancel_rows`                   pending/dispatched -> cancelled ``outbox cancel``
 :func:`close_abandoned`               any open -> cancelled/failed    ``outbox demo`` (its own rows)
 :func:`elapse`                        (instants only)                 tests: time passes
@@ -68,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from sqlalchemy import text
 
-from . import chains, outcomes, sanitize
+from . import chains, ordering, outcomes, sanitize
 from .schema import NOTIFY_CHANNEL
 
 if TYPE_CHECKING:
@@ -150,10 +151,10 @@ def _certain_failure_sql(row_id: str, token: str) -> str:
 
 _INSERT = """
 INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context,
-                            payload_version)
+                            payload_version, ordering_key)
 VALUES (:key, :step, :destination, CAST(:payload AS jsonb),
         COALESCE(CAST(:available_at AS timestamptz), now()), :deadline, CAST(:trace_context AS jsonb),
-        :payload_version)
+        :payload_version, :ordering_key)
 ON CONFLICT (key, step) DO NOTHING
 RETURNING id
 """
@@ -204,10 +205,10 @@ RETURNING id
 # every reader. Casts: in a SELECT list a bare parameter would be text.
 _INSERT_MEMBER = """
 INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context, batch_id,
-                            payload_version)
+                            payload_version, ordering_key)
 SELECT CAST(:key AS text), CAST(:step AS text), CAST(:destination AS text), CAST(:payload AS jsonb),
        COALESCE(CAST(:available_at AS timestamptz), now()), CAST(:deadline AS timestamptz),
-       CAST(:trace_context AS jsonb), b.id, CAST(:payload_version AS integer)
+       CAST(:trace_context AS jsonb), b.id, CAST(:payload_version AS integer), CAST(:ordering_key AS text)
 FROM outbox_batch b
 WHERE b.id = :batch_id AND b.created_txid = txid_current()
 ON CONFLICT (key, step) DO NOTHING
@@ -341,12 +342,13 @@ def finish_batch(
 # index eligible, which the planner picked before the table's first ANALYZE, scanning the whole
 # index for each id (1 s per 1,000-row batch).
 # All rows of a batch get the same dispatched_at (now() is the transaction's start time).
-DISPATCH_DUE_SQL = """
+# Only the head of an ordering key is taken (outbox.ordering): the rows behind it wait `pending`.
+DISPATCH_DUE_SQL = f"""
 UPDATE outbox_message
 SET state = 'dispatched', dispatched_at = now()
 WHERE id = ANY(ARRAY(
     SELECT id FROM outbox_message
-    WHERE state = 'pending' AND available_at <= now()
+    WHERE state = 'pending' AND available_at <= now() AND NOT {ordering.blocked_sql("outbox_message")}
     ORDER BY available_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -408,10 +410,13 @@ SELECT 1 FROM outbox_attempt a
 WHERE a.message_id = %(id)s AND {outcomes.may_have_taken_effect_sql("a")}
   AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second'
 """
-_CLAIMABLE = """
+# A row behind the head of its ordering key is not claimed, whatever brought its message (a
+# re-dispatch, a replay): the order is kept by the claim too, not only by the relay.
+_CLAIMABLE = f"""
     id = %(id)s AND destination = %(destination)s
     AND (state = 'dispatched' OR (state = 'pending' AND available_at <= now()))
     AND NOT EXISTS (SELECT 1 FROM gate WHERE paused OR (open AND NOT probe_free))
+    AND NOT {ordering.blocked_sql("outbox_message")}
 """
 # The destination's row (outbox.pauses, outbox.breaker), read once: paused, breaker open (and
 # whether the probe is free: half-open, no probe under way), the consecutive failures counted.
@@ -444,6 +449,9 @@ claimed AS (
     SET state = 'in_flight',
         claim_token = %(token)s,
         attempts = m.attempts + 1,
+        -- The handler's on_failed_head (outbox.ordering): whether this row, failed, lets the
+        -- rows of its ordering key behind it go.
+        skip_when_failed = %(skip_when_failed)s,
         claimed_at = clock_timestamp(),
         lease_expires_at = clock_timestamp() + %(lease_seconds)s * interval '1 second'
     FROM held
@@ -685,11 +693,14 @@ def claim(
     lease_seconds: float,
     token: uuid.UUID | None = None,
     key_ttl: float | None = None,
+    skip_when_failed: bool = False,
 ) -> Claimed | Aged | None:
     """Move the row to `in_flight` under a new claim token and insert its fence row.
 
     None when the row is not claimable (already claimed, settled, cancelled, not yet due, not
-    for this destination, or its destination is paused): the run is then empty. Pass ``token``
+    for this destination, its destination is paused, or an earlier row of its ordering key holds
+    it back): the run is then empty. ``skip_when_failed``: the handler's
+    ``on_failed_head="skip"``, recorded on the row (outbox.ordering). Pass ``token``
     to know it before the statement is sent: if its reply is lost, the token says whether the
     claim committed. ``key_ttl`` (an idempotent destination's): a row whose earlier call may
     have taken effect longer ago goes to `unknown` instead (:class:`Aged`).
@@ -709,6 +720,7 @@ def claim(
             "destination": destination,
             "key_ttl": key_ttl,
             "aged_error": aged_error,
+            "skip_when_failed": skip_when_failed,
         },
     ).fetchone()
     if row is None:
@@ -1384,6 +1396,8 @@ REPLAYABLE_SQL = (
     f"NOT EXISTS ({BLOCKING_ATTEMPT_SQL}) AND NOT {outcomes.operator_failed_unknown_sql('m')}"
     # Its compensation ran (or will): replaying the step would undo the undo.
     f" AND NOT {chains.COMPENSATED_SQL}"
+    # A row of its ordering key behind it went: replayed, it would break the order.
+    f" AND NOT {ordering.passed_sql('m')}"
 )
 
 
@@ -1464,6 +1478,19 @@ SET state = 'failed', last_error = :error, completed_at = now(),
 )
 
 
+# An operator lets an ordering key go past its failed head (the AFTER UPDATE trigger wakes the
+# relay). A failed row only: an unknown or in_flight head may have charged, and is never skipped.
+_SKIP_HEAD = (
+    """
+UPDATE outbox_message
+SET order_skipped_at = now(),
+"""
+    + HISTORY_ENTRY
+    + """ WHERE id = :id AND state = 'failed' AND ordering_key IS NOT NULL
+        AND order_skipped_at IS NULL AND NOT skip_when_failed RETURNING id"""
+)
+
+
 # The operator's guard is wider than outbox.cancel's (:func:`cancel_by_key`: only a row no
 # consumer ever claimed): a pending or dispatched row whose every call is known not to have taken effect
 # (a safe outcome, or an ambiguous call settled). Without it a row re-pending after a failover,
@@ -1539,6 +1566,13 @@ def resolve_failed(connection: Connection, *, row_id: int, error: str, history: 
     """``unknown`` -> ``failed`` with the operator's reason (a later replay needs ``--force``)."""
     params = {**history, "id": row_id, "error": error}
     return connection.execute(_text(_RESOLVE_FAILED), params).first() is not None
+
+
+def skip_head(connection: Connection, *, row_id: int, history: Mapping[str, Any]) -> bool:
+    """A ``failed`` row of an ordering key stops holding the rows behind it (outbox.ordering); it
+    stays failed. False when it did not move (not failed, no ordering key, or skipped already)."""
+    params = {**history, "id": row_id}
+    return connection.execute(_text(_SKIP_HEAD), params).first() is not None
 
 
 def cancel_rows(

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from . import settings as _settings
 from . import tracing, transitions
 from .exceptions import BatchConflict, ConfigError, InvalidMessage, KeyConflict
+from .ordering import MAX_ORDERING_KEY_LENGTH
 from .payloads import check_version, imported_handler
 from .validation import check_aware, check_destination, check_key_step, encode_payload
 
@@ -43,7 +44,8 @@ class Written:
 _EXISTING = text(
     """
     (SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb)
-                AND payload_version = :payload_version AS same
+                AND payload_version = :payload_version
+                AND ordering_key IS NOT DISTINCT FROM CAST(:ordering_key AS text) AS same
      FROM outbox_message WHERE key = :key AND step = :step)
     UNION ALL
     (SELECT message_id, destination = :destination
@@ -58,6 +60,7 @@ _EXISTING_MEMBER = text(
     """
     (SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb)
                 AND payload_version = :payload_version
+                AND ordering_key IS NOT DISTINCT FROM CAST(:ordering_key AS text)
                 AND batch_id IS NOT DISTINCT FROM :batch_id AS same
      FROM outbox_message WHERE key = :key AND step = :step)
     UNION ALL
@@ -99,8 +102,10 @@ def _params(
     max_payload_bytes: int | None,
     payload_version: int | None = None,
     validate: bool = False,
+    ordering_key: str | None = None,
 ) -> dict[str, Any]:
     check_key_step(key, step)
+    _check_ordering_key(ordering_key)
     check_destination(destination)
     check_aware("available_at", available_at)
     check_aware("deadline", deadline)
@@ -115,7 +120,21 @@ def _params(
         "deadline": deadline,
         "trace_context": tracing.current_context_json(),
         "payload_version": version,
+        "ordering_key": ordering_key,
     }
+
+
+def _check_ordering_key(ordering_key: Any) -> None:
+    if ordering_key is None:
+        return
+    if not isinstance(ordering_key, str):
+        raise InvalidMessage(f"ordering_key must be a str, got {type(ordering_key).__name__}")
+    if not 1 <= len(ordering_key) <= MAX_ORDERING_KEY_LENGTH:
+        raise InvalidMessage(
+            f"ordering_key must be 1 to {MAX_ORDERING_KEY_LENGTH} characters, got {len(ordering_key)}"
+        )
+    if not ordering_key.isprintable():
+        raise InvalidMessage(f"ordering_key {ordering_key!r} holds a control character")
 
 
 def _payload_version(destination: str, payload: Any, payload_version: Any, validate: bool) -> int:
@@ -221,6 +240,7 @@ def write(
     batch: Batch | None = None,
     payload_version: int | None = None,
     validate: bool = False,
+    ordering_key: str | None = None,
 ) -> Written:
     """Add the outbox row ``(key, step)`` to the caller's transaction; never commits.
 
@@ -235,9 +255,22 @@ def write(
     ``payload_version``: the version of the payload's shape (default: the current version of the
     destination's handler when this process imported it, else 1); ``validate=True`` checks the
     payload against that handler's ``payload_model`` first (outbox.payloads; docs/payloads.md).
+
+    ``ordering_key``: the rows of one ordering key (e.g. ``customer:7``, independent of ``key``)
+    are claimed one at a time, in commit order (outbox.ordering; docs/ordering.md). The writers of
+    one ordering key wait for each other: the database serialises them until each commits.
     """
     params = _params(
-        key, step, destination, payload, available_at, deadline, max_payload_bytes, payload_version, validate
+        key,
+        step,
+        destination,
+        payload,
+        available_at,
+        deadline,
+        max_payload_bytes,
+        payload_version,
+        validate,
+        ordering_key,
     )
     _ensure_schema(target)
     if batch is not None:
@@ -280,10 +313,20 @@ async def write_async(
     batch: Batch | None = None,
     payload_version: int | None = None,
     validate: bool = False,
+    ordering_key: str | None = None,
 ) -> Written:
     """The :func:`write` twin for ``AsyncSession`` / ``AsyncConnection`` (psycopg async)."""
     params = _params(
-        key, step, destination, payload, available_at, deadline, max_payload_bytes, payload_version, validate
+        key,
+        step,
+        destination,
+        payload,
+        available_at,
+        deadline,
+        max_payload_bytes,
+        payload_version,
+        validate,
+        ordering_key,
     )
     await _ensure_schema_async(target)
     if batch is not None:

@@ -116,6 +116,20 @@ COMMANDS: tuple[Command, ...] = (
         _LOOK,
     ),
     Command(
+        "ordering",
+        "blocked ordering keys: since when, by which row, why (ordering [--limit N])",
+        "outbox.cli.ordering:ordering_arguments",
+        "outbox.cli.ordering:ordering",
+        _LOOK,
+    ),
+    Command(
+        "skip",
+        "let an ordering key go past its failed head: skip ID --reason R",
+        "outbox.cli.ordering:skip_arguments",
+        "outbox.cli.ordering:skip",
+        _LOOK,
+    ),
+    Command(
         "chains",
         "keys whose work stopped (chains --stalled [--destination D] [--older-than T])",
         "outbox.cli.chains:chains_arguments",

@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import chains, outcomes, sanitize, states, transitions
+from .. import chains, ordering, outcomes, sanitize, states, transitions
 from ..exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
 from ..handlers import Confirmed, Handler
 from . import tables
@@ -33,7 +33,15 @@ _FAILED_OUT_OF_UNKNOWN = (
     "an operator failed it out of unknown (resolve --failed): nobody knows whether its call took effect"
 )
 _COMPENSATED = "its @on_failure compensation was written: replayed, the step would run after its own undo"
-_REFUSAL_TEXTS = {"failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN, "compensated": _COMPENSATED}
+_ORDER_PASSED = "rows of its ordering key behind it went already: replayed, it would come after them"
+_REFUSAL_TEXTS = {
+    "failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN,
+    "compensated": _COMPENSATED,
+    "order_passed": _ORDER_PASSED,
+}
+#: Refusals that are not about a second charge: --force is the operator's call on the order of
+#: things, not on the money.
+_NOT_ABOUT_A_CHARGE = frozenset({_COMPENSATED, _ORDER_PASSED})
 
 # What a replay would do to each row, and why it refuses: read to preview, never to act (the
 # acting statements re-check every rule themselves).
@@ -54,7 +62,9 @@ SELECT m.id, m.key, m.step, m.destination, m.state, m.completed_at, m.last_error
        ) || CASE WHEN {outcomes.operator_failed_unknown_sql("m")}
                  THEN ARRAY[CAST(:failed_out_of_unknown AS text)] ELSE ARRAY[]::text[] END
          || CASE WHEN {chains.COMPENSATED_SQL}
-                 THEN ARRAY[CAST(:compensated AS text)] ELSE ARRAY[]::text[] END AS refusals,
+                 THEN ARRAY[CAST(:compensated AS text)] ELSE ARRAY[]::text[] END
+         || CASE WHEN {ordering.passed_sql("m")}
+                 THEN ARRAY[CAST(:order_passed AS text)] ELSE ARRAY[]::text[] END AS refusals,
        ARRAY(SELECT a.id FROM outbox_attempt a
              WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql("a")} ORDER BY a.id) AS blockers
 FROM outbox_message m
@@ -168,10 +178,10 @@ class ReplayCandidate:
     def refusal(self) -> str:
         if self.state != states.FAILED:
             return f"row {self.id} is {self.state}, only failed rows can be replayed"
-        if self.refusals == [_COMPENSATED]:
+        if self.refusals and set(self.refusals) <= _NOT_ABOUT_A_CHARGE:
             return (
-                f"row {self.id} refused: {_COMPENSATED}. If the step must run again anyway: "
-                f"outbox replay {self.id} --force --reason WHY"
+                f"row {self.id} refused: {'; '.join(self.refusals)}. If the step must run again "
+                f"anyway: outbox replay {self.id} --force --reason WHY"
             )
         return (
             f"row {self.id} refused: {'; '.join(self.refusals)}. Replaying it could charge twice; "
@@ -580,3 +590,39 @@ def cancel_rows(
             state = connection.execute(_STATE_OF, {"id": row_id}).scalar_one_or_none()
             refused.append((row_id, _why_not_cancellable(state, row_id)))
     return CancelPlan(destination, True, cancelled, sorted(refused), top)
+
+
+# -- skip: let an ordering key go past its failed head ----------------------------------------------
+
+_SKIP_STATE = text(
+    "SELECT state, ordering_key, order_skipped_at, skip_when_failed FROM outbox_message WHERE id = :id"
+)
+
+
+def skip(
+    connection: Connection, row_id: int, *, by: str | None = None, reason: str | None = None
+) -> ActionResult:
+    """Let the rows of a ``failed`` row's ordering key behind it go (outbox.ordering); the row
+    stays failed, who and why in its history. Only a failed row: an ``unknown`` or ``in_flight``
+    head may have charged, and is settled (resolve), never skipped. Replaying a skipped row later
+    needs ``--force`` once a row behind it went (it would come after it)."""
+    if not reason or not reason.strip():
+        raise ConfigError("skip needs --reason: why the rows behind this one may go without it")
+    history = _history_params("skip", states.FAILED, by or default_actor(), reason)
+    if transitions.skip_head(connection, row_id=row_id, history=history):
+        return ActionResult(
+            row_id, True, f"row {row_id} skipped: the rows of its ordering key behind it go; it stays failed"
+        )
+    row = connection.execute(_SKIP_STATE, {"id": row_id}).first()
+    if row is None:
+        raise NotFound(f"no outbox row with id {row_id}")
+    if row.ordering_key is None:
+        raise InvalidTransition(f"row {row_id} has no ordering key: nothing waits behind it")
+    if row.state != states.FAILED:
+        why = (
+            "it may have taken effect: settle it (outbox resolve), never skip it"
+            if row.state in (states.UNKNOWN, states.IN_FLIGHT)
+            else "only a failed row holds its key back for good"
+        )
+        raise InvalidTransition(f"row {row_id} is {row.state}, not failed: {why}")
+    raise InvalidTransition(f"row {row_id} is skipped already (the rows behind it go)")

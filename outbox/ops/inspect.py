@@ -17,6 +17,7 @@ from .. import breaker, chains, heartbeat, pauses, settings, states
 from ..breaker import OpenBreaker
 from ..exceptions import ConfigError, NotFound
 from ..heartbeat import NoConsumer
+from ..ordering import HOLDING_SQL
 from ..pauses import Pause
 from . import tables
 from .tables import seconds
@@ -52,6 +53,9 @@ class StatusReport:
     paused: list[Pause] = field(default_factory=list)
     #: Destinations whose circuit breaker is open or half-open now (outbox.breaker).
     breakers: list[OpenBreaker] = field(default_factory=list)
+    #: Ordering keys held back by their head (outbox.ops.ordering), and for how long the longest.
+    blocked_keys: int = 0
+    oldest_block_seconds: float | None = None
 
     def totals(self) -> dict[str, int]:
         return {s: sum(c[s] for c in self.counts.values()) for s in states.ALL}
@@ -81,6 +85,8 @@ class StatusReport:
             "no_consumer": [n.to_dict() for n in self.no_consumer],
             "paused": [p.to_dict() for p in self.paused],
             "breakers": [b.to_dict() for b in self.breakers],
+            "blocked_ordering_keys": self.blocked_keys,
+            "oldest_block_seconds": self.oldest_block_seconds,
         }
 
     def render(self) -> str:
@@ -100,8 +106,18 @@ def status(connection: Connection) -> StatusReport:
     for d in counts:
         ages.setdefault(d, None)
     gaps = heartbeat.no_consumer(connection.execute(text(heartbeat.NO_CONSUMER_SQL)))
+    from .ordering import blocked_summary
+
+    blocked, oldest_block = blocked_summary(connection)
     return StatusReport(
-        generated_at, counts, ages, gaps, pauses.paused(connection), breaker.open_breakers(connection)
+        generated_at,
+        counts,
+        ages,
+        gaps,
+        pauses.paused(connection),
+        breaker.open_breakers(connection),
+        blocked,
+        oldest_block,
     )
 
 
@@ -109,10 +125,17 @@ def status(connection: Connection) -> StatusReport:
 
 # Every column but the payload, whose size and top-level keys stand in for it: what is in it may
 # be personal data, and an operator rarely needs more than its shape.
-_ROW_COLUMNS = """
+# With an ordering key: the earlier row of that key that holds this one back (outbox.ordering).
+_ROW_COLUMNS = f"""
     id, key, step, destination, state, attempts, available_at, deadline, created_at,
     dispatched_at, claimed_at, lease_expires_at, completed_at, unknown_since, alerted_at,
-    claim_token, provider_ref, response, last_error, history, releases,
+    claim_token, provider_ref, response, last_error, history, releases, payload_version,
+    ordering_key,
+    (SELECT format('row %s (%s:%s, %s)', e.id, e.key, e.step, e.state) FROM outbox_message e
+     WHERE e.ordering_key = outbox_message.ordering_key AND e.id < outbox_message.id
+       AND e.state NOT IN ('sent', 'cancelled') AND {HOLDING_SQL}
+     ORDER BY e.id LIMIT 1) AS held_back_by,
+    order_skipped_at,
     octet_length(payload::text) AS payload_bytes,
     CASE WHEN jsonb_typeof(payload) = 'object'
          THEN ARRAY(SELECT jsonb_object_keys(payload) ORDER BY 1) END AS payload_keys

@@ -120,7 +120,13 @@ def render_status(report: StatusReport) -> str:
         f"oldest due pending row: {age(report.oldest_pending_age_seconds) or 'none'}"
     )
     gaps = "".join(f"\n{n.describe()}" for n in report.no_consumer)
-    return f"{table}\n\n{summary}{gaps}{paused}"
+    blocked = (
+        f"\nblocked ordering keys: {report.blocked_keys}, the longest for "
+        f"{age(report.oldest_block_seconds) or '?'} (outbox ordering)"
+        if report.blocked_keys
+        else ""
+    )
+    return f"{table}\n\n{summary}{gaps}{blocked}{paused}"
 
 
 def render_row(detail: RowDetail) -> str:

@@ -1,0 +1,132 @@
+"""``outbox ordering``, and the blocked keys in ``outbox status`` and the metrics: the ordering
+keys held back by their head (outbox.ordering), read-only.
+
+A key is *blocked* when its head (the first row that holds it back) has rows waiting behind it
+and is not simply next in line: it is ``in_flight`` or ``unknown`` (an effect that may have
+happened), ``failed`` (not skipped), or waiting for a retry (claimed before). "Since" is when the
+head got there: its failure, its going unknown, its claim, or its previous attempt's retry time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from ..ordering import HOLDING_SQL
+from .tables import seconds
+
+DEFAULT_BLOCKED_LIMIT = 50
+
+_BLOCKED = f"""
+WITH heads AS (
+    SELECT DISTINCT ON (e.ordering_key)
+           e.ordering_key, e.id, e.key, e.step, e.destination, e.state, e.attempts, e.last_error,
+           CASE e.state WHEN 'failed' THEN e.completed_at
+                        WHEN 'unknown' THEN e.unknown_since
+                        WHEN 'in_flight' THEN e.claimed_at
+                        ELSE e.available_at END AS since
+    FROM outbox_message e
+    WHERE e.ordering_key IS NOT NULL AND e.state NOT IN ('sent', 'cancelled') AND {HOLDING_SQL}
+    ORDER BY e.ordering_key, e.id
+), blocked AS (
+    SELECT h.*,
+           (SELECT count(*) FROM outbox_message w
+            WHERE w.ordering_key = h.ordering_key AND w.id > h.id
+              AND w.state IN ('pending', 'dispatched')) AS waiting
+    FROM heads h
+    WHERE h.state IN ('failed', 'unknown', 'in_flight') OR h.attempts > 0
+)
+"""
+_LIST = text(
+    _BLOCKED
+    + """
+SELECT *, EXTRACT(EPOCH FROM now() - since) AS age, count(*) OVER () AS matching
+FROM blocked WHERE waiting > 0
+ORDER BY since, ordering_key
+LIMIT :limit
+"""
+)
+_SUMMARY = text(
+    _BLOCKED
+    + """
+SELECT count(*) AS keys, EXTRACT(EPOCH FROM now() - min(since)) AS oldest
+FROM blocked WHERE waiting > 0
+"""
+)
+
+
+@dataclass(frozen=True)
+class BlockedKey:
+    ordering_key: str
+    #: The head: the row holding the key back.
+    id: int
+    key: str
+    step: str
+    destination: str
+    state: str
+    since: datetime | None
+    age_seconds: float | None
+    #: Rows of the key waiting behind the head.
+    waiting: int
+    last_error: str | None
+
+    @property
+    def reason(self) -> str:
+        why = {
+            "failed": "failed (outbox replay ID, or outbox skip ID --reason R)",
+            "unknown": "unknown: its call may have taken effect (the lookup, or outbox resolve ID)",
+            "in_flight": "in flight: a call under way, or a worker died (its lease expires)",
+        }.get(self.state, f"{self.state}: waiting for its retry")
+        return why + (f"; {self.last_error}" if self.last_error and self.state != "in_flight" else "")
+
+    def describe(self) -> str:
+        since = self.since.isoformat(timespec="seconds") if self.since else "?"
+        return f"blocked since {since} by row {self.id} ({self.key}:{self.step}): {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["since"] = self.since.isoformat() if self.since else None
+        d["reason"] = self.reason
+        return d
+
+
+@dataclass(frozen=True)
+class BlockedReport:
+    keys: list[BlockedKey]
+    #: How many keys are blocked (more than listed when --limit cut the list).
+    matching: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"matching": self.matching, "keys": [k.to_dict() for k in self.keys]}
+
+
+def blocked_keys(connection: Connection, *, limit: int = DEFAULT_BLOCKED_LIMIT) -> BlockedReport:
+    """The blocked ordering keys, the longest blocked first."""
+    keys: list[BlockedKey] = []
+    matching = 0
+    for r in connection.execute(_LIST, {"limit": limit}):
+        matching = int(r.matching)
+        keys.append(
+            BlockedKey(
+                r.ordering_key,
+                int(r.id),
+                r.key,
+                r.step,
+                r.destination,
+                r.state,
+                r.since,
+                seconds(r.age),
+                int(r.waiting),
+                r.last_error,
+            )
+        )
+    return BlockedReport(keys, matching)
+
+
+def blocked_summary(connection: Connection) -> tuple[int, float | None]:
+    """(blocked keys, seconds the longest has been blocked): for status and the metrics."""
+    row = connection.execute(_SUMMARY).one()
+    return int(row.keys), seconds(row.oldest)
