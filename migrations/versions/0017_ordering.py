@@ -43,9 +43,7 @@ def upgrade() -> None:
         "outbox_message",
         sa.Column("skip_when_failed", sa.Boolean(), nullable=False, server_default=sa.text("false")),
     )
-    op.add_column(
-        "outbox_message", sa.Column("order_skipped_at", sa.DateTime(timezone=True), nullable=True)
-    )
+    op.add_column("outbox_message", sa.Column("order_skipped_at", sa.DateTime(timezone=True), nullable=True))
     op.execute(
         "ALTER TABLE outbox_message ADD CONSTRAINT outbox_message_ordering_key_check "
         "CHECK (ordering_key IS NULL OR char_length(ordering_key) BETWEEN 1 AND 200) NOT VALID"
