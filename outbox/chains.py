@@ -175,6 +175,14 @@ def failure_plan(handler: Handler, delivery: Delivery, error: str | None) -> Pla
     return _plan(ON_FAILURE, fn, delivery.key, delivery.step, (delivery, error or ""))
 
 
+def caught_sql(row: str) -> str:
+    """The failed member ``row`` of a batch that ended with its catch row written: handled, like
+    a compensated step (``outbox chains --stalled`` and ``outbox show KEY`` both read it)."""
+    return f"""({row}.batch_id IS NOT NULL AND EXISTS (
+        SELECT 1 FROM outbox_batch b
+        WHERE b.id = {row}.batch_id AND b.outcome = 'catch' AND b.written_id IS NOT NULL))"""
+
+
 #: A compensation was written for the failed row ``m``: a replay of it needs ``--force``.
 COMPENSATED_SQL = f"""(EXISTS (SELECT 1 FROM outbox_message c
                 WHERE c.key = m.key AND c.parent_id = m.id AND c.via = '{ON_FAILURE}')

@@ -271,6 +271,9 @@ class DatabaseReading:
     breakers: list[str] = field(default_factory=list)
     #: every destination to export, zeros included (the handlers' and the table's)
     destinations: list[str] = field(default_factory=list)
+    #: ordering keys held back by their head, and for how long the longest (outbox.ops.ordering)
+    blocked_keys: int = 0
+    oldest_block_seconds: float | None = None
     taken_at: float = field(default_factory=time.monotonic)
 
 
@@ -288,6 +291,11 @@ def read_database(conn: Any) -> DatabaseReading:
     reading.no_consumer = sorted({g.destination for g in gaps})
     reading.paused = [r[0] for r in conn.execute(PAUSED_SQL).fetchall()]
     reading.breakers = [r[0] for r in conn.execute(BREAKERS_SQL).fetchall()]
+    from .ops.ordering import SUMMARY_SQL
+
+    keys, oldest = conn.execute(SUMMARY_SQL).fetchone()
+    reading.blocked_keys = int(keys)
+    reading.oldest_block_seconds = float(oldest) if oldest is not None else None
     return reading
 
 
@@ -368,6 +376,19 @@ class _DatabaseCollector(Collector):
             ),
         ):
             yield _destination_flags(name, help_text, destinations, flagged)
+        blocked = GaugeMetricFamily(
+            "outbox_ordering_blocked_keys",
+            "Ordering keys held back by their head (failed, unknown, in flight, or waiting for a "
+            "retry) with rows waiting behind it: outbox ordering lists them.",
+        )
+        blocked.add_metric([], reading.blocked_keys)
+        yield blocked
+        oldest = GaugeMetricFamily(
+            "outbox_ordering_oldest_block_seconds",
+            "How long the longest-blocked ordering key has been blocked; 0 when none is.",
+        )
+        oldest.add_metric([], reading.oldest_block_seconds or 0.0)
+        yield oldest
         taken = GaugeMetricFamily(
             "outbox_database_reading_age_seconds",
             "How old the database reading above is (it is taken once per reconcile interval).",

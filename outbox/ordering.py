@@ -16,8 +16,8 @@ What holds a key back, by the earlier row's state (the head-of-line policy):
 * ``pending``, ``dispatched``: waiting its turn, or its retry: the key waits with it;
 * ``in_flight``, ``unknown``: always: an effect that may have happened is never skipped;
 * ``failed``: by default; not when its handler declares ``on_failed_head="skip"`` (recorded on
-  the row by its claim, ``skip_when_failed``) or an operator skipped it (``outbox skip``,
-  ``order_skipped_at``).
+  the row by its claim, ``skip_when_failed``) and no call of it may have taken effect, or when an
+  operator skipped it (``outbox skip``, ``order_skipped_at``).
 
 Who unblocks a key: the worker and the reconciler settling the head; an operator with
 ``resolve``, ``replay`` or ``skip`` (docs/ordering.md).
@@ -25,9 +25,23 @@ Who unblocks a key: the worker and the reconciler settling the head; an operator
 
 from __future__ import annotations
 
-#: The earlier rows of an ordering key that hold back the rows after them.
-HOLDING_SQL = """(e.state IN ('pending', 'dispatched', 'in_flight', 'unknown')
-         OR (e.state = 'failed' AND NOT e.skip_when_failed AND e.order_skipped_at IS NULL))"""
+from . import outcomes
+
+
+def lets_pass_sql(row: str) -> str:
+    """The failed ``row`` no longer holds its ordering key: an operator skipped it, or its
+    handler skips failed rows (``skip_when_failed``, recorded by its claim) and no call of it may
+    have taken effect. An uncertain effect is never passed by a policy (second attack on issue
+    15, B2): only an operator's ``outbox skip`` passes it."""
+    return f"""({row}.order_skipped_at IS NOT NULL
+        OR ({row}.skip_when_failed AND NOT EXISTS (
+            SELECT 1 FROM outbox_attempt {row}_a
+            WHERE {row}_a.message_id = {row}.id AND {outcomes.may_have_taken_effect_sql(f"{row}_a")})))"""
+
+
+#: The earlier rows (``e``) of an ordering key that hold back the rows after them.
+HOLDING_SQL = f"""(e.state IN ('pending', 'dispatched', 'in_flight', 'unknown')
+         OR (e.state = 'failed' AND NOT {lets_pass_sql("e")}))"""
 
 
 def blocked_sql(row: str) -> str:
@@ -40,13 +54,21 @@ def blocked_sql(row: str) -> str:
           AND e.state NOT IN ('sent', 'cancelled') AND {HOLDING_SQL}))"""
 
 
-def passed_sql(row: str) -> str:
-    """True when a later row of ``row``'s ordering key already went (was claimed, or settled):
-    ``row``, replayed, would come after it; ``outbox replay`` then needs ``--force``."""
-    return f"""({row}.ordering_key IS NOT NULL AND EXISTS (
-        SELECT 1 FROM outbox_message p
-        WHERE p.ordering_key = {row}.ordering_key AND p.id > {row}.id
-          AND (p.state NOT IN ('pending', 'dispatched') OR p.attempts > 0)))"""
+def out_of_line_sql(row: str) -> str:
+    """True when the failed ``row`` let its ordering key go on without it: skipped (by its
+    handler's policy or an operator), or a later row of its key went (was claimed, or settled).
+    Replayed, it would come after rows written after it: ``outbox replay`` needs ``--force``.
+
+    Skipped is enough, whatever the later rows' states: they may be claimed at any moment (a
+    replay racing a successor's claim put two rows of one key in flight: attack on issue 15, A1),
+    and once purged they are not in the table to be seen (A4)."""
+    # A row behind it that went: claimed or settled; one cancelled without a claim never went
+    # (second attack, B5).
+    return f"""({row}.ordering_key IS NOT NULL AND ({lets_pass_sql(row)}
+        OR EXISTS (SELECT 1 FROM outbox_message p
+                   WHERE p.ordering_key = {row}.ordering_key AND p.id > {row}.id
+                     AND (p.state IN ('in_flight', 'unknown', 'sent', 'failed')
+                          OR (p.state <> 'cancelled' AND p.attempts > 0)))))"""
 
 
 #: ``on_failed_head`` values of ``@outbox.handler``.

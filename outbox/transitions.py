@@ -1216,6 +1216,9 @@ SET state = CASE WHEN due.called THEN 'unknown' ELSE 'failed' END,
     unknown_since = CASE WHEN due.called THEN now() END,
     available_at = CASE WHEN due.called THEN now() ELSE m.available_at END,
     dispatched_at = NULL, alerted_at = NULL,
+    -- Failed before a claim recorded its handler's on_failed_head: the reconciler's module says
+    -- it (outbox.ordering; attack on issue 15, A3).
+    skip_when_failed = m.skip_when_failed OR m.destination = ANY(%(skip_when_failed)s),
     last_error = 'deadline ' || to_char(m.deadline AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
                  || {_HELD_BACK_BECAUSE}
                  || CASE WHEN due.called
@@ -1238,15 +1241,20 @@ class PastDeadline:
 
 
 def fail_past_deadline(
-    conn: psycopg.Connection[Any], *, destinations: Sequence[str], limit: int
+    conn: psycopg.Connection[Any],
+    *,
+    destinations: Sequence[str],
+    limit: int,
+    skip_when_failed: Sequence[str] = (),
 ) -> PastDeadline:
     """``pending``/``dispatched`` -> ``failed`` for up to ``limit`` rows of ``destinations`` whose
     deadline has passed while their destination is held back (paused, or its breaker open:
     no claim comes to fail them); -> ``unknown`` instead for a row whose earlier call may have
-    taken effect."""
+    taken effect. ``skip_when_failed``: the destinations whose handler says
+    ``on_failed_head="skip"`` (their failed rows let their ordering keys go on)."""
     if not destinations:
         return PastDeadline()
-    params = {"destinations": list(destinations), "limit": limit}
+    params = {"destinations": list(destinations), "limit": limit, "skip_when_failed": list(skip_when_failed)}
     moved = [r[0] for r in conn.execute(_FAIL_PAST_DEADLINE, params).fetchall()]
     return PastDeadline(failed=moved.count("failed"), unknown=moved.count("unknown"))
 
@@ -1383,6 +1391,9 @@ _REPLAY_SET = (
 SET state = 'pending', attempts = 0, available_at = now(),
     dispatched_at = NULL, completed_at = NULL, alerted_at = NULL,
     unknown_since = NULL, lease_expires_at = NULL,
+    -- Back in its ordering key's line: a new failure blocks again unless its next claim's
+    -- handler, or an operator, says otherwise (attack on issue 15, A2).
+    order_skipped_at = NULL, skip_when_failed = false,
 """
     + HISTORY_ENTRY
 )
@@ -1396,8 +1407,8 @@ REPLAYABLE_SQL = (
     f"NOT EXISTS ({BLOCKING_ATTEMPT_SQL}) AND NOT {outcomes.operator_failed_unknown_sql('m')}"
     # Its compensation ran (or will): replaying the step would undo the undo.
     f" AND NOT {chains.COMPENSATED_SQL}"
-    # A row of its ordering key behind it went: replayed, it would break the order.
-    f" AND NOT {ordering.passed_sql('m')}"
+    # It let its ordering key go on without it: replayed, it would break the order.
+    f" AND NOT {ordering.out_of_line_sql('m')}"
 )
 
 

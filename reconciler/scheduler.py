@@ -272,7 +272,11 @@ class Reconciler:
                 self.alert_hook,
             ),
             NoConsumer(NoConsumerConfig(cycles_before_alert=self.no_consumer_cycles), self.alert_hook),
-            HeldDestinations(HeldDestinationsConfig(), self.alert_hook),
+            HeldDestinations(
+                HeldDestinationsConfig(),
+                self.alert_hook,
+                frozenset(d for d, h in self.handlers.items() if h.on_failed_head == "skip"),
+            ),
             Chains(ChainsConfig(), self.handlers, self.module),
             Batches(BatchesConfig(), self.handlers, self.alert_hook),
         ) + (

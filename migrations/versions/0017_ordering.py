@@ -32,10 +32,6 @@ down_revision = "0016"
 branch_labels = None
 depends_on = None
 
-#: The first key of the two-key advisory locks of ordering keys ('ordr'): the two-key space is
-#: apart from the one-bigint locks of migrations and reconciler jobs.
-ORDERING_LOCK_CLASS = 0x6F726472
-
 
 def upgrade() -> None:
     op.add_column("outbox_message", sa.Column("ordering_key", sa.Text(), nullable=True))
@@ -50,11 +46,13 @@ def upgrade() -> None:
     )
     op.execute("ALTER TABLE outbox_message VALIDATE CONSTRAINT outbox_message_ordering_key_check")
     op.execute(
-        f"""
+        """
         CREATE OR REPLACE FUNCTION outbox_message_ordering_serialize() RETURNS trigger
         LANGUAGE plpgsql AS $$
         BEGIN
-            PERFORM pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(NEW.ordering_key));
+            -- A 64-bit hash: with hashtext's 32 bits, two keys of a few hundred thousand
+            -- collided and their writers waited for each other (attack on issue 15, A5).
+            PERFORM pg_advisory_xact_lock(hashtextextended('outbox.ordering:' || NEW.ordering_key, 0));
             NEW.id := nextval(pg_get_serial_sequence('outbox_message', 'id'));
             RETURN NEW;
         END

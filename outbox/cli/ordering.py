@@ -73,8 +73,8 @@ def skip_arguments(p: argparse.ArgumentParser) -> None:
         p,
         """
         Let the rows of a failed row's ordering key behind it go without it. The row stays
-        failed (outbox replay can still run it, with --force once a row behind it went: it would
-        come after them). Only a failed row with an ordering key: an unknown or in-flight head
+        failed (outbox replay can still run it, with --force: it would come after rows written
+        after it). Only a failed row with an ordering key: an unknown or in-flight head
         may have taken effect, and is settled (outbox resolve), never skipped. One guarded
         UPDATE; --reason is required, who and why go into the row's history; the relay is woken
         at once. Exit 1 when the row is not a failed, unskipped head.

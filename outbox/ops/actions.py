@@ -33,7 +33,10 @@ _FAILED_OUT_OF_UNKNOWN = (
     "an operator failed it out of unknown (resolve --failed): nobody knows whether its call took effect"
 )
 _COMPENSATED = "its @on_failure compensation was written: replayed, the step would run after its own undo"
-_ORDER_PASSED = "rows of its ordering key behind it went already: replayed, it would come after them"
+_ORDER_PASSED = (
+    "its ordering key went on without it (skipped, or a row behind it went): replayed, it would "
+    "come after rows written after it"
+)
 _REFUSAL_TEXTS = {
     "failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN,
     "compensated": _COMPENSATED,
@@ -63,7 +66,7 @@ SELECT m.id, m.key, m.step, m.destination, m.state, m.completed_at, m.last_error
                  THEN ARRAY[CAST(:failed_out_of_unknown AS text)] ELSE ARRAY[]::text[] END
          || CASE WHEN {chains.COMPENSATED_SQL}
                  THEN ARRAY[CAST(:compensated AS text)] ELSE ARRAY[]::text[] END
-         || CASE WHEN {ordering.passed_sql("m")}
+         || CASE WHEN {ordering.out_of_line_sql("m")}
                  THEN ARRAY[CAST(:order_passed AS text)] ELSE ARRAY[]::text[] END AS refusals,
        ARRAY(SELECT a.id FROM outbox_attempt a
              WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql("a")} ORDER BY a.id) AS blockers
@@ -605,7 +608,7 @@ def skip(
     """Let the rows of a ``failed`` row's ordering key behind it go (outbox.ordering); the row
     stays failed, who and why in its history. Only a failed row: an ``unknown`` or ``in_flight``
     head may have charged, and is settled (resolve), never skipped. Replaying a skipped row later
-    needs ``--force`` once a row behind it went (it would come after it)."""
+    needs ``--force`` (it would come after rows written after it)."""
     if not reason or not reason.strip():
         raise ConfigError("skip needs --reason: why the rows behind this one may go without it")
     history = _history_params("skip", states.FAILED, by or default_actor(), reason)

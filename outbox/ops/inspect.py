@@ -260,7 +260,7 @@ def show(
 # Written, (last) published, first claimed, confirmed: from the rows' own timestamps and their
 # fence rows; a step whose row was purged comes from the key ledger (its final state and ref).
 _KEY_STEPS = text(
-    """
+    f"""
 SELECT m.id, m.step, m.destination, m.state, m.attempts, m.created_at AS written,
        m.dispatched_at AS published,
        (SELECT min(a.started_at) FROM outbox_attempt a WHERE a.message_id = m.id) AS claimed,
@@ -268,12 +268,13 @@ SELECT m.id, m.step, m.destination, m.state, m.attempts, m.created_at AS written
        m.provider_ref, m.last_error, false AS purged, m.via,
        COALESCE((SELECT p.step FROM outbox_message p WHERE p.id = m.parent_id),
                 (SELECT p.step FROM outbox_key_ledger p WHERE p.message_id = m.parent_id)) AS after,
-       m.chain_problem
+       m.chain_problem, {chains.caught_sql("m")} AS caught
 FROM outbox_message m WHERE m.key = :key
 UNION ALL
 SELECT l.message_id, l.step, l.destination, l.state, l.attempts, NULL, NULL, NULL,
        CASE WHEN l.state = 'sent' THEN l.completed_at END, l.provider_ref, NULL, true, l.via,
-       (SELECT p.step FROM outbox_key_ledger p WHERE p.message_id = l.parent_id), NULL
+       (SELECT p.step FROM outbox_key_ledger p WHERE p.message_id = l.parent_id), NULL,
+       {chains.caught_sql("l")}
 FROM outbox_key_ledger l
 WHERE l.key = :key AND NOT EXISTS (SELECT 1 FROM outbox_message m WHERE m.key = l.key AND m.step = l.step)
 ORDER BY 6 NULLS FIRST, 1
@@ -295,12 +296,13 @@ class KeySteps:
         its next steps (a ``sent`` step with a ``chain_problem``, outbox.chains); None: every
         step is `sent` or `cancelled` (or failed and compensated) and wrote what it declared."""
         # A failed step whose @on_failure compensation was written is handled: its chain goes on
-        # with the compensation.
+        # with the compensation; so is a failed member of a batch that wrote its catch row (the
+        # rule of `outbox chains --stalled`: chains.caught_sql).
         compensated = {s["after"] for s in self.steps if s.get("via") == chains.ON_FAILURE}
         for s in self.steps:
             if s["state"] == states.SENT and s.get("chain_problem"):
                 return s
-            if s["state"] == states.FAILED and s["step"] in compensated:
+            if s["state"] == states.FAILED and (s["step"] in compensated or s.get("caught")):
                 continue
             if s["state"] not in (states.SENT, states.CANCELLED):
                 return s

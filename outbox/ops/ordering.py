@@ -3,8 +3,10 @@ keys held back by their head (outbox.ordering), read-only.
 
 A key is *blocked* when its head (the first row that holds it back) has rows waiting behind it
 and is not simply next in line: it is ``in_flight`` or ``unknown`` (an effect that may have
-happened), ``failed`` (not skipped), or waiting for a retry (claimed before). "Since" is when the
-head got there: its failure, its going unknown, its claim, or its previous attempt's retry time.
+happened), ``failed`` (not skipped), or waiting: for a retry (claimed before), for a newer worker
+(released), for its due time, or for its destination (paused, breaker open). "Since" is when the
+head got there: its failure, its going unknown, its claim, or else its last attempt's end (its
+writing when never claimed).
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ _BLOCKED = f"""
 WITH heads AS (
     SELECT DISTINCT ON (e.ordering_key)
            e.ordering_key, e.id, e.key, e.step, e.destination, e.state, e.attempts, e.last_error,
+           e.releases, e.available_at > now() AS not_due, e.available_at,
+           EXISTS (SELECT 1 FROM outbox_destination d
+                   WHERE d.destination = e.destination
+                     AND (d.paused_until > now() OR d.breaker_opened_at IS NOT NULL)) AS held,
            CASE e.state WHEN 'failed' THEN e.completed_at
                         WHEN 'unknown' THEN e.unknown_since
                         WHEN 'in_flight' THEN e.claimed_at
-                        ELSE e.available_at END AS since
+                        ELSE GREATEST(e.created_at, (SELECT max(a.finished_at) FROM outbox_attempt a
+                                                     WHERE a.message_id = e.id)) END AS since
     FROM outbox_message e
     WHERE e.ordering_key IS NOT NULL AND e.state NOT IN ('sent', 'cancelled') AND {HOLDING_SQL}
     ORDER BY e.ordering_key, e.id
@@ -37,7 +44,8 @@ WITH heads AS (
             WHERE w.ordering_key = h.ordering_key AND w.id > h.id
               AND w.state IN ('pending', 'dispatched')) AS waiting
     FROM heads h
-    WHERE h.state IN ('failed', 'unknown', 'in_flight') OR h.attempts > 0
+    WHERE h.state IN ('failed', 'unknown', 'in_flight') OR h.attempts > 0 OR h.releases > 0
+       OR h.not_due OR h.held
 )
 """
 _LIST = text(
@@ -49,13 +57,15 @@ ORDER BY since, ordering_key
 LIMIT :limit
 """
 )
-_SUMMARY = text(
+#: Plain SQL (no parameters): the metrics read it on a psycopg connection.
+SUMMARY_SQL = (
     _BLOCKED
     + """
 SELECT count(*) AS keys, EXTRACT(EPOCH FROM now() - min(since)) AS oldest
 FROM blocked WHERE waiting > 0
 """
 )
+_SUMMARY = text(SUMMARY_SQL)
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,10 @@ class BlockedKey:
     #: Rows of the key waiting behind the head.
     waiting: int
     last_error: str | None
+    #: A pending/dispatched head's wait: released claims, its due time, its destination held.
+    releases: int = 0
+    due_at: datetime | None = None
+    destination_held: bool = False
 
     @property
     def reason(self) -> str:
@@ -79,7 +93,16 @@ class BlockedKey:
             "failed": "failed (outbox replay ID, or outbox skip ID --reason R)",
             "unknown": "unknown: its call may have taken effect (the lookup, or outbox resolve ID)",
             "in_flight": "in flight: a call under way, or a worker died (its lease expires)",
-        }.get(self.state, f"{self.state}: waiting for its retry")
+        }.get(self.state)
+        if why is None:
+            if self.destination_held:
+                why = f"{self.state}: its destination {self.destination} is paused or its breaker open"
+            elif self.releases:
+                why = f"{self.state}: released {self.releases} time(s) without a call"
+            elif self.due_at is not None:
+                why = f"{self.state}: waiting until {self.due_at.isoformat(timespec='seconds')}"
+            else:
+                why = f"{self.state}: waiting for its retry"
         return why + (f"; {self.last_error}" if self.last_error and self.state != "in_flight" else "")
 
     def describe(self) -> str:
@@ -89,6 +112,7 @@ class BlockedKey:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["since"] = self.since.isoformat() if self.since else None
+        d["due_at"] = self.due_at.isoformat() if self.due_at else None
         d["reason"] = self.reason
         return d
 
@@ -121,6 +145,9 @@ def blocked_keys(connection: Connection, *, limit: int = DEFAULT_BLOCKED_LIMIT) 
                 seconds(r.age),
                 int(r.waiting),
                 r.last_error,
+                int(r.releases),
+                r.available_at if r.not_due else None,
+                bool(r.held),
             )
         )
     return BlockedReport(keys, matching)

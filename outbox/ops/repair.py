@@ -44,7 +44,7 @@ from .. import chains, outcomes, states, transitions
 from ..exceptions import ConfigError, NotFound
 from ..handlers import Confirmed, Handler
 from . import tables
-from .actions import _COMPENSATED, _history_params, default_actor, operator_text, plan_replay
+from .actions import _COMPENSATED, _ORDER_PASSED, _history_params, default_actor, operator_text, plan_replay
 from .inspect import _IN_STATE_SINCE, key_steps, require_destination
 
 if TYPE_CHECKING:
@@ -73,9 +73,7 @@ WITH stopped AS (
       -- A failed step whose compensation was written is handled: the chain goes on with it;
       -- so is a failed member of a batch that ended with its catch row.
       AND NOT (m.state = 'failed' AND {chains.COMPENSATED_SQL})
-      AND NOT (m.state = 'failed' AND m.batch_id IS NOT NULL
-               AND EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = m.batch_id AND b.outcome = 'catch'
-                           AND b.written_id IS NOT NULL))
+      AND NOT (m.state = 'failed' AND {chains.caught_sql("m")})
       AND {_IN_STATE_SINCE} <= now() - CAST(:older AS float8) * interval '1 second'
       AND (CAST(:destination AS text) IS NULL OR m.destination = CAST(:destination AS text))
     ORDER BY m.key, m.created_at, m.id
@@ -278,6 +276,16 @@ def _plan_failed(
             s,
             f"step {s['step']} failed and its @on_failure compensation was written; if the step "
             f"must run again anyway: outbox replay {row_id} --force --reason WHY",
+        )
+    if _ORDER_PASSED in candidate.refusals:
+        # Its ordering key went on without it: re-run, it would come after rows written after it,
+        # and could be in flight with one of them (second attack on issue 15, B1).
+        return _item(
+            key,
+            REFUSED,
+            s,
+            f"step {s['step']} failed and its ordering key went on without it; if it must run "
+            f"again anyway, out of order: outbox replay {row_id} --force --reason WHY",
         )
     confirmed = connection.execute(_CONFIRMED_ATTEMPT, {"id": row_id}).first()
     if confirmed is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -133,6 +134,7 @@ def held_destinations(
     *,
     alert_after_seconds: float = DEFAULT_HELD_ALERT_AFTER_SECONDS,
     episode_gap_seconds: float = settings.DESTINATION_EPISODE_GAP_SECONDS,
+    skip_when_failed: Collection[str] = (),
 ) -> dict[str, int]:
     """Alert each pause and each breaker episode once it has lasted ``alert_after_seconds``, as an
     :class:`AlertRow` with state ``paused`` or ``breaker_open`` naming the destination's oldest
@@ -142,7 +144,8 @@ def held_destinations(
     alerted once). A hook that raises is tried again at the next run.
 
     Counts: ``held`` (episodes on), ``alerts``, ``hook_errors``, ``ended``, ``past_deadline``
-    (rows failed), ``past_deadline_unknown`` (rows whose earlier call may have taken effect: to
+    (rows failed; of a destination in ``skip_when_failed``, letting their ordering keys go on),
+    ``past_deadline_unknown`` (rows whose earlier call may have taken effect: to
     ``unknown``, for the lookup).
     """
     _require_autocommit(conn, "held_destinations")
@@ -150,7 +153,9 @@ def held_destinations(
     with conn.cursor(row_factory=namedtuple_row) as cur:
         rows: list[Any] = cur.execute(_HELD).fetchall()
     held = [r.destination for r in rows if r.paused or r.tripped]
-    past = transitions.fail_past_deadline(conn, destinations=held, limit=DEADLINE_BATCH)
+    past = transitions.fail_past_deadline(
+        conn, destinations=held, limit=DEADLINE_BATCH, skip_when_failed=sorted(skip_when_failed)
+    )
     if past.failed or past.unknown:
         counts["past_deadline"] += past.failed
         counts["past_deadline_unknown"] += past.unknown
@@ -222,6 +227,13 @@ class HeldDestinations:
     name: ClassVar[str] = "held_destinations"
     config: HeldDestinationsConfig
     hook: AlertHook = log_alert
+    #: Destinations whose handler says on_failed_head="skip" (outbox.ordering).
+    skip_when_failed: frozenset[str] = frozenset()
 
     def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
-        return held_destinations(conn, self.hook, alert_after_seconds=self.config.alert_after_seconds)
+        return held_destinations(
+            conn,
+            self.hook,
+            alert_after_seconds=self.config.alert_after_seconds,
+            skip_when_failed=self.skip_when_failed,
+        )

@@ -400,3 +400,7 @@ def test_a_failed_member_nothing_compensates_stays_stalled(clean, engine, db, ha
     assert finish_batches(db) == {"catch": 1, "written": 1}
     _code, out, _ = cli(clean, capsys, "chains", "--stalled", "--older-than", "0", "--json")
     assert {k["key"]: k["step"] for k in json.loads(out)["keys"]} == {NAME: "chunk-0", "import:8": "alert"}
+    # `outbox show KEY` stops where `chains --stalled` does: the caught member is handled.
+    for key, step in ((NAME, "chunk-0"), ("import:8", "alert")):
+        _code, out, _ = cli(clean, capsys, "show", key, "--json")
+        assert json.loads(out)["stopped"]["step"] == step, key

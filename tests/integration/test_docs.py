@@ -72,6 +72,7 @@ PAGES = (
     "handlers.md",
     "chains.md",
     "payloads.md",
+    "ordering.md",
     "timings.md",
     "configuration.md",
     "production.md",
@@ -757,6 +758,19 @@ def check_payloads(run: PageRun, shop: Shop) -> None:
         shop.write_validated("order:43", "charge", "payments.charge", {"amount": 12})
 
 
+def check_ordering(run: PageRun, shop: Shop) -> None:
+    update = run.handler("crm.update")
+    first = shop.rows_id("customer:7:change:1", "crm")
+    second = shop.rows_id("customer:7:change:2", "crm")
+    assert shop.row(second)["ordering_key"] == "customer:7"
+    # The second change is not claimed while the first is not settled, then it is.
+    assert shop.deliver(update, second) is RunResult.EMPTY
+    assert shop.deliver(update, first) is RunResult.SENT
+    assert shop.deliver(update, second) is RunResult.SENT
+    assert list(shop.provider.stats()["effects"]) == ["customer:7:change:1:crm", "customer:7:change:2:crm"]
+    assert run.handler("crm.tag").on_failed_head == "skip"
+
+
 def check_timings(run: PageRun, shop: Shop) -> None:
     rows = shop.rows()
     assert ("order:43", "charge", "payments.charge", "pending") in rows
@@ -813,6 +827,7 @@ PAGE_CHECKS: dict[str, Callable[[PageRun, Shop], None]] = {
     "docs/handlers.md": check_handlers,
     "docs/chains.md": check_chains,
     "docs/payloads.md": check_payloads,
+    "docs/ordering.md": check_ordering,
     "docs/timings.md": check_timings,
     "docs/not-a-queue.md": check_not_a_queue,
     "docs/runbook.md": check_runbook,

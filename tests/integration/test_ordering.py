@@ -249,3 +249,117 @@ def test_the_same_operation_under_another_ordering_key_is_a_conflict(clean, engi
         write(engine, "k", None)
     with psycopg.connect(libpq_url(clean.database_url)) as conn:
         assert conn.execute("SELECT count(*) FROM outbox_message").fetchone() == (1,)
+
+
+# -- part 2: a blocked key is visible, and an operator unblocks it -------------------------------------
+
+
+def run_cli(services: Any, *args: str) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "outbox", *args],
+        env=services.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def failed_head(clean: Any, engine: Any, provider: Any, executor: Any) -> tuple[int, int]:
+    declare(provider)
+    head = write(engine, "customer:7:0", "customer:7")
+    behind = write(engine, "customer:7:1", "customer:7")
+    provider.configure(fault_next=["decline"])
+    relay_once(clean)
+    assert executor().deliver(head, DEST) is RunResult.FAILED
+    return head, behind
+
+
+def test_a_blocked_key_is_listed_with_its_head_and_why(clean, engine, provider, executor):
+    head, behind = failed_head(clean, engine, provider, executor)
+    write(engine, "customer:8:0", "customer:8")  # next in line only: not blocked
+    listed = run_cli(clean, "ordering")
+    assert listed.returncode == 0, listed.stderr
+    assert "customer:7" in listed.stdout and str(head) in listed.stdout and "failed" in listed.stdout
+    assert "customer:8" not in listed.stdout
+    assert "1 ordering key(s) blocked" in listed.stdout
+    status = run_cli(clean, "status")
+    assert "blocked ordering keys: 1" in status.stdout
+    shown = run_cli(clean, "show", str(behind))
+    assert f"row {head} (customer:7:0:update, failed)" in shown.stdout
+    as_json = run_cli(clean, "ordering", "--json")
+    import json
+
+    (key,) = json.loads(as_json.stdout)["keys"]
+    assert (key["ordering_key"], key["id"], key["state"], key["waiting"]) == ("customer:7", head, "failed", 1)
+
+
+def test_the_metrics_count_blocked_keys_and_the_longest_block(clean, engine, provider, executor, db):
+    from outbox import metrics
+
+    def gauges() -> tuple[float | None, float | None]:
+        metrics.DATABASE.update(metrics.read_database(db), fresh_for_seconds=60)
+        try:
+            return (
+                metrics.REGISTRY.get_sample_value("outbox_ordering_blocked_keys"),
+                metrics.REGISTRY.get_sample_value("outbox_ordering_oldest_block_seconds"),
+            )
+        finally:
+            metrics.DATABASE.update(metrics.DatabaseReading(), fresh_for_seconds=0)
+
+    write(engine, "customer:9:0", "customer:9")
+    write(engine, "customer:9:1", "customer:9")
+    assert gauges() == (0.0, 0.0), "next in line is not blocked"
+    head, _ = failed_head(clean, engine, provider, executor)
+    elapse(db, 120, [head])
+    blocked, oldest = gauges()
+    assert blocked == 1.0 and oldest is not None and 110 < oldest < 600
+
+
+def test_skip_lets_the_key_go_and_a_later_replay_needs_force(clean, engine, provider, executor):
+    head, behind = failed_head(clean, engine, provider, executor)
+    refused = run_cli(clean, "skip", str(head))
+    assert refused.returncode != 0 and "--reason" in refused.stderr
+    done = run_cli(clean, "skip", str(head), "--reason", "the customer fixed it by hand", "--by", "ops")
+    assert done.returncode == 0, done.stderr
+    assert relay_once(clean) == 1
+    assert executor().deliver(behind, DEST) is RunResult.SENT
+    assert run_cli(clean, "ordering").stdout.startswith("no ordering key is blocked")
+    history = sql(clean, "SELECT state, history FROM outbox_message WHERE id = %s", (head,))[0]
+    assert history[0] == "failed" and history[1][-1]["action"] == "skip" and history[1][-1]["by"] == "ops"
+    # Its successor went: replayed, the head would come after it.
+    replay = run_cli(clean, "replay", str(head), "--yes")
+    assert replay.returncode != 0 and "its ordering key went on without it" in replay.stdout + replay.stderr
+    forced = run_cli(clean, "replay", str(head), "--force", "--reason", "run it anyway", "--yes")
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert ids_by_state(clean)["pending"] == {head}
+    # Skipping twice, or a row that is not failed, is refused.
+    again = run_cli(clean, "skip", str(behind), "--reason", "x")
+    assert again.returncode == 1 and "not failed" in again.stderr
+
+
+def test_an_unknown_head_is_never_skipped(clean, engine, provider, executor):
+    declare(provider)
+    head = write(engine, "customer:7:0", "customer:7")
+    write(engine, "customer:7:1", "customer:7")
+    relay_once(clean)
+    provider.drop_after_charge()
+    assert executor().deliver(head, DEST) is RunResult.UNKNOWN
+    refused = run_cli(clean, "skip", str(head), "--reason", "hurry")
+    assert refused.returncode == 1 and "may have taken effect" in refused.stderr
+    assert relay_once(clean) == 0
+
+
+def test_replaying_a_failed_head_before_anything_behind_it_went_keeps_the_order(
+    clean, engine, provider, executor
+):
+    head, behind = failed_head(clean, engine, provider, executor)
+    replay = run_cli(clean, "replay", str(head), "--yes")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    relay_once(clean)
+    assert executor().deliver(head, DEST) is RunResult.SENT
+    relay_once(clean)
+    assert executor().deliver(behind, DEST) is RunResult.SENT

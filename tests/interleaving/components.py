@@ -252,6 +252,9 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
         retry_after_scope=dest.retry_after_scope,
         breaker=dest.breaker,
         payload_model=dest.model,
+        # issue 15: a certainly failed row lets the rest of its ordering key go (a blocked key
+        # would wait for an operator's skip, which the schedules do not always make).
+        on_failed_head="skip",
     )
     def charge(d: outbox.Delivery) -> outbox.Confirmed:
         checkpoint("before_post")
@@ -484,10 +487,17 @@ def write(
     destination: str,
     payload: dict[str, Any],
     deadline: datetime | None = None,
+    ordering_key: str | None = None,
 ) -> Any:
     with Session(engine) as s, s.begin():
         return outbox.write(
-            s, key=key, step=step, destination=destination, payload=payload, deadline=deadline
+            s,
+            key=key,
+            step=step,
+            destination=destination,
+            payload=payload,
+            deadline=deadline,
+            ordering_key=ordering_key,
         )
 
 

@@ -442,10 +442,21 @@ class World:
             # issue 13: some rows must be done within seconds; a deadline passing while the
             # destination is paused or its breaker open fails the row in the reconciler.
             deadline = None
-            if self.rng.random() < 0.2:
+            ordering_key = None
+            if destination != "ix.manual" and self.rng.random() < 0.35:
+                # issue 15: a few ordering keys shared by many rows; no deadline (a row failed
+                # by its deadline before any claim blocks its key until an operator skips it).
+                ordering_key = f"cust:{self.cfg.seed}-{self.rng.randrange(3)}"
+            elif self.rng.random() < 0.2:
                 deadline = datetime.now(UTC) + timedelta(seconds=self.rng.uniform(1.5, 8.0))
             written = c.write(
-                self.engine, key=key, step=step, destination=destination, payload=payload, deadline=deadline
+                self.engine,
+                key=key,
+                step=step,
+                destination=destination,
+                payload=payload,
+                deadline=deadline,
+                ordering_key=ordering_key,
             )
             self.keys[(key, step)] = (destination, payload)
             shown = f" deadline in {(deadline - datetime.now(UTC)).total_seconds():.1f} s" if deadline else ""
@@ -1015,6 +1026,7 @@ class World:
         findings += self._check_chains(effects)
         findings += self._check_batches()
         findings += self._check_invalid_payloads(effects)
+        findings += self._check_ordering(effects)
         for claim in self.lost_claims:
             token = claim["token"]
             if token is None:
@@ -1028,6 +1040,34 @@ class World:
                         f"{claim['worker']} stayed alive and made no call; the claim was left to "
                         "expire into unknown (an operator is asked to check a call that never happened)",
                         [claim["row_id"]],
+                    )
+                )
+        return findings
+
+    def _check_ordering(self, effects: dict[str, int]) -> list[Finding]:
+        """issue 15: within an ordering key, the provider took the rows' first charges in the
+        order of their ids (commit order), whatever crashed, was re-dispatched or replayed."""
+        findings: list[Finding] = []
+        first_charge = {k: n for n, k in enumerate(effects)}  # the provider's order of first effects
+        rows = self.sql(
+            "SELECT ordering_key, id, key, step FROM outbox_message "
+            "WHERE ordering_key IS NOT NULL ORDER BY ordering_key, id"
+        )
+        by_key: dict[str, list[tuple[int, int]]] = {}
+        for ordering_key, row_id, key, step in rows:
+            at = first_charge.get(c.idempotency_key(key, step))
+            if at is not None:
+                by_key.setdefault(ordering_key, []).append((row_id, at))
+        for ordering_key, charged in by_key.items():
+            order = [at for _, at in charged]
+            if order != sorted(order):
+                ids = [row_id for row_id, _ in charged]
+                findings.append(
+                    Finding(
+                        "ordering broken",
+                        f"ordering key {ordering_key}: rows {ids} (id order) were first charged in "
+                        f"the order {[row_id for row_id, _ in sorted(charged, key=lambda x: x[1])]}",
+                        ids,
                     )
                 )
         return findings
