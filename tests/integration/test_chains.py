@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import chains, ops, transitions
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import RunResult
 from outbox.handlers import registry
 from outbox.settings import libpq_url
 from reconciler.alerts import AlertRow
@@ -76,25 +76,10 @@ def steps(services: Any) -> dict[str, dict[str, Any]]:
         return {r[names.index("step")]: dict(zip(names, r, strict=True)) for r in cur.fetchall()}
 
 
-@pytest.fixture
-def executor(clean: Any):
-    made: list[Executor] = []
-
-    def make() -> Executor:
-        e = Executor(clean.database_url, registry())
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-    outbox.handlers.close_http_clients()
-
-
-def test_each_confirmed_step_writes_the_next_in_its_record(clean, engine, provider, executor):
+def test_each_confirmed_step_writes_the_next_in_its_record(clean, engine, provider, consumer):
     invoice_chain(provider)
     charge_id = write_charge(engine)
-    worker = executor()
+    worker = consumer()
     assert worker.deliver(charge_id, "payments.charge") is RunResult.SENT
     rows = steps(clean)
     assert set(rows) == {"charge", "export"}
@@ -116,15 +101,15 @@ def test_each_confirmed_step_writes_the_next_in_its_record(clean, engine, provid
     assert provider.stats()["effects"] == {f"{KEY}:charge": 1, f"{KEY}:export": 1, f"{KEY}:notify": 1}
 
 
-def test_a_retry_writes_nothing_until_the_step_is_confirmed(clean, engine, provider, executor):
+def test_a_retry_writes_nothing_until_the_step_is_confirmed(clean, engine, provider, consumer):
     invoice_chain(provider)
     charge_id = write_charge(engine)
     provider.configure(fault_next=["fail_before"])
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.PENDING
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.PENDING
     assert set(steps(clean)) == {"charge"}
 
 
-def test_a_then_that_raises_never_keeps_the_step_from_sent(clean, engine, provider, executor):
+def test_a_then_that_raises_never_keeps_the_step_from_sent(clean, engine, provider, consumer):
     charge = declare(provider, "payments.charge")
 
     @charge.then
@@ -132,7 +117,7 @@ def test_a_then_that_raises_never_keeps_the_step_from_sent(clean, engine, provid
         raise KeyError("invoice_number")
 
     charge_id = write_charge(engine)
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.SENT
     rows = steps(clean)
     assert set(rows) == {"charge"} and rows["charge"]["state"] == "sent"
     assert "raised KeyError" in rows["charge"]["chain_problem"]
@@ -155,22 +140,22 @@ def test_a_then_that_raises_never_keeps_the_step_from_sent(clean, engine, provid
         ([outbox.Next("export", "accounting.export", {"at": object()})], "not a JSON value"),
     ],
 )
-def test_a_then_that_returns_nonsense_is_a_chain_problem(clean, engine, provider, executor, returned, why):
+def test_a_then_that_returns_nonsense_is_a_chain_problem(clean, engine, provider, consumer, returned, why):
     charge = declare(provider, "payments.charge")
     charge.then(lambda d, c: returned)
     charge_id = write_charge(engine)
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.SENT
     rows = steps(clean)
     assert set(rows) == {"charge"} and why in rows["charge"]["chain_problem"]
 
 
-def test_an_existing_step_is_a_no_op_or_a_flagged_conflict(clean, engine, provider, executor):
+def test_an_existing_step_is_a_no_op_or_a_flagged_conflict(clean, engine, provider, consumer):
     invoice_chain(provider)
     first, second = write_charge(engine), None
     with Session(engine) as s, s.begin():
         # Someone wrote the export already, by hand, with another payload.
         outbox.write(s, key=KEY, step="export", destination="accounting.export", payload={"invoice": 7})
-    assert executor().deliver(first, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(first, "payments.charge") is RunResult.SENT
     rows = steps(clean)
     assert rows["charge"]["state"] == "sent"
     assert rows["charge"]["chain_problem"] == "step export exists already with another payload"
@@ -178,22 +163,22 @@ def test_an_existing_step_is_a_no_op_or_a_flagged_conflict(clean, engine, provid
     assert second is None
 
 
-def test_an_identical_existing_step_is_no_problem(clean, engine, provider, executor):
+def test_an_identical_existing_step_is_no_problem(clean, engine, provider, consumer):
     charge = declare(provider, "payments.charge")
     declare(provider, "accounting.export")
     charge.then(lambda d, c: [outbox.Next("export", "accounting.export", {"invoice": 7})])
     charge_id = write_charge(engine)
     with Session(engine) as s, s.begin():
         outbox.write(s, key=KEY, step="export", destination="accounting.export", payload={"invoice": 7})
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.SENT
     assert steps(clean)["charge"]["chain_problem"] is None
 
 
-def test_the_lookup_that_finds_the_charge_writes_the_next_step(clean, engine, provider, executor):
+def test_the_lookup_that_finds_the_charge_writes_the_next_step(clean, engine, provider, consumer):
     charge = lookup_on(invoice_chain(provider), provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
     assert set(steps(clean)) == {"charge"}
     clients = LookupClients()
     try:
@@ -209,11 +194,11 @@ def test_the_lookup_that_finds_the_charge_writes_the_next_step(clean, engine, pr
     assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
 
 
-def test_resolve_sent_with_the_module_writes_the_next_step(clean, engine, provider, executor):
+def test_resolve_sent_with_the_module_writes_the_next_step(clean, engine, provider, consumer):
     invoice_chain(provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
     with engine.begin() as conn:
         done = ops.resolve(
             conn, charge_id, sent_ref="ch_by_hand", reason="seen at the bank", handlers=registry()
@@ -225,12 +210,12 @@ def test_resolve_sent_with_the_module_writes_the_next_step(clean, engine, provid
 
 
 def test_resolve_sent_without_the_module_leaves_the_steps_to_the_reconciler(
-    clean, engine, provider, executor
+    clean, engine, provider, consumer
 ):
     invoice_chain(provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
     with engine.begin() as conn:
         done = ops.resolve(conn, charge_id, sent_ref="ch_by_hand")
     assert "its @then steps, if any, are written by the reconciler" in done.message
@@ -247,11 +232,11 @@ def test_resolve_sent_without_the_module_leaves_the_steps_to_the_reconciler(
     assert rows["export"]["payload"] == {"invoice": 7, "charge": "ch_by_hand"}
 
 
-def test_a_reconciler_without_the_destination_reports_the_missing_steps(clean, engine, provider, executor):
+def test_a_reconciler_without_the_destination_reports_the_missing_steps(clean, engine, provider, consumer):
     invoice_chain(provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
     with engine.begin() as conn:
         ops.resolve(conn, charge_id, sent_ref="ch_by_hand")
     seen: list[AlertRow] = []
@@ -275,10 +260,10 @@ def compensated_charge(provider: Any, **options: Any) -> outbox.Handler:
     return charge
 
 
-def test_a_certain_failure_writes_its_compensation(clean, engine, provider, executor):
+def test_a_certain_failure_writes_its_compensation(clean, engine, provider, consumer):
     compensated_charge(provider)
     charge_id = write_charge(engine, {"invoice": 7, "amount_cents": -1})  # the simulator declines
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.FAILED
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.FAILED
     rows = steps(clean)
     mail = rows["declined-mail"]
     assert mail["via"] == "on_failure" and mail["parent_id"] == charge_id and mail["state"] == "pending"
@@ -293,21 +278,21 @@ def test_a_certain_failure_writes_its_compensation(clean, engine, provider, exec
     assert forced[0].done
 
 
-def test_a_retry_that_will_come_gets_no_compensation(clean, engine, provider, executor):
+def test_a_retry_that_will_come_gets_no_compensation(clean, engine, provider, consumer):
     compensated_charge(provider)
     provider.configure(fault_next=["fail_before"])
     charge_id = write_charge(engine)
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.PENDING
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.PENDING
     assert set(steps(clean)) == {"charge"}
 
 
-def test_no_compensation_when_an_earlier_call_may_have_charged(clean, engine, provider, executor):
+def test_no_compensation_when_an_earlier_call_may_have_charged(clean, engine, provider, consumer):
     # An idempotent destination retries an ambiguous call; a later certain refusal does not prove
     # that the first call did nothing.
     compensated_charge(provider, idempotent=True)
     provider.configure(fault_next=["drop_after"])
     charge_id = write_charge(engine)
-    worker = executor()
+    worker = consumer()
     assert worker.deliver(charge_id, "payments.charge") is RunResult.PENDING
     sql(
         clean,
@@ -319,11 +304,11 @@ def test_no_compensation_when_an_earlier_call_may_have_charged(clean, engine, pr
     assert set(steps(clean)) == {"charge"}
 
 
-def test_no_compensation_for_a_row_failed_out_of_unknown(clean, engine, provider, executor):
+def test_no_compensation_for_a_row_failed_out_of_unknown(clean, engine, provider, consumer):
     compensated_charge(provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert executor().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
     with engine.begin() as conn:
         assert ops.resolve(conn, charge_id, failed_reason="the bank says maybe").done
     assert set(steps(clean)) == {"charge"}

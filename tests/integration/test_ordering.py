@@ -15,7 +15,7 @@ from helpers import elapse, ids_by_state, lookup_on, relay_once, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import RunResult
 from outbox.handlers import registry
 from outbox.settings import libpq_url
 from reconciler.jobs.expire_leases import expire_leases
@@ -58,22 +58,7 @@ def dispatched(services: Any) -> set[int]:
     return ids_by_state(services).get("dispatched", set())
 
 
-@pytest.fixture
-def executor(clean: Any):
-    made: list[Executor] = []
-
-    def make() -> Executor:
-        e = Executor(clean.database_url, registry())
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-    outbox.handlers.close_http_clients()
-
-
-def test_only_the_head_of_a_key_is_published_and_the_next_after_it_settles(clean, engine, provider, executor):
+def test_only_the_head_of_a_key_is_published_and_the_next_after_it_settles(clean, engine, provider, consumer):
     declare(provider)
     a = [write(engine, f"customer:7:{n}", "customer:7") for n in range(3)]
     b = write(engine, "customer:8:0", "customer:8")
@@ -81,7 +66,7 @@ def test_only_the_head_of_a_key_is_published_and_the_next_after_it_settles(clean
     relay_once(clean)
     # One head per ordering key; rows without one are not held back.
     assert dispatched(clean) == {a[0], b, free}
-    worker = executor()
+    worker = consumer()
     assert worker.deliver(a[0], DEST) is RunResult.SENT
     relay_once(clean)
     assert a[1] in dispatched(clean) and a[2] not in dispatched(clean)
@@ -93,7 +78,7 @@ def test_only_the_head_of_a_key_is_published_and_the_next_after_it_settles(clean
 
 
 def test_a_row_behind_its_head_is_not_claimed_even_when_its_message_arrives(
-    clean, engine, provider, executor
+    clean, engine, provider, consumer
 ):
     declare(provider)
     head = write(engine, "customer:7:0", "customer:7")
@@ -104,40 +89,40 @@ def test_a_row_behind_its_head_is_not_claimed_even_when_its_message_arrives(
         "UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() WHERE id = %s",
         (behind,),
     )
-    assert executor().deliver(behind, DEST) is RunResult.EMPTY
+    assert consumer().deliver(behind, DEST) is RunResult.EMPTY
     assert provider.stats()["effects"] == {}
     assert ids_by_state(clean) == {"pending": {head}, "dispatched": {behind}}
 
 
-def test_a_failed_head_blocks_its_key_by_default(clean, engine, provider, executor):
+def test_a_failed_head_blocks_its_key_by_default(clean, engine, provider, consumer):
     declare(provider)
     head = write(engine, "customer:7:0", "customer:7", amount=-1)
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert executor().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is RunResult.FAILED
     assert relay_once(clean) == 0
     assert ids_by_state(clean) == {"failed": {head}, "pending": {behind}}
 
 
-def test_a_failed_head_is_skipped_when_its_handler_says_so(clean, engine, provider, executor):
+def test_a_failed_head_is_skipped_when_its_handler_says_so(clean, engine, provider, consumer):
     declare(provider, on_failed_head="skip")
     head = write(engine, "customer:7:0", "customer:7")
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert executor().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is RunResult.FAILED
     assert relay_once(clean) == 1
-    assert executor().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is RunResult.SENT
 
 
-def test_an_unknown_head_blocks_until_the_reconciler_settles_it(clean, engine, provider, executor, db):
+def test_an_unknown_head_blocks_until_the_reconciler_settles_it(clean, engine, provider, consumer, db):
     lookup_on(declare(provider, on_failed_head="skip"), provider)
     head = write(engine, "customer:7:0", "customer:7")
     behind = write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
     provider.drop_after_charge()
-    assert executor().deliver(head, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(head, DEST) is RunResult.UNKNOWN
     provider.healthy()
     # Unknown always blocks, whatever on_failed_head says: the charge may have happened.
     assert relay_once(clean) == 0
@@ -149,11 +134,11 @@ def test_an_unknown_head_blocks_until_the_reconciler_settles_it(clean, engine, p
         clients.close()
     assert ids_by_state(clean)["sent"] == {head}
     assert relay_once(clean) == 1
-    assert executor().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is RunResult.SENT
     assert provider.stats()["effects"] == {"customer:7:0:update": 1, "customer:7:1:update": 1}
 
 
-def test_an_in_flight_head_blocks_until_its_lease_is_taken_over(clean, engine, provider, executor, db):
+def test_an_in_flight_head_blocks_until_its_lease_is_taken_over(clean, engine, provider, consumer, db):
     declare(provider)
     head = write(engine, "customer:7:0", "customer:7")
     write(engine, "customer:7:1", "customer:7")
@@ -205,7 +190,7 @@ def test_writers_of_one_key_are_serialised_so_ids_follow_commits(clean, engine):
     assert second_id and second_id[0] > first_id
 
 
-def test_a_settled_head_wakes_a_running_relay_at_once(clean, engine, provider, executor, redis_client):
+def test_a_settled_head_wakes_a_running_relay_at_once(clean, engine, provider, consumer, redis_client):
     declare(provider)
     head = write(engine, "customer:7:0", "customer:7")
     behind = write(engine, "customer:7:1", "customer:7")
@@ -223,7 +208,7 @@ def test_a_settled_head_wakes_a_running_relay_at_once(clean, engine, provider, e
         while head not in dispatched(clean) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # the relay is now asleep on its 30 s poll
-        assert executor().deliver(head, DEST) is RunResult.SENT
+        assert consumer().deliver(head, DEST) is RunResult.SENT
         settled = time.monotonic()
         while behind not in dispatched(clean) and time.monotonic() < settled + 10:
             time.sleep(0.02)
@@ -268,18 +253,18 @@ def run_cli(services: Any, *args: str) -> Any:
     )
 
 
-def failed_head(clean: Any, engine: Any, provider: Any, executor: Any) -> tuple[int, int]:
+def failed_head(clean: Any, engine: Any, provider: Any, consumer: Any) -> tuple[int, int]:
     declare(provider)
     head = write(engine, "customer:7:0", "customer:7")
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert executor().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is RunResult.FAILED
     return head, behind
 
 
-def test_a_blocked_key_is_listed_with_its_head_and_why(clean, engine, provider, executor):
-    head, behind = failed_head(clean, engine, provider, executor)
+def test_a_blocked_key_is_listed_with_its_head_and_why(clean, engine, provider, consumer):
+    head, behind = failed_head(clean, engine, provider, consumer)
     write(engine, "customer:8:0", "customer:8")  # next in line only: not blocked
     listed = run_cli(clean, "ordering")
     assert listed.returncode == 0, listed.stderr
@@ -297,7 +282,7 @@ def test_a_blocked_key_is_listed_with_its_head_and_why(clean, engine, provider, 
     assert (key["ordering_key"], key["id"], key["state"], key["waiting"]) == ("customer:7", head, "failed", 1)
 
 
-def test_the_metrics_count_blocked_keys_and_the_longest_block(clean, engine, provider, executor, db):
+def test_the_metrics_count_blocked_keys_and_the_longest_block(clean, engine, provider, consumer, db):
     from outbox import metrics
 
     def gauges() -> tuple[float | None, float | None]:
@@ -313,20 +298,20 @@ def test_the_metrics_count_blocked_keys_and_the_longest_block(clean, engine, pro
     write(engine, "customer:9:0", "customer:9")
     write(engine, "customer:9:1", "customer:9")
     assert gauges() == (0.0, 0.0), "next in line is not blocked"
-    head, _ = failed_head(clean, engine, provider, executor)
+    head, _ = failed_head(clean, engine, provider, consumer)
     elapse(db, 120, [head])
     blocked, oldest = gauges()
     assert blocked == 1.0 and oldest is not None and 110 < oldest < 600
 
 
-def test_skip_lets_the_key_go_and_a_later_replay_needs_force(clean, engine, provider, executor):
-    head, behind = failed_head(clean, engine, provider, executor)
+def test_skip_lets_the_key_go_and_a_later_replay_needs_force(clean, engine, provider, consumer):
+    head, behind = failed_head(clean, engine, provider, consumer)
     refused = run_cli(clean, "skip", str(head))
     assert refused.returncode != 0 and "--reason" in refused.stderr
     done = run_cli(clean, "skip", str(head), "--reason", "the customer fixed it by hand", "--by", "ops")
     assert done.returncode == 0, done.stderr
     assert relay_once(clean) == 1
-    assert executor().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is RunResult.SENT
     assert run_cli(clean, "ordering").stdout.startswith("no ordering key is blocked")
     history = sql(clean, "SELECT state, history FROM outbox_message WHERE id = %s", (head,))[0]
     assert history[0] == "failed" and history[1][-1]["action"] == "skip" and history[1][-1]["by"] == "ops"
@@ -341,25 +326,25 @@ def test_skip_lets_the_key_go_and_a_later_replay_needs_force(clean, engine, prov
     assert again.returncode == 1 and "not failed" in again.stderr
 
 
-def test_an_unknown_head_is_never_skipped(clean, engine, provider, executor):
+def test_an_unknown_head_is_never_skipped(clean, engine, provider, consumer):
     declare(provider)
     head = write(engine, "customer:7:0", "customer:7")
     write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
     provider.drop_after_charge()
-    assert executor().deliver(head, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(head, DEST) is RunResult.UNKNOWN
     refused = run_cli(clean, "skip", str(head), "--reason", "hurry")
     assert refused.returncode == 1 and "may have taken effect" in refused.stderr
     assert relay_once(clean) == 0
 
 
 def test_replaying_a_failed_head_before_anything_behind_it_went_keeps_the_order(
-    clean, engine, provider, executor
+    clean, engine, provider, consumer
 ):
-    head, behind = failed_head(clean, engine, provider, executor)
+    head, behind = failed_head(clean, engine, provider, consumer)
     replay = run_cli(clean, "replay", str(head), "--yes")
     assert replay.returncode == 0, replay.stdout + replay.stderr
     relay_once(clean)
-    assert executor().deliver(head, DEST) is RunResult.SENT
+    assert consumer().deliver(head, DEST) is RunResult.SENT
     relay_once(clean)
-    assert executor().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is RunResult.SENT

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import pauses, transitions
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import RunResult
 from outbox.handlers import registry
 from outbox.ops import actions
 from reconciler.jobs.purge import purge
@@ -51,32 +51,17 @@ def write(engine: Any, key: str, ordering_key: str | None, **kw: Any) -> int:
         ).id
 
 
-@pytest.fixture
-def executor(clean: Any):
-    made: list[Executor] = []
-
-    def make() -> Executor:
-        e = Executor(clean.database_url, registry())
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-    outbox.handlers.close_http_clients()
-
-
 def in_flight(clean: Any) -> set[int]:
     return ids_by_state(clean).get("in_flight", set())
 
 
-def failed_head(clean: Any, engine: Any, provider: Any, executor: Any, **options: Any) -> tuple[int, int]:
+def failed_head(clean: Any, engine: Any, provider: Any, consumer: Any, **options: Any) -> tuple[int, int]:
     declare(provider, **options)
     head = write(engine, "customer:7:0", "customer:7")
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert executor().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is RunResult.FAILED
     return head, behind
 
 
@@ -84,13 +69,13 @@ def failed_head(clean: Any, engine: Any, provider: Any, executor: Any, **options
 
 
 def test_a_skipped_head_is_not_replayed_without_force_so_no_claim_can_race_it(
-    clean, engine, provider, executor, db
+    clean, engine, provider, consumer, db
 ):
     """A1: a replay of a failed head its handler skips, committed while a worker claims its
     successor (write skew under READ COMMITTED), put two rows of one key in flight. A head that
     let its key go on is now replayed only with --force (the operator's choice to break the order,
     on record); without it the replay is refused, whatever the successor's state."""
-    head, behind = failed_head(clean, engine, provider, executor, on_failed_head="skip")
+    head, behind = failed_head(clean, engine, provider, consumer, on_failed_head="skip")
     assert relay_once(clean) == 1  # the successor is published (the head failed, skip)
     with engine.begin() as operator:
         [result] = actions.replay(operator, [head], by="ops", reason="the customer fixed the card")
@@ -104,8 +89,8 @@ def test_a_skipped_head_is_not_replayed_without_force_so_no_claim_can_race_it(
 # -- A2: a skip outlives the replay it came before -------------------------------------------------
 
 
-def test_a_replayed_head_that_fails_again_blocks_its_key_again(clean, engine, provider, executor, db):
-    head, _behind = failed_head(clean, engine, provider, executor)  # on_failed_head="block"
+def test_a_replayed_head_that_fails_again_blocks_its_key_again(clean, engine, provider, consumer, db):
+    head, _behind = failed_head(clean, engine, provider, consumer)  # on_failed_head="block"
     with engine.begin() as c:
         assert actions.skip(c, head, by="ops", reason="go on for now").done
     # Before the relay publishes the successor, the operator thinks better of it and replays the
@@ -115,7 +100,7 @@ def test_a_replayed_head_that_fails_again_blocks_its_key_again(clean, engine, pr
         assert r.done, r.message
     assert relay_once(clean) == 1  # the head only
     provider.configure(fault_next=["decline"])
-    assert executor().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is RunResult.FAILED
     # A new failure of a "block" head: its key waits for an operator again.
     assert relay_once(clean) == 0, "the key went on past a new failure nobody skipped"
 
@@ -124,7 +109,7 @@ def test_a_replayed_head_that_fails_again_blocks_its_key_again(clean, engine, pr
 
 
 def test_a_head_failed_past_its_deadline_is_skipped_when_its_handler_says_so(
-    clean, engine, provider, executor, db
+    clean, engine, provider, consumer, db
 ):
     declare(provider, on_failed_head="skip")
     deadline = datetime.now(UTC) + timedelta(minutes=10)
@@ -139,20 +124,20 @@ def test_a_head_failed_past_its_deadline_is_skipped_when_its_handler_says_so(
     with engine.begin() as c:
         pauses.resume(c, DEST, by="ops")
     assert relay_once(clean) == 1, "the key stays blocked behind a failed head its handler skips"
-    assert executor().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is RunResult.SENT
 
 
 # -- A4: a purged successor no longer makes a replay of the skipped head need --force --------------
 
 
 def test_replaying_a_skipped_head_after_its_successor_was_purged_still_needs_force(
-    clean, engine, provider, executor, db
+    clean, engine, provider, consumer, db
 ):
-    head, behind = failed_head(clean, engine, provider, executor)
+    head, behind = failed_head(clean, engine, provider, consumer)
     with engine.begin() as c:
         assert actions.skip(c, head, by="ops", reason="go on").done
     assert relay_once(clean) == 1
-    assert executor().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is RunResult.SENT
     with engine.begin() as c:
         [before] = actions.replay(c, [head], by="ops", reason="r")
     assert not before.done and "went on without it" in before.message
@@ -233,17 +218,17 @@ def test_two_transactions_writing_two_ordering_keys_in_opposite_order_deadlock_a
 
 
 def test_a_successor_whose_claim_was_refused_is_requeued_not_lost(
-    clean, engine, provider, executor, db, redis_client
+    clean, engine, provider, consumer, db, redis_client
 ):
     """A7: only a forced replay of a skipped head gets here now. The successor's message came
     first and its claim was refused (the head is pending again): it stays dispatched with its
     message gone until the reconciler re-queues it (documented); then it goes, after the head."""
-    head, behind = failed_head(clean, engine, provider, executor, on_failed_head="skip")
+    head, behind = failed_head(clean, engine, provider, consumer, on_failed_head="skip")
     assert relay_once(clean) == 1  # the successor is published
     with engine.begin() as c:
         [r] = actions.replay(c, [head], by="ops", reason="fixed", force=True)
         assert r.done, r.message
-    worker = executor()
+    worker = consumer()
     assert worker.deliver(behind, DEST) is RunResult.EMPTY
     assert relay_once(clean) == 1  # the head
     assert worker.deliver(head, DEST) is RunResult.SENT

@@ -63,32 +63,17 @@ def write(engine: Any, key: str, ordering_key: str | None, dest: str = DEST, **k
         ).id
 
 
-@pytest.fixture
-def executor(clean: Any):
-    made: list[Executor] = []
-
-    def make() -> Executor:
-        e = Executor(clean.database_url, registry())
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-    outbox.handlers.close_http_clients()
-
-
 def in_flight(clean: Any) -> set[int]:
     return ids_by_state(clean).get("in_flight", set())
 
 
-def failed_head(clean: Any, engine: Any, provider: Any, executor: Any, **options: Any) -> tuple[int, int]:
+def failed_head(clean: Any, engine: Any, provider: Any, consumer: Any, **options: Any) -> tuple[int, int]:
     declare(provider, **options)
     head = write(engine, "customer:7:0", "customer:7")
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert executor().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is RunResult.FAILED
     return head, behind
 
 
@@ -96,13 +81,13 @@ def failed_head(clean: Any, engine: Any, provider: Any, executor: Any, **options
 
 
 @pytest.mark.parametrize("how", ["handler_skip", "operator_skip"])
-def test_repair_of_a_skipped_failed_head_needs_force_like_replay(clean, engine, provider, executor, db, how):
+def test_repair_of_a_skipped_failed_head_needs_force_like_replay(clean, engine, provider, consumer, db, how):
     lookup_on(declare(provider, on_failed_head="skip" if how == "handler_skip" else "block"), provider)
     head = write(engine, "customer:7:0", "customer:7")
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert executor().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is RunResult.FAILED
     if how == "operator_skip":
         with engine.begin() as c:
             assert actions.skip(c, head, by="ops", reason="go on").done
@@ -132,7 +117,7 @@ KEYS, ROWS = 50, 20
 
 
 def _stress(
-    clean: Any, engine: Any, provider: Any, executor: Any, db: Any, *, idempotent: bool, chaos: bool = False
+    clean: Any, engine: Any, provider: Any, consumer: Any, db: Any, *, idempotent: bool, chaos: bool = False
 ) -> None:
     import random
 
@@ -244,7 +229,7 @@ def _stress(
                     c.execute("SELECT pg_terminate_backend(%s)", (victim,))
                     kills.append(victim)
 
-    workers = [executor(), executor()]
+    workers = [consumer(), consumer()]
     threads = [
         threading.Thread(target=monitor),
         threading.Thread(target=relay_loop),
@@ -318,25 +303,25 @@ def _stress(
     assert not provider.stats()["double_charged"]
 
 
-def test_stress_two_relays_two_workers_idempotent(clean, engine, provider, executor, db):
-    _stress(clean, engine, provider, executor, db, idempotent=True)
+def test_stress_two_relays_two_workers_idempotent(clean, engine, provider, consumer, db):
+    _stress(clean, engine, provider, consumer, db, idempotent=True)
 
 
-def test_stress_two_relays_two_workers_with_lookup(clean, engine, provider, executor, db):
-    _stress(clean, engine, provider, executor, db, idempotent=False)
+def test_stress_two_relays_two_workers_with_lookup(clean, engine, provider, consumer, db):
+    _stress(clean, engine, provider, consumer, db, idempotent=False)
 
 
 # -- B2: a failed head whose call may have taken effect is skipped by on_failed_head="skip" ---------
 
 
-def test_an_uncertain_failed_head_is_never_skipped_by_its_handler(clean, engine, provider, executor, db):
+def test_an_uncertain_failed_head_is_never_skipped_by_its_handler(clean, engine, provider, consumer, db):
     provider.configure(dedupe=True)
     declare(provider, on_failed_head="skip", idempotent=True, max_attempts=1)
     head = write(engine, "customer:7:0", "customer:7")
     behind = write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
     provider.drop_after_charge(times=1)
-    result = executor().deliver(head, DEST)
+    result = consumer().deliver(head, DEST)
     row = sql(clean, "SELECT state, skip_when_failed, last_error FROM outbox_message WHERE id = %s", (head,))
     assert provider.charges("customer:7:0:update") == 1  # it did take effect
     assert row[0][0] == "failed", (result, row)
@@ -348,14 +333,14 @@ def test_an_uncertain_failed_head_is_never_skipped_by_its_handler(clean, engine,
 
 
 def test_an_unknown_head_failed_by_an_operator_is_not_skipped_by_its_handler(
-    clean, engine, provider, executor, db
+    clean, engine, provider, consumer, db
 ):
     declare(provider, on_failed_head="skip")
     head = write(engine, "customer:7:0", "customer:7")
     write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
     provider.drop_after_charge(times=1)
-    assert executor().deliver(head, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(head, DEST) is RunResult.UNKNOWN
     with engine.begin() as c:
         r = actions.resolve(c, head, failed_reason="gave up on it", by="ops")
     print(r)
@@ -371,12 +356,12 @@ def listed(engine: Any) -> list[tuple[str, int, str]]:
         return [(k.ordering_key, k.id, k.state) for k in blocked_keys(c).keys]
 
 
-def test_a_head_waiting_for_a_newer_worker_shows_its_key_blocked(clean, engine, provider, executor, db):
+def test_a_head_waiting_for_a_newer_worker_shows_its_key_blocked(clean, engine, provider, consumer, db):
     declare(provider)  # payload_version 1
     head = write(engine, "customer:7:0", "customer:7", payload_version=2)
     behind = write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
-    assert executor().deliver(head, DEST) is RunResult.RELEASED
+    assert consumer().deliver(head, DEST) is RunResult.RELEASED
     elapse(db, 3600, [head])  # an hour of releases: the deploy is stuck half-way
     sql(
         clean, "UPDATE outbox_message SET available_at = now() + interval '30 seconds' WHERE id = %s", (head,)
@@ -390,7 +375,7 @@ def test_a_head_waiting_for_a_newer_worker_shows_its_key_blocked(clean, engine, 
     )
 
 
-def test_a_paused_head_of_another_destination_shows_its_key_blocked(clean, engine, provider, executor, db):
+def test_a_paused_head_of_another_destination_shows_its_key_blocked(clean, engine, provider, consumer, db):
     declare(provider)
     declare(provider, dest="crm.tag")
     head = write(engine, "customer:7:0", "customer:7", dest="crm.tag")
@@ -398,7 +383,7 @@ def test_a_paused_head_of_another_destination_shows_its_key_blocked(clean, engin
     with engine.begin() as c:
         pauses.pause(c, "crm.tag", by="ops", reason="provider outage")
     relay_once(clean)
-    assert executor().deliver(head, "crm.tag") is not RunResult.SENT
+    assert consumer().deliver(head, "crm.tag") is not RunResult.SENT
     elapse(db, 3600, [head, behind])
     relay_once(clean)
     assert behind not in ids_by_state(clean).get("dispatched", set())  # the key waits: held
@@ -407,7 +392,7 @@ def test_a_paused_head_of_another_destination_shows_its_key_blocked(clean, engin
     )
 
 
-def test_a_head_written_for_later_holds_its_key_in_commit_order(clean, engine, provider, executor, db):
+def test_a_head_written_for_later_holds_its_key_in_commit_order(clean, engine, provider, consumer, db):
     """Held: a head written for later (available_at in the future) holds back the rows written
     after it, due or not (strict commit order); the key is not listed as blocked (next in line)."""
     declare(provider)
@@ -417,24 +402,24 @@ def test_a_head_written_for_later_holds_its_key_in_commit_order(clean, engine, p
     other = write(engine, "customer:8:0", "customer:8")
     assert relay_once(clean) == 1
     assert ids_by_state(clean)["dispatched"] == {other}
-    assert executor().deliver(behind, DEST) is RunResult.EMPTY
+    assert consumer().deliver(behind, DEST) is RunResult.EMPTY
     print("listed", listed(engine))
     elapse(db, 3700, [head])
     assert relay_once(clean) == 1
-    assert executor().deliver(head, DEST) is RunResult.SENT
+    assert consumer().deliver(head, DEST) is RunResult.SENT
     assert relay_once(clean) == 1
-    assert executor().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is RunResult.SENT
 
 
 def test_a_head_waiting_for_its_retry_is_listed_with_a_since_in_the_past(
-    clean, engine, provider, executor, db
+    clean, engine, provider, consumer, db
 ):
     declare(provider, backoff=(600,), max_attempts=3)
     head = write(engine, "customer:7:0", "customer:7")
     write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
     provider.unavailable(times=1)
-    assert executor().deliver(head, DEST) is RunResult.PENDING
+    assert consumer().deliver(head, DEST) is RunResult.PENDING
     with engine.connect() as c:
         report = blocked_keys(c)
         summary = blocked_summary(c)
@@ -450,8 +435,8 @@ def test_a_head_waiting_for_its_retry_is_listed_with_a_since_in_the_past(
 # -- B4: a row behind a blocking head cancelled: the head's replay needs --force --------------------
 
 
-def test_replaying_a_blocking_head_after_a_row_behind_it_was_cancelled(clean, engine, provider, executor, db):
-    head, behind = failed_head(clean, engine, provider, executor)  # block
+def test_replaying_a_blocking_head_after_a_row_behind_it_was_cancelled(clean, engine, provider, consumer, db):
+    head, behind = failed_head(clean, engine, provider, consumer)  # block
     third = write(engine, "customer:7:2", "customer:7")
     with engine.begin() as c:
         plan = actions.cancel_rows(c, [behind], reason="superseded", by="ops")
@@ -462,10 +447,10 @@ def test_replaying_a_blocking_head_after_a_row_behind_it_was_cancelled(clean, en
     # The key never went on without the head (the only row that moved was cancelled, never ran).
     assert r.done, r.message
     relay_once(clean)
-    assert executor().deliver(head, DEST) is RunResult.SENT
+    assert consumer().deliver(head, DEST) is RunResult.SENT
     relay_once(clean)
-    assert executor().deliver(third, DEST) is RunResult.SENT
+    assert consumer().deliver(third, DEST) is RunResult.SENT
 
 
-def test_stress_with_hung_calls_and_killed_connections(clean, engine, provider, executor, db):
-    _stress(clean, engine, provider, executor, db, idempotent=False, chaos=True)
+def test_stress_with_hung_calls_and_killed_connections(clean, engine, provider, consumer, db):
+    _stress(clean, engine, provider, consumer, db, idempotent=False, chaos=True)

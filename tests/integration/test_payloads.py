@@ -17,9 +17,8 @@ import pytest
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import RunResult
 from outbox.exceptions import InvalidMessage
-from outbox.handlers import registry
 from outbox.settings import libpq_url
 
 DEST = "payments.charge"
@@ -71,22 +70,7 @@ def row(services: Any, row_id: int) -> dict[str, Any]:
         return dict(zip(names, found, strict=True))
 
 
-@pytest.fixture
-def executor(clean: Any):
-    made: list[Executor] = []
-
-    def make() -> Executor:
-        e = Executor(clean.database_url, registry())
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-    outbox.handlers.close_http_clients()
-
-
-def test_rows_of_the_old_release_are_upgraded_and_delivered_by_the_new_one(clean, engine, provider, executor):
+def test_rows_of_the_old_release_are_upgraded_and_delivered_by_the_new_one(clean, engine, provider, consumer):
     # Release 1 wrote these (no model imported in the writer: version 1).
     old = [write(engine, f"order:{i}", {"amount": 12 + i}) for i in range(3)]
     assert {row(clean, i)["payload_version"] for i in old} == {1}
@@ -95,7 +79,7 @@ def test_rows_of_the_old_release_are_upgraded_and_delivered_by_the_new_one(clean
     # Release 2's writer imports the handler: its rows are version 2.
     new = write(engine, "order:9", {"amount_cents": 500})
     assert row(clean, new)["payload_version"] == 2
-    worker = executor()
+    worker = consumer()
     for row_id in [*old, new]:
         assert worker.deliver(row_id, DEST) is RunResult.SENT
     assert [p for p, _ in seen] == [
@@ -110,11 +94,11 @@ def test_rows_of_the_old_release_are_upgraded_and_delivered_by_the_new_one(clean
     assert provider.stats()["effects"] == {f"order:{i}:charge": 1 for i in (0, 1, 2, 9)}
 
 
-def test_an_invalid_payload_fails_without_a_call_and_is_never_retried(clean, engine, provider, executor):
+def test_an_invalid_payload_fails_without_a_call_and_is_never_retried(clean, engine, provider, consumer):
     seen: list[Any] = []
     declare(provider, seen, payload_model=ChargeV2)
     row_id = write(engine, "order:1", {"amount_cents": "twelve"}, payload_version=2)
-    assert executor().deliver(row_id, DEST) is RunResult.FAILED
+    assert consumer().deliver(row_id, DEST) is RunResult.FAILED
     failed = row(clean, row_id)
     assert failed["state"] == "failed" and failed["attempts"] == 1
     assert "amount_cents" in failed["last_error"] and "no call was made" in failed["last_error"]
@@ -127,7 +111,7 @@ def test_an_invalid_payload_fails_without_a_call_and_is_never_retried(clean, eng
 
 
 def test_an_invalid_payload_after_an_ambiguous_call_goes_unknown_not_failed(
-    clean, engine, provider, executor
+    clean, engine, provider, consumer
 ):
     """A model deployed between an ambiguous call and its retry: the first call may have
     charged, so the row is not failed for certain; the lookup decides."""
@@ -135,25 +119,25 @@ def test_an_invalid_payload_after_an_ambiguous_call_goes_unknown_not_failed(
     declare(provider, seen, idempotent=True)
     row_id = write(engine, "order:1", {"amount": 12})
     provider.configure(fault_next=["drop_after"])
-    assert executor().deliver(row_id, DEST) is RunResult.PENDING  # idempotent: retried
+    assert consumer().deliver(row_id, DEST) is RunResult.PENDING  # idempotent: retried
     assert provider.stats()["effects"] == {"order:1:charge": 1}
     outbox.handlers.clear_registry()
     declare(provider, seen, idempotent=True, payload_model=ChargeV2)  # no upgrade: "amount" invalid
     with psycopg.connect(libpq_url(clean.database_url)) as conn:
         conn.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
         conn.commit()
-    assert executor().deliver(row_id, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(row_id, DEST) is RunResult.UNKNOWN
     unknown = row(clean, row_id)
     assert unknown["state"] == "unknown" and "the lookup decides" in unknown["last_error"]
     assert provider.stats()["effects"] == {"order:1:charge": 1}
 
 
-def test_a_payload_newer_than_the_worker_waits_for_a_newer_one(clean, engine, provider, executor):
+def test_a_payload_newer_than_the_worker_waits_for_a_newer_one(clean, engine, provider, consumer):
     seen: list[Any] = []
     # The old worker knows version 1 only; new writers already write version 2.
     declare(provider, seen, payload_model=ChargeV1)
     row_id = write(engine, "order:1", {"amount_cents": 100}, payload_version=2)
-    assert executor().deliver(row_id, DEST) is RunResult.RELEASED
+    assert consumer().deliver(row_id, DEST) is RunResult.RELEASED
     waiting = row(clean, row_id)
     assert waiting["state"] == "pending" and waiting["attempts"] == 0 and waiting["releases"] == 1
     assert 20 < waiting["due_in"] <= 30, "released for later, not for the same old worker at once"
@@ -165,7 +149,7 @@ def test_a_payload_newer_than_the_worker_waits_for_a_newer_one(clean, engine, pr
     with psycopg.connect(libpq_url(clean.database_url)) as conn:
         conn.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
         conn.commit()
-    assert executor().deliver(row_id, DEST) is RunResult.SENT
+    assert consumer().deliver(row_id, DEST) is RunResult.SENT
     assert provider.stats()["effects"] == {"order:1:charge": 1}
 
 
@@ -187,7 +171,7 @@ def test_write_validates_against_the_imported_model_when_asked(clean, engine, pr
         assert conn.execute("SELECT count(*) FROM outbox_message").fetchone() == (1,)
 
 
-def test_a_next_step_gets_the_version_of_its_imported_handler(clean, engine, provider, executor):
+def test_a_next_step_gets_the_version_of_its_imported_handler(clean, engine, provider, consumer):
     seen: list[Any] = []
     charge = declare(provider, seen)
 
@@ -200,7 +184,7 @@ def test_a_next_step_gets_the_version_of_its_imported_handler(clean, engine, pro
         return [outbox.Next("receipt", "mail.receipt", {"amount_cents": 1})]
 
     row_id = write(engine, "order:1", {"amount": 1})
-    assert executor().deliver(row_id, DEST) is RunResult.SENT
+    assert consumer().deliver(row_id, DEST) is RunResult.SENT
     with psycopg.connect(libpq_url(clean.database_url)) as conn:
         assert conn.execute(
             "SELECT payload_version FROM outbox_message WHERE step = 'receipt'"

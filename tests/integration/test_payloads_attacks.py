@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import handlers as _handlers
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import RunResult
 from outbox.handlers import registry
 from outbox.ops.payload_check import check_payloads
 from outbox.settings import libpq_url
@@ -78,26 +78,11 @@ def row(services: Any, row_id: int) -> dict[str, Any]:
         return dict(zip(names, cur.fetchone(), strict=True))
 
 
-@pytest.fixture
-def executor(clean: Any):
-    made: list[Executor] = []
-
-    def make() -> Executor:
-        e = Executor(clean.database_url, registry())
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.close()
-    outbox.handlers.close_http_clients()
-
-
 # == 1. invalid payload after an ambiguous, possibly effective call ===============================
 
 
 def test_holds_invalid_after_ambiguous_call_goes_unknown_and_the_lookup_settles_it(
-    clean, engine, provider, executor, db
+    clean, engine, provider, consumer, db
 ):
     """Attempt 1 (release N, idempotent destination) charged and the answer was lost: the row
     is retried (pending). Release N+1 tightens the model so the stored payload no longer fits.
@@ -108,7 +93,7 @@ def test_holds_invalid_after_ambiguous_call_goes_unknown_and_the_lookup_settles_
     declare(provider, idempotent=True)
     row_id = write(engine, "order:1", {"amount_eur": 12})
     provider.drop_after_charge(times=1)
-    assert executor().deliver(row_id, DEST) is RunResult.PENDING
+    assert consumer().deliver(row_id, DEST) is RunResult.PENDING
     assert provider.charges("order:1:charge") == 1
 
     redeploy()
@@ -123,7 +108,7 @@ def test_holds_invalid_after_ambiguous_call_goes_unknown_and_the_lookup_settles_
         return [outbox.Next("tell_customer", "mail.notify", {"order": d.key})]
 
     elapse(clean, 3600, [row_id])
-    assert executor().deliver(row_id, DEST) is RunResult.UNKNOWN  # held: not `failed`
+    assert consumer().deliver(row_id, DEST) is RunResult.UNKNOWN  # held: not `failed`
     assert provider.charges("order:1:charge") == 1
     assert sql(clean, "SELECT step FROM outbox_message WHERE parent_id = %s", (row_id,)) == []
 
@@ -141,23 +126,23 @@ def test_holds_invalid_after_ambiguous_call_goes_unknown_and_the_lookup_settles_
     assert (r["state"], provider.charges("order:1:charge")) == ("sent", 1), r
 
 
-def test_holds_deadline_branch_after_ambiguous_call_goes_unknown(clean, engine, provider, executor):
+def test_holds_deadline_branch_after_ambiguous_call_goes_unknown(clean, engine, provider, consumer):
     """The reference the invalid branch should follow: same history, deadline passed instead."""
     declare(provider, idempotent=True)
     from datetime import UTC, datetime, timedelta
 
     row_id = write(engine, "order:2", {"amount_eur": 12}, deadline=datetime.now(UTC) + timedelta(minutes=30))
     provider.drop_after_charge(times=1)
-    assert executor().deliver(row_id, DEST) is RunResult.PENDING
+    assert consumer().deliver(row_id, DEST) is RunResult.PENDING
     elapse(clean, 3600, [row_id])
-    assert executor().deliver(row_id, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(row_id, DEST) is RunResult.UNKNOWN
     assert row(clean, row_id)["state"] == "unknown"
 
 
 # == 2. a row newer than a handler that declares no model =========================================
 
 
-def test_break_row_newer_than_a_handler_without_model_is_delivered(clean, engine, provider, executor):
+def test_break_row_newer_than_a_handler_without_model_is_delivered(clean, engine, provider, consumer):
     """Writers of release N+1 (payload version 2: cents) deployed before the workers; release N's
     handler of the destination declares no payload_model and no upgrades, i.e. version 1. The
     row is newer than it knows, so it must wait for a newer worker; it is called instead, with a
@@ -167,7 +152,7 @@ def test_break_row_newer_than_a_handler_without_model_is_delivered(clean, engine
     assert registry()[DEST].payload_version == 1
     row_id = write(engine, "order:3", {"amount_cents": 1200, "currency": "EUR"}, payload_version=2)
     assert row(clean, row_id)["payload_version"] == 2
-    result = executor().deliver(row_id, DEST)
+    result = consumer().deliver(row_id, DEST)
     # Observed: SENT, provider.charges("order:3:charge") == 1, the v1 code saw the v2 payload.
     assert (result, provider.charges(), seen) == (RunResult.RELEASED, 0, [])
 
@@ -187,7 +172,7 @@ def test_break_doctor_payloads_passes_with_rows_newer_than_a_handler_without_mod
 
 
 def test_break_default_version_depends_on_imports_unless_the_writer_says_it(
-    clean, engine, provider, executor
+    clean, engine, provider, consumer
 ):
     """The attack's F2: a writer that does not import the handler module stores version 1 by
     default, and the worker runs upgrade 1->2 on a payload already in the v2 shape (here an
@@ -208,15 +193,15 @@ def test_break_default_version_depends_on_imports_unless_the_writer_says_it(
     assert [row(clean, i)["payload_version"] for i in (a, b, unsaid)] == [2, 2, 1]
 
     declare(provider, seen, payload_model=ChargeV2, upgrades={1: euros_to_cents})
-    assert executor().deliver(a, DEST) is RunResult.SENT
-    assert executor().deliver(b, DEST) is RunResult.SENT
+    assert consumer().deliver(a, DEST) is RunResult.SENT
+    assert consumer().deliver(b, DEST) is RunResult.SENT
     assert [p["amount_cents"] for p in seen] == [1200, 1200]
 
 
 # == 4. the reconciler's lookup of an `unknown` row whose payload no longer fits ==================
 
 
-def test_holds_unknown_row_with_now_invalid_payload_is_looked_up(clean, engine, provider, executor, db):
+def test_holds_unknown_row_with_now_invalid_payload_is_looked_up(clean, engine, provider, consumer, db):
     """A non-idempotent charge went `unknown` under release N (the provider charged it). Release
     N+1's model does not accept its payload. The lookup only needs the idempotency key: it gets
     the payload as stored and finds the charge. (The attack saw the reconciler validate first:
@@ -228,8 +213,8 @@ def test_holds_unknown_row_with_now_invalid_payload_is_looked_up(clean, engine, 
     healthy = write(engine, "order:13", {"amount_cents": 1300, "currency": "EUR"})
     provider.drop_after_charge()
     for row_id in stuck:
-        assert executor().deliver(row_id, DEST) is RunResult.UNKNOWN
-    assert executor().deliver(healthy, DEST) is RunResult.UNKNOWN
+        assert consumer().deliver(row_id, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(healthy, DEST) is RunResult.UNKNOWN
     provider.healthy()
     assert provider.charges() == 4
 
@@ -262,7 +247,7 @@ def _insert_raw(services: Any, key: str, payload_json: str, version: int = 1) ->
 
 
 def test_break_non_object_payload_crashes_the_delivery_and_ends_unknown_forever(
-    clean, provider, executor, db
+    clean, provider, consumer, db
 ):
     """A row written by plain SQL (the contract invites writers in any language) with a JSON
     array as payload. Expected: PayloadInvalid -> `failed`, no call (certain, actionable).
@@ -279,7 +264,7 @@ def test_break_non_object_payload_crashes_the_delivery_and_ends_unknown_forever(
         (row_id,),
     )
     try:
-        result: Any = executor().deliver(row_id, DEST)
+        result: Any = consumer().deliver(row_id, DEST)
     except Exception as exc:
         result = exc
     observed = {"result": result, "state": row(clean, row_id)["state"]}
@@ -312,23 +297,23 @@ def test_break_doctor_payloads_crashes_on_non_object_payload(clean, engine, prov
 # == 6. too-new rows ==============================================================================
 
 
-def test_holds_too_new_row_released_no_attempt_spent(clean, engine, provider, executor):
+def test_holds_too_new_row_released_no_attempt_spent(clean, engine, provider, consumer):
     declare(provider, payload_model=ChargeV2, upgrades={1: v1_to_v2})
     row_id = write(engine, "order:30", {"x": 1}, payload_version=3)
     for _ in range(5):
         elapse(clean, 60, [row_id])
         sql(clean, "UPDATE outbox_message SET state='dispatched', dispatched_at=now() WHERE id=%s", (row_id,))
-        assert executor().deliver(row_id, DEST) is RunResult.RELEASED
+        assert consumer().deliver(row_id, DEST) is RunResult.RELEASED
     r = row(clean, row_id)
     assert (r["state"], r["attempts"], r["releases"]) == ("pending", 0, 5)
     assert provider.charges() == 0
 
 
-def test_holds_upgrade_mutating_input_does_not_touch_stored_row(clean, engine, provider, executor):
+def test_holds_upgrade_mutating_input_does_not_touch_stored_row(clean, engine, provider, consumer):
     seen: list[dict[str, Any]] = []
     declare(provider, seen, payload_model=ChargeV2, upgrades={1: v1_to_v2})  # v1_to_v2 pops
     row_id = write(engine, "order:31", {"amount_eur": 7}, payload_version=1)
-    assert executor().deliver(row_id, DEST) is RunResult.SENT
+    assert consumer().deliver(row_id, DEST) is RunResult.SENT
     assert row(clean, row_id)["payload"] == {"amount_eur": 7}
     assert seen == [{"amount_cents": 700, "currency": "EUR"}]
 
@@ -372,7 +357,7 @@ def test_break_same_payload_rewritten_at_another_version_is_a_silent_no_op(clean
     assert isinstance(again, outbox.KeyConflict), (again, stored)
 
 
-def test_older_reconciler_looks_up_too_new_unknown_rows(clean, engine, provider, executor, db):
+def test_older_reconciler_looks_up_too_new_unknown_rows(clean, engine, provider, consumer, db):
     """A newer worker (payload v3) made ambiguous calls; the reconciler still runs the previous
     release (v2). Its lookups name the calls by their keys and get the payloads as stored: every
     row is found and settled sent, each charged once (the attack saw "lookup failed" for the
@@ -387,7 +372,7 @@ def test_older_reconciler_looks_up_too_new_unknown_rows(clean, engine, provider,
     old = write(engine, "order:53", {"amount_cents": 53, "currency": "EUR"}, payload_version=2)
     provider.drop_after_charge()
     for i in [*new, old]:
-        assert executor().deliver(i, DEST) is RunResult.UNKNOWN
+        assert consumer().deliver(i, DEST) is RunResult.UNKNOWN
     provider.healthy()
     redeploy()
     lookup_on(declare(provider, payload_model=ChargeV2, upgrades={1: v1_to_v2}), provider)
