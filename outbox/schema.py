@@ -386,6 +386,19 @@ Index(
     postgresql_where=text("ordering_key IS NOT NULL AND state NOT IN ('sent', 'cancelled')"),
 )
 
+# -- Issue 16 (migration 0019): the dashboard's search ---------------------------------------------
+#: Keys by prefix under any collation (text_pattern_ops), rows by the provider's reference.
+Index(
+    "outbox_message_key_prefix_idx",
+    outbox_message.c.key,
+    postgresql_ops={"key": "text_pattern_ops"},
+)
+Index(
+    "outbox_message_provider_ref_idx",
+    outbox_message.c.provider_ref,
+    postgresql_where=text("provider_ref IS NOT NULL"),
+)
+
 # -- migration 0007 (attack finding F6): a new row's step holds no ':' ------------------------------
 # CHECK outbox_message_step_colon_check: strpos(step, ':') = 0 OR id <= <highest id at upgrade>,
 # NOT VALID. Not declared here: its bound is each database's own (rows stored before the upgrade

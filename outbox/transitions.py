@@ -475,8 +475,11 @@ claimed AS (
                   ELSE m.created_at END) END AS written_to_published,
               m.trace_context, m.payload_version
 ), fence AS (
-    INSERT INTO outbox_attempt (message_id, attempt, claim_token)
-    SELECT id, attempts, claim_token FROM claimed
+    -- started_at is the clock now, not now(): now() is when the statement arrived, before it
+    -- was planned and took the snapshot that let the row go; a claim of the next row of an
+    -- ordering key could then carry a start before the end of the claim it waited for.
+    INSERT INTO outbox_attempt (message_id, attempt, claim_token, started_at)
+    SELECT id, attempts, claim_token, clock_timestamp() FROM claimed
 )
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
        COALESCE(deadline_passed, false), since_written, since_published, written_to_published,

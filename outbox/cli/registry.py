@@ -185,6 +185,13 @@ COMMANDS: tuple[Command, ...] = (
         "outbox.cli.failover:run",
         _LOOK,
     ),
+    Command(
+        "dashboard",
+        "serve the web dashboard (search, lifecycle, replay/resolve with a preview), or --hash-password",
+        "outbox.cli.dashboard:arguments",
+        "outbox.cli.dashboard:run",
+        frozenset({DATABASE}),
+    ),
     # Tooling: the demo adds its own URL flags (they default to embedded servers).
     Command(
         "demo",

@@ -497,6 +497,13 @@ ORDER BY id
 """
 )
 
+_CANCEL_IDS = text(
+    f"""
+SELECT id, key, step, state, ({transitions.CANCELLABLE_SQL}) AS cancellable
+FROM outbox_message WHERE id = ANY(CAST(:ids AS bigint[]))
+"""
+)
+
 
 @dataclass
 class CancelPlan:
@@ -548,8 +555,8 @@ def cancel_rows(
     """Cancel ``pending`` or ``dispatched`` rows none of whose calls may have taken effect (never
     claimed, or every fence row safe or settled; wider than :func:`outbox.cancel`, which only
     takes never-claimed rows), by id or every such row of ``destination`` (with ids no higher
-    than ``max_id`` when given). With
-    ``apply=False`` nothing changes: the plan says what would be cancelled and what is refused.
+    than ``max_id`` when given). With ``apply=False`` nothing changes: the plan says what would
+    be cancelled and what is refused (by id: what the dashboard's bulk cancel previews).
     Each row moves in one guarded UPDATE; a row whose call may have taken effect since the
     preview is refused."""
     if not reason or not reason.strip():
@@ -569,7 +576,15 @@ def cancel_rows(
     else:
         wanted = list(dict.fromkeys(ids))
         if not apply:
-            raise ConfigError("a preview is for --destination; rows named by id are cancelled directly")
+            # A preview of named rows (the dashboard's bulk cancel): the same rule as the UPDATE.
+            seen = {int(r.id): r for r in connection.execute(_CANCEL_IDS, {"ids": wanted})}
+            for row_id in wanted:
+                got = seen.get(row_id)
+                if got is not None and got.cancellable:
+                    rows.append((row_id, got.key, got.step, got.state))
+                else:
+                    refused.append((row_id, _why_not_cancellable(got.state if got else None, row_id)))
+            return CancelPlan(None, False, rows, refused, None)
         # Read only to report what each row was; the guarded UPDATE below decides.
         found = connection.execute(
             text("SELECT id, key, step, state FROM outbox_message WHERE id = ANY(:ids)"), {"ids": wanted}

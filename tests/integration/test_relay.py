@@ -491,6 +491,10 @@ def test_one_wake_up_serves_every_notify_already_queued(clean, redis_client):
     try:
         relay._ensure_listening()
         _commit_rows_one_by_one(clean, 10, "queued")
+        # PostgreSQL delivers a NOTIFY to the listening session after the commit returns (the
+        # listener's backend is signalled); give the ten time to be on the socket, which is the
+        # case under test: a busy relay finds them all queued when it comes back.
+        time.sleep(0.3)
         relay._wait_for_notify(5)
         assert relay.run_once().published == 10
         started = time.monotonic()

@@ -1,0 +1,107 @@
+"""``outbox dashboard``: serve the web dashboard (outbox.dashboard) with uvicorn, or print a
+password hash for its users file."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import sys
+
+from .. import settings
+from ..exceptions import ConfigError
+from .operator import _describe
+
+SECRET_ENV = "OUTBOX_DASHBOARD_SECRET"
+USERS_ENV = "OUTBOX_DASHBOARD_USERS"
+INSECURE_ENV = "OUTBOX_DASHBOARD_INSECURE_COOKIES"
+DEFAULT_PORT = 8090
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    _describe(
+        p,
+        f"""
+        Serve the web dashboard: the overview, search by key, prefix, row id, provider reference
+        or Idempotency-Key, each row's attempts and history, batches, blocked ordering keys, and
+        replay / resolve / cancel / pause / repair with a preview (docs/dashboard.md).
+
+        Nothing is served without users: {USERS_ENV} (or --users) names a file of
+        `NAME ROLE HASH` lines, ROLE read, read+payloads or operate, HASH from
+        `outbox dashboard --hash-password`. {SECRET_ENV} (at least 32 characters, the same on
+        every replica) signs the session cookies; never on the command line. Cookies are
+        Secure: behind plain HTTP (development only) set {INSECURE_ENV}=1 or
+        --insecure-cookies. To mount it in your own Starlette/FastAPI app with your own
+        authentication, use outbox.dashboard.create_app(authorize=...).
+        """,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--users", metavar="FILE", help=f"the users file (default ${USERS_ENV})")
+    p.add_argument(
+        "--module",
+        help="the handler module (e.g. myapp.handlers): resolving a row sent writes its @then "
+        "steps, and repair asks the provider through the lookups",
+    )
+    p.add_argument(
+        "--insecure-cookies",
+        action="store_true",
+        help="cookies without Secure, for plain HTTP in development only",
+    )
+    p.add_argument(
+        "--hash-password",
+        action="store_true",
+        help="read a password (from the terminal, or one line of stdin) and print its hash for the "
+        "users file; serves nothing",
+    )
+
+
+def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..dashboard.security import hash_password
+
+    if args.hash_password:
+        if sys.stdin.isatty():
+            password = getpass.getpass("password: ")
+            if getpass.getpass("again: ") != password:
+                raise ConfigError("the two passwords differ")
+        else:
+            password = sys.stdin.readline().rstrip("\n")
+        print(hash_password(password))
+        return 0
+    import uvicorn
+
+    from ..dashboard import create_app
+    from ..dashboard.security import parse_users
+
+    users_path = args.users or os.environ.get(USERS_ENV)
+    if not users_path:
+        raise ConfigError(
+            f"the dashboard serves nothing without users: set {USERS_ENV} (or --users) to a file of "
+            "`NAME ROLE HASH` lines (hashes from `outbox dashboard --hash-password`)"
+        )
+    try:
+        with open(users_path, encoding="utf-8") as f:
+            users = parse_users(f.read(), source=users_path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the users file {users_path}: {exc.strerror}") from exc
+    handlers = None
+    if args.module:
+        from ..handlers import load_module
+
+        handlers = load_module(args.module)
+    insecure = args.insecure_cookies or os.environ.get(INSECURE_ENV, "") in ("1", "true", "yes")
+    app = create_app(
+        cfg.require_database_url(),
+        secret=os.environ.get(SECRET_ENV, ""),
+        users=users,
+        secure_cookies=not insecure,
+        handlers=handlers,
+        module=args.module,
+    )
+    print(
+        f"outbox dashboard on http://{args.host}:{args.port}/ ({len(users)} user(s)"
+        f"{', insecure cookies' if insecure else ''})",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", proxy_headers=True)
+    return 0

@@ -1,0 +1,721 @@
+"""The dashboard's ASGI app: pages, forms and who may see and do what.
+
+Every endpoint reads or acts through ``outbox.ops`` (the CLI's own functions, so a refusal here
+is the CLI's refusal) in a worker thread; the app itself holds no state but the login throttle.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, urlencode
+
+import jinja2
+from sqlalchemy import Engine
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import pauses, sanitize, states
+from ..exceptions import ConfigError, NotFound, OutboxError
+from ..handlers import Handler
+from ..ops import actions
+from ..ops import inspect as ops_inspect
+from ..ops.batches import batch_report
+from ..ops.ordering import blocked_keys
+from . import bulk, queries, security
+from .security import Access
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+COOKIE = "outbox_session"
+#: A form body larger than this is refused before it is parsed (a bulk form of 1,000 ids is ~10 KB).
+MAX_FORM_BYTES = 256 * 1024
+
+Authorize = Callable[
+    [Request], "Access | tuple[str, str] | Awaitable[Access | tuple[str, str] | None] | None"
+]
+
+
+class Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class SecurityHeaders:
+    """Adds the security headers to every response, static files and errors included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                present = {k.lower() for k, _ in headers}
+                for name, value in security.SECURITY_HEADERS.items():
+                    if name.encode() not in present:
+                        headers.append((name.encode(), value.encode()))
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+@dataclass
+class Config:
+    engine: Engine
+    signer: security.Signer
+    authorize: Authorize | None
+    users: dict[str, security.User] | None
+    secure_cookies: bool
+    session_seconds: float
+    handlers: Mapping[str, Handler] | None
+    module: str | None
+    database_url: str | None
+    title: str
+
+
+class Dashboard:
+    def __init__(self, config: Config) -> None:
+        self.c = config
+        self.throttle = security.Throttle()
+        self.env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(str(HERE / "templates")),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+        )
+        self.env.filters["age"] = queries.describe_age
+        self.env.filters["when"] = lambda v: v.strftime("%Y-%m-%d %H:%M:%S") if v else "-"
+        self.env.filters["num"] = lambda v: f"{v:,.0f}" if isinstance(v, int | float) else v
+        self.env.filters["ms"] = lambda v: "-" if v is None else f"{v * 1000:,.0f} ms"
+        self.env.filters["pretty"] = _pretty
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def routes(self) -> list[Route | Mount]:
+        r = Route
+        return [
+            r("/", self.overview),
+            r("/login", self.login, methods=["GET", "POST"]),
+            r("/logout", self.logout, methods=["POST"]),
+            r("/search", self.search),
+            r("/rows", self.rows),
+            r("/rows/{row_id:int}", self.row),
+            r("/rows/{row_id:int}/resolve", self.resolve, methods=["POST"]),
+            r("/keys", self.key),
+            r("/keys/repair", self.repair, methods=["POST"]),
+            r("/preview", self.preview, methods=["POST"]),
+            r("/apply", self.apply, methods=["POST"]),
+            r("/batches", self.batches),
+            r("/batches/{batch_id:int}", self.batch),
+            r("/blocked", self.blocked),
+            r("/destinations/pause", self.pause, methods=["POST"]),
+            r("/destinations/resume", self.resume, methods=["POST"]),
+            Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+        ]
+
+    def _base(self, request: Request) -> str:
+        return str(request.scope.get("root_path", "")).rstrip("/")
+
+    def _session(self, request: Request) -> dict[str, Any] | None:
+        return self.c.signer.unsign(request.cookies.get(COOKIE))
+
+    def _set_session(self, request: Request, response: Response, session: dict[str, Any]) -> None:
+        response.set_cookie(
+            COOKIE,
+            self.c.signer.sign(session),
+            max_age=int(self.c.session_seconds),
+            path=self._base(request) or "/",
+            secure=self.c.secure_cookies,
+            httponly=True,
+            samesite="strict",
+        )
+
+    async def _access(self, request: Request) -> Access | None:
+        if self.c.authorize is not None:
+            got = self.c.authorize(request)
+            if inspect.isawaitable(got):
+                got = await got
+            if got is None:
+                return None
+            return got if isinstance(got, Access) else Access(*got)
+        session = self._session(request)
+        if not session or "user" not in session:
+            return None
+        user = (self.c.users or {}).get(session["user"])
+        if user is None:  # removed from the users file since the login
+            return None
+        # The users file decides the role on every request: a demotion takes effect at once.
+        return Access(user.name, user.role, user.payloads)
+
+    async def _guard(self, request: Request, *, act: bool = False) -> tuple[Access, dict[str, Any]]:
+        """The caller's access (401/403 otherwise) and session; for a POST, its CSRF token checked."""
+        access = await self._access(request)
+        if access is None:
+            if self.c.authorize is None and request.method == "GET":
+                target = quote(request.url.path + (f"?{request.url.query}" if request.url.query else ""))
+                raise Refused(303, f"{self._base(request)}/login?next={target}")
+            raise Refused(401, "sign in first")
+        if not access.can_read:
+            raise Refused(403, f"{access.user} has no access to the outbox dashboard")
+        if act and not access.can_act:
+            raise Refused(403, f"{access.user} may look but not act (role {access.role})")
+        session = self._session(request) or security.new_session(seconds=self.c.session_seconds)
+        return access, session
+
+    async def _form(self, request: Request, session: dict[str, Any]) -> dict[str, list[str]]:
+        body = await request.body()
+        if len(body) > MAX_FORM_BYTES:
+            raise Refused(413, "form too large")
+        form = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
+        token = (form.get("csrf_token") or [""])[0] or request.headers.get("x-csrf-token")
+        if not security.csrf_ok(session, token):
+            raise Refused(403, "the form's CSRF token is missing or stale: reload the page and try again")
+        return form
+
+    def _page(
+        self,
+        request: Request,
+        template: str,
+        access: Access | None,
+        session: dict[str, Any] | None,
+        status: int = 200,
+        **context: Any,
+    ) -> HTMLResponse:
+        body = self.env.get_template(template).render(
+            base=self._base(request),
+            title=self.c.title,
+            access=access,
+            csrf=(session or {}).get("csrf", ""),
+            states=states,
+            actions=bulk.ACTIONS,
+            **context,
+        )
+        response = HTMLResponse(body, status_code=status, headers={"cache-control": "no-store"})
+        if session is not None and self._session(request) != session:
+            self._set_session(request, response, session)
+        return response
+
+    def _refused(self, request: Request, refused: Refused) -> Response:
+        if refused.status == 303:
+            return RedirectResponse(refused.message, status_code=303)
+        return self._page(
+            request,
+            "message.html",
+            None,
+            None,
+            status=refused.status,
+            heading="Refused",
+            text=refused.message,
+        )
+
+    async def _run(self, request: Request, act: bool, body: Callable[..., Any]) -> Response:
+        try:
+            access, session = await self._guard(request, act=act)
+            form = await self._form(request, session) if request.method == "POST" else {}
+            return await body(access, session, form)
+        except Refused as r:
+            return self._refused(request, r)
+
+    def _read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        def go() -> Any:
+            with self.c.engine.connect() as conn:
+                return fn(conn, *args, **kwargs)
+
+        return run_in_threadpool(go)
+
+    def _write(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        def go() -> Any:
+            with self.c.engine.begin() as conn:
+                return fn(conn, *args, **kwargs)
+
+        return run_in_threadpool(go)
+
+    @staticmethod
+    def _by(access: Access) -> str:
+        return f"{access.user} (dashboard)"
+
+    # -- login ------------------------------------------------------------------------------------
+
+    async def login(self, request: Request) -> Response:
+        if self.c.users is None:
+            return self._page(
+                request,
+                "message.html",
+                None,
+                None,
+                status=404,
+                heading="No login here",
+                text="this dashboard is signed in to through its host application",
+            )
+        session = self._session(request)
+        if session is None or "user" in session:
+            session = security.new_session(seconds=600)
+        nxt = request.query_params.get("next", "")
+        if request.method == "GET":
+            return self._page(request, "login.html", None, session, next=nxt, error=None)
+        try:
+            form = await self._form(request, session)
+        except Refused as r:
+            return self._refused(request, r)
+        name = (form.get("user") or [""])[0]
+        password = (form.get("password") or [""])[0]
+        nxt = (form.get("next") or [""])[0]
+        client = f"ip:{request.client.host if request.client else '-'}"
+        wait = self.throttle.retry_after(f"user:{name}", client)
+        if wait > 0:
+            page = self._page(
+                request,
+                "login.html",
+                None,
+                session,
+                status=429,
+                next=nxt,
+                error=f"too many failed logins: try again in {int(wait) + 1} s",
+            )
+            page.headers["retry-after"] = str(int(wait) + 1)
+            return page
+        user = await run_in_threadpool(security.check_login, self.c.users, name, password)
+        if user is None:
+            self.throttle.failed(f"user:{name}", client)
+            logger.warning("dashboard login failed", extra={"user": name[:64], "client": client})
+            return self._page(
+                request,
+                "login.html",
+                None,
+                session,
+                status=401,
+                next=nxt,
+                error="wrong user name or password",
+            )
+        self.throttle.succeeded(f"user:{name}")
+        logger.info("dashboard login", extra={"user": user.name, "role": user.role})
+        fresh = security.new_session(seconds=self.c.session_seconds, user=user.name)
+        # Only a path of this app: never an open redirect to another site.
+        target = nxt if nxt.startswith("/") and not nxt.startswith("//") else f"{self._base(request)}/"
+        response = RedirectResponse(target, status_code=303)
+        self._set_session(request, response, fresh)
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        session = self._session(request) or {}
+        try:
+            await self._form(request, session)
+        except Refused as r:
+            return self._refused(request, r)
+        response = RedirectResponse(f"{self._base(request)}/login", status_code=303)
+        response.delete_cookie(COOKIE, path=self._base(request) or "/")
+        return response
+
+    # -- pages ------------------------------------------------------------------------------------
+
+    async def overview(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            def read(conn: Any) -> dict[str, Any]:
+                from sqlalchemy import text
+
+                from ..breaker import open_breakers
+                from ..heartbeat import NO_CONSUMER_SQL, no_consumer
+                from ..ops.ordering import blocked_summary
+
+                counts = queries.counts(conn)
+                return {
+                    "counts": counts,
+                    "totals": counts.totals(),
+                    "hour": queries.last_hour(conn),
+                    "alerts": queries.alerts(conn),
+                    "no_consumer": no_consumer(conn.execute(text(NO_CONSUMER_SQL))),
+                    "paused": pauses.paused(conn),
+                    "breakers": open_breakers(conn),
+                    "blocked": blocked_summary(conn),
+                }
+
+            data = await self._read(read)
+            template = "overview_body.html" if request.headers.get("hx-request") else "overview.html"
+            return self._page(request, template, access, session, **data)
+
+        return await self._run(request, False, body)
+
+    async def search(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            q = request.query_params.get("q", "").strip()
+            hits = await self._read(queries.search, q) if q else []
+            exact = [h for h in hits if h.kind != "list"]
+            if len(exact) == 1:
+                h = exact[0]
+                target = f"/rows/{h.row_id}" if h.kind == "row" else f"/keys?{urlencode({'key': h.key})}"
+                return RedirectResponse(self._base(request) + target, status_code=303)
+            if not exact and q:
+                return RedirectResponse(
+                    f"{self._base(request)}/rows?{urlencode({'key_prefix': q})}", status_code=303
+                )
+            return self._page(request, "search.html", access, session, q=q, hits=hits)
+
+        return await self._run(request, False, body)
+
+    def _filter(self, request: Request) -> queries.Filter:
+        p = request.query_params
+        state = p.get("state") or None
+        if state is not None and state not in states.ALL:
+            raise Refused(400, f"unknown state {state!r}; states are {', '.join(states.ALL)}")
+        try:
+            older = queries.parse_duration(p.get("older_than"))
+        except ValueError as exc:
+            raise Refused(400, str(exc)) from exc
+        return queries.Filter(
+            state=state,
+            destination=p.get("destination") or None,
+            older_than_seconds=older,
+            error=p.get("error") or None,
+            key_prefix=p.get("key_prefix") or None,
+        )
+
+    async def rows(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            f = self._filter(request)
+            after = request.query_params.get("after") or None
+            try:
+                page = await self._read(queries.list_page, f, after=after)
+            except (ValueError, OutboxError) as exc:
+                raise Refused(400, f"bad page cursor: {exc}") from exc
+            bulk_actions = {
+                states.FAILED: ["replay"],
+                states.PENDING: ["cancel"],
+                states.DISPATCHED: ["cancel"],
+                states.UNKNOWN: ["resolve-failed"],
+            }.get(f.state or "", [])
+            return self._page(
+                request,
+                "rows.html",
+                access,
+                session,
+                f=f,
+                page=page,
+                filter_query=urlencode(f.params()),
+                bulk_actions=bulk_actions,
+                after=after,
+            )
+
+        return await self._run(request, False, body)
+
+    async def row(self, request: Request) -> Response:
+        row_id = int(request.path_params["row_id"])
+
+        async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            def read(conn: Any) -> dict[str, Any]:
+                detail = ops_inspect.show(conn, row_id, payload=access.sees_payloads)
+                assert isinstance(detail, ops_inspect.RowDetail)
+                key = ops_inspect.key_steps(conn, detail.row["key"])
+                extras = queries.row_extras(conn, row_id)
+                batch = batch_report(conn, batch_id=extras["batch_id"]) if extras.get("batch_id") else None
+                return {"detail": detail, "key": key, "extras": extras, "batch": batch}
+
+            try:
+                data = await self._read(read)
+            except NotFound as exc:
+                raise Refused(404, str(exc)) from exc
+            d = data["detail"]
+            payload = sanitize.clean_json(d.payload) if d.payload is not None else None
+            response = (
+                sanitize.clean_json(d.row.get("response")) if d.row.get("response") is not None else None
+            )
+            return self._page(
+                request, "row.html", access, session, payload=payload, response=response, **data
+            )
+
+        return await self._run(request, False, body)
+
+    async def key(self, request: Request) -> Response:
+        key = request.query_params.get("key", "")
+
+        async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            try:
+                steps = await self._read(ops_inspect.key_steps, key)
+            except NotFound as exc:
+                raise Refused(404, str(exc)) from exc
+            return self._page(
+                request, "key.html", access, session, steps=steps, can_repair=self.c.handlers is not None
+            )
+
+        return await self._run(request, False, body)
+
+    async def batches(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            before = request.query_params.get("before")
+            listed = await self._read(
+                queries.batches, before=int(before) if before and before.isdigit() else None
+            )
+            return self._page(request, "batches.html", access, session, batches=listed)
+
+        return await self._run(request, False, body)
+
+    async def batch(self, request: Request) -> Response:
+        batch_id = int(request.path_params["batch_id"])
+
+        async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            try:
+                report = await self._read(batch_report, batch_id=batch_id)
+            except NotFound as exc:
+                raise Refused(404, str(exc)) from exc
+            template = "batch_body.html" if request.headers.get("hx-request") else "batch.html"
+            return self._page(request, template, access, session, batch=report)
+
+        return await self._run(request, False, body)
+
+    async def blocked(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            report = await self._read(blocked_keys, limit=200)
+            return self._page(request, "blocked.html", access, session, report=report)
+
+        return await self._run(request, False, body)
+
+    # -- actions ----------------------------------------------------------------------------------
+
+    async def preview(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], form: dict[str, list[str]]) -> Response:
+            action = (form.get("action") or [""])[0]
+            if action not in bulk.ACTIONS:
+                raise Refused(400, f"unknown action {action!r}")
+            if form.get("id"):
+                ids = [int(i) for i in form["id"] if i.isdigit()]
+                more = False
+            else:
+                f = self._filter_from_form(form)
+                if f.state is None:
+                    raise Refused(400, "a bulk action needs a state in its filter")
+                ids, more = await self._read(queries.matching_ids, f)
+                if not ids:
+                    raise Refused(400, "the filter selects no row")
+            try:
+                plan = await self._read(bulk.preview, action, ids, more=more)
+            except OutboxError as exc:
+                raise Refused(400, str(exc)) from exc
+            return self._page(request, "preview.html", access, session, plan=plan)
+
+        return await self._run(request, True, body)
+
+    def _filter_from_form(self, form: dict[str, list[str]]) -> queries.Filter:
+        def one(name: str) -> str | None:
+            return (form.get(name) or [""])[0] or None
+
+        state = one("state")
+        if state is not None and state not in states.ALL:
+            raise Refused(400, f"unknown state {state!r}")
+        try:
+            older = queries.parse_duration(one("older_than"))
+        except ValueError as exc:
+            raise Refused(400, str(exc)) from exc
+        return queries.Filter(state, one("destination"), older, one("error"), one("key_prefix"))
+
+    async def apply(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], form: dict[str, list[str]]) -> Response:
+            action = (form.get("action") or [""])[0]
+            ids = [int(i) for i in form.get("id", []) if i.isdigit()]
+            fingerprint = (form.get("fingerprint") or [""])[0]
+            reason = (form.get("reason") or [""])[0]
+            try:
+                outcome = await self._write(
+                    bulk.apply, action, ids, fingerprint=fingerprint, by=self._by(access), reason=reason
+                )
+            except OutboxError as exc:
+                raise Refused(400, str(exc)) from exc
+            logger.info(
+                "dashboard %s: %s done, %s refused",
+                action,
+                len(outcome.done),
+                len(outcome.refused),
+                extra={"user": access.user, "action": action, "rows": len(ids)},
+            )
+            return self._page(request, "applied.html", access, session, outcome=outcome)
+
+        return await self._run(request, True, body)
+
+    async def resolve(self, request: Request) -> Response:
+        row_id = int(request.path_params["row_id"])
+
+        async def body(access: Access, session: dict[str, Any], form: dict[str, list[str]]) -> Response:
+            how = (form.get("how") or [""])[0]
+            ref = (form.get("ref") or [""])[0].strip()
+            reason = (form.get("reason") or [""])[0].strip()
+            if not reason:
+                raise Refused(400, "a reason is required: it is kept in the row's history")
+            kwargs: dict[str, Any] = {}
+            if how == "sent":
+                kwargs["sent_ref"] = ref
+            elif how == "not-sent":
+                kwargs["not_sent"] = True
+            elif how == "failed":
+                kwargs["failed_reason"] = reason
+            else:
+                raise Refused(400, "choose sent (with the provider's reference), not sent, or failed")
+            try:
+                result = await self._write(
+                    actions.resolve,
+                    row_id,
+                    by=self._by(access),
+                    reason=reason,
+                    handlers=self.c.handlers,
+                    **kwargs,
+                )
+            except OutboxError as exc:
+                raise Refused(409, str(exc)) from exc
+            outcome = bulk.Outcome("resolve", done=[(row_id, result.message)])
+            return self._page(request, "applied.html", access, session, outcome=outcome)
+
+        return await self._run(request, True, body)
+
+    async def pause(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], form: dict[str, list[str]]) -> Response:
+            destination = (form.get("destination") or [""])[0]
+            reason = (form.get("reason") or [""])[0].strip()
+            if not destination or not reason:
+                raise Refused(400, "pausing needs a destination and a reason")
+            try:
+                seconds = queries.parse_duration((form.get("for") or [""])[0])
+            except ValueError as exc:
+                raise Refused(400, str(exc)) from exc
+            known = await self._read(pauses.known_destinations)
+            if destination not in known:
+                raise Refused(404, f"unknown destination {destination!r}")
+            p = await self._write(
+                pauses.pause, destination, by=self._by(access), reason=reason, for_seconds=seconds
+            )
+            outcome = bulk.Outcome("pause", done=[(0, p.describe())])
+            return self._page(request, "applied.html", access, session, outcome=outcome)
+
+        return await self._run(request, True, body)
+
+    async def resume(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], form: dict[str, list[str]]) -> Response:
+            destination = (form.get("destination") or [""])[0]
+            r = await self._write(pauses.resume, destination, by=self._by(access))
+            said = (
+                f"{destination} resumed" if r.pause or r.breaker_closed else f"{destination} was not paused"
+            )
+            outcome = bulk.Outcome("resume", done=[(0, said)])
+            return self._page(request, "applied.html", access, session, outcome=outcome)
+
+        return await self._run(request, True, body)
+
+    async def repair(self, request: Request) -> Response:
+        async def body(access: Access, session: dict[str, Any], form: dict[str, list[str]]) -> Response:
+            from ..ops import repair as ops_repair
+
+            if self.c.handlers is None or self.c.database_url is None:
+                raise Refused(
+                    409,
+                    "repair asks the provider through the handlers' lookups: "
+                    "start the dashboard with --module",
+                )
+            key = (form.get("key") or [""])[0]
+            confirm = (form.get("confirm") or [""])[0] == "yes"
+            reason = (form.get("reason") or [""])[0].strip()
+            try:
+                plan = await self._read(
+                    ops_repair.plan_repair, [key], handlers=self.c.handlers, module=self.c.module or "module"
+                )
+            except OutboxError as exc:
+                raise Refused(400, str(exc)) from exc
+            if not confirm:
+                return self._page(request, "repair.html", access, session, key=key, plan=plan)
+            if not reason:
+                raise Refused(400, "a reason is required: it is kept in the rows' history")
+            results = await run_in_threadpool(
+                ops_repair.execute_repair,
+                self.c.database_url,
+                plan,
+                handlers=self.c.handlers,
+                module=self.c.module or "module",
+                by=self._by(access),
+                reason=reason,
+            )
+            outcome = bulk.Outcome(
+                "repair",
+                done=[(r.row_id or 0, f"{r.key}: {r.message}") for r in results if r.done],
+                refused=[(r.row_id or 0, f"{r.key}: {r.message}") for r in results if not r.done],
+            )
+            return self._page(request, "applied.html", access, session, outcome=outcome)
+
+        return await self._run(request, True, body)
+
+
+def _pretty(value: Any) -> str:
+    import json
+
+    return json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+
+
+def create_app(
+    database_url: str | None = None,
+    *,
+    engine: Engine | None = None,
+    secret: str,
+    authorize: Authorize | None = None,
+    users: Mapping[str, security.User] | str | None = None,
+    secure_cookies: bool = True,
+    session_seconds: float = security.DEFAULT_SESSION_SECONDS,
+    handlers: Mapping[str, Handler] | None = None,
+    module: str | None = None,
+    title: str = "outbox",
+) -> Starlette:
+    """The dashboard as an ASGI app, to mount (``app.mount("/outbox", create_app(...))``) or
+    serve (``outbox dashboard``).
+
+    Authentication is required: ``authorize(request) -> Access | (user, role) | None`` (the host
+    app's; role ``none``, ``read`` or ``operate``; None: not signed in, 401), or ``users`` (a
+    users file's text, or parsed users) for the dashboard's own login. ``secret`` signs the
+    session and CSRF cookies: the same on every replica. ``secure_cookies=False`` only for plain
+    HTTP in development. ``handlers`` (the handler module's) let an operator's ``resolve --sent``
+    write the next steps of a chain and ``repair`` ask the provider.
+    """
+    from ..db import make_engine
+
+    if (authorize is None) == (users is None):
+        raise ConfigError(
+            "the dashboard serves nothing without authentication: pass authorize= (the host app's) "
+            "or users= (OUTBOX_DASHBOARD_USERS, a file written with `outbox dashboard hash-password`), "
+            "one of the two"
+        )
+    if isinstance(users, str):
+        users = security.parse_users(users)
+    if engine is None:
+        if not database_url:
+            raise ConfigError("no database configured: set OUTBOX_DATABASE_URL (or pass --database-url)")
+        # A dashboard query that runs away is cut off rather than left holding a connection.
+        engine = make_engine(
+            database_url,
+            connect_args={"application_name": "outbox dashboard", "options": "-c statement_timeout=15000"},
+        )
+    config = Config(
+        engine=engine,
+        signer=security.Signer(secret),
+        authorize=authorize,
+        users=dict(users) if users is not None else None,
+        secure_cookies=secure_cookies,
+        session_seconds=session_seconds,
+        handlers=handlers,
+        module=module,
+        database_url=database_url,
+        title=title,
+    )
+    dashboard = Dashboard(config)
+    app = Starlette(routes=dashboard.routes())
+    app.add_middleware(SecurityHeaders)
+    app.state.dashboard = dashboard
+    return app

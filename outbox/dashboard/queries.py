@@ -1,0 +1,449 @@
+"""What the dashboard reads that the CLI does not: the overview's counts (estimates above a
+threshold), the last hour's throughput and latency (from a sample), search, and the keyset-paged
+lists. Each query is built to stay under the page budget at a million rows in
+``outbox_message``: one branch per state on that state's partial index, the ``purge`` index for
+the last hour, the key prefix and provider-reference indexes of migration 0019.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+from .. import states
+from ..ops.inspect import key_like
+from ..ops.tables import seconds
+
+#: Above this many rows in the table, terminal counts (sent, cancelled) are the planner's
+#: estimates, marked as such: counting them exactly reads the whole table.
+EXACT_COUNT_ROWS = 200_000
+#: Rows of a non-terminal state counted exactly, per state; above, the planner's estimate.
+EXACT_STATE_ROWS = 100_000
+#: Rows read per minute of the last hour for throughput and latency.
+SAMPLE_PER_MINUTE = 40
+PAGE_ROWS = 50
+BULK_LIMIT = 1000
+
+_NON_TERMINAL = ("pending", "dispatched", "in_flight", "unknown", "failed")
+_TERMINAL = ("sent", "cancelled")
+
+
+def _estimate(connection: Connection, sql: str, params: dict[str, Any]) -> int:
+    """The planner's row estimate for ``sql`` (EXPLAIN, nothing read)."""
+    plan = connection.execute(text(f"EXPLAIN (FORMAT JSON) {sql}"), params).scalar_one()
+    if isinstance(plan, str):
+        plan = json.loads(plan)
+    return int(plan[0]["Plan"]["Plan Rows"])
+
+
+@dataclass
+class Counts:
+    #: destination → state → count
+    by_destination: dict[str, dict[str, int]]
+    #: (destination, state) pairs whose count is an estimate
+    estimated: set[tuple[str, str]] = field(default_factory=set)
+
+    def totals(self) -> dict[str, int]:
+        return {s: sum(c.get(s, 0) for c in self.by_destination.values()) for s in states.ALL}
+
+    def is_estimate(self, destination: str | None, state: str) -> bool:
+        return any(s == state and (destination is None or d == destination) for d, s in self.estimated)
+
+
+_TABLE_ESTIMATE = text(
+    "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = 'outbox_message'::regclass"
+)
+_EXACT_ALL = text("SELECT destination, state, count(*) FROM outbox_message GROUP BY 1, 2")
+_DESTINATIONS_SEEN = text(
+    """
+SELECT DISTINCT d FROM (
+    SELECT unnest(queues) AS d FROM outbox_process WHERE last_seen_at > now() - interval '1 day'
+    UNION ALL SELECT destination FROM outbox_destination
+    UNION ALL SELECT unnest(most_common_vals::text::text[]) FROM pg_stats
+     WHERE tablename = 'outbox_message' AND attname = 'destination' AND schemaname = current_schema()
+) s WHERE d IS NOT NULL
+"""
+)
+
+
+def counts(connection: Connection) -> Counts:
+    """Rows by destination and state: exact on a small table; on a big one, the non-terminal
+    states exactly (each on its partial index, unless it alone holds more than
+    :data:`EXACT_STATE_ROWS`) and the terminal ones estimated."""
+    total = int(connection.execute(_TABLE_ESTIMATE).scalar_one() or 0)
+    out: dict[str, dict[str, int]] = {}
+    if total < EXACT_COUNT_ROWS:
+        for d, s, n in connection.execute(_EXACT_ALL):
+            out.setdefault(d, dict.fromkeys(states.ALL, 0))[s] = int(n)
+        return Counts(out)
+    estimated: set[tuple[str, str]] = set()
+    for s in _NON_TERMINAL:
+        state_sql = "SELECT destination FROM outbox_message WHERE state = :s"
+        if _estimate(connection, state_sql, {"s": s}) <= EXACT_STATE_ROWS:
+            rows = connection.execute(
+                text("SELECT destination, count(*) FROM outbox_message WHERE state = :s GROUP BY 1"),
+                {"s": s},
+            ).all()
+            for d, n in rows:
+                out.setdefault(d, dict.fromkeys(states.ALL, 0))[s] = int(n)
+        else:
+            for d in _destinations(connection, out):
+                out.setdefault(d, dict.fromkeys(states.ALL, 0))[s] = _estimate_pair(connection, d, s)
+                estimated.add((d, s))
+    for d in _destinations(connection, out):
+        for s in _TERMINAL:
+            out.setdefault(d, dict.fromkeys(states.ALL, 0))[s] = _estimate_pair(connection, d, s)
+            estimated.add((d, s))
+    return Counts(out, estimated)
+
+
+def _destinations(connection: Connection, known: dict[str, dict[str, int]]) -> list[str]:
+    seen = {r[0] for r in connection.execute(_DESTINATIONS_SEEN)}
+    return sorted(seen | set(known))
+
+
+def _estimate_pair(connection: Connection, destination: str, state: str) -> int:
+    return _estimate(
+        connection,
+        "SELECT 1 FROM outbox_message WHERE destination = :d AND state = :s",
+        {"d": destination, "s": state},
+    )
+
+
+# -- the last hour -----------------------------------------------------------------------------------
+
+# The first rows settled in each minute (on the purge index's completed_at): a sample whose
+# commit → confirmed times stand for the minute's, and whose spread says how fast the minute went.
+_LAST_HOUR = text(
+    """
+SELECT b.minute, s.latency, s.completed_at
+FROM generate_series(date_trunc('minute', now()) - interval '59 minutes',
+                     date_trunc('minute', now()), interval '1 minute') AS b(minute)
+LEFT JOIN LATERAL (
+    SELECT EXTRACT(EPOCH FROM m.completed_at - m.created_at) AS latency, m.completed_at
+    FROM outbox_message m
+    WHERE m.state IN ('sent', 'cancelled') AND m.completed_at >= b.minute
+      AND m.completed_at < b.minute + interval '1 minute'
+    ORDER BY m.completed_at
+    LIMIT :n
+) s ON true
+WHERE s.latency IS NOT NULL
+ORDER BY b.minute, s.completed_at
+"""
+)
+
+
+@dataclass
+class Minute:
+    minute: datetime
+    #: Rows settled that minute: exact when fewer than the sample size, else estimated from how
+    #: long the sample took to settle (``estimated``).
+    settled: float
+    estimated: bool
+    p50_seconds: float
+    p95_seconds: float
+
+
+@dataclass
+class LastHour:
+    minutes: list[Minute]
+    sample_per_minute: int
+
+    @property
+    def settled(self) -> float:
+        return sum(m.settled for m in self.minutes)
+
+    @property
+    def estimated(self) -> bool:
+        return any(m.estimated for m in self.minutes)
+
+    @property
+    def per_second(self) -> float:
+        return self.settled / 3600.0
+
+    def p(self, which: str) -> float | None:
+        values = [getattr(m, which) for m in self.minutes]
+        return max(values) if values else None
+
+    @property
+    def peak(self) -> float:
+        return max((m.settled for m in self.minutes), default=0.0)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def last_hour(connection: Connection, sample: int = SAMPLE_PER_MINUTE) -> LastHour:
+    """Rows settled per minute over the last hour, and commit → settled p50/p95 per minute, from
+    at most ``sample`` rows a minute."""
+    by_minute: dict[datetime, list[tuple[float, datetime]]] = {}
+    for minute, latency, completed in connection.execute(_LAST_HOUR, {"n": sample}):
+        by_minute.setdefault(minute, []).append((float(latency), completed))
+    minutes = []
+    for minute, rows in by_minute.items():
+        latencies = [r[0] for r in rows]
+        if len(rows) < sample:
+            settled, estimated = float(len(rows)), False
+        else:
+            # n rows settled in the time from the minute's start to the n-th: the minute's rate.
+            span = max((rows[-1][1] - minute).total_seconds(), 0.001)
+            settled, estimated = min(len(rows) * 60.0 / span, 1e9), True
+        minutes.append(
+            Minute(minute, settled, estimated, _percentile(latencies, 0.5), _percentile(latencies, 0.95))
+        )
+    return LastHour(minutes, sample)
+
+
+# -- reconciler alerts -------------------------------------------------------------------------------
+
+_ALERTS = text(
+    """
+SELECT
+  (SELECT count(*) FROM outbox_message WHERE state = 'unknown' AND alerted_at IS NOT NULL) AS unknown_alerted,
+  (SELECT EXTRACT(EPOCH FROM now() - min(unknown_since)) FROM outbox_message WHERE state = 'unknown')
+      AS oldest_unknown,
+  (SELECT count(*) FROM outbox_message WHERE chain_problem IS NOT NULL AND alerted_at IS NULL
+      AND state = 'sent') AS chain_problems,
+  (SELECT EXTRACT(EPOCH FROM now() - min(available_at)) FROM outbox_message
+      WHERE state = 'pending' AND available_at <= now()) AS oldest_pending
+"""
+)
+
+
+@dataclass
+class Alerts:
+    unknown_alerted: int
+    oldest_unknown_seconds: float | None
+    chain_problems: int
+    oldest_pending_seconds: float | None
+
+
+def alerts(connection: Connection) -> Alerts:
+    r = connection.execute(_ALERTS).one()
+    return Alerts(
+        int(r.unknown_alerted), seconds(r.oldest_unknown), int(r.chain_problems), seconds(r.oldest_pending)
+    )
+
+
+# -- search ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Hit:
+    kind: str  # "row", "key", "list"
+    row_id: int | None = None
+    key: str | None = None
+    prefix: str | None = None
+    why: str = ""
+
+
+_BY_ID = text("SELECT id FROM outbox_message WHERE id = :id")
+_BY_KEY = text("SELECT 1 FROM outbox_message WHERE key = :key LIMIT 1")
+_BY_LEDGER_KEY = text("SELECT 1 FROM outbox_key_ledger WHERE key = :key LIMIT 1")
+_BY_KEY_STEP = text("SELECT id FROM outbox_message WHERE key = :key AND step = :step")
+_BY_REF = text("SELECT id FROM outbox_message WHERE provider_ref = :ref ORDER BY id LIMIT 2")
+_DIGITS = re.compile(r"[0-9]{1,18}")
+
+
+def search(connection: Connection, query: str) -> list[Hit]:
+    """What ``query`` names, most specific first: a row id, a business key, an Idempotency-Key
+    (``key:step``), a provider reference; and, always, the keys starting with it."""
+    q = query.strip()
+    hits: list[Hit] = []
+    if not q:
+        return hits
+    if _DIGITS.fullmatch(q) and connection.execute(_BY_ID, {"id": int(q)}).first():
+        hits.append(Hit("row", row_id=int(q), why="row id"))
+    if (
+        connection.execute(_BY_KEY, {"key": q}).first()
+        or connection.execute(_BY_LEDGER_KEY, {"key": q}).first()
+    ):
+        hits.append(Hit("key", key=q, why="business key"))
+    if ":" in q:
+        key, step = q.rsplit(":", 1)
+        found = connection.execute(_BY_KEY_STEP, {"key": key, "step": step}).first()
+        if found:
+            hits.append(Hit("row", row_id=int(found[0]), why="Idempotency-Key (key:step)"))
+    for (row_id,) in connection.execute(_BY_REF, {"ref": q}):
+        hits.append(Hit("row", row_id=int(row_id), why="provider reference"))
+    hits.append(Hit("list", prefix=q, why="keys starting with it"))
+    return hits
+
+
+# -- keyset-paged lists ------------------------------------------------------------------------------
+
+_SINCE = {
+    "failed": "completed_at",
+    "cancelled": "completed_at",
+    "sent": "completed_at",
+    "unknown": "unknown_since",
+    "in_flight": "claimed_at",
+    "dispatched": "dispatched_at",
+    "pending": "available_at",
+}
+
+
+@dataclass(frozen=True)
+class Filter:
+    state: str | None = None
+    destination: str | None = None
+    #: only rows in their state for at least this long
+    older_than_seconds: float | None = None
+    #: a substring of last_error (case-insensitive)
+    error: str | None = None
+    key_prefix: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in ("state", "destination", "error", "key_prefix"):
+            value = getattr(self, name)
+            if value:
+                out[name] = value
+        if self.older_than_seconds:
+            out["older_than"] = f"{self.older_than_seconds:g}s"
+        return out
+
+
+@dataclass
+class Page:
+    rows: list[dict[str, Any]]
+    #: the cursor of the next page (None: last page)
+    after: str | None
+
+
+def _where(f: Filter) -> tuple[str, dict[str, Any]]:
+    clauses: list[str] = []
+    params: dict[str, Any] = {}
+    since = _SINCE.get(f.state or "", "created_at")
+    if f.state:
+        clauses.append("state = :state")
+        params["state"] = f.state
+    if f.destination:
+        clauses.append("destination = :destination")
+        params["destination"] = f.destination
+    if f.older_than_seconds:
+        clauses.append(f"COALESCE({since}, created_at) <= now() - :older * interval '1 second'")
+        params["older"] = f.older_than_seconds
+    if f.error:
+        clauses.append("last_error ILIKE :error ESCAPE '\\'")
+        params["error"] = "%" + key_like(f.error)[:-1] + "%"
+    if f.key_prefix:
+        clauses.append("key LIKE :key_like ESCAPE '\\'")
+        params["key_like"] = key_like(f.key_prefix)
+    return (" AND ".join(clauses) or "true"), params
+
+
+def _order(f: Filter) -> str:
+    # A key prefix lists in key order (its index); a state, longest in that state first; else
+    # newest rows first (the primary key).
+    if f.key_prefix and not f.state:
+        return "key"
+    if f.state:
+        return f"COALESCE({_SINCE.get(f.state, 'created_at')}, created_at)"
+    return "-id"
+
+
+def list_page(connection: Connection, f: Filter, *, after: str | None = None, limit: int = PAGE_ROWS) -> Page:
+    """One page of the rows ``f`` selects, after the cursor ``after`` (keyset: no OFFSET, so page
+    200 costs what page 1 does)."""
+    where, params = _where(f)
+    order = _order(f)
+    if order == "-id":
+        sort, cursor_sql = "id DESC", "id < CAST(:c_id AS bigint)"
+    elif order == "key":
+        sort, cursor_sql = "key, id", "(key, id) > (CAST(:c_val AS text), CAST(:c_id AS bigint))"
+    else:
+        sort = f"{order}, id"
+        cursor_sql = f"({order}, id) > (CAST(:c_val AS timestamptz), CAST(:c_id AS bigint))"
+    if after:
+        value, _, row_id = after.rpartition("|")
+        params.update(c_val=value or None, c_id=int(row_id))
+        where = f"{where} AND {cursor_sql}"
+    sort_value = "NULL" if order == "-id" else ("key" if order == "key" else f"{order}::text")
+    rows = [
+        dict(r)
+        for r in connection.execute(
+            text(
+                f"""
+SELECT id, key, step, destination, state, attempts, created_at, completed_at, last_error,
+       provider_ref, {sort_value} AS cursor_value,
+       EXTRACT(EPOCH FROM now() - COALESCE({_SINCE.get(f.state or "", "created_at")}, created_at)) AS age
+FROM outbox_message WHERE {where} ORDER BY {sort} LIMIT :limit
+"""
+            ),
+            {**params, "limit": limit + 1},
+        ).mappings()
+    ]
+    more = len(rows) > limit
+    rows = rows[:limit]
+    nxt = None
+    if more and rows:
+        last = rows[-1]
+        nxt = f"{last['cursor_value'] or ''}|{last['id']}"
+    return Page(rows, nxt)
+
+
+def matching_ids(connection: Connection, f: Filter, limit: int = BULK_LIMIT) -> tuple[list[int], bool]:
+    """The ids ``f`` selects, oldest in their state first, at most ``limit`` (and whether more
+    match): what a bulk action previews."""
+    where, params = _where(f)
+    order = _order(f)
+    sort = "id" if order in ("-id", "key") else f"{order}, id"
+    ids = [
+        int(r[0])
+        for r in connection.execute(
+            text(f"SELECT id FROM outbox_message WHERE {where} ORDER BY {sort} LIMIT :limit"),
+            {**params, "limit": limit + 1},
+        )
+    ]
+    return ids[:limit], len(ids) > limit
+
+
+# -- the row page's extras ---------------------------------------------------------------------------
+
+_ROW_EXTRAS = text("SELECT batch_id, parent_id, via FROM outbox_message WHERE id = :id")
+
+
+def row_extras(connection: Connection, row_id: int) -> dict[str, Any]:
+    r = connection.execute(_ROW_EXTRAS, {"id": row_id}).mappings().first()
+    return dict(r) if r else {}
+
+
+_BATCHES = text(
+    """
+SELECT id, name, created_at, finished_at, outcome, total, sent, failed, cancelled
+FROM outbox_batch
+WHERE (CAST(:before AS bigint) IS NULL OR id < CAST(:before AS bigint))
+ORDER BY id DESC LIMIT :limit
+"""
+)
+
+
+def batches(
+    connection: Connection, *, before: int | None = None, limit: int = PAGE_ROWS
+) -> list[dict[str, Any]]:
+    return [dict(r) for r in connection.execute(_BATCHES, {"before": before, "limit": limit}).mappings()]
+
+
+def parse_duration(value: str | None) -> float | None:
+    """``90``, ``90s``, ``15m``, ``2h``, ``1d`` → seconds; empty → None. ValueError otherwise."""
+    if not value or not value.strip():
+        return None
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", value)
+    if not m:
+        raise ValueError(f"{value!r} is not a duration (e.g. 90s, 15m, 2h, 1d)")
+    unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    return float(m.group(1)) * unit
+
+
+def describe_age(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return str(timedelta(seconds=int(value))) if value >= 0 else f"in {timedelta(seconds=int(-value))}"

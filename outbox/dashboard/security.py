@@ -1,0 +1,256 @@
+"""Who may look and who may act: password hashes, the signed session cookie, CSRF tokens, login
+throttling and the response headers every page carries.
+
+Nothing here talks to the database. The session lives in a cookie signed with the configured
+secret (HMAC-SHA256), so every replica given the same secret accepts it; it expires after
+``session_seconds`` and a login always starts a new one (a new session id and a new CSRF token:
+a cookie planted before the login is worth nothing after it).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import hmac
+import json
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..exceptions import ConfigError
+
+ROLES = ("none", "read", "operate")
+#: A session ends this long after its login, whatever happens in between.
+DEFAULT_SESSION_SECONDS = 8 * 3600
+#: The secret signs sessions and CSRF tokens: a short one can be guessed offline from one cookie.
+MIN_SECRET_CHARS = 32
+
+# scrypt's cost: about 50 ms a check on this class of machine, 16 MiB of memory.
+_SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**14, 8, 1
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who is asking and what they may do. ``role``: ``none`` (nothing served), ``read`` (look,
+    payloads hidden unless ``payloads``), ``operate`` (look, see payloads, act)."""
+
+    user: str
+    role: str
+    payloads: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
+
+    @property
+    def can_read(self) -> bool:
+        return self.role in ("read", "operate")
+
+    @property
+    def can_act(self) -> bool:
+        return self.role == "operate"
+
+    @property
+    def sees_payloads(self) -> bool:
+        return self.can_act or (self.can_read and self.payloads)
+
+
+# -- passwords -------------------------------------------------------------------------------------
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def hash_password(password: str) -> str:
+    """``scrypt$N$r$p$salt$hash`` (base64): what a users file stores, never the password."""
+    if not password:
+        raise ConfigError("an empty password cannot be hashed")
+    salt = secrets.token_bytes(16)
+    digest = hashlib.scrypt(password.encode(), salt=salt, n=_SCRYPT_N, r=_SCRYPT_R, p=_SCRYPT_P, dklen=32)
+    return "$".join(["scrypt", str(_SCRYPT_N), str(_SCRYPT_R), str(_SCRYPT_P), _b64(salt), _b64(digest)])
+
+
+def verify_password(password: str, stored: str) -> bool:
+    try:
+        scheme, n, r, p, salt, digest = stored.split("$")
+        if scheme != "scrypt":
+            return False
+        expected = _unb64(digest)
+        got = hashlib.scrypt(
+            password.encode(), salt=_unb64(salt), n=int(n), r=int(r), p=int(p), dklen=len(expected)
+        )
+    except (ValueError, TypeError):
+        return False
+    return hmac.compare_digest(got, expected)
+
+
+@functools.cache
+def _dummy_hash() -> str:
+    # Checked against when the user does not exist, so that an unknown name costs as long as a
+    # wrong password (no user enumeration by timing).
+    return hash_password(secrets.token_urlsafe(16))
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    role: str
+    password_hash: str
+    payloads: bool = False
+
+
+def parse_users(text: str, *, source: str = "users file") -> dict[str, User]:
+    """A users file: one user a line, ``NAME ROLE HASH`` (ROLE ``read``, ``read+payloads`` or
+    ``operate``; HASH from ``outbox dashboard hash-password``); ``#`` starts a comment."""
+    users: dict[str, User] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 3:
+            raise ConfigError(f"{source} line {number}: expected NAME ROLE HASH, got {len(parts)} fields")
+        name, role, stored = parts
+        payloads = role.endswith("+payloads")
+        role = role.removesuffix("+payloads")
+        if role not in ("read", "operate"):
+            raise ConfigError(f"{source} line {number}: role {role!r} is not read, read+payloads or operate")
+        if not stored.startswith("scrypt$") or stored.count("$") != 5:
+            raise ConfigError(
+                f"{source} line {number}: the third field must be a hash from `outbox dashboard "
+                "hash-password`, never a password"
+            )
+        if name in users:
+            raise ConfigError(f"{source} line {number}: user {name!r} is listed twice")
+        users[name] = User(name, role, stored, payloads)
+    if not users:
+        raise ConfigError(f"{source} lists no user")
+    return users
+
+
+def check_login(users: dict[str, User], name: str, password: str) -> User | None:
+    user = users.get(name)
+    ok = verify_password(password, user.password_hash if user else _dummy_hash())
+    return user if ok and user is not None else None
+
+
+# -- the signed cookie -------------------------------------------------------------------------------
+
+
+class Signer:
+    """Signs a JSON document into a cookie value and checks it back (HMAC-SHA256)."""
+
+    def __init__(self, secret: str) -> None:
+        if not secret or len(secret) < MIN_SECRET_CHARS:
+            raise ConfigError(
+                f"the dashboard needs a session secret of at least {MIN_SECRET_CHARS} characters "
+                "(OUTBOX_DASHBOARD_SECRET; the same on every replica), e.g. from "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        self._key = hashlib.sha256(b"outbox.dashboard.session:" + secret.encode()).digest()
+
+    def _mac(self, body: str) -> str:
+        return _b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())
+
+    def sign(self, data: dict[str, Any]) -> str:
+        body = _b64(json.dumps(data, separators=(",", ":"), sort_keys=True).encode())
+        return f"{body}.{self._mac(body)}"
+
+    def unsign(self, value: str | None) -> dict[str, Any] | None:
+        if not value or value.count(".") != 1:
+            return None
+        body, mac = value.split(".")
+        if not hmac.compare_digest(mac, self._mac(body)):
+            return None
+        try:
+            data = json.loads(_unb64(body))
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or float(data.get("exp", 0)) < time.time():
+            return None
+        return data
+
+
+def new_session(*, seconds: float, **fields: Any) -> dict[str, Any]:
+    """A fresh session: a new id and a new CSRF token."""
+    return {
+        "sid": secrets.token_urlsafe(16),
+        "csrf": secrets.token_urlsafe(32),
+        "exp": int(time.time() + seconds),
+        **fields,
+    }
+
+
+def csrf_ok(session: dict[str, Any] | None, sent: str | None) -> bool:
+    expected = (session or {}).get("csrf")
+    return bool(expected and sent) and hmac.compare_digest(str(expected), str(sent))
+
+
+# -- login throttling -------------------------------------------------------------------------------
+
+
+class Throttle:
+    """At most ``max_failures`` failed logins per user name and per client address within
+    ``window_seconds``; then logins are refused (even right ones) until the oldest failure ages
+    out. In memory: each replica counts its own (a guesser spread over N replicas gets N times
+    the tries, still a handful a minute)."""
+
+    def __init__(self, max_failures: int = 5, window_seconds: float = 300.0) -> None:
+        self.max_failures = max_failures
+        self.window_seconds = window_seconds
+        self._failures: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def _recent(self, name: str, now: float) -> deque[float]:
+        q = self._failures.setdefault(name, deque())
+        while q and q[0] <= now - self.window_seconds:
+            q.popleft()
+        return q
+
+    def retry_after(self, *names: str) -> float:
+        """Seconds until a login for these names may be tried again (0: now)."""
+        now = time.monotonic()
+        with self._lock:
+            waits = [
+                q[0] + self.window_seconds - now
+                for q in (self._recent(n, now) for n in names)
+                if len(q) >= self.max_failures
+            ]
+        return max(waits, default=0.0)
+
+    def failed(self, *names: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for n in names:
+                self._recent(n, now).append(now)
+            if len(self._failures) > 100_000:  # a flood of made-up names must not grow for ever
+                self._failures = {k: v for k, v in self._failures.items() if v}
+
+    def succeeded(self, name: str) -> None:
+        with self._lock:
+            self._failures.pop(name, None)
+
+
+# -- headers -----------------------------------------------------------------------------------------
+
+#: No inline script or style anywhere (htmx is served from the package, its indicator styles off),
+#: and no framing: a page of the dashboard cannot be overlaid by another site (clickjacking).
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'; object-src 'none'"
+)
+SECURITY_HEADERS = {
+    "content-security-policy": CONTENT_SECURITY_POLICY,
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "same-origin",
+}
