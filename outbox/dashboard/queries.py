@@ -117,8 +117,9 @@ def _estimate_pair(connection: Connection, destination: str, state: str) -> int:
 
 # -- the last hour -----------------------------------------------------------------------------------
 
-# The first rows settled in each minute (on the purge index's completed_at): a sample whose
-# commit → confirmed times stand for the minute's, and whose spread says how fast the minute went.
+# The first rows confirmed (sent) in each minute, read on the purge index's completed_at (whose
+# predicate the IN repeats): a sample whose commit → confirmed times stand for the minute's, and
+# whose spread says how fast the minute went.
 _LAST_HOUR = text(
     """
 SELECT b.minute, s.latency, s.completed_at
@@ -127,7 +128,7 @@ FROM generate_series(date_trunc('minute', now()) - interval '59 minutes',
 LEFT JOIN LATERAL (
     SELECT EXTRACT(EPOCH FROM m.completed_at - m.created_at) AS latency, m.completed_at
     FROM outbox_message m
-    WHERE m.state IN ('sent', 'cancelled') AND m.completed_at >= b.minute
+    WHERE m.state IN ('sent', 'cancelled') AND m.state = 'sent' AND m.completed_at >= b.minute
       AND m.completed_at < b.minute + interval '1 minute'
     ORDER BY m.completed_at
     LIMIT :n

@@ -459,7 +459,7 @@ def test_overview_counts_and_the_last_hour(
     assert DEST in page
     assert re.search(r"state=sent&amp;destination=billing.charge\">3</a>", page), page
     assert re.search(r"state=dispatched&amp;destination=billing.charge\">2</a>", page)
-    assert "settled/s" in page and "Nothing settled in the last hour" not in page
+    assert "confirmed/s" in page and "Nothing confirmed in the last hour" not in page
 
 
 # -- mounted in a host application with its own authentication -------------------------------------

@@ -79,6 +79,7 @@ PAGES = (
     "runbook.md",
     "not-a-queue.md",
     "testing.md",
+    "dashboard.md",
 )
 OWN_PACKAGES = ("outbox", "reconciler", "relay")
 #: Blocks importing one of these (or a module inside it) are compiled and API-checked when it is
@@ -820,6 +821,20 @@ def check_runbook(run: PageRun, shop: Shop) -> None:
     ]
 
 
+def check_dashboard(run: PageRun, shop: Shop) -> None:
+    from starlette.testclient import TestClient
+
+    client = TestClient(run.namespace["app"], base_url="https://testserver", follow_redirects=False)
+    assert client.get("/outbox/").status_code == 401
+    reader = client.get("/outbox/", headers={"x-forwarded-user": "rita"})
+    assert reader.status_code == 200 and "rita" in reader.text
+    token = re.search(r'name="csrf_token" value="([^"]+)"', reader.text).group(1)  # type: ignore[union-attr]
+    form = {"action": "cancel", "id": "1", "csrf_token": token}
+    assert client.post("/outbox/preview", data=form, headers={"x-forwarded-user": "rita"}).status_code == 403
+    olga = client.post("/outbox/preview", data=form, headers={"x-forwarded-user": "olga"})
+    assert olga.status_code == 200 and "Nothing has been done yet" in olga.text
+
+
 #: Page -> the check that drives what its python defined (pages without python need none).
 PAGE_CHECKS: dict[str, Callable[[PageRun, Shop], None]] = {
     "README.md": check_readme,
@@ -831,6 +846,7 @@ PAGE_CHECKS: dict[str, Callable[[PageRun, Shop], None]] = {
     "docs/timings.md": check_timings,
     "docs/not-a-queue.md": check_not_a_queue,
     "docs/runbook.md": check_runbook,
+    "docs/dashboard.md": check_dashboard,
 }
 
 
@@ -911,12 +927,22 @@ def test_python_blocks_run(page: str, clean: Any, engine: Engine, provider: Any,
 
 
 def _known_variables() -> set[str]:
+    from outbox.cli.dashboard import INSECURE_ENV, SECRET_ENV, USERS_ENV
     from outbox.cli.flags import LOG_LEVEL_ENV
     from outbox.logs import LOG_FORMAT_ENV
     from outbox.testing.pytest_plugin import DATABASE_ENV
     from reconciler.alerts import ALERT_HOOK_ENV
 
-    return {*settings.ENVIRONMENT, ALERT_HOOK_ENV, LOG_LEVEL_ENV, LOG_FORMAT_ENV, DATABASE_ENV}
+    return {
+        *settings.ENVIRONMENT,
+        ALERT_HOOK_ENV,
+        LOG_LEVEL_ENV,
+        LOG_FORMAT_ENV,
+        DATABASE_ENV,
+        SECRET_ENV,
+        USERS_ENV,
+        INSECURE_ENV,
+    }
 
 
 def _check_assignment(where: str, assignment: str) -> None:
@@ -936,6 +962,12 @@ def _check_assignment(where: str, assignment: str) -> None:
         from outbox.logs import LOG_FORMATS
 
         assert value in LOG_FORMATS, f"{where}: {name}={value}"
+    elif name == "OUTBOX_DASHBOARD_SECRET":
+        from outbox.dashboard.security import MIN_SECRET_CHARS
+
+        assert value.startswith("$") or len(value) >= MIN_SECRET_CHARS, f"{where}: {name} too short"
+    elif name in ("OUTBOX_DASHBOARD_USERS", "OUTBOX_DASHBOARD_INSECURE_COOKIES"):
+        assert value, f"{where}: {name} is empty"
     else:
         assert re.fullmatch(r"[\w.]+:[\w.]+", value), f"{where}: {name}={value} is not module:function"
 
