@@ -52,11 +52,19 @@ _PAN_FIRST = frozenset("23456")
 _SURROGATES = re.compile(r"[\ud800-\udfff]")
 
 # Names whose value is a credential or card data wherever it appears: a response field, a log
-# line's extra field. Short words (pan, cvv) only as whole words, or "company" would match.
+# line's extra field, a payload shown on the dashboard. Short words (pan, cvv, pin, pass, auth)
+# only as whole words, or "company" would match; camelCase is split first (cardCvc: card_Cvc).
 _SECRET_NAME = re.compile(
-    r"(authorization|password|passwd|secret|token|api[-_]?key|private[-_]?key|card[-_]?number"
-    r"|security[-_]?code|(?:^|[^a-z])(?:pan|cvv2?|cvc2?)(?:$|[^a-z]))",
+    r"(authorization|password|passwd|passphrase|secret|token|credential|bearer|api[-_]?key"
+    r"|private[-_]?key|card[-_]?number|security[-_]?code"
+    r"|(?:^|[^a-z])(?:pan|cvv2?|cvc2?|pin|pwd|pass|auth)(?:$|[^a-z]))",
     re.I,
+)
+_CAMEL = re.compile(r"([a-z0-9])([A-Z])")
+# Values that are credentials whatever their field is called: providers' secret keys, and HTTP
+# credentials pasted whole.
+_SECRET_VALUE = re.compile(
+    r"\s*(?:(?:sk|rk)_(?:live|test)_|whsec_|(?:Bearer|Basic|bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}\s*$)"
 )
 
 
@@ -115,7 +123,12 @@ def redact_text(text: str) -> str:
 @functools.lru_cache(maxsize=1024)
 def is_secret_name(name: str) -> bool:
     """True for a field name whose value must be neither logged nor stored."""
-    return _SECRET_NAME.search(name) is not None
+    return _SECRET_NAME.search(_CAMEL.sub(r"\1_\2", name)) is not None
+
+
+def is_secret_value(text: str) -> bool:
+    """True for a string that is a credential by its form (``sk_live_…``, ``Bearer …``)."""
+    return _SECRET_VALUE.match(text) is not None
 
 
 def _storable_text(text: str) -> str:
@@ -179,6 +192,8 @@ def _clean_value(value: Any, depth: int) -> Any:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
+        if is_secret_value(value):
+            return "***"
         return redact_text(_storable_text(value))
     if isinstance(value, int | float):
         return _clean_number(value)

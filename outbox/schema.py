@@ -399,6 +399,15 @@ Index(
     postgresql_where=text("provider_ref IS NOT NULL"),
 )
 
+# -- Issue 16 (migration 0020): dashboard sessions signed out before they expired ---------------------
+outbox_dashboard_session_end = Table(
+    "outbox_dashboard_session_end",
+    metadata,
+    Column("sid", Text, primary_key=True),
+    Column("ended_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+)
+
 # -- migration 0007 (attack finding F6): a new row's step holds no ':' ------------------------------
 # CHECK outbox_message_step_colon_check: strpos(step, ':') = 0 OR id <= <highest id at upgrade>,
 # NOT VALID. Not declared here: its bound is each database's own (rows stored before the upgrade

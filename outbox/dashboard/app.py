@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, urlencode
 
 import jinja2
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -161,6 +162,10 @@ class Dashboard:
         user = (self.c.users or {}).get(session["user"])
         if user is None:  # removed from the users file since the login
             return None
+        if session.get("pw") != security.password_mark(user):  # its password changed since
+            return None
+        if await self._read(_session_ended, str(session.get("sid", ""))):  # signed out
+            return None
         # The users file decides the role on every request: a demotion takes effect at once.
         return Access(user.name, user.role, user.payloads)
 
@@ -176,7 +181,11 @@ class Dashboard:
             raise Refused(403, f"{access.user} has no access to the outbox dashboard")
         if act and not access.can_act:
             raise Refused(403, f"{access.user} may look but not act (role {access.role})")
-        session = self._session(request) or security.new_session(seconds=self.c.session_seconds)
+        session = self._session(request)
+        if session is None or (self.c.authorize is not None and session.get("for") != access.user):
+            # With the host's authentication, the dashboard's session (its CSRF token) belongs to
+            # the user the host names: a cookie planted by another user is replaced, not used.
+            session = security.new_session(seconds=self.c.session_seconds, **{"for": access.user})
         return access, session
 
     async def _form(self, request: Request, session: dict[str, Any]) -> dict[str, list[str]]:
@@ -184,6 +193,7 @@ class Dashboard:
         if len(body) > MAX_FORM_BYTES:
             raise Refused(413, "form too large")
         form = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
+        _no_nul(v for values in form.values() for v in values)
         token = (form.get("csrf_token") or [""])[0] or request.headers.get("x-csrf-token")
         if not security.csrf_ok(session, token):
             raise Refused(403, "the form's CSRF token is missing or stale: reload the page and try again")
@@ -227,6 +237,7 @@ class Dashboard:
 
     async def _run(self, request: Request, act: bool, body: Callable[..., Any]) -> Response:
         try:
+            _no_nul(request.query_params.values())
             access, session = await self._guard(request, act=act)
             form = await self._form(request, session) if request.method == "POST" else {}
             return await body(access, session, form)
@@ -278,7 +289,8 @@ class Dashboard:
         password = (form.get("password") or [""])[0]
         nxt = (form.get("next") or [""])[0]
         client = f"ip:{request.client.host if request.client else '-'}"
-        wait = self.throttle.retry_after(f"user:{name}", client)
+        # Counted as a failure from now until it succeeds: concurrent guesses wait their turn.
+        wait = self.throttle.begin(f"user:{name}", client)
         if wait > 0:
             page = self._page(
                 request,
@@ -293,7 +305,6 @@ class Dashboard:
             return page
         user = await run_in_threadpool(security.check_login, self.c.users, name, password)
         if user is None:
-            self.throttle.failed(f"user:{name}", client)
             logger.warning("dashboard login failed", extra={"user": name[:64], "client": client})
             return self._page(
                 request,
@@ -304,9 +315,11 @@ class Dashboard:
                 next=nxt,
                 error="wrong user name or password",
             )
-        self.throttle.succeeded(f"user:{name}")
+        self.throttle.succeeded(f"user:{name}", client)
         logger.info("dashboard login", extra={"user": user.name, "role": user.role})
-        fresh = security.new_session(seconds=self.c.session_seconds, user=user.name)
+        fresh = security.new_session(
+            seconds=self.c.session_seconds, user=user.name, pw=security.password_mark(user)
+        )
         # Only a path of this app: never an open redirect to another site.
         target = nxt if nxt.startswith("/") and not nxt.startswith("//") else f"{self._base(request)}/"
         response = RedirectResponse(target, status_code=303)
@@ -319,6 +332,10 @@ class Dashboard:
             await self._form(request, session)
         except Refused as r:
             return self._refused(request, r)
+        if session.get("sid") and session.get("user"):
+            # The cookie is signed, not stored: a copy of it would outlive the sign-out unless
+            # the sign-out is recorded where every request looks.
+            await self._write(_end_session, str(session["sid"]), float(session.get("exp", 0)))
         response = RedirectResponse(f"{self._base(request)}/login", status_code=303)
         response.delete_cookie(COOKIE, path=self._base(request) or "/")
         return response
@@ -415,9 +432,9 @@ class Dashboard:
         return await self._run(request, False, body)
 
     async def row(self, request: Request) -> Response:
-        row_id = int(request.path_params["row_id"])
-
         async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            row_id = _path_id(request, "row_id")
+
             def read(conn: Any) -> dict[str, Any]:
                 detail = ops_inspect.show(conn, row_id, payload=access.sees_payloads)
                 assert isinstance(detail, ops_inspect.RowDetail)
@@ -435,8 +452,17 @@ class Dashboard:
             response = (
                 sanitize.clean_json(d.row.get("response")) if d.row.get("response") is not None else None
             )
+            # A field name can be a card number too ({"4111…": …}): masked like the values.
+            keys = [sanitize.redact_text(str(k)) for k in d.row.get("payload_keys") or []]
             return self._page(
-                request, "row.html", access, session, payload=payload, response=response, **data
+                request,
+                "row.html",
+                access,
+                session,
+                payload=payload,
+                response=response,
+                payload_keys=keys,
+                **data,
             )
 
         return await self._run(request, False, body)
@@ -458,17 +484,14 @@ class Dashboard:
     async def batches(self, request: Request) -> Response:
         async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
             before = request.query_params.get("before")
-            listed = await self._read(
-                queries.batches, before=int(before) if before and before.isdigit() else None
-            )
+            listed = await self._read(queries.batches, before=parse_id(before) if before else None)
             return self._page(request, "batches.html", access, session, batches=listed)
 
         return await self._run(request, False, body)
 
     async def batch(self, request: Request) -> Response:
-        batch_id = int(request.path_params["batch_id"])
-
         async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
+            batch_id = _path_id(request, "batch_id")
             try:
                 report = await self._read(batch_report, batch_id=batch_id)
             except NotFound as exc:
@@ -493,7 +516,7 @@ class Dashboard:
             if action not in bulk.ACTIONS:
                 raise Refused(400, f"unknown action {action!r}")
             if form.get("id"):
-                ids = [int(i) for i in form["id"] if i.isdigit()]
+                ids = _ids(form["id"])
                 more = False
             else:
                 f = self._filter_from_form(form)
@@ -526,7 +549,7 @@ class Dashboard:
     async def apply(self, request: Request) -> Response:
         async def body(access: Access, session: dict[str, Any], form: dict[str, list[str]]) -> Response:
             action = (form.get("action") or [""])[0]
-            ids = [int(i) for i in form.get("id", []) if i.isdigit()]
+            ids = _ids(form.get("id", []))
             fingerprint = (form.get("fingerprint") or [""])[0]
             reason = (form.get("reason") or [""])[0]
             try:
@@ -547,9 +570,8 @@ class Dashboard:
         return await self._run(request, True, body)
 
     async def resolve(self, request: Request) -> Response:
-        row_id = int(request.path_params["row_id"])
-
         async def body(access: Access, session: dict[str, Any], form: dict[str, list[str]]) -> Response:
+            row_id = _path_id(request, "row_id")
             how = (form.get("how") or [""])[0]
             ref = (form.get("ref") or [""])[0].strip()
             reason = (form.get("reason") or [""])[0].strip()
@@ -564,15 +586,25 @@ class Dashboard:
                 kwargs["failed_reason"] = reason
             else:
                 raise Refused(400, "choose sent (with the provider's reference), not sent, or failed")
-            try:
-                result = await self._write(
-                    actions.resolve,
-                    row_id,
-                    by=self._by(access),
-                    reason=reason,
-                    handlers=self.c.handlers,
-                    **kwargs,
+            seen = (form.get("version") or [""])[0]
+
+            def act(conn: Any) -> actions.ActionResult:
+                # The page the operator read: the same ambiguous call, not a later one (a
+                # "not sent" meant for one call must not settle another).
+                now = conn.execute(_RESOLVE_VERSION, {"id": row_id}).first()
+                if now is None:
+                    raise NotFound(f"no outbox row with id {row_id}")
+                if not seen or _version(now.unknown_since) != seen:
+                    raise Stale(
+                        f"row {row_id} changed since the page was loaded (it is {now.state} now, "
+                        "or unknown since another time): nothing was done; reload it"
+                    )
+                return actions.resolve(
+                    conn, row_id, by=self._by(access), reason=reason, handlers=self.c.handlers, **kwargs
                 )
+
+            try:
+                result = await self._write(act)
             except OutboxError as exc:
                 raise Refused(409, str(exc)) from exc
             outcome = bulk.Outcome("resolve", done=[(row_id, result.message)])
@@ -626,16 +658,29 @@ class Dashboard:
             key = (form.get("key") or [""])[0]
             confirm = (form.get("confirm") or [""])[0] == "yes"
             reason = (form.get("reason") or [""])[0].strip()
-            try:
-                plan = await self._read(
-                    ops_repair.plan_repair, [key], handlers=self.c.handlers, module=self.c.module or "module"
+
+            def plan_of(conn: Any) -> tuple[Any, str]:
+                plan = ops_repair.plan_repair(
+                    conn, [key], handlers=self.c.handlers or {}, module=self.c.module or "module"
                 )
+                return plan, _repair_fingerprint(conn, plan)
+
+            try:
+                plan, fingerprint = await self._read(plan_of)
             except OutboxError as exc:
                 raise Refused(400, str(exc)) from exc
             if not confirm:
-                return self._page(request, "repair.html", access, session, key=key, plan=plan)
+                return self._page(
+                    request, "repair.html", access, session, key=key, plan=plan, fingerprint=fingerprint
+                )
             if not reason:
                 raise Refused(400, "a reason is required: it is kept in the rows' history")
+            if (form.get("fingerprint") or [""])[0] != fingerprint:
+                raise Refused(
+                    409,
+                    f"the rows of {key} changed since the repair plan was shown: nothing was done; "
+                    "preview the repair again",
+                )
             results = await run_in_threadpool(
                 ops_repair.execute_repair,
                 self.c.database_url,
@@ -653,6 +698,88 @@ class Dashboard:
             return self._page(request, "applied.html", access, session, outcome=outcome)
 
         return await self._run(request, True, body)
+
+
+MAX_ID = 2**63 - 1
+_ID = re.compile(r"[0-9]{1,19}")
+
+
+def parse_id(text: str | None) -> int | None:
+    """A row or batch id as typed: ASCII digits within bigint, else None."""
+    if text is None or not _ID.fullmatch(text):
+        return None
+    value = int(text)
+    return value if 0 < value <= MAX_ID else None
+
+
+def _ids(values: list[str]) -> list[int]:
+    ids = [parse_id(v) for v in values]
+    if any(i is None for i in ids):
+        raise Refused(400, "a row id is a positive whole number (at most 2^63 - 1)")
+    return [i for i in ids if i is not None]
+
+
+def _path_id(request: Request, name: str) -> int:
+    value = parse_id(str(request.path_params[name]))
+    if value is None:
+        raise Refused(404, f"no such {name.split('_')[0]}: {str(request.path_params[name])[:40]}")
+    return value
+
+
+def _no_nul(values: Any) -> None:
+    # PostgreSQL's text cannot hold a NUL byte: refused here rather than failing in a query.
+    if any("\x00" in v for v in values):
+        raise Refused(400, "a field holds a NUL character")
+
+
+_SESSION_ENDED = text("SELECT EXISTS (SELECT 1 FROM outbox_dashboard_session_end WHERE sid = :sid)")
+_END_SESSION = text(
+    """
+WITH gone AS (DELETE FROM outbox_dashboard_session_end WHERE expires_at < now())
+INSERT INTO outbox_dashboard_session_end (sid, expires_at)
+VALUES (:sid, to_timestamp(:exp)) ON CONFLICT (sid) DO NOTHING
+"""
+)
+
+
+def _session_ended(conn: Any, sid: str) -> bool:
+    return bool(conn.execute(_SESSION_ENDED, {"sid": sid}).scalar_one())
+
+
+def _end_session(conn: Any, sid: str, exp: float) -> None:
+    conn.execute(_END_SESSION, {"sid": sid, "exp": exp})
+
+
+class Stale(OutboxError):
+    """The row moved since the page that acts on it was loaded."""
+
+
+_RESOLVE_VERSION = text("SELECT state, unknown_since FROM outbox_message WHERE id = :id FOR UPDATE")
+
+
+def _version(at: Any) -> str:
+    return at.isoformat() if at is not None else ""
+
+
+_REPAIR_ROWS = text(
+    """
+SELECT id, state, attempts, completed_at, unknown_since, claim_token
+FROM outbox_message WHERE key = :key ORDER BY id
+"""
+)
+
+
+def _repair_fingerprint(conn: Any, plan: Any) -> str:
+    """The plan as shown and every row of its keys as they were: a confirmation acts only if
+    neither changed (a row failed on purpose meanwhile must not be re-run by a stale plan)."""
+    import hashlib
+
+    parts = []
+    for item in plan.items:
+        parts.append(f"{item.key}|{item.action}|{item.row_id}|{item.state}|{item.detail}")
+        for r in conn.execute(_REPAIR_ROWS, {"key": item.key}):
+            parts.append("|".join(str(v) for v in r))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def _session_settings(engine: Engine) -> None:
@@ -713,6 +840,8 @@ def create_app(
             raise ConfigError("no database configured: set OUTBOX_DATABASE_URL (or pass --database-url)")
         engine = make_engine(database_url, connect_args={"application_name": "outbox dashboard"})
         _session_settings(engine)
+    if database_url is None:
+        database_url = engine.url.render_as_string(hide_password=False)
     config = Config(
         engine=engine,
         signer=security.Signer(secret),

@@ -364,10 +364,10 @@ def list_page(connection: Connection, f: Filter, *, after: str | None = None, li
         sort = f"{order}, id"
         cursor_sql = f"({order}, id) > (CAST(:c_val AS timestamptz), CAST(:c_id AS bigint))"
     if after:
-        value, _, row_id = after.rpartition("|")
-        params.update(c_val=value or None, c_id=int(row_id))
+        value, cursor_id = _parse_cursor(after, by_time=order not in ("-id", "key"))
+        params.update(c_val=value, c_id=cursor_id)
         where = f"{where} AND {cursor_sql}"
-    sort_value = "NULL" if order == "-id" else ("key" if order == "key" else f"{order}::text")
+    sort_value = "NULL" if order == "-id" else ("key" if order == "key" else order)
     rows = [
         dict(r)
         for r in connection.execute(
@@ -387,8 +387,26 @@ FROM outbox_message WHERE {where} ORDER BY {sort} LIMIT :limit
     nxt = None
     if more and rows:
         last = rows[-1]
-        nxt = f"{last['cursor_value'] or ''}|{last['id']}"
+        value = last["cursor_value"]
+        text_value = value.isoformat() if isinstance(value, datetime) else (value or "")
+        nxt = f"{text_value}|{last['id']}"
     return Page(rows, nxt)
+
+
+_MAX_ID = 2**63 - 1
+
+
+def _parse_cursor(after: str, *, by_time: bool) -> tuple[Any, int]:
+    """A page cursor ``VALUE|ID`` as :func:`list_page` wrote it; ValueError for anything else."""
+    value, sep, row_id = after.rpartition("|")
+    if not sep or not re.fullmatch(r"[0-9]{1,19}", row_id) or int(row_id) > _MAX_ID:
+        raise ValueError("not a page cursor")
+    if not by_time:
+        return value or None, int(row_id)
+    try:
+        return datetime.fromisoformat(value), int(row_id)
+    except ValueError:
+        raise ValueError("not a page cursor") from None
 
 
 def matching_ids(connection: Connection, f: Filter, limit: int = BULK_LIMIT) -> tuple[list[int], bool]:
@@ -433,15 +451,22 @@ def batches(
     return [dict(r) for r in connection.execute(_BATCHES, {"before": before, "limit": limit}).mappings()]
 
 
+#: A duration typed in a filter or a pause: longer than this is a typo (and overflows an interval).
+MAX_DURATION_SECONDS = 100 * 365 * 86400
+
+
 def parse_duration(value: str | None) -> float | None:
     """``90``, ``90s``, ``15m``, ``2h``, ``1d`` → seconds; empty → None. ValueError otherwise."""
     if not value or not value.strip():
         return None
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", value)
+    m = re.fullmatch(r"\s*([0-9]{1,12}(?:\.[0-9]{1,6})?)\s*([smhd]?)\s*", value)
     if not m:
-        raise ValueError(f"{value!r} is not a duration (e.g. 90s, 15m, 2h, 1d)")
+        raise ValueError(f"{value[:40]!r} is not a duration (e.g. 90s, 15m, 2h, 1d)")
     unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-    return float(m.group(1)) * unit
+    seconds = float(m.group(1)) * unit
+    if seconds > MAX_DURATION_SECONDS:
+        raise ValueError(f"{value[:40]!r} is longer than 100 years")
+    return seconds
 
 
 def describe_age(value: float | None) -> str:

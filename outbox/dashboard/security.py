@@ -169,7 +169,8 @@ class Signer:
         if not value or value.count(".") != 1:
             return None
         body, mac = value.split(".")
-        if not hmac.compare_digest(mac, self._mac(body)):
+        # Bytes: compare_digest raises on a str that is not ASCII (a forged cookie must not 500).
+        if not hmac.compare_digest(mac.encode(), self._mac(body).encode()):
             return None
         try:
             data = json.loads(_unb64(body))
@@ -192,7 +193,13 @@ def new_session(*, seconds: float, **fields: Any) -> dict[str, Any]:
 
 def csrf_ok(session: dict[str, Any] | None, sent: str | None) -> bool:
     expected = (session or {}).get("csrf")
-    return bool(expected and sent) and hmac.compare_digest(str(expected), str(sent))
+    return bool(expected and sent) and hmac.compare_digest(str(expected).encode(), str(sent).encode())
+
+
+def password_mark(user: User) -> str:
+    """What a session keeps of its user's password hash: a new hash in the users file (a
+    password reset) ends every session opened with the old one."""
+    return hashlib.sha256(b"outbox.dashboard.pw:" + user.password_hash.encode()).hexdigest()[:16]
 
 
 # -- login throttling -------------------------------------------------------------------------------
@@ -201,8 +208,16 @@ def csrf_ok(session: dict[str, Any] | None, sent: str | None) -> bool:
 class Throttle:
     """At most ``max_failures`` failed logins per user name and per client address within
     ``window_seconds``; then logins are refused (even right ones) until the oldest failure ages
-    out. In memory: each replica counts its own (a guesser spread over N replicas gets N times
-    the tries, still a handful a minute)."""
+    out. Each try counts as a failure from the moment it starts (:meth:`begin`) until it
+    succeeds, so concurrent guesses cannot all slip in while the first ones are being checked.
+    In memory: each replica counts its own (a guesser spread over N replicas gets N times the
+    tries, still a handful a minute)."""
+
+    #: Names longer than this count under their first characters (a long made-up name is not
+    #: a new bucket per byte, nor kept whole).
+    NAME_CHARS = 128
+    #: Above this many names, the ones with no recent failure are dropped.
+    MAX_NAMES = 10_000
 
     def __init__(self, max_failures: int = 5, window_seconds: float = 300.0) -> None:
         self.max_failures = max_failures
@@ -210,34 +225,40 @@ class Throttle:
         self._failures: dict[str, deque[float]] = {}
         self._lock = threading.Lock()
 
-    def _recent(self, name: str, now: float) -> deque[float]:
-        q = self._failures.setdefault(name, deque())
+    def _recent(self, name: str, now: float) -> deque[float] | None:
+        q = self._failures.get(name[: self.NAME_CHARS])
         while q and q[0] <= now - self.window_seconds:
             q.popleft()
         return q
 
-    def retry_after(self, *names: str) -> float:
-        """Seconds until a login for these names may be tried again (0: now)."""
+    def begin(self, *names: str) -> float:
+        """Start a login try for these names: 0 and the try counted as a failure (until
+        :meth:`succeeded`), or the seconds to wait, nothing counted."""
         now = time.monotonic()
         with self._lock:
             waits = [
                 q[0] + self.window_seconds - now
                 for q in (self._recent(n, now) for n in names)
-                if len(q) >= self.max_failures
+                if q is not None and len(q) >= self.max_failures
             ]
-        return max(waits, default=0.0)
-
-    def failed(self, *names: str) -> None:
-        now = time.monotonic()
-        with self._lock:
+            if waits:
+                return max(waits)
+            if len(self._failures) >= self.MAX_NAMES:
+                self._failures = {
+                    k: q for k, q in self._failures.items() if q and q[-1] > now - self.window_seconds
+                }
             for n in names:
-                self._recent(n, now).append(now)
-            if len(self._failures) > 100_000:  # a flood of made-up names must not grow for ever
-                self._failures = {k: v for k, v in self._failures.items() if v}
+                self._failures.setdefault(n[: self.NAME_CHARS], deque()).append(now)
+            return 0.0
 
-    def succeeded(self, name: str) -> None:
+    def succeeded(self, user: str, *others: str) -> None:
+        """The try was right: the user's failures are forgotten, the others' try uncounted."""
         with self._lock:
-            self._failures.pop(name, None)
+            self._failures.pop(user[: self.NAME_CHARS], None)
+            for n in others:
+                q = self._failures.get(n[: self.NAME_CHARS])
+                if q:
+                    q.pop()
 
 
 # -- headers -----------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ def fresh_database(url: str, prefix: str = "outbox_test") -> Iterator[str]:
 # The one write of outbox_message outside outbox.transitions, and no state move: a test
 # database emptied between tests (tests/unit/test_transitions_home.py names this file).
 _EMPTY = (
-    "TRUNCATE outbox_message, outbox_attempt, outbox_key_ledger, outbox_destination, outbox_batch"
-    " RESTART IDENTITY CASCADE"
+    "TRUNCATE outbox_message, outbox_attempt, outbox_key_ledger, outbox_destination, outbox_batch,"
+    " outbox_dashboard_session_end RESTART IDENTITY CASCADE"
 )
 
 

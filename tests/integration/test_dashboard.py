@@ -402,16 +402,13 @@ def test_resolve_one_row_sent_and_bulk_resolve_failed(
         provider.drop_after_charge(times=1)
         assert consumer().deliver(row, DEST) is RunResult.UNKNOWN
     client = login(app, "olga")
-    token = _csrf(client.get(f"/rows/{a}").text)
-    r = client.post(
-        f"/rows/{a}/resolve",
-        data={
-            "how": "sent",
-            "ref": "ch_manual_1",
-            "reason": "seen in the provider's UI",
-            "csrf_token": token,
-        },
-    )
+    page = client.get(f"/rows/{a}").text
+    token = _csrf(page)
+    # The form names the unknown episode the page showed (its unknown_since).
+    version = re.search(r'name="version" value="([^"]+)"', page).group(1)  # type: ignore[union-attr]
+    form = {"how": "sent", "ref": "ch_manual_1", "reason": "seen in the provider's UI", "csrf_token": token}
+    assert client.post(f"/rows/{a}/resolve", data=form).status_code == 409
+    r = client.post(f"/rows/{a}/resolve", data={**form, "version": version})
     assert r.status_code == 200 and "unknown -&gt; sent" in r.text
     assert sql(clean, "SELECT state, provider_ref FROM outbox_message WHERE id = %s", (a,)) == [
         ("sent", "ch_manual_1")
@@ -488,16 +485,18 @@ def test_mounted_under_a_prefix_with_the_hosts_authorize_hook(engine: Any, clean
     assert page.status_code == 200 and 'href="/outbox/static/dashboard.css"' in page.text
     cookie = page.headers["set-cookie"]
     assert "Path=/outbox" in cookie and "HttpOnly" in cookie and "Secure" in cookie
-    token = _csrf(page.text)
-    # CSRF applies when mounted too: an operator's POST needs the token of its session.
+    # CSRF applies when mounted too: an operator's POST needs the token of its own session (a
+    # token of another user's session is refused: the session is bound to the host's user).
     headers = {"x-user": "olga", "x-role": "operate"}
+    rita_token = _csrf(page.text)
+    form = {"action": "cancel", "id": str(row)}
+    assert client.post("/outbox/preview", data=form, headers=headers).status_code == 403
     assert (
-        client.post("/outbox/preview", data={"action": "cancel", "id": str(row)}, headers=headers).status_code
+        client.post("/outbox/preview", data={**form, "csrf_token": rita_token}, headers=headers).status_code
         == 403
     )
-    r = client.post(
-        "/outbox/preview", data={"action": "cancel", "id": str(row), "csrf_token": token}, headers=headers
-    )
+    token = _csrf(client.get("/outbox/", headers=headers).text)
+    r = client.post("/outbox/preview", data={**form, "csrf_token": token}, headers=headers)
     assert r.status_code == 200 and "1 row(s) will be acted on" in r.text
     # A reader with a valid token still cannot act.
     r = client.post(

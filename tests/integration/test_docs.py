@@ -831,6 +831,10 @@ def check_dashboard(run: PageRun, shop: Shop) -> None:
     token = re.search(r'name="csrf_token" value="([^"]+)"', reader.text).group(1)  # type: ignore[union-attr]
     form = {"action": "cancel", "id": "1", "csrf_token": token}
     assert client.post("/outbox/preview", data=form, headers={"x-forwarded-user": "rita"}).status_code == 403
+    # The token is bound to its user: rita's is refused for olga, olga's own goes.
+    assert client.post("/outbox/preview", data=form, headers={"x-forwarded-user": "olga"}).status_code == 403
+    page = client.get("/outbox/", headers={"x-forwarded-user": "olga"})
+    form["csrf_token"] = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)  # type: ignore[union-attr]
     olga = client.post("/outbox/preview", data=form, headers={"x-forwarded-user": "olga"})
     assert olga.status_code == 200 and "Nothing has been done yet" in olga.text
 

@@ -40,6 +40,7 @@ TABLES |= {"outbox_process", "outbox_no_consumer"}  # 0005_transport
 TABLES |= {"outbox_db_identity"}  # 0006_integrity
 TABLES |= {"outbox_destination"}  # 0009_destination_pause
 TABLES |= {"outbox_batch"}  # 0014_batches
+TABLES |= {"outbox_dashboard_session_end"}  # 0020_dashboard_sessions
 
 
 @pytest.fixture
