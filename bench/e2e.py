@@ -1024,6 +1024,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="one profiled outbox run (py-spy on a worker)")
     parser.add_argument("--timeout", type=float, default=240, help="seconds a delivery phase may take")
     parser.add_argument("--keep", action="store_true", help="keep the bench databases and logs")
+    parser.add_argument(
+        "--steady",
+        metavar="RATES",
+        help="steady state instead (issue 17): writes arrive while the system delivers, at each "
+        "offered rate of this comma-separated list (rows/s, or 'max': --writers processes as "
+        "fast as they commit); see bench/steady.py",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=20.0, help="--steady: seconds of writing per run (default 20)"
+    )
     args = parser.parse_args(argv)
     if args.n < 2:
         parser.error("-n must be at least 2")
@@ -1053,6 +1063,35 @@ def main(argv: list[str] | None = None) -> int:
                     print(line)
                 return 0
             systems = [s for s in ("outbox", "procrastinate") if args.only in (None, s)]
+            if args.steady:
+                from bench.steady import report_steady, run_steady
+
+                steady = []
+                for offered in [r.strip() for r in args.steady.split(",") if r.strip()]:
+                    for i in range(args.repeat):
+                        for system in systems:
+                            t = time.monotonic()
+                            s = run_steady(
+                                args,
+                                system,
+                                offered,
+                                admin_url,
+                                redis_url,
+                                provider_url,
+                                workdir,
+                                f"{offered}-{i}",
+                            )
+                            steady.append(s)
+                            print(
+                                f"steady {offered} run {i + 1}/{args.repeat} {system}: "
+                                f"written {s.write_rate:.0f}/s, "
+                                f"delivered {s.rate:.0f}/s, p50 {s.p50_ms:.1f} ms, p99 {s.p99_ms:.1f} ms, "
+                                f"{s.per_cpu_second:.0f} deliveries per CPU-second "
+                                f"({time.monotonic() - t:.0f} s)",
+                                flush=True,
+                            )
+                report_steady(args, steady, where)
+                return 0
             for i in range(args.repeat):
                 for system in systems:
                     t = time.monotonic()

@@ -55,17 +55,29 @@ _SURROGATES = re.compile(r"[\ud800-\udfff]")
 # line's extra field, a payload shown on the dashboard. Short words (pan, cvv, pin, pass, auth)
 # only as whole words, or "company" would match; camelCase is split first (cardCvc: card_Cvc).
 _SECRET_NAME = re.compile(
-    r"(authorization|password|passwd|passphrase|secret|token|credential|bearer|api[-_]?key"
-    r"|private[-_]?key|card[-_]?number|security[-_]?code"
-    r"|(?:^|[^a-z])(?:pan|cvv2?|cvc2?|pin|pwd|pass|auth)(?:$|[^a-z]))",
+    r"(authorization|password|passwd|passphrase|secret|token|credential|bearer|cookie|api[-_ ]?key"
+    r"|private[-_ ]?key|card[-_ ]?number|security[-_ ]?code"
+    r"|(?:^|[^a-z])(?:pan|cvv2?|cvc2?|pin|pwd|pass|auth|jwt)(?:$|[^a-z]))",
     re.I,
 )
 _CAMEL = re.compile(r"([a-z0-9])([A-Z])")
+_ACRONYM = re.compile(r"([A-Z]+)([A-Z][a-z])")  # PINCode: PIN_Code
 # Values that are credentials whatever their field is called: providers' secret keys, and HTTP
 # credentials pasted whole.
 _SECRET_VALUE = re.compile(
     r"\s*(?:(?:sk|rk)_(?:live|test)_|whsec_|(?:Bearer|Basic|bearer|basic)\s+[A-Za-z0-9._~+/=-]{8,}\s*$)"
 )
+# Credentials inside a longer text: an HTTP header line or a URL query (name: value, name=value)
+# with a secret-looking name, a bearer/basic credential, a provider's secret key. The name and
+# the separator stay, the value is masked.
+_SECRET_IN_TEXT = re.compile(
+    r"(?i)(?P<named>\b(?:authorization|proxy-authorization|cookie|set-cookie|x-api-key|api[-_]?key"
+    r"|access[-_]?token|refresh[-_]?token|id[-_]?token|token|password|passwd|pwd|secret|client[-_]?secret"
+    r"|jwt|session(?:id)?)\s*[:=]\s*)(?:(?:bearer|basic|token)\s+)?(?:\"[^\"]*\"|'[^']*'|[^\s&;,]+)"
+    r"|(?P<scheme>\b(?:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{8,}"
+    r"|\b(?:sk|rk)_(?:live|test)_[A-Za-z0-9]+|\bwhsec_[A-Za-z0-9]+"
+)
+_SECRET_HINT = re.compile(r"(?i)bearer|basic|sk_|rk_|whsec_|[:=]")
 
 
 def _luhn_ok(digits: str) -> bool:
@@ -123,7 +135,20 @@ def redact_text(text: str) -> str:
 @functools.lru_cache(maxsize=1024)
 def is_secret_name(name: str) -> bool:
     """True for a field name whose value must be neither logged nor stored."""
-    return _SECRET_NAME.search(_CAMEL.sub(r"\1_\2", name)) is not None
+    return _SECRET_NAME.search(_CAMEL.sub(r"\1_\2", _ACRONYM.sub(r"\1_\2", name))) is not None
+
+
+def _mask_secret(match: re.Match[str]) -> str:
+    kept = match.group("named") or match.group("scheme") or ""
+    return f"{kept}***"
+
+
+def redact_credentials(text: str) -> str:
+    """Credentials inside a text masked (``Authorization: Bearer …``, ``?access_token=…``,
+    ``sk_live_…``); everything else unchanged. Cheap when nothing hints at one."""
+    if _SECRET_HINT.search(text) is None:
+        return text
+    return _SECRET_IN_TEXT.sub(_mask_secret, text)
 
 
 def is_secret_value(text: str) -> bool:
@@ -142,7 +167,7 @@ def _storable_text(text: str) -> str:
 def clean_text(text: object, *, max_chars: int = MAX_ERROR_CHARS) -> str:
     """Error text as stored (``last_error``, attempt ``error``) and logged: storable, card numbers
     masked, at most ``max_chars`` characters."""
-    out = redact_text(_storable_text(text if isinstance(text, str) else str(text)))
+    out = redact_text(redact_credentials(_storable_text(text if isinstance(text, str) else str(text))))
     return out if len(out) <= max_chars else out[: max_chars - 1] + "…"
 
 
@@ -151,9 +176,14 @@ def clean_optional_text(text: object | None, *, max_chars: int = MAX_ERROR_CHARS
 
 
 def clean_ref(ref: object) -> str:
-    """A provider reference as stored: storable and bounded, never masked."""
-    out = _storable_text(ref if isinstance(ref, str) else str(ref))
-    return out[:MAX_REF_CHARS]
+    """A provider reference as stored: storable and bounded, never masked. Bounded in UTF-8
+    bytes as well as characters: the provider_ref index takes at most 2704 bytes an entry, and
+    a record that fails on it would leave a confirmed call unrecorded."""
+    out = _storable_text(ref if isinstance(ref, str) else str(ref))[:MAX_REF_CHARS]
+    encoded = out.encode("utf-8", "surrogatepass")
+    if len(encoded) > MAX_REF_CHARS:
+        out = encoded[:MAX_REF_CHARS].decode("utf-8", "ignore")
+    return out
 
 
 def _clean_number(value: int | float) -> Any:
@@ -194,7 +224,16 @@ def _clean_value(value: Any, depth: int) -> Any:
     if isinstance(value, str):
         if is_secret_value(value):
             return "***"
-        return redact_text(_storable_text(value))
+        stripped = value.lstrip()
+        if stripped[:1] in ("{", "[") and len(value) <= MAX_RESPONSE_BYTES and depth < MAX_DEPTH:
+            # A JSON document kept as a string (a request body, a webhook): cleaned like one.
+            try:
+                inner = json.loads(value)
+            except (ValueError, RecursionError):
+                inner = None
+            if isinstance(inner, dict | list):
+                return json.dumps(_clean_value(inner, depth + 1), ensure_ascii=False)
+        return redact_text(redact_credentials(_storable_text(value)))
     if isinstance(value, int | float):
         return _clean_number(value)
     if depth >= MAX_DEPTH:

@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, quote, urlencode
 
 import jinja2
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -243,6 +244,15 @@ class Dashboard:
             return await body(access, session, form)
         except Refused as r:
             return self._refused(request, r)
+        except DBAPIError as exc:
+            # Nothing was changed (the transaction rolled back); say so rather than a bare 500.
+            logger.warning(
+                "dashboard: the database refused a request: %s", str(exc.orig).split("\n")[0][:200]
+            )
+            refused = Refused(
+                409, "the database refused this (nothing was changed): " + str(exc.orig).split("\n")[0][:200]
+            )
+            return self._refused(request, refused)
 
     def _read(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any]:
         def go() -> Any:
@@ -496,8 +506,11 @@ class Dashboard:
                 report = await self._read(batch_report, batch_id=batch_id)
             except NotFound as exc:
                 raise Refused(404, str(exc)) from exc
-            template = "batch_body.html" if request.headers.get("hx-request") else "batch.html"
-            return self._page(request, template, access, session, batch=report)
+            if request.headers.get("hx-request"):
+                # 286: htmx stops polling once the batch has ended.
+                status = 286 if report.finished else 200
+                return self._page(request, "batch_body.html", access, session, status=status, batch=report)
+            return self._page(request, "batch.html", access, session, batch=report)
 
         return await self._run(request, False, body)
 
@@ -622,6 +635,11 @@ class Dashboard:
                 seconds = queries.parse_duration((form.get("for") or [""])[0])
             except ValueError as exc:
                 raise Refused(400, str(exc)) from exc
+            if seconds is not None and seconds <= 0:
+                # As the CLI: a pause "for 0" would end another operator's pause, not make one.
+                raise Refused(
+                    400, "a pause lasts a positive duration (e.g. 15m), or leave it empty: until resumed"
+                )
             known = await self._read(pauses.known_destinations)
             if destination not in known:
                 raise Refused(404, f"unknown destination {destination!r}")
@@ -735,7 +753,11 @@ def _no_nul(values: Any) -> None:
 _SESSION_ENDED = text("SELECT EXISTS (SELECT 1 FROM outbox_dashboard_session_end WHERE sid = :sid)")
 _END_SESSION = text(
     """
-WITH gone AS (DELETE FROM outbox_dashboard_session_end WHERE expires_at < now())
+WITH gone AS (
+    -- A day past its expiry on the database's clock: the cookie's expiry is read on the app
+    -- host's, and a host clock behind must not bring a signed-out cookie back to life.
+    DELETE FROM outbox_dashboard_session_end WHERE expires_at < now() - interval '1 day'
+)
 INSERT INTO outbox_dashboard_session_end (sid, expires_at)
 VALUES (:sid, to_timestamp(:exp)) ON CONFLICT (sid) DO NOTHING
 """

@@ -144,7 +144,8 @@ def apply(
     if action == "replay":
         replay = actions.plan_replay(connection, chosen)
         for r in actions.execute_replay(connection, replay, by=by, reason=reason):
-            (out.done if r.done else out.refused).append((r.id, r.message))
+            message = "; ".join([r.message, *r.warnings])
+            (out.done if r.done else out.refused).append((r.id, message))
     elif action == "cancel":
         cancel = actions.cancel_rows(connection, chosen, reason=reason, by=by)
         out.done.extend((i, f"row {i} cancelled ({state} -> cancelled)") for i, _k, _s, state in cancel.rows)

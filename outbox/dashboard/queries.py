@@ -308,7 +308,8 @@ class Filter:
             if value:
                 out[name] = value
         if self.older_than_seconds:
-            out["older_than"] = f"{self.older_than_seconds:g}s"
+            # Plain digits: :g would write 14 days as 1.2096e+06s, which parse_duration refuses.
+            out["older_than"] = format(self.older_than_seconds, ".6f").rstrip("0").rstrip(".") + "s"
         return out
 
 

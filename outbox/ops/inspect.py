@@ -6,6 +6,7 @@ Read-only queries returning data; the caller owns the (read-only) transaction, a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -142,7 +143,21 @@ _ROW_COLUMNS = f"""
 """
 _SHOW_BY_ID = text(f"SELECT {_ROW_COLUMNS} FROM outbox_message WHERE id = :id")
 _SHOW_BY_KEY = text(f"SELECT {_ROW_COLUMNS} FROM outbox_message WHERE key = :key AND step = :step")
-_PAYLOAD = text("SELECT payload FROM outbox_message WHERE id = :id")
+# As text, decoded here: json.loads refuses an integer of more than 4,300 digits, which jsonb
+# holds (a row written by plain SQL), and such a row must still be shown.
+_PAYLOAD = text("SELECT payload::text FROM outbox_message WHERE id = :id")
+#: Digits of an integer decoded as a number; longer ones are shown as a placeholder.
+_MAX_INT_DIGITS = 4000
+
+
+def _int_or_placeholder(digits: str) -> int | str:
+    return int(digits) if len(digits) <= _MAX_INT_DIGITS else f"<integer of {len(digits)} digits>"
+
+
+def _load_payload(raw: str) -> Any:
+    return json.loads(raw, parse_int=_int_or_placeholder)
+
+
 # Claim order: a replay resets `attempts`, so the fence rows of two runs both say "attempt 1";
 # `number` counts every claim of the row, the way an operator tells them apart.
 _ATTEMPTS = text(
@@ -251,7 +266,7 @@ def show(
     history = list(row.pop("history") or [])
     attempts = [dict(a) for a in connection.execute(_ATTEMPTS, {"id": row["id"]}).mappings()]
     _place_history(attempts, history)
-    body = connection.execute(_PAYLOAD, {"id": row["id"]}).scalar_one() if payload else None
+    body = _load_payload(connection.execute(_PAYLOAD, {"id": row["id"]}).scalar_one()) if payload else None
     return RowDetail(row, attempts, history, body)
 
 

@@ -845,8 +845,10 @@ def test_no_html_injection_anywhere(
     )
     client = login(app, "olga")
     token = token_of(client)
+    version = re.search(r'name="version" value="([^"]+)"', client.get(f"/rows/{row}").text).group(1)  # type: ignore[union-attr]
     r = client.post(
-        f"/rows/{row}/resolve", data={"how": "sent", "ref": f"ch{XSS}", "reason": XSS, "csrf_token": token}
+        f"/rows/{row}/resolve",
+        data={"how": "sent", "ref": f"ch{XSS}", "reason": XSS, "csrf_token": token, "version": version},
     )
     assert r.status_code == 200
     client.post("/destinations/pause", data={"destination": DEST, "reason": XSS, "csrf_token": token})

@@ -127,3 +127,33 @@ def test_log_lines_mask_cards_in_the_message_the_fields_and_the_traceback() -> N
 )
 def test_header_safe(value: str, safe: bool) -> None:
     assert header_safe(value) is safe
+
+
+def test_a_reference_is_bounded_in_bytes_too() -> None:
+    # The provider_ref index takes at most 2704 bytes an entry: a record must never fail on it.
+    ref = sanitize.clean_ref("\U0001d11e" * 1000)
+    assert len(ref.encode()) <= sanitize.MAX_REF_CHARS and ref == "\U0001d11e" * (sanitize.MAX_REF_CHARS // 4)
+
+
+def test_credentials_inside_texts_are_masked_and_the_rest_kept() -> None:
+    cleaned = sanitize.clean_json(
+        {
+            "header": "Authorization: Bearer abcdefghijkl",
+            "url": "https://shop.example/cb?access_token=abc123&order=42",
+            "body": '{"password": "hunter2", "amount": 5}',
+            "key": "charged with sk_live_abcdef123",
+            "PINCode": "1234",
+            "API Key": "x",
+            "note": "the bearer of news; amount=100",
+        }
+    )
+    assert cleaned["header"] == "Authorization: ***"
+    assert cleaned["url"] == "https://shop.example/cb?access_token=***&order=42"
+    assert json.loads(cleaned["body"]) == {"password": "***", "amount": 5}
+    assert cleaned["key"] == "charged with ***"
+    assert cleaned["PINCode"] == cleaned["API Key"] == "***"
+    assert cleaned["note"] == "the bearer of news; amount=100"
+    assert (
+        sanitize.clean_text("401 for Authorization: Basic dXNlcjpwYXNzd29yZA==")
+        == "401 for Authorization: ***"
+    )
