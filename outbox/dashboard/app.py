@@ -120,6 +120,7 @@ class Dashboard:
             r("/rows", self.rows),
             r("/rows/{row_id:int}", self.row),
             r("/rows/{row_id:int}/resolve", self.resolve, methods=["POST"]),
+            r("/rows/{row_id:int}/skip", self.skip, methods=["POST"]),
             r("/keys", self.key),
             r("/keys/repair", self.repair, methods=["POST"]),
             r("/preview", self.preview, methods=["POST"]),
@@ -621,6 +622,21 @@ class Dashboard:
             except OutboxError as exc:
                 raise Refused(409, str(exc)) from exc
             outcome = bulk.Outcome("resolve", done=[(row_id, result.message)])
+            return self._page(request, "applied.html", access, session, outcome=outcome)
+
+        return await self._run(request, True, body)
+
+    async def skip(self, request: Request) -> Response:
+        """Let the rows of a failed head's ordering key behind it go (``outbox skip``)."""
+
+        async def body(access: Access, session: dict[str, Any], form: dict[str, list[str]]) -> Response:
+            row_id = _path_id(request, "row_id")
+            reason = (form.get("reason") or [""])[0].strip()
+            try:
+                result = await self._write(actions.skip, row_id, by=self._by(access), reason=reason)
+            except OutboxError as exc:
+                raise Refused(409, str(exc)) from exc
+            outcome = bulk.Outcome("skip", done=[(row_id, result.message)])
             return self._page(request, "applied.html", access, session, outcome=outcome)
 
         return await self._run(request, True, body)

@@ -507,3 +507,40 @@ def test_mounted_under_a_prefix_with_the_hosts_authorize_hook(engine: Any, clean
     assert r.status_code == 403
     # No login page of its own when the host authenticates.
     assert client.get("/outbox/login").status_code == 404
+
+
+def test_skip_a_failed_head_of_an_ordering_key(
+    app: Starlette, engine: Any, clean: Any, provider: Any, consumer: Any
+) -> None:
+    declare(provider)
+    with Session(engine) as s, s.begin():
+        head = outbox.write(
+            s, key="c:1", step="charge", destination=DEST, payload={}, ordering_key="customer:1"
+        ).id
+        behind = outbox.write(
+            s, key="c:2", step="charge", destination=DEST, payload={}, ordering_key="customer:1"
+        ).id
+    relay_once(clean)
+    provider.configure(fault_next=["decline"])
+    assert consumer().deliver(head, DEST) is RunResult.FAILED
+    client = login(app, "olga")
+    page = client.get(f"/rows/{head}").text
+    assert "Skip: let customer:1 go on without it" in page
+    blocked = client.get("/blocked").text
+    assert f"/rows/{head}" in blocked and "customer:1" in blocked
+    token = _csrf(page)
+    assert client.post(f"/rows/{head}/skip", data={"reason": " ", "csrf_token": token}).status_code == 409
+    r = client.post(
+        f"/rows/{head}/skip", data={"reason": "card closed; later updates may go", "csrf_token": token}
+    )
+    assert r.status_code == 200 and "skipped" in r.text
+    assert relay_once(clean) == 1
+    assert consumer().deliver(behind, DEST) is RunResult.SENT
+    # A reader cannot.
+    reader = login(app, "rita")
+    assert (
+        reader.post(
+            f"/rows/{head}/skip", data={"reason": "x", "csrf_token": _csrf(reader.get("/").text)}
+        ).status_code
+        == 403
+    )
