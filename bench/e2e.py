@@ -1080,6 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
                                 provider_url,
                                 workdir,
                                 f"{offered}-{i}",
+                                PROVIDER_PID[0],
                             )
                             steady.append(s)
                             print(

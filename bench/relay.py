@@ -361,9 +361,29 @@ def measure_latency(db: str, rd: str, args: argparse.Namespace) -> dict[str, Any
 
     watcher = threading.Thread(target=watch, daemon=True)
     cpu_seconds = float("nan")
+    spy: subprocess.Popen[bytes] | None = None
     try:
         _wait_listening(db)
         watcher.start()
+        if args.spy:
+            # Where the relay's CPU goes under this load: py-spy's collapsed stacks (see --spy).
+            spy = subprocess.Popen(
+                [
+                    str(Path(sys.executable).parent / "py-spy"),
+                    "record",
+                    "--pid",
+                    str(relay.pid),
+                    "--rate",
+                    "500",
+                    "--format",
+                    "raw",
+                    "--output",
+                    args.spy,
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
         cpu_start = _cpu_seconds(relay.pid)
         flags = ["--database-url", db, "--rate", str(args.latency_rate), "--seconds"]
         (result,) = run_children([["_writer", *flags, str(args.latency_seconds)]], args)
@@ -373,6 +393,10 @@ def measure_latency(db: str, rd: str, args: argparse.Namespace) -> dict[str, Any
         # The relay's own CPU over the whole writing phase (start-up excluded), per row.
         cpu_seconds = _cpu_seconds(relay.pid) - cpu_start
     finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy.wait(30)
         done.set()
         watcher.join(5)
         relay.send_signal(signal.SIGTERM)
@@ -469,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-send", action="store_true", help="skip (c), the slowest figure")
     parser.add_argument("--profile", action="store_true", help="pyinstrument profile of one relay drain")
+    parser.add_argument(
+        "--spy",
+        metavar="FILE",
+        help="with --curve: py-spy's collapsed stacks of the relay during (e) written to FILE "
+        "(the last window x rate run)",
+    )
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("--namespace", default=NAMESPACE, help=argparse.SUPPRESS)
     parser.add_argument("--rate", type=float, help=argparse.SUPPRESS)

@@ -170,6 +170,7 @@ def run_steady(
     provider_url: str,
     workdir: Path,
     tag: str,
+    provider_pid: int,
 ) -> Steady:
     """One system at one offered rate (``100``, ``300``, ``max``)."""
     import multiprocessing
@@ -238,7 +239,7 @@ def run_steady(
             finally:
                 heartbeats.close()
             time.sleep(1.0)  # the relay's start-up (imports, LISTEN) done
-            meter.fixed = {"workers": [workers.pid], "relay": [relay.pid], "provider": [e2e.PROVIDER_PID[0]]}
+            meter.fixed = {"workers": [workers.pid], "relay": [relay.pid], "provider": [provider_pid]}
         else:
             for i in range(args.processes):
                 procs.append(
@@ -267,7 +268,7 @@ def run_steady(
                     "the procrastinate workers to start",
                     0.1,
                 )
-            meter.fixed = {"workers": [p.pid for p in procs], "provider": [e2e.PROVIDER_PID[0]]}
+            meter.fixed = {"workers": [p.pid for p in procs], "provider": [provider_pid]}
 
         ctx = multiprocessing.get_context("fork")
         go, results = ctx.Event(), ctx.Queue()
