@@ -1021,7 +1021,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", choices=["outbox", "procrastinate"], help="run one system only")
     parser.add_argument("--no-count-round-trips", dest="count_round_trips", action="store_false")
-    parser.add_argument("--profile", action="store_true", help="one profiled outbox run (py-spy on a worker)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one profiled outbox run (py-spy on a worker); with --steady, py-spy on one worker "
+        "process (and outbox's relay) of each run",
+    )
     parser.add_argument("--timeout", type=float, default=240, help="seconds a delivery phase may take")
     parser.add_argument("--keep", action="store_true", help="keep the bench databases and logs")
     parser.add_argument(
@@ -1047,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
         PROVIDER_PID.append(pproc.pid)
         print(f"servers: {where}; provider {provider_url}; logs in {workdir}", flush=True)
         try:
-            if args.profile:
+            if args.profile and not args.steady:
                 r = run_outbox(args, admin_url, redis_url, provider_url, workdir, "profile", profile=True)
                 cc = r.client_counts
                 cpu = (cc["profiled_cpu1"] - cc["profiled_cpu0"]) / 1e6

@@ -57,6 +57,8 @@ class Steady:
     statements: int = 0
     commits: int = 0
     checks: list[str] = field(default_factory=list)
+    #: --profile: (what, py-spy output, CPU seconds of the profiled process while it was attached)
+    profiles: list[tuple[str, Path, float]] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -139,6 +141,63 @@ def _steady_writer(
         raise
     finally:
         engine.dispose()
+
+
+def _start_spies(
+    args: argparse.Namespace, system: str, procs: list[subprocess.Popen[bytes]], workdir: Path, tag: str
+) -> list[tuple[str, psutil.Process, subprocess.Popen[bytes], Path, float]]:
+    """--profile: py-spy on one worker process (a forked child of ``outbox worker``, or the first
+    procrastinate worker) and, for outbox, on the relay, from the writers' start to the last
+    confirmation; raw (collapsed) stacks, idle threads skipped."""
+    from bench import e2e
+
+    targets: list[tuple[str, psutil.Process]] = []
+    if system == "outbox":
+        parent = psutil.Process(procs[0].pid)
+        targets.append(("worker", next(p for p in parent.children(recursive=True))))
+        targets.append(("relay", psutil.Process(procs[1].pid)))
+    else:
+        targets.append(("worker", psutil.Process(procs[0].pid)))
+    spies = []
+    for what, proc in targets:
+        out = workdir / f"profile-{system}-{what}-{tag}.txt"
+        spy = subprocess.Popen(
+            [
+                e2e._py_spy(),
+                "record",
+                "--pid",
+                str(proc.pid),
+                "--rate",
+                str(e2e.PROFILE_RATE),
+                "--format",
+                "raw",
+                "--gil",
+                "--output",
+                str(out),
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        spies.append((what, proc, spy, out, cpu_of(proc.pid)))
+    time.sleep(0.5)  # py-spy attached
+    return spies
+
+
+def _stop_spies(
+    spies: list[tuple[str, psutil.Process, subprocess.Popen[bytes], Path, float]],
+) -> list[tuple[str, Path, float]]:
+    import contextlib
+    import signal
+
+    done = []
+    for what, proc, spy, out, cpu0 in spies:
+        cpu = cpu_of(proc.pid) - cpu0
+        spy.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            spy.wait(30)
+        done.append((what, out, cpu))
+    return done
 
 
 def _wal_lsn(admin_url: str) -> int:
@@ -294,6 +353,7 @@ def run_steady(
             if kind != "ready":
                 raise RuntimeError(f"writer failed: {info}")
         meter.fixed["writer"] = [p.pid for p in writer_procs]
+        spies = _start_spies(args, system, procs, workdir, tag) if args.profile else []
         stmts0 = _statements(admin_url, database)
         wal0 = _wal_lsn(admin_url)
         commits0, _ = e2e.pg_counters(admin_url, database)
@@ -323,6 +383,7 @@ def run_steady(
                 0.05,
             )
             after = meter.snapshot()
+            result.profiles = _stop_spies(spies)
             wal1 = _wal_lsn(admin_url)
             stmts1 = _statements(admin_url, database)
             if any(p.poll() is not None for p in procs):
@@ -413,6 +474,16 @@ def report_steady(args: argparse.Namespace, results: list[Steady], where: str) -
                 f"offered {offered}: outbox/procrastinate deliveries/s {rate:.2f}x, "
                 f"deliveries per CPU-second {per_cpu:.2f}x (target at max: 1.5x both)"
             )
+
+    from bench import e2e
+
+    for r in results:
+        for what, path, cpu in r.profiles:
+            share = r.written // args.processes if what == "worker" else r.written
+            print(f"\n--profile {r.system} {r.offered} {what} (py-spy): {path}")
+            if path.exists():
+                for line in e2e.summarize_profile(path, cpu, share):
+                    print(line)
 
 
 def cpu_of(pid: int) -> float:

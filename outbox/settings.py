@@ -19,10 +19,11 @@ from .exceptions import ConfigError
 DEFAULT_NAMESPACE = "outbox"
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 DEFAULT_POLL_INTERVAL_SECONDS = 1.0
-#: Relay: the least time between two takes woken by NOTIFY (see `relay.relay`); 0 = none. Off by
-#: default: at 300-500 rows/s offered it doubled commit -> Redis p50 (0.8 -> 1.5 ms) for no CPU
-#: saved (bench/relay.py --curve); it pays from about 1,000 rows/s.
-DEFAULT_RELAY_GATHER_SECONDS = 0.0
+#: Relay: the least time between two takes woken by NOTIFY (see `relay.relay`); 0 = none. 7 ms:
+#: at 300 one-row commits a second it brings the relay from 0.39 to about 0.22 ms of CPU a row for
+#: a commit -> Redis p50 of about 4 ms (bench/relay.py --curve, bench/README.md); a row committed
+#: after a quiet spell (no take in the last 7 ms) is taken at once, so lower rates do not wait.
+DEFAULT_RELAY_GATHER_SECONDS = 0.007
 DEFAULT_RELAY_BATCH_SIZE = 1000
 #: Rows an operator's list shows unless told otherwise (outbox list, failed, unknown).
 DEFAULT_LIST_LIMIT = 50
