@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from sqlalchemy import text
 
-from . import chains, ordering, outcomes, sanitize
+from . import chains, db, ordering, outcomes, sanitize
 from .schema import NOTIFY_CHANNEL
 
 if TYPE_CHECKING:
@@ -688,6 +688,10 @@ class Released:
     waited_seconds: float = 0.0
 
 
+_CLAIM_STATEMENT = db.Statement(_CLAIM)
+_CLAIM_IDEMPOTENT_STATEMENT = db.Statement(_CLAIM_IDEMPOTENT)
+
+
 def claim(
     conn: psycopg.Connection[Any],
     *,
@@ -714,18 +718,22 @@ def claim(
         if key_ttl is not None
         else None
     )
-    row = conn.execute(
-        _CLAIM if key_ttl is None else _CLAIM_IDEMPOTENT,
-        {
-            "token": token or uuid.uuid4(),
-            "lease_seconds": float(lease_seconds),
-            "id": row_id,
-            "destination": destination,
-            "key_ttl": key_ttl,
-            "aged_error": aged_error,
-            "skip_when_failed": skip_when_failed,
-        },
-    ).fetchone()
+    row = (
+        (_CLAIM_STATEMENT if key_ttl is None else _CLAIM_IDEMPOTENT_STATEMENT)
+        .execute(
+            conn,
+            {
+                "token": token or uuid.uuid4(),
+                "lease_seconds": float(lease_seconds),
+                "id": row_id,
+                "destination": destination,
+                "key_ttl": key_ttl,
+                "aged_error": aged_error,
+                "skip_when_failed": skip_when_failed,
+            },
+        )
+        .fetchone()
+    )
     if row is None:
         return None
     if row[15]:
