@@ -30,7 +30,7 @@ from .handlers import Handler, close_http_clients
 from .heartbeat import Heartbeat
 from .probes import Liveness
 from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
-from .transport import ACTOR_NAME
+from .transport import ACTOR_NAME, Broker
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]
     # No Dramatiq TimeLimit: the executor gives each call a total deadline of its own
     # time_limit, and an exception raised into a worker thread at an arbitrary point could land
     # inside a claim or a release, leaving a claim nobody knows about.
-    broker = RedisBroker(url=redis_url, namespace=namespace, middleware=[CurrentMessage()])
+    broker = Broker(url=redis_url, namespace=namespace, middleware=[CurrentMessage()])
     for extra in middleware.added():  # the user's (outbox.worker_middleware), after ours
         broker.add_middleware(extra)
     return broker
