@@ -776,6 +776,10 @@ def record(conn: psycopg.Connection[Any], **kwargs: Any) -> str | None:
     return record_outcome(conn, **kwargs).state
 
 
+_RECORD_STATEMENT = db.Statement(_RECORD)
+_RECORD_FOLLOW_STATEMENT = db.Statement(_RECORD_FOLLOW)
+
+
 def record_outcome(
     conn: psycopg.Connection[Any],
     *,
@@ -818,9 +822,11 @@ def record_outcome(
         "follow": follow.param,
         "chain_problem": follow.problem,
     }
-    statement = _RECORD if follow.param is None and follow.problem is None else _RECORD_FOLLOW
+    statement = (
+        _RECORD_STATEMENT if follow.param is None and follow.problem is None else _RECORD_FOLLOW_STATEMENT
+    )
     try:
-        row = conn.execute(statement, params).fetchone()
+        row = statement.execute(conn, params).fetchone()
     except psycopg.DataError as exc:
         # Autocommit: the refused statement changed nothing; the second one stores no summary.
         params["response"] = sanitize.encode_response({"unstorable_response": type(exc).__name__})
@@ -835,7 +841,7 @@ def record_outcome(
             # Nor the next steps: recorded as a chain problem, `outbox repair` writes them.
             params["follow"] = None
             params["chain_problem"] = f"next steps refused by the database ({type(exc).__name__})"
-        row = conn.execute(statement, params).fetchone()
+        row = statement.execute(conn, params).fetchone()
     if row is None:
         return Recorded(None)
     return Recorded(row[0], int(row[1] or 0), row[2])
