@@ -369,12 +369,15 @@ WHERE id = ANY(%(ids)s) AND state = 'dispatched'
 """
 
 
+_DISPATCH_DUE_STATEMENT = db.Statement(DISPATCH_DUE_SQL)
+
+
 def dispatch_due(conn: psycopg.Connection[Any], *, limit: int) -> list[Any]:
     """``pending`` -> ``dispatched`` for up to ``limit`` due rows, oldest due first; returns
     ``(id, destination, dispatched_at)`` per row. Run it in the transaction that publishes the
     rows: if the publish raises, the move rolls back with it. (The relay "takes" rows; only a
     consumer "claims" one.)"""
-    return conn.execute(DISPATCH_DUE_SQL, {"limit": limit}).fetchall()
+    return _DISPATCH_DUE_STATEMENT.execute(conn, {"limit": limit}).fetchall()
 
 
 def undispatch(
