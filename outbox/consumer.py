@@ -77,6 +77,30 @@ class _NotStarted(Exception):
     """The call thread reached a call after its start bound (the process was paused): no call."""
 
 
+class _Done:
+    """``threading.Event``'s set, wait and is_set for one setter (the call thread) and one waiter
+    (the worker thread), on a single lock: an Event is a Condition, a lock and a waiter lock per
+    wait, which cost a delivery about 12 µs more of CPU (issue 17)."""
+
+    __slots__ = ("_flag", "_lock")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        if not self._flag:
+            self._flag = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float) -> bool:
+        return self._lock.acquire(timeout=max(0.0, timeout)) or self._flag
+
+
 class _Call:
     __slots__ = ("arg", "done", "end_by", "error", "fn", "http_status", "result", "retry_after", "start_by")
 
@@ -85,7 +109,7 @@ class _Call:
         self.arg = arg
         self.start_by = start_by
         self.end_by = end_by
-        self.done = threading.Event()
+        self.done = _Done()
         self.result: Any = None
         self.error: BaseException | None = None
         #: The last status the provider answered through ``d.http`` during the call.

@@ -155,28 +155,42 @@ class Observed:
     written_to_published_seconds: float | None = None
 
 
+#: The labelled children count_delivery uses, per destination: a ``labels()`` lookup validates
+#: and locks each time, six of them a delivery (issue 17).
+_delivery_children: dict[str, tuple[Any, Any, Any, Any]] = {}
+
+
+def _children(destination: str) -> tuple[Any, Any, Any, Any]:
+    found = _delivery_children.get(destination)
+    if found is None:
+        found = _delivery_children[destination] = (
+            WRITTEN_TO_PUBLISHED.labels(destination=destination),
+            PUBLISHED_TO_CLAIMED.labels(destination=destination),
+            CLAIM_TO_CONFIRMED.labels(destination=destination),
+            WRITTEN_TO_CONFIRMED.labels(destination=destination),
+        )
+    return found
+
+
 @never_raises
 def count_delivery(destination: str, outcome: str, observed: Observed) -> None:
     """One delivery, after its outcome is recorded (never between the call and the record)."""
     DELIVERIES.labels(destination=destination, outcome=outcome).inc()
+    written_to_published, published_to_claimed, claim_to_confirmed, written_to_confirmed = _children(
+        destination
+    )
     if observed.written_to_published_seconds is not None:
-        WRITTEN_TO_PUBLISHED.labels(destination=destination).observe(
-            max(0.0, observed.written_to_published_seconds)
-        )
+        written_to_published.observe(max(0.0, observed.written_to_published_seconds))
     if observed.since_published_seconds is not None:
-        PUBLISHED_TO_CLAIMED.labels(destination=destination).observe(
-            max(0.0, observed.since_published_seconds)
-        )
+        published_to_claimed.observe(max(0.0, observed.since_published_seconds))
     if observed.called:
         PROVIDER_RESPONSES.labels(
             destination=destination, status_class=status_class(observed.http_status)
         ).inc()
     if outcome == "sent" and observed.call_seconds is not None:
-        CLAIM_TO_CONFIRMED.labels(destination=destination).observe(observed.call_seconds)
+        claim_to_confirmed.observe(observed.call_seconds)
         if observed.since_written_seconds is not None:
-            WRITTEN_TO_CONFIRMED.labels(destination=destination).observe(
-                max(0.0, observed.since_written_seconds) + observed.call_seconds
-            )
+            written_to_confirmed.observe(max(0.0, observed.since_written_seconds) + observed.call_seconds)
 
 
 # -- reconciler ----------------------------------------------------------------------------------
