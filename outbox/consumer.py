@@ -217,6 +217,22 @@ class Executor:
                 self.failover_guard.check_now()
         return conn
 
+    def warm_thread(self) -> None:
+        """Open the calling thread's two connections and start its call thread before its first
+        message: a worker's first deliveries otherwise paid for them all at once, its threads
+        contending for one interpreter (a few hundred milliseconds after a start). Best effort:
+        a failure is left for the first delivery to meet, and report, as it would have."""
+        try:
+            self._conn("claim_conn")
+            self._conn("record_conn")
+            self._caller()
+        except Exception as exc:
+            logger.debug(
+                "worker thread not warmed up (%s); its first delivery connects",
+                type(exc).__name__,
+                extra={"error": type(exc).__name__},
+            )
+
     def _drop(self, name: str) -> None:
         conn = getattr(self._local, name, None)
         if conn is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -85,6 +86,23 @@ def _note_status(response: httpx.Response) -> None:
     from .policy import retry_after_seconds  # policy imports this module
 
     _call_state.retry_after = retry_after_seconds(response)
+
+
+_ssl_lock = threading.Lock()
+_ssl: ssl.SSLContext | None = None
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """One TLS context for every ``Delivery.http`` client of the process, made as httpx makes
+    its default one (certifi's roots, or SSL_CERT_FILE / SSL_CERT_DIR). A context per client
+    cost 17 ms of CPU each: a worker's first deliveries (a client per call thread and
+    destination, made on first use) waited out hundreds of milliseconds of them, and so did the
+    first call after a call thread was abandoned at its time limit (issue 17)."""
+    global _ssl
+    with _ssl_lock:
+        if _ssl is None:
+            _ssl = httpx.create_ssl_context()
+        return _ssl
 
 
 _all_clients: list[httpx.Client] = []
@@ -348,7 +366,7 @@ class Deliveries:
             hooks: dict[str, list[Callable[..., Any]]] = (
                 {"request": [_check_send_bound], "response": [_note_status]} if self._send_bound else {}
             )
-            client = httpx.Client(timeout=handler.timeouts(), event_hooks=hooks)
+            client = httpx.Client(timeout=handler.timeouts(), event_hooks=hooks, verify=_ssl_context())
             self._clients[handler.destination] = (handler, client)
         with _all_clients_lock:
             _all_clients.append(client)

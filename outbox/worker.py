@@ -20,7 +20,7 @@ from typing import Any
 
 import dramatiq
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.middleware import CurrentMessage
+from dramatiq.middleware import CurrentMessage, Middleware
 
 from . import middleware
 from .consumer import Executor
@@ -43,6 +43,17 @@ def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]
     for extra in middleware.added():  # the user's (outbox.worker_middleware), after ours
         broker.add_middleware(extra)
     return broker
+
+
+class _WarmThreads(Middleware):
+    """Each worker thread opens its connections and starts its call thread as it boots, before
+    it takes a message (outbox.consumer.Executor.warm_thread)."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    def after_worker_thread_boot(self, broker: Any, thread: Any) -> None:
+        self.executor.warm_thread()
 
 
 def declare(broker: RedisBroker, executor: Executor, destinations: Sequence[str]) -> None:
@@ -88,6 +99,7 @@ def run_worker(
     guard = FailoverGuard(database_url, process="worker").start()
     executor = Executor(database_url, handlers, failover_guard=guard)
     declare(broker, executor, destinations)
+    broker.add_middleware(_WarmThreads(executor))
     # What Dramatiq's own CLI does once per process.
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=threads)
