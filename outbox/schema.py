@@ -71,6 +71,7 @@ outbox_message = Table(
     Column("history", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
     # The writer's trace context (propagation fields, e.g. traceparent), with OpenTelemetry only.
     Column("trace_context", JSONB, nullable=True),
+    UniqueConstraint("key", "step", name="outbox_message_key_step_key"),
     CheckConstraint(f"state IN ({_state_list})", name="outbox_message_state_check"),
     CheckConstraint("attempts >= 0", name="outbox_message_attempts_check"),
     CheckConstraint("char_length(key) > 0 AND char_length(step) > 0", name="outbox_message_key_step_check"),
@@ -385,18 +386,13 @@ Index(
     postgresql_where=text("ordering_key IS NOT NULL AND state NOT IN ('sent', 'cancelled')"),
 )
 
-# -- Issue 16 (migration 0019) and issue 17 (migration 0021): unique keys, searched by prefix -------
-#: One row per (key, step). A unique index, not a constraint (a constraint cannot use
-#: text_pattern_ops), named as the constraint was: it also serves ``key LIKE 'prefix%'`` under
-#: any collation, where a second index on key cost WAL and CPU on every state change (0021).
+# -- Issue 16 (migration 0019): the dashboard's search ---------------------------------------------
+#: Keys by prefix under any collation (text_pattern_ops), rows by the provider's reference.
 Index(
-    "outbox_message_key_step_key",
+    "outbox_message_key_prefix_idx",
     outbox_message.c.key,
-    outbox_message.c.step,
-    unique=True,
     postgresql_ops={"key": "text_pattern_ops"},
 )
-#: Rows by the provider's reference (0019).
 Index(
     "outbox_message_provider_ref_idx",
     outbox_message.c.provider_ref,

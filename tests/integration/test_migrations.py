@@ -237,67 +237,6 @@ def test_unique_key_step(migrated) -> None:
         conn.rollback()
 
 
-def test_one_index_on_key_serves_uniqueness_on_conflict_and_prefix_search(migrated) -> None:
-    """Migration 0021 (issue 17): the unique index on (key, step) uses text_pattern_ops, so a
-    LIKE 'prefix%' uses it under any collation and no second index on key is kept up to date
-    at every state change."""
-    with psycopg.connect(libpq_of(migrated)) as conn:
-        indexes = dict(
-            conn.execute(
-                "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox_message' "
-                "AND indexdef LIKE '%(key%'"
-            ).fetchall()
-        )
-        assert list(indexes) == ["outbox_message_key_step_key"], indexes
-        assert "UNIQUE" in indexes["outbox_message_key_step_key"]
-        assert "(key text_pattern_ops, step)" in indexes["outbox_message_key_step_key"]
-        insert = "INSERT INTO outbox_message (key, step, destination, payload) VALUES (%s, %s, 'd', '{}')"
-        for i in range(200):
-            conn.execute(insert, (f"order:{i}", "charge"))
-        again = insert + " ON CONFLICT (key, step) DO NOTHING RETURNING id"
-        assert conn.execute(again, ("order:7", "charge")).fetchall() == []
-        conn.execute("ANALYZE outbox_message")
-        conn.execute("SET enable_seqscan = off")
-        plan = "\n".join(
-            r[0] for r in conn.execute("EXPLAIN SELECT id FROM outbox_message WHERE key LIKE 'order:1%'")
-        )
-        assert "outbox_message_key_step_key" in plan, plan
-        conn.rollback()
-
-
-def test_downgrade_to_0020_keeps_the_index_and_upgrade_rebuilds_it(empty_url) -> None:
-    engine = make_engine(empty_url)
-    try:
-        upgrade(engine)
-        with engine.begin() as conn:
-            conn.execute(
-                text(
-                    "INSERT INTO outbox_message (key, step, destination, payload) "
-                    "VALUES ('order:1', 'charge', 'd', '{}')"
-                )
-            )
-            command.downgrade(alembic_config(conn), "0020")
-        with psycopg.connect(libpq_url(empty_url)) as conn:
-            conn.execute("ALTER TABLE outbox_message DISABLE TRIGGER outbox_message_key_guard")
-            with pytest.raises(errors.UniqueViolation):
-                conn.execute(
-                    "INSERT INTO outbox_message (key, step, destination, payload) "
-                    "VALUES ('order:1', 'charge', 'd', '{}')"
-                )
-        assert upgrade(engine) == ("0020", head_revision())
-        with psycopg.connect(libpq_url(empty_url)) as conn:
-            names = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT indexname FROM pg_indexes WHERE tablename = 'outbox_message' "
-                    "AND indexdef LIKE '%(key%' ORDER BY 1"
-                )
-            ]
-            assert names == ["outbox_message_key_step_key"]
-    finally:
-        engine.dispose()
-
-
 def test_insert_notifies_at_commit(migrated) -> None:
     url = libpq_of(migrated)
     with psycopg.connect(url, autocommit=True) as listener, psycopg.connect(url) as writer:
