@@ -71,7 +71,7 @@ def _hammer(a: psycopg.Connection[Any], b: psycopg.Connection[Any], tag: str, se
     return []
 
 
-# == migration 0021 (withdrawn after this attack; broke before the withdrawal) =========================================
+# == migration 0021 (withdrawn after this attack; broke before the withdrawal) ==================
 # While CREATE UNIQUE INDEX CONCURRENTLY (key text_pattern_ops, step) waited in its last phase (any
 # long read open), the new index was ready (maintained, enforced) but not valid, so not an ON
 # CONFLICT (key, step) arbiter: two writes of one (key, step) at the same instant raised
