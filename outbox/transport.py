@@ -96,18 +96,15 @@ class Broker(RedisBroker):
         return {}
 
     def _pack_ack_parts(self, queue_name: str) -> tuple[str, str, str]:
-        head = _command("EVALSHA", self.scripts["dispatch"].sha, 1, self.namespace, "ack")
-        head = head.replace(b"*5\r\n", b"*13\r\n", 1)  # 4 + the 9 arguments
+        # 13 elements: EVALSHA, the script, 1 key, the namespace, then the 9 arguments.
+        head = b"*13\r\n" + b"".join(
+            _bulk(str(part)) for part in ("EVALSHA", self.scripts["dispatch"].sha, 1, self.namespace, "ack")
+        )
         middle = b"".join(
             _bulk(str(v)) for v in (queue_name, self.broker_id, self.heartbeat_timeout, self.dead_message_ttl)
         )
         unpack = _bulk(str(self._max_unpack_size()))
         return head.decode(), middle.decode(), unpack.decode()
-
-
-def _command(*parts: object) -> bytes:
-    """One Redis command in the protocol's array-of-bulk-strings form."""
-    return b"*%d\r\n" % len(parts) + b"".join(_bulk(str(part)) for part in parts)
 
 
 def publish_rows(client: redis.Redis, namespace: str, rows: Iterable[tuple[int, str, datetime]]) -> int:

@@ -118,6 +118,28 @@ def worker_thread(
         thread.join(30)
 
 
+@contextlib.contextmanager
+def relay_thread(services: Any, *, poll_interval_seconds: float = 30) -> Iterator[Any]:
+    """A relay (``Relay.run_forever``, the default gathering window) in a thread for the duration
+    of the block; on exit it is told to stop and joined (10 s at most)."""
+    from relay import Relay
+
+    relay = Relay(
+        database_url=services.database_url,
+        redis_url=services.redis_url,
+        namespace=services.namespace,
+        poll_interval_seconds=poll_interval_seconds,
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.run_forever, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield relay
+    finally:
+        stop.set()
+        thread.join(10)
+
+
 def lookup_on(
     handler: Handler, provider: Any, *, keep_response: bool = False, calls: list[int] | None = None
 ) -> Handler:

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 import redis
-from helpers import ids_by_state, sql, wait_for
+from helpers import ids_by_state, relay_thread, sql, wait_for
 from psycopg import pq
 
 import outbox
@@ -127,18 +127,9 @@ def test_rows_committed_at_any_moment_are_taken_long_before_the_poll(clean, redi
     """A running relay (default gathering window, a 30 s fallback poll): rows committed one by
     one at random moments, alone or in bursts, while it takes, gathers, waits. Each must go out
     promptly: a lost wake-up would leave a row for the 30 s poll."""
-    relay = Relay(
-        database_url=clean.database_url,
-        redis_url=clean.redis_url,
-        namespace=clean.namespace,
-        poll_interval_seconds=30,
-    )
-    stop = threading.Event()
-    thread = threading.Thread(target=relay.run_forever, args=(stop,), daemon=True)
-    thread.start()
     rng = random.Random(17)
     late: list[tuple[int, float]] = []
-    try:
+    with relay_thread(clean) as relay:
         wait_for(lambda: relay._listen is not None, 10, "the relay to LISTEN")
         with psycopg.connect(libpq_url(clean.database_url)) as conn:
             for i in range(120):
@@ -155,9 +146,6 @@ def test_rows_committed_at_any_moment_are_taken_long_before_the_poll(clean, redi
             time.sleep(0.02)
         pending = ids_by_state(clean).get("pending", set())
         late = [(p, 0.0) for p in sorted(pending)]
-    finally:
-        stop.set()
-        thread.join(10)
     assert not late, f"rows left pending for the fallback poll: {late}"
     assert ids_by_state(clean).keys() == {"dispatched"}
     published = [int(x) for x in _published(redis_client, clean.namespace)]
@@ -493,18 +481,9 @@ def test_streamed_writes_reach_the_provider_exactly_once(clean, engine, provider
 
     importlib.reload(shop)
     handlers = registry()
-    relay = Relay(
-        database_url=clean.database_url,
-        redis_url=clean.redis_url,
-        namespace=clean.namespace,
-        poll_interval_seconds=30,
-    )
-    stop = threading.Event()
-    relay_thread = threading.Thread(target=relay.run_forever, args=(stop,), daemon=True)
-    relay_thread.start()
     rng = random.Random(1717)
     n = 40
-    try:
+    with relay_thread(clean):
         with worker_thread(clean, threads=4, handlers=handlers):
             for i in range(n):
                 with Session(engine) as s, s.begin():
@@ -521,9 +500,6 @@ def test_streamed_writes_reach_the_provider_exactly_once(clean, engine, provider
                 20,
                 "every row sent",
             )
-    finally:
-        stop.set()
-        relay_thread.join(10)
     stats = provider.stats()
     assert stats["charges"] == n and stats["double_charged"] == [], stats
     assert sql(clean, "SELECT count(*) FROM outbox_attempt") == [(n,)]
