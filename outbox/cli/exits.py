@@ -7,7 +7,8 @@ OK = 0
 #: A refusal or a failed check: a row refused or missing, a violation, a check that failed, a
 #: plan that no longer matches, a schema that is not migrated, a handler module that fails.
 FAILED = 1
-#: Usage or configuration: a bad flag or setting, a missing URL (argparse uses 2 as well).
+#: Usage or configuration: a bad flag or setting, a missing URL, an optional package not installed
+#: (the error names its extra: outbox.cli.extras). argparse uses 2 as well.
 CONFIG = 2
 #: A service cannot be reached: PostgreSQL or Redis.
 UNAVAILABLE = 3

@@ -65,9 +65,13 @@ def _classify(exc: Exception) -> tuple[str, int]:
     # error of a module nobody imported cannot have been raised.
     from ..exceptions import ConfigError, OutboxError
     from ..logs import first_line
+    from .extras import missing_extra
 
     if isinstance(exc, ConfigError):
         return str(exc), exits.CONFIG
+    missing = missing_extra(exc)
+    if missing is not None:
+        return missing, exits.CONFIG
     sa_exc = sys.modules.get("sqlalchemy.exc")
     psycopg = sys.modules.get("psycopg")
     redis_exc = sys.modules.get("redis.exceptions")
