@@ -125,13 +125,14 @@ def recalled_without_settlement_sql(alias: str, later: str) -> str:
 
 def operator_failed_unknown_sql(message: str) -> str:
     """True when an operator moved the row from ``unknown`` to ``failed`` (``resolve --failed``)
-    and no forced replay came after: the operator gave up on an outcome nobody knows."""
+    and no forced replay or forced repair came after: the operator gave up on an outcome nobody
+    knows, and only another operator, by name and with a reason, overrules that."""
     return f"""EXISTS (
         SELECT 1 FROM jsonb_array_elements({message}.history) WITH ORDINALITY AS h(e, n)
         WHERE h.e->>'action' = 'resolve' AND h.e->>'from' = 'unknown' AND h.e->>'to' = 'failed'
           AND NOT EXISTS (
               SELECT 1 FROM jsonb_array_elements({message}.history) WITH ORDINALITY AS f(e, k)
-              WHERE f.k > h.n AND f.e->>'action' = 'replay' AND f.e->>'forced' = 'true'))"""
+              WHERE f.k > h.n AND f.e->>'action' IN ('replay', 'repair') AND f.e->>'forced' = 'true'))"""
 
 
 _EARLIER_CALL = f"""

@@ -1317,8 +1317,10 @@ def write_next_steps(
 # have taken effect: failed past its deadline out of unknown, or by an operator's resolve --failed)
 # whose provider, asked through the lookup, has the call: failed -> sent with its reference, and
 # its then steps written by the same statement. Guarded by the failure the operator's plan read
-# (completed_at is set anew at every failure) and refused when the row's compensation was
-# written: a charge that both happened and was undone is for a human to untangle.
+# (completed_at is set anew at every failure), refused when the row's compensation was written (a
+# charge that both happened and was undone is for a human to untangle), and refused when an
+# operator failed it (resolve --failed: "refunded by hand") unless this repair overrules that by
+# name, with --force and a reason (%(overrule)s; %(extra)s then says so in the history).
 _REPAIR_FOUND = f"""
 WITH moved AS (
     UPDATE outbox_message m
@@ -1328,9 +1330,11 @@ WITH moved AS (
         chain_problem = {_problem_sql("m", "'sent'")},
         history = history || jsonb_build_array(jsonb_build_object(
             'at', now(), 'by', CAST(%(by)s AS text), 'action', 'repair', 'reason', CAST(%(reason)s AS text),
-            'from', 'failed', 'to', 'sent', 'result', 'found', 'provider_ref', CAST(%(ref)s AS text)))
+            'from', 'failed', 'to', 'sent', 'result', 'found', 'provider_ref', CAST(%(ref)s AS text))
+            || CAST(%(extra)s AS jsonb))
     WHERE m.id = %(id)s AND m.state = 'failed' AND m.completed_at IS NOT DISTINCT FROM %(version)s
       AND NOT {chains.COMPENSATED_SQL}
+      AND (CAST(%(overrule)s AS boolean) OR NOT {outcomes.operator_failed_unknown_sql("m")})
     RETURNING m.id, m.key, m.state, m.trace_context
 ){_follow_sql("moved")}
 SELECT (SELECT count(*) FROM followed) FROM moved
@@ -1357,10 +1361,13 @@ def repair_found(
     follow: chains.Plan,
     by: str,
     reason: str | None,
+    overrule: bool = False,
+    extra: Mapping[str, Any] | None = None,
 ) -> int | None:
     """``failed`` -> ``sent`` for a row whose lookup found the call (``outbox repair``), with
     ``follow``'s ``then`` steps: how many were written, or None when the row did not move (it
-    changed since ``version``, its failure time, or its compensation exists)."""
+    changed since ``version``, its failure time, its compensation exists, or an operator failed
+    it and ``overrule`` is false). ``extra``: more of the history entry (forced, overrode)."""
     params = {
         **_stored(ref=ref, response=response, error=None, deadline_error=None),
         "id": row_id,
@@ -1369,6 +1376,8 @@ def repair_found(
         "chain_problem": follow.problem,
         "by": by,
         "reason": reason,
+        "overrule": overrule,
+        "extra": json.dumps(dict(extra or {})),
     }
     row = conn.execute(_REPAIR_FOUND, params).fetchone()
     return int(row[0]) if row is not None else None
@@ -1443,13 +1452,16 @@ RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
 """
 
 # One row, named by the operator with a reason: the fence rows the preview showed are marked as
-# forced over in the same statement. A blocker the operator did not see refuses the whole thing.
+# forced over in the same statement. A blocker the operator did not see refuses the whole thing,
+# and so does an operator's resolve --failed unless the caller overrules it (:overrule: a forced
+# replay, a forced repair; not a repair's re-run on a lookup's "not found").
 _REPLAY_FORCED = f"""
 WITH moved AS (
     UPDATE outbox_message m {_REPLAY_SET}
     WHERE m.id = :id AND m.state = 'failed'
       AND m.completed_at IS NOT DISTINCT FROM CAST(:version AS timestamptz)
       AND NOT EXISTS ({BLOCKING_ATTEMPT_SQL} AND a.id <> ALL(CAST(:seen AS bigint[])))
+      AND (CAST(:overrule AS boolean) OR NOT {outcomes.operator_failed_unknown_sql("m")})
     RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
 ), forced AS (
     UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_FORCED}', settled_at = now()
@@ -1563,11 +1575,13 @@ def replay_forced(
     version: datetime | None,
     seen: Sequence[int],
     history: Mapping[str, Any],
+    overrule: bool = True,
 ) -> Any | None:
     """``failed`` -> ``pending`` for one row the rules refuse, named with a reason: only if no
     blocking fence row other than ``seen`` (the ones the operator was shown) exists; those are
-    marked ``operator_forced``. ``(id, past_deadline)``, or None when it did not move."""
-    params = {**history, "id": row_id, "version": version, "seen": list(seen)}
+    marked ``operator_forced``. ``overrule``: also over an operator's ``resolve --failed``.
+    ``(id, past_deadline)``, or None when it did not move."""
+    params = {**history, "id": row_id, "version": version, "seen": list(seen), "overrule": overrule}
     return connection.execute(_text(_REPLAY_FORCED), params).first()
 
 

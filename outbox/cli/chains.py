@@ -95,6 +95,10 @@ def repair_arguments(p: argparse.ArgumentParser) -> None:
           failed, ambiguous               (a call that may have taken effect) ask the provider
                                           first: found -> sent with its next steps; not found
                                           within key_ttl -> re-run; else refused
+          failed by an operator           (resolve --failed, e.g. "refunded by hand") refused,
+                                          neither continued nor re-run; --force asks the
+                                          provider as for an ambiguous failure, on the
+                                          operator's --reason
           failed for good                 (a certain answer) refused; --force re-runs it
           failed, compensated             refused (outbox replay ID --force)
           waiting                         nothing: it is under way
@@ -126,7 +130,8 @@ def repair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="re-run a step that failed for good (one KEY named alone, with --reason)",
+        help="re-run a step that failed for good, or overrule an operator's resolve --failed "
+        "(one KEY named alone, with --reason)",
     )
     _by_and_reason(p)
 
@@ -140,9 +145,12 @@ def repair(args: argparse.Namespace, cfg: settings.Settings) -> int:
             "handler's @then, and it asks providers through the handler's lookup"
         )
     if args.force and (args.stalled or len(set(args.keys)) != 1):
-        raise ConfigError("--force re-runs a step that failed for good: one KEY named alone, never in bulk")
+        raise ConfigError(
+            "--force re-runs a step that failed for good, or overrules an operator's resolve --failed: "
+            "one KEY named alone, never in bulk"
+        )
     if args.force and not (args.reason and args.reason.strip()):
-        raise ConfigError("--force needs --reason: why re-running this failed step is right now")
+        raise ConfigError("--force needs --reason: why acting on this failed step is right now")
     if not args.stalled and (args.destination or args.older_than is not None or args.limit is not None):
         raise ConfigError(
             "--destination, --older-than and --limit select among --stalled keys; named keys are "

@@ -16,6 +16,8 @@ the step where it stopped    what ``outbox repair`` does
 ``failed``, ambiguous        (a call that may have taken effect) asks the provider first: found
                              -> ``sent`` with its next steps; not found within ``key_ttl`` ->
                              re-run; else refused
+``failed`` by an operator    (``resolve --failed``: "refunded by hand") refused, neither continued
+                             nor re-run: only ``--force`` with a reason, and then as ambiguous
 ``failed`` for good          (the provider's certain answer) refused: only ``--force`` re-runs it
 ``failed``, compensated      refused: ``outbox replay ID --force`` if it must run again
 waiting                      nothing: the relay, a worker or the reconciler moves it
@@ -44,7 +46,15 @@ from .. import chains, outcomes, states, transitions
 from ..exceptions import ConfigError, NotFound
 from ..handlers import Confirmed, Handler
 from . import tables
-from .actions import _COMPENSATED, _ORDER_PASSED, _history_params, default_actor, operator_text, plan_replay
+from .actions import (
+    _COMPENSATED,
+    _FAILED_OUT_OF_UNKNOWN,
+    _ORDER_PASSED,
+    _history_params,
+    default_actor,
+    operator_text,
+    plan_replay,
+)
 from .inspect import _IN_STATE_SINCE, key_steps, require_destination
 
 if TYPE_CHECKING:
@@ -200,6 +210,8 @@ class RepairItem:
     #: The fence rows behind an ambiguous failure: forced over when the lookup finds no record.
     blockers: tuple[int, ...] = ()
     refusals: tuple[str, ...] = ()
+    #: Planned only because of --force: over a certain failure, or over an operator's decision.
+    forced: bool = False
 
     @property
     def acts(self) -> bool:
@@ -261,13 +273,27 @@ def _plan_failed(
     error = s["last_error"] or "no reason recorded"
     if candidate.replayable:
         if force:
-            return _item(key, RERUN, s, f"re-run step {s['step']} (failed for good: {error})", **guard)
+            return _item(
+                key, RERUN, s, f"re-run step {s['step']} (failed for good: {error})", forced=True, **guard
+            )
         return _item(
             key,
             REFUSED,
             s,
             f"step {s['step']} failed for good (the provider's certain answer: {error}); repair "
             f"never re-runs it on its own: fix the cause, then outbox repair {key} --force --reason WHY",
+        )
+    # An operator gave up on this step on purpose (support refunded the customer by hand): asking
+    # the provider would find the charge and go on with the chain, a "not found" would re-run it.
+    # Both undo a human's decision, so only another human does, by name and with a reason.
+    overrules = _FAILED_OUT_OF_UNKNOWN in candidate.refusals
+    if overrules and not force:
+        return _item(
+            key,
+            REFUSED,
+            s,
+            f"step {s['step']} was failed by an operator (resolve --failed: {error}); repair neither "
+            f"continues nor re-runs it on its own: if it must, outbox repair {key} --force --reason WHY",
         )
     if _COMPENSATED in candidate.refusals:
         return _item(
@@ -312,8 +338,10 @@ def _plan_failed(
         LOOK_UP_FAILED,
         s,
         f"ask the provider (lookup) whether step {s['step']} took effect ({'; '.join(candidate.refusals)}): "
-        f"found -> sent and its next steps written; not found -> re-run",
+        f"found -> sent and its next steps written; not found -> re-run"
+        + (" (overruling the operator's resolve --failed: --force)" if overrules else ""),
         refusals=tuple(candidate.refusals),
+        forced=overrules,
         **guard,
     )
 
@@ -382,7 +410,10 @@ def plan_repair(
     if not keys:
         raise ConfigError("repair needs keys (or --stalled)")
     if force and len(set(keys)) != 1:
-        raise ConfigError("--force re-runs a step that failed for good: one key named alone, never in bulk")
+        raise ConfigError(
+            "--force re-runs a step that failed for good, or overrules an operator's resolve --failed: "
+            "one key named alone, never in bulk"
+        )
     wanted = list(dict.fromkeys(keys))
     return RepairPlan([_plan_key(connection, k, handlers, module, force) for k in wanted], force)
 
@@ -664,6 +695,8 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
             follow=chains.then_plan(handler, delivery, found),
             by=acting.by,
             reason=acting.reason,
+            overrule=item.forced,
+            extra={"forced": True, "overrode": list(item.refusals)} if item.forced else None,
         )
         if written is None:
             return _changed(item, acting.row(item.row_id))
@@ -705,10 +738,16 @@ def _rerun(acting: _Acting, item: RepairItem, *, forced: bool, result: str) -> R
                 acting.reason,
                 result=result,
                 overrode=list(item.refusals),
+                **({"forced": True} if item.forced else {}),
             )
             if forced:
                 moved = transitions.replay_forced(
-                    conn, row_id=item.row_id, version=item.failed_at, seen=item.blockers, history=history
+                    conn,
+                    row_id=item.row_id,
+                    version=item.failed_at,
+                    seen=item.blockers,
+                    history=history,
+                    overrule=item.forced,
                 )
             else:
                 rows = transitions.replay_planned(

@@ -175,12 +175,11 @@ def test_a_confirmed_step_without_its_next_steps_gets_them(clean, engine, provid
 def test_a_failed_step_with_an_ambiguous_history_asks_the_provider_first(
     clean, engine, provider, deliver, capsys
 ):
-    lookup_on(invoice_chain(provider), provider)
+    # An idempotent destination out of attempts fails a row whose call may have taken effect.
+    lookup_on(invoice_chain(provider, idempotent=True, max_attempts=1), provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
-    with engine.begin() as conn:
-        ops.resolve(conn, charge_id, failed_reason="gave up too early")
+    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
     elapse(clean, 60, [charge_id])
     # replay alone would refuse it: the call may have taken effect.
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
@@ -233,7 +232,9 @@ def test_chains_stalled_lists_the_stopped_keys(clean, engine, provider, deliver,
 
 def _claimed_then_failed_by_hand(clean: Any, engine: Any, charge_id: int) -> None:
     """The worker died after its claim (no call reached the provider); the lease ran out and an
-    operator gave up on the row: failed, with a call that may have taken effect."""
+    operator gave up on the row: failed, with a call that may have taken effect. Repair acts on
+    it only with --force and a reason (the operator's decision), and then as on any ambiguous
+    failure: the provider first."""
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         assert transitions.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
         elapse(conn, 6, [charge_id])
@@ -248,12 +249,16 @@ def test_an_ambiguous_failure_the_provider_has_no_record_of_is_re_run_once_no_ca
     lookup_on(invoice_chain(provider), provider)
     charge_id = write_charge(engine)
     _claimed_then_failed_by_hand(clean, engine, charge_id)
-    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    code, _, err = cli(
+        clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "INC-9"
+    )
     assert code == 1 and "may still be landing" in err
     assert steps(clean)["charge"]["state"] == "failed"
 
     elapse(clean, 60, [charge_id])
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--reason", "INC-9")
+    code, out, err = cli(
+        clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "INC-9"
+    )
     assert code == 0, err
     assert "the provider has no record of it: re-run" in out
     assert history(clean, charge_id)[-1]["action"] == "repair"
@@ -266,7 +271,9 @@ def test_an_ambiguous_failure_past_key_ttl_is_left_to_a_human(clean, engine, pro
     charge_id = write_charge(engine)
     _claimed_then_failed_by_hand(clean, engine, charge_id)
     elapse(clean, charge.key_ttl + 60, [charge_id])
-    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    code, _, err = cli(
+        clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "INC-9"
+    )
     assert code == 1 and "older than key_ttl" in err
     assert steps(clean)["charge"]["state"] == "failed"
     assert provider.stats()["effects"] == {}
@@ -335,7 +342,7 @@ def test_two_repairs_at_once_re_run_an_ambiguous_failure_once(clean, engine, pro
     _claimed_then_failed_by_hand(clean, engine, charge_id)
     elapse(clean, 120, [charge_id])
     with engine.connect() as conn:
-        plan = plan_repair(conn, [KEY], handlers=registry())
+        plan = plan_repair(conn, [KEY], handlers=registry(), force=True)
     assert plan.items[0].action == "ask_provider"
     results: list[Any] = []
     threads = [
@@ -380,7 +387,7 @@ def test_a_slow_lookup_cannot_outlast_the_landing_wait(clean, engine, provider, 
 
     landing = threading.Thread(target=the_first_call_lands)
     landing.start()
-    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--reason", "r")
+    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "r")
     landing.join()
     assert code == 1 and "may still be landing" in err
     assert steps(clean)["charge"]["state"] == "failed"
@@ -436,3 +443,172 @@ def test_named_keys_take_no_selection_flags_and_a_row_id_gets_a_hint(
     assert code == 2 and "select among --stalled keys" in err
     code, out, _ = cli(clean, capsys, "repair", "42", "--module", MODULE)
     assert code == 1 and "42 reads as a row id: outbox show 42 gives its key" in out
+
+
+# -- an operator's decision (issue 29, item 4) -----------------------------------------------------
+
+
+def test_a_step_an_operator_failed_is_not_continued_without_force(clean, engine, provider, deliver, capsys):
+    lookup_on(invoice_chain(provider), provider)
+    provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})  # the charge happened
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    code, _, err = cli(
+        clean, capsys, "resolve", str(charge_id), "--failed", "refunded by hand", "--by", "sam"
+    )
+    assert code == 0, err
+    elapse(clean, 60, [charge_id])
+
+    for argv in (("repair", KEY), ("repair", "--stalled", "--older-than", "0")):
+        code, out, err = cli(clean, capsys, *argv, "--module", MODULE, "--yes", "--reason", "INC-3")
+        assert code == 1
+        assert "failed by an operator" in out + err and "refunded by hand" in out + err
+        assert f"outbox repair {KEY} --force --reason WHY" in out + err
+    rows = steps(clean)
+    assert set(rows) == {"charge"} and rows["charge"]["state"] == "failed"
+    assert history(clean, charge_id)[-1]["action"] == "resolve"
+    with engine.connect() as conn:
+        assert plan_repair(conn, [KEY], handlers=registry()).items[0].action == "refused"
+
+    # Forced by name, with a reason: asked first, found, sent, the chain goes on; no second call.
+    code, out, err = cli(
+        clean,
+        capsys,
+        "repair",
+        KEY,
+        "--module",
+        MODULE,
+        "--force",
+        "--yes",
+        "--reason",
+        "customer paid after all",
+    )
+    assert code == 0, err
+    assert "failed -> sent, no second call" in out
+    rows = steps(clean)
+    assert rows["charge"]["state"] == "sent" and set(rows) == {"charge", "export"}
+    last = history(clean, charge_id)[-1]
+    assert (
+        last["action"] == "repair" and last["forced"] is True and last["reason"] == "customer paid after all"
+    )
+    assert any("an operator failed it out of unknown" in o for o in last["overrode"])
+    assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
+
+
+def test_a_step_an_operator_failed_is_not_re_run_without_force(clean, engine, provider, deliver, capsys):
+    lookup_on(invoice_chain(provider), provider)
+    charge_id = write_charge(engine)
+    _claimed_then_failed_by_hand(clean, engine, charge_id)  # no call reached the provider
+    elapse(clean, 60, [charge_id])
+
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--reason", "INC-4")
+    assert code == 1 and "failed by an operator" in out + err
+    assert steps(clean)["charge"]["state"] == "failed"
+    assert provider.stats()["effects"] == {}
+
+    code, out, err = cli(
+        clean,
+        capsys,
+        "repair",
+        KEY,
+        "--module",
+        MODULE,
+        "--force",
+        "--yes",
+        "--reason",
+        "customer asked again",
+    )
+    assert code == 0, err
+    assert "the provider has no record of it: re-run" in out
+    last = history(clean, charge_id)[-1]
+    assert last["action"] == "repair" and last["forced"] is True and last["to"] == "pending"
+    # The operator's decision was overruled by name: a later certain failure is an ordinary one,
+    # replayed without --force.
+    sql(
+        clean,
+        "UPDATE outbox_message SET payload = %s WHERE id = %s",
+        ('{"invoice": 7, "amount_cents": -1}', charge_id),
+    )
+    elapse(clean, 2, [charge_id])
+    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
+    code, out, err = cli(clean, capsys, "replay", str(charge_id))
+    assert code == 0 and "replayed: failed -> pending" in out, out + err
+
+
+def test_the_acting_statements_keep_an_operator_decision_made_after_the_plan(
+    clean, engine, provider, deliver
+):
+    # A plan that saw an ambiguous failure by the worker acts on nothing once an operator failed
+    # the row since: each action re-checks, in its own statement, what the plan saw.
+    lookup_on(invoice_chain(provider, idempotent=True, max_attempts=1), provider)
+    charge_id = write_charge(engine)
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        claimed = transitions.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
+        assert claimed is not None
+        assert (
+            transitions.record(
+                conn,
+                row_id=charge_id,
+                token=claimed.token,
+                state="failed",
+                outcome="unknown",
+                error="ReadTimeout",
+            )
+            == "failed"
+        )
+    elapse(clean, 120, [charge_id])
+    with engine.connect() as conn:
+        plan = plan_repair(conn, [KEY], handlers=registry())
+    item = plan.items[0]
+    assert item.action == "ask_provider"
+    # The same failure (same completed_at), now carrying an operator's decision in its history.
+    sql(
+        clean,
+        "UPDATE outbox_message SET history = history || jsonb_build_array(jsonb_build_object('action',"
+        " 'resolve', 'from', 'unknown', 'to', 'failed', 'by', 'sam', 'reason', 'refunded')) WHERE id = %s",
+        (charge_id,),
+    )
+    [result] = execute_repair(clean.database_url, plan, handlers=registry(), reason="r")
+    assert not result.done
+    assert steps(clean)["charge"]["state"] == "failed"
+
+
+def test_the_dashboard_repair_keeps_an_operator_decision(clean, engine, provider, deliver):
+    import re
+
+    from starlette.testclient import TestClient
+
+    from outbox.dashboard import create_app, hash_password
+
+    lookup_on(invoice_chain(provider), provider)
+    provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    with engine.begin() as conn:
+        assert ops.resolve(conn, charge_id, failed_reason="refunded by hand", by="sam").done
+    elapse(clean, 60, [charge_id])
+    app = create_app(
+        engine=engine,
+        secret="s" * 40,
+        users=f"olga operate {hash_password('pw')}",
+        database_url=clean.database_url,
+        handlers=registry(),
+        module=MODULE,
+    )
+    client = TestClient(app, base_url="https://testserver", follow_redirects=False)
+    token = re.search(r'name="csrf_token" value="([^"]+)"', client.get("/login").text).group(1)  # type: ignore[union-attr]
+    assert (
+        client.post("/login", data={"user": "olga", "password": "pw", "csrf_token": token}).status_code == 303
+    )
+    token = re.search(r'name="csrf_token" value="([^"]+)"', client.get("/").text).group(1)  # type: ignore[union-attr]
+
+    preview = client.post("/keys/repair", data={"key": KEY, "csrf_token": token})
+    assert preview.status_code == 200 and "failed by an operator" in preview.text, preview.text
+    fingerprint = re.search(r'name="fingerprint" value="([^"]+)"', preview.text)
+    form = {"key": KEY, "confirm": "yes", "reason": "INC-5", "csrf_token": token}
+    if fingerprint:
+        form["fingerprint"] = fingerprint.group(1)
+    client.post("/keys/repair", data=form)
+    rows = steps(clean)
+    assert set(rows) == {"charge"} and rows["charge"]["state"] == "failed"
+    assert history(clean, charge_id)[-1]["action"] == "resolve"
