@@ -7,6 +7,7 @@ payment at three in the morning.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import ssl
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from . import payloads
+from . import payloads, provider_headers
 from .breaker import DEFAULT_BREAKER, Breaker
 from .exceptions import ConfigError, RetryableError
 from .ordering import ON_FAILED_HEAD
@@ -81,11 +82,11 @@ def _check_send_bound(request: httpx.Request) -> None:
         )
 
 
-def _note_status(response: httpx.Response) -> None:
+def _note_status(destination: str, response: httpx.Response) -> None:
+    # An exception out of a response hook would be the handler's, and a certain "not processed"
+    # would become unknown: the parser never raises, whatever the provider sent.
     _call_state.status = response.status_code
-    from .policy import retry_after_seconds  # policy imports this module
-
-    _call_state.retry_after = retry_after_seconds(response)
+    _call_state.retry_after = provider_headers.retry_after_seconds(response, destination=destination)
 
 
 _ssl_lock = threading.Lock()
@@ -364,7 +365,12 @@ class Deliveries:
             if known is not None and known[0] is handler and not known[1].is_closed:
                 return known[1]
             hooks: dict[str, list[Callable[..., Any]]] = (
-                {"request": [_check_send_bound], "response": [_note_status]} if self._send_bound else {}
+                {
+                    "request": [_check_send_bound],
+                    "response": [functools.partial(_note_status, handler.destination)],
+                }
+                if self._send_bound
+                else {}
             )
             client = httpx.Client(timeout=handler.timeouts(), event_hooks=hooks, verify=_ssl_context())
             self._clients[handler.destination] = (handler, client)

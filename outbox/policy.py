@@ -6,17 +6,19 @@ Pure functions, no I/O: the consumer and the reconciler ask, the storage layer a
 from __future__ import annotations
 
 import contextlib
-import email.utils
 import enum
 import logging
+import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import httpx
 
+from . import provider_headers
 from .exceptions import AmbiguousError, PermanentError, RetryableError
 from .handlers import Confirmed, Handler
+from .sanitize import clean_text
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +33,13 @@ class Outcome(enum.StrEnum):
 #: 4xx answers that do not mean "never": timeout, conflict, too early, too many requests.
 _NOT_PERMANENT_4XX = frozenset({408, 409, 425, 429})
 #: Answers where the provider says it did not process the request.
-_NOT_PROCESSED = frozenset({429, 503})
+_NOT_PROCESSED = provider_headers.NOT_PROCESSED
 
 _MAX_ERROR_CHARS = 500
 
 
-#: The longest ``Retry-After`` honoured: a provider's "come back in a year" (or a typo in its
-#: date) must not park a row for good. A retry later than this waits this long.
-MAX_RETRY_AFTER_SECONDS = 86400.0
+#: The longest ``Retry-After`` honoured (outbox.provider_headers).
+MAX_RETRY_AFTER_SECONDS = provider_headers.MAX_RETRY_AFTER_SECONDS
 
 
 @dataclass(frozen=True)
@@ -55,42 +56,19 @@ class Decision:
     not_processed: bool = False
 
 
-def retry_after_seconds(response: httpx.Response) -> float | None:
-    """The wait a 429 or 503 answer asks for in its ``Retry-After`` header (RFC 9110: seconds, or
-    an HTTP date), at most :data:`MAX_RETRY_AFTER_SECONDS`; None when there is none, it cannot
-    be read, or the status is another. A date is measured against the answer's own ``Date``
-    header (the provider's clock; ours may be skewed), else against this machine's clock; the
-    wait is then applied on the database's clock, like every delay."""
-    if response.status_code not in _NOT_PROCESSED:
-        return None
-    raw = response.headers.get("Retry-After", "").strip()
-    if not raw:
-        return None
-    if raw.isdigit():
-        seconds = float(raw)
-    else:
-        try:
-            at = email.utils.parsedate_to_datetime(raw)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if at is None or at.tzinfo is None:
-            return None
-        base = datetime.now(UTC)
-        with contextlib.suppress(TypeError, ValueError, IndexError):
-            said = email.utils.parsedate_to_datetime(response.headers.get("Date", ""))
-            if said is not None and said.tzinfo is not None:
-                base = said
-        seconds = (at - base).total_seconds()
-    return min(max(0.0, seconds), MAX_RETRY_AFTER_SECONDS)
+def retry_after_seconds(response: httpx.Response, *, destination: str | None = None) -> float | None:
+    """The wait a 429 or 503 answer asks for in its ``Retry-After``, in seconds, or None; never
+    raises (outbox.provider_headers)."""
+    return provider_headers.retry_after_seconds(response, destination=destination)
 
 
-def _retry_after_of(exc: BaseException) -> float | None:
+def _retry_after_of(exc: BaseException, destination: str) -> float | None:
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         if isinstance(cause, httpx.HTTPStatusError):
-            return retry_after_seconds(cause.response)
+            return retry_after_seconds(cause.response, destination=destination)
         cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
     return None
 
@@ -109,6 +87,49 @@ def _not_processed(exc: BaseException, last_status: int | None) -> bool:
             return True
         cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
     return last_status in _NOT_PROCESSED
+
+
+#: A URL inside an error text: its scheme, userinfo, authority, and the path/query/fragment after.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://(?:[^\s/?#@]*@)?(?P<authority>[^\s/?#]*)[^\s]*")
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+#: How long the cause of an unreached provider may be: a hint for on-call, not a transcript.
+_MAX_CAUSE_CHARS = 200
+
+
+def _unreached_cause(exc: httpx.TransportError) -> str:
+    """`` (host:port: OS error)`` of a request that did not reach the provider: where it went and
+    why it got no further, so that on-call tells a refused port from a DNS failure or a TLS
+    refusal. Nothing of the URL but its host and port (its path, query and userinfo can carry
+    credentials or payload values); credentials and card numbers in the error masked; bounded.
+    Empty when neither is known. Never raises: it is part of classifying the outcome."""
+    try:
+        where = ""
+        with contextlib.suppress(RuntimeError):  # no request attached: a handler's own error
+            url = exc.request.url
+            port = url.port or _DEFAULT_PORTS.get(url.scheme)
+            host = f"[{url.host}]" if ":" in url.host else url.host
+            where = f"{host}:{port}" if port else host
+        # Cut before the search: the pattern is linear only on text of bounded length.
+        why = " ".join(_URL_IN_TEXT.sub(r"\g<authority>", _os_error_text(exc)[:1000]).split())
+        text = ": ".join(part for part in (where, why) if part)
+        return f" ({clean_text(text, max_chars=_MAX_CAUSE_CHARS)})" if text else ""
+    except Exception:
+        logger.exception("the cause of %s could not be described", type(exc).__name__)
+        return ""
+
+
+def _os_error_text(exc: BaseException) -> str:
+    """The text of the innermost OS error (``[Errno 111] Connection refused``, a resolver's or a
+    TLS handshake's error) under ``exc``, else ``exc``'s own text."""
+    found = str(exc)
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and str(cause):
+            found = str(cause)
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return found
 
 
 def _short(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
@@ -137,7 +158,8 @@ def classify_exception(exc: BaseException) -> tuple[Outcome, str, int | None]:
         return classify_status(status), f"HTTP {status} from {exc.request.url.host}", status
     # The request certainly never reached the provider.
     if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
-        return Outcome.RETRY, f"{name}: the request did not reach the provider", None
+        cause = _unreached_cause(exc)
+        return Outcome.RETRY, f"{name}: the request did not reach the provider{cause}", None
     if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
         return Outcome.UNKNOWN, f"{name}: no answer within the time limit", None
     if isinstance(exc, httpx.TransportError):
@@ -218,7 +240,7 @@ def decide_exception(
             reason = _short(reason, _MAX_ERROR_CHARS - len(suffix)) + suffix
     retry_after = None
     if outcome is Outcome.RETRY:
-        retry_after = _retry_after_of(exc)
+        retry_after = _retry_after_of(exc, handler.destination)
         if retry_after is None:
             retry_after = last_retry_after
         if retry_after is not None:
