@@ -6,6 +6,7 @@ is the CLI's refusal) in a worker thread; the app itself holds no state but the 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import re
@@ -18,6 +19,7 @@ from urllib.parse import parse_qs, quote, urlencode
 import jinja2
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -33,7 +35,7 @@ from ..ops import actions
 from ..ops import inspect as ops_inspect
 from ..ops.batches import batch_report
 from ..ops.ordering import blocked_keys
-from . import bulk, queries, security
+from . import bulk, queries, security, shown
 from .security import Access
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,14 @@ class SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
+class _App(Starlette):
+    """Starlette with the security headers outside its error handling: its own 404, 405 and
+    500 responses carry them too (a middleware added the usual way sits inside the 500's)."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return SecurityHeaders(super().build_middleware_stack())
+
+
 @dataclass
 class Config:
     engine: Engine
@@ -118,15 +128,16 @@ class Dashboard:
             r("/logout", self.logout, methods=["POST"]),
             r("/search", self.search),
             r("/rows", self.rows),
-            r("/rows/{row_id:int}", self.row),
-            r("/rows/{row_id:int}/resolve", self.resolve, methods=["POST"]),
-            r("/rows/{row_id:int}/skip", self.skip, methods=["POST"]),
+            # Ids as text, checked by _path_id: an int converter raises on thousands of digits.
+            r("/rows/{row_id}", self.row),
+            r("/rows/{row_id}/resolve", self.resolve, methods=["POST"]),
+            r("/rows/{row_id}/skip", self.skip, methods=["POST"]),
             r("/keys", self.key),
             r("/keys/repair", self.repair, methods=["POST"]),
             r("/preview", self.preview, methods=["POST"]),
             r("/apply", self.apply, methods=["POST"]),
             r("/batches", self.batches),
-            r("/batches/{batch_id:int}", self.batch),
+            r("/batches/{batch_id}", self.batch),
             r("/blocked", self.blocked),
             r("/destinations/pause", self.pause, methods=["POST"]),
             r("/destinations/resume", self.resume, methods=["POST"]),
@@ -417,11 +428,20 @@ class Dashboard:
     async def rows(self, request: Request) -> Response:
         async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
             f = self._filter(request)
+            if f.error and not access.sees_payloads:
+                # Which rows an error text matches would tell a fragment of their payloads.
+                raise Refused(
+                    403,
+                    f"{access.user} may not filter on error texts: they may echo the payload "
+                    "(role read+payloads or operate)",
+                )
             after = request.query_params.get("after") or None
             try:
                 page = await self._read(queries.list_page, f, after=after)
             except (ValueError, OutboxError) as exc:
                 raise Refused(400, f"bad page cursor: {exc}") from exc
+            if not access.sees_payloads:
+                page = queries.Page([shown.withhold_row(r) for r in page.rows], page.after)
             bulk_actions = {
                 states.FAILED: ["replay"],
                 states.PENDING: ["cancel"],
@@ -459,6 +479,11 @@ class Dashboard:
             except NotFound as exc:
                 raise Refused(404, str(exc)) from exc
             d = data["detail"]
+            errors = access.sees_payloads
+            if not errors:
+                d.row = shown.withhold_row(d.row)
+                d.attempts = [shown.withhold_attempt(a) for a in d.attempts]
+                data["key"] = _withhold_steps(data["key"])
             payload = sanitize.clean_json(d.payload) if d.payload is not None else None
             response = (
                 sanitize.clean_json(d.row.get("response")) if d.row.get("response") is not None else None
@@ -473,6 +498,7 @@ class Dashboard:
                 payload=payload,
                 response=response,
                 payload_keys=keys,
+                history=shown.history_lines(d.history, errors=errors),
                 **data,
             )
 
@@ -486,6 +512,8 @@ class Dashboard:
                 steps = await self._read(ops_inspect.key_steps, key)
             except NotFound as exc:
                 raise Refused(404, str(exc)) from exc
+            if not access.sees_payloads:
+                steps = _withhold_steps(steps)
             return self._page(
                 request, "key.html", access, session, steps=steps, can_repair=self.c.handlers is not None
             )
@@ -518,6 +546,8 @@ class Dashboard:
     async def blocked(self, request: Request) -> Response:
         async def body(access: Access, session: dict[str, Any], _form: Any) -> Response:
             report = await self._read(blocked_keys, limit=200)
+            if not access.sees_payloads:
+                report = dataclasses.replace(report, keys=[shown.withhold_blocked(k) for k in report.keys])
             return self._page(request, "blocked.html", access, session, report=report)
 
         return await self._run(request, False, body)
@@ -760,6 +790,10 @@ def _path_id(request: Request, name: str) -> int:
     return value
 
 
+def _withhold_steps(steps: ops_inspect.KeySteps) -> ops_inspect.KeySteps:
+    return ops_inspect.KeySteps(steps.key, [shown.withhold_row(s) for s in steps.steps])
+
+
 def _no_nul(values: Any) -> None:
     # PostgreSQL's text cannot hold a NUL byte: refused here rather than failing in a query.
     if any("\x00" in v for v in values):
@@ -843,7 +877,7 @@ def _pretty(value: Any) -> str:
 def create_app(
     database_url: str | None = None,
     *,
-    engine: Engine | None = None,
+    engine: Engine | AsyncEngine | None = None,
     secret: str,
     authorize: Authorize | None = None,
     users: Mapping[str, security.User] | str | None = None,
@@ -873,6 +907,13 @@ def create_app(
         )
     if isinstance(users, str):
         users = security.parse_users(users)
+    if isinstance(engine, AsyncEngine):
+        # The pages read in worker threads, which an async engine cannot serve: a sync engine of
+        # its own on the same database (psycopg 3 is both drivers).
+        database_url = database_url or engine.url.set(drivername="postgresql+psycopg").render_as_string(
+            hide_password=False
+        )
+        engine = None
     if engine is None:
         if not database_url:
             raise ConfigError("no database configured: set OUTBOX_DATABASE_URL (or pass --database-url)")
@@ -893,7 +934,6 @@ def create_app(
         title=title,
     )
     dashboard = Dashboard(config)
-    app = Starlette(routes=dashboard.routes())
-    app.add_middleware(SecurityHeaders)
+    app = _App(routes=dashboard.routes())
     app.state.dashboard = dashboard
     return app
