@@ -21,6 +21,10 @@ last members settling at the same moment cannot each leave the finishing to the 
 
 A batch's outcome is decided once, from its members' states at that moment: a failed member
 replayed afterwards does not undo its ``catch``. A batch with no member finishes with ``then``.
+
+A finished batch whose members are purged is kept like a ledgered key (the reconciler's purge):
+its then/catch payloads give way to their SHA-256 at the retention, the batch goes at the ledger
+horizon; until then its name answers as before (same steps: the old batch; other: a conflict).
 """
 
 from __future__ import annotations
@@ -44,11 +48,23 @@ if TYPE_CHECKING:
 #: A then/catch step's payload: ``write``'s default limit.
 MAX_STEP_PAYLOAD_BYTES = 65536
 
+
+def _same_step(column: str, param: str) -> str:
+    """The stored step ``column`` is the one given: equal, or, once the purge replaced its
+    payload by its SHA-256 (:data:`outbox.transitions.STRIPPED_STEP_SQL`), equal to the given one
+    stripped the same way."""
+    given = f"CAST(:{param} AS jsonb)"
+    return (
+        f"{column} IS NOT DISTINCT FROM CASE WHEN {column} ? 'payload_sha256' "
+        f"THEN {transitions.STRIPPED_STEP_SQL.format(step=given)} ELSE {given} END"
+    )
+
+
+# A ledgered name answers as write() answers for a ledgered key: the same definition is the old
+# batch, another one a conflict, until the purge drops the batch at the horizon.
 _EXISTING = text(
-    """
-SELECT id,
-       then_step IS NOT DISTINCT FROM CAST(:then_step AS jsonb)
-       AND catch_step IS NOT DISTINCT FROM CAST(:catch_step AS jsonb) AS same
+    f"""
+SELECT id, {_same_step("then_step", "then_step")} AND {_same_step("catch_step", "catch_step")} AS same
 FROM outbox_batch WHERE name = :name
 """
 )
@@ -133,8 +149,9 @@ def batch(
     failed, ``catch`` when any did (either may be None: nothing is written that way).
 
     The same name again with the same steps returns the existing batch (``created=False``);
-    with other steps it raises :class:`BatchConflict`. Bad input raises :class:`InvalidMessage`
-    before any statement is sent."""
+    with other steps it raises :class:`BatchConflict`; so until the purge drops a finished batch
+    at the ledger horizon, after which the name is new. Bad input raises
+    :class:`InvalidMessage` before any statement is sent."""
     from .write import _ensure_schema
 
     params = _params(name, then, catch)

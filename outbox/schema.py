@@ -353,6 +353,16 @@ outbox_batch = Table(
     UniqueConstraint("name", name="outbox_batch_name_key"),
 )
 Index("outbox_batch_open_idx", outbox_batch.c.id, postgresql_where=text("finished_at IS NULL"))
+# Migration 0021: the purge's way to finished batches, oldest finish first (those that still
+# carry a then/catch payload; all of them).
+Index(
+    "outbox_batch_payload_idx",
+    outbox_batch.c.finished_at,
+    postgresql_where=text("finished_at IS NOT NULL AND (then_step ? 'payload' OR catch_step ? 'payload')"),
+)
+Index(
+    "outbox_batch_finished_idx", outbox_batch.c.finished_at, postgresql_where=text("finished_at IS NOT NULL")
+)
 #: The batch the row belongs to (outbox.batches); NULL for most rows. The ledger keeps it.
 outbox_message.append_column(Column("batch_id", BigInteger, nullable=True))
 outbox_key_ledger.append_column(Column("batch_id", BigInteger, nullable=True))

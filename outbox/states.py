@@ -51,7 +51,9 @@ fails for a certain reason); ``write_next_steps`` writes a ``sent`` row's missin
 ``repair_found`` a failed row's when its lookup finds the call. A batch's members are created
 ``pending`` by ``insert_member`` (``outbox.write(batch=)``, in the transaction whose
 ``insert_batch`` created the batch); ``finish_batch`` writes the batch's then or catch row once
-every member is terminal (the reconciler). ``note_history`` only appends
+every member is terminal (the reconciler); once its members are purged, the purge's
+``strip_batches`` drops its then/catch payloads and ``drop_batches`` the batch itself (rows
+unmoved). ``note_history`` only appends
 who asked and why to a row's history (``outbox repair``).
 Rows of an ordering key (:mod:`outbox.ordering`) move as above, one at a time: ``dispatch_due``
 and ``claim`` pass over a row while an earlier row of its key holds it back; ``skip_head`` (an

@@ -15,6 +15,8 @@ function                              move                            called by
 :func:`insert_batch`                  (a batch: ``outbox_batch``)     ``outbox.batch``
 :func:`insert_member`                 (none) -> pending, in a batch   ``outbox.write(batch=)``
 :func:`finish_batch`                  (a batch's then/catch row)      reconciler (batches)
+:func:`strip_batches`                 (a finished batch's payloads)   reconciler (purge)
+:func:`drop_batches`                  (a finished batch, at horizon)  reconciler (purge)
 :func:`dispatch_due`                  pending -> dispatched           relay (a batch)
 :func:`undispatch`                    dispatched -> pending           relay (Redis refused)
 :func:`claim`                         pending/dispatched -> in_flight consumer
@@ -329,6 +331,72 @@ def finish_batch(
     if row is None:
         return None
     return Finished(str(row[0]), row[1], row[2], row[3], row[4], float(row[5]))
+
+# A finished batch outlives its members for as long as a purged key does (the key ledger), so that
+# ``outbox.batch`` answers for its name as ``write`` answers for a ledgered key. Its then/catch
+# payloads are needed by nothing after the finish: at the retention each gives way to its SHA-256
+# (what the ledger keeps of a row's payload), which ``outbox.batch`` compares a retry against.
+# Members cannot join a committed batch (created_txid), so "no member left in outbox_message"
+# stays true once true; an unfinished batch is never touched.
+#: A then/catch step (jsonb ``{step}``) with its payload replaced by ``payload_sha256``.
+STRIPPED_STEP_SQL = (
+    "CASE WHEN {step} ? 'payload' THEN ({step} - 'payload') || jsonb_build_object("
+    "'payload_sha256', encode(outbox_payload_digest({step} -> 'payload'), 'hex')) ELSE {step} END"
+)
+
+# Along outbox_batch_payload_idx (0021): the batches still holding a payload, oldest finish first.
+STRIP_BATCHES_SQL = f"""
+UPDATE outbox_batch b
+SET then_step = {STRIPPED_STEP_SQL.format(step="b.then_step")},
+    catch_step = {STRIPPED_STEP_SQL.format(step="b.catch_step")}
+WHERE b.id IN (
+    SELECT x.id FROM outbox_batch x
+    WHERE x.finished_at IS NOT NULL AND (x.then_step ? 'payload' OR x.catch_step ? 'payload')
+      AND x.finished_at < now() - %(retention)s * interval '1 second'
+      -- A member still here (failed, waiting for a human; a replay) keeps its batch as it was.
+      AND NOT EXISTS (SELECT 1 FROM outbox_message m WHERE m.batch_id = x.id)
+    ORDER BY x.finished_at
+    LIMIT %(limit)s
+)
+AND b.finished_at IS NOT NULL AND (b.then_step ? 'payload' OR b.catch_step ? 'payload')
+"""
+
+# Along outbox_batch_finished_idx (0021). The ledger entries of its members go first: the ledger
+# drops by age, and a batch waits until the oldest entry left is younger than its finish, so a
+# retried member write keeps finding its batch while the ledger answers for it. The row its end
+# wrote (or the row that took its step) holds the name too: a batch of that name could not write
+# that step again, and a retry would be refused with "exists already" instead of answered.
+DROP_BATCHES_SQL = """
+DELETE FROM outbox_batch b
+WHERE b.id IN (
+    SELECT x.id FROM outbox_batch x
+    WHERE x.finished_at IS NOT NULL
+      AND x.finished_at < now() - %(horizon)s * interval '1 second'
+      AND x.finished_at < COALESCE((SELECT min(completed_at) FROM outbox_key_ledger), 'infinity')
+      AND NOT EXISTS (SELECT 1 FROM outbox_message m WHERE m.batch_id = x.id)
+      AND NOT EXISTS (SELECT 1 FROM outbox_message w
+                      WHERE w.key = x.name AND w.step IN (x.then_step ->> 'step', x.catch_step ->> 'step'))
+      AND NOT EXISTS (SELECT 1 FROM outbox_key_ledger l
+                      WHERE l.key = x.name AND l.step IN (x.then_step ->> 'step', x.catch_step ->> 'step'))
+    ORDER BY x.finished_at
+    LIMIT %(limit)s
+)
+AND b.finished_at IS NOT NULL
+"""
+
+
+def strip_batches(conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int) -> int:
+    """Finished batches older than ``retention_seconds`` whose members are all purged: their
+    then/catch payloads replaced by their SHA-256, at most ``limit``; how many."""
+    return conn.execute(STRIP_BATCHES_SQL, {"retention": float(retention_seconds), "limit": limit}).rowcount
+
+
+def drop_batches(conn: psycopg.Connection[Any], *, horizon_seconds: float, limit: int) -> int:
+    """Finished batches older than ``horizon_seconds`` with nothing left of them (no member, no
+    then/catch row, in ``outbox_message`` or the key ledger): deleted, their names free again, at
+    most ``limit``; how many."""
+    return conn.execute(DROP_BATCHES_SQL, {"horizon": float(horizon_seconds), "limit": limit}).rowcount
+
 
 
 # == the relay ======================================================================================

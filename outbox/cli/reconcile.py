@@ -49,7 +49,9 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
                    key ledger (key, step, destination, payload hash, final state, provider ref,
                    attempts) in the statement that deletes them, so writing the key again answers
                    as before the purge; drops ledger entries older than OUTBOX_LEDGER_HORIZON
-                   (default {_HORIZON}, at least the retention), in batches by age. Needs a role
+                   (default {_HORIZON}, at least the retention), in batches by age. Finished
+                   batches (outbox.batch) with no member left lose their then/catch payloads at
+                   the retention and their names at the horizon. Needs a role
                    that is superuser or a member of pg_read_all_stats (or pg_monitor), to wait
                    for other roles' open transactions; without it the purge moves nothing and
                    logs "purge skipped" (count skipped_no_stats_privilege; outbox doctor fails).

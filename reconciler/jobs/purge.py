@@ -1,5 +1,6 @@
 """Job 4, ``purge``: old `sent` and `cancelled` rows move into the key ledger; old ledger entries
-are dropped."""
+are dropped; finished batches lose their then/catch payloads at the retention and their rows at
+the ledger horizon."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ AND completed_at < now() - %(horizon)s * interval '1 second'
 
 #: Ledger entries dropped per statement (narrow rows: a larger batch than the purge's).
 LEDGER_DROP_BATCH = 5000
+#: Finished batches (``outbox.batch``) thinned or dropped per statement: as many as rows purged.
+BATCH_PURGE_PAGE = PURGE_BATCH
 
 
 def _batches(run: Callable[[], int], max_batches: int, batch: int) -> tuple[int, int]:
@@ -77,8 +80,10 @@ def purge(
     """Move `sent` and `cancelled` rows completed more than ``retention_seconds`` ago into the key
     ledger (their attempt rows cascade), at most ``max_batches`` batches of 1000 per run; `failed`
     rows stay until a human replays them. Then drop ledger entries completed more than
-    ``ledger_horizon_seconds`` ago (None: keep them). Counts: ``purged``, ``batches`` (statements
-    that moved rows), ``ledger_dropped``.
+    ``ledger_horizon_seconds`` ago (None: keep them). Finished batches (``outbox.batch``) with no
+    member left go the same way: their then/catch payloads at the retention, their rows at the
+    horizon (never with None). Counts: ``purged``, ``batches`` (statements that moved rows),
+    ``ledger_dropped``, ``batch_payloads_dropped``, ``batches_dropped``.
 
     A role that is neither superuser nor a member of ``pg_read_all_stats`` (or ``pg_monitor``)
     cannot see other roles' open transactions, so it cannot hold rows back for them: the purge
@@ -104,6 +109,15 @@ def purge(
             extra={"job": "purge", "error": PURGE_SKIPPED_NO_PRIVILEGE},
         )
         counts[PURGE_SKIPPED_NO_PRIVILEGE] = 1
+    # No privilege needed: a snapshot older than the statement finds the batch as it was, and a
+    # name freed at the horizon is new by definition.
+    stripped, _ = _batches(
+        lambda: transitions.strip_batches(conn, retention_seconds=retention_seconds, limit=BATCH_PURGE_PAGE),
+        max_batches,
+        BATCH_PURGE_PAGE,
+    )
+    if stripped:
+        counts["batch_payloads_dropped"] = stripped
     if ledger_horizon_seconds is not None:
         # Never shorter than the retention: an entry must outlive the row it stands for.
         horizon = max(float(ledger_horizon_seconds), float(retention_seconds))
@@ -113,6 +127,14 @@ def purge(
         )
         if dropped:
             counts["ledger_dropped"] = dropped
+        # After the ledger: a batch waits for its members' entries to go.
+        gone, _ = _batches(
+            lambda: transitions.drop_batches(conn, horizon_seconds=horizon, limit=BATCH_PURGE_PAGE),
+            max_batches,
+            BATCH_PURGE_PAGE,
+        )
+        if gone:
+            counts["batches_dropped"] = gone
     return counts
 
 
