@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import ipaddress
+import logging
 import os
 import sys
 
@@ -15,7 +17,10 @@ from .operator import _describe
 SECRET_ENV = "OUTBOX_DASHBOARD_SECRET"
 USERS_ENV = "OUTBOX_DASHBOARD_USERS"
 INSECURE_ENV = "OUTBOX_DASHBOARD_INSECURE_COOKIES"
+TRUSTED_PROXIES_ENV = "OUTBOX_DASHBOARD_TRUSTED_PROXIES"
 DEFAULT_PORT = 8090
+
+logger = logging.getLogger(__name__)
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -31,8 +36,11 @@ def arguments(p: argparse.ArgumentParser) -> None:
         `outbox dashboard --hash-password`. {SECRET_ENV} (at least 32 characters, the same on
         every replica) signs the session cookies; never on the command line. Cookies are
         Secure: behind plain HTTP (development only) set {INSECURE_ENV}=1 or
-        --insecure-cookies. To mount it in your own Starlette/FastAPI app with your own
-        authentication, use outbox.dashboard.create_app(authorize=...).
+        --insecure-cookies. Behind a reverse proxy, {TRUSTED_PROXIES_ENV} names the proxies
+        (addresses or networks, comma-separated) whose X-Forwarded-For and X-Forwarded-Proto
+        are believed; by default none is, and the login throttle counts the proxy's address.
+        To mount it in your own Starlette/FastAPI app with your own authentication, use
+        outbox.dashboard.create_app(authorize=...).
         """,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -98,10 +106,41 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         handlers=handlers,
         module=args.module,
     )
+    proxies = os.environ.get(TRUSTED_PROXIES_ENV, "").strip()
+    if not insecure and not proxies and not _loopback(args.host):
+        logger.warning(
+            "serving plain HTTP on %s with Secure cookies: browsers do not send Secure cookies back "
+            'over http://, so signing in fails ("the sign-in cookie did not come back") unless '
+            "HTTPS is served in front (then name that proxy in %s); for local use only, set %s=1",
+            args.host,
+            TRUSTED_PROXIES_ENV,
+            INSECURE_ENV,
+        )
     print(
         f"outbox dashboard on http://{args.host}:{args.port}/ ({len(users)} user(s)"
-        f"{', insecure cookies' if insecure else ''})",
+        f"{', insecure cookies' if insecure else ''}"
+        f"{f', forwarded headers trusted from {proxies}' if proxies else ''})",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", proxy_headers=True)
+    # uvicorn would otherwise believe X-Forwarded-For from 127.0.0.1 (or $FORWARDED_ALLOW_IPS):
+    # a client behind a port forward or tunnel would name a new address per guess. Only the
+    # configured proxies are trusted, and the list is uvicorn's to parse.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies or None,
+    )
     return 0
+
+
+def _loopback(host: str) -> bool:
+    """Browsers send Secure cookies back to http://localhost; anywhere else, only over HTTPS."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -6,6 +6,7 @@ is the CLI's refusal) in a worker thread; the app itself holds no state but the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import logging
@@ -42,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 COOKIE = "outbox_session"
+#: The login form's CSRF token lives in a cookie of its own: showing the form (a navigation any
+#: site can start) never touches the signed-in session.
+LOGIN_COOKIE = "outbox_login"
+LOGIN_SECONDS = 600
 #: A form body larger than this is refused before it is parsed (a bulk form of 1,000 ids is ~10 KB).
 MAX_FORM_BYTES = 256 * 1024
 
@@ -150,11 +155,23 @@ class Dashboard:
     def _session(self, request: Request) -> dict[str, Any] | None:
         return self.c.signer.unsign(request.cookies.get(COOKIE))
 
-    def _set_session(self, request: Request, response: Response, session: dict[str, Any]) -> None:
+    def _login_state(self, request: Request) -> dict[str, Any] | None:
+        state = self.c.signer.unsign(request.cookies.get(LOGIN_COOKIE))
+        return state if state is not None and state.get("login") is True else None
+
+    def _set_session(
+        self,
+        request: Request,
+        response: Response,
+        session: dict[str, Any],
+        *,
+        cookie: str = COOKIE,
+        seconds: float | None = None,
+    ) -> None:
         response.set_cookie(
-            COOKIE,
+            cookie,
             self.c.signer.sign(session),
-            max_age=int(self.c.session_seconds),
+            max_age=int(self.c.session_seconds if seconds is None else seconds),
             path=self._base(request) or "/",
             secure=self.c.secure_cookies,
             httponly=True,
@@ -219,13 +236,14 @@ class Dashboard:
         access: Access | None,
         session: dict[str, Any] | None,
         status: int = 200,
+        login: dict[str, Any] | None = None,
         **context: Any,
     ) -> HTMLResponse:
         body = self.env.get_template(template).render(
             base=self._base(request),
             title=self.c.title,
             access=access,
-            csrf=(session or {}).get("csrf", ""),
+            csrf=(session or login or {}).get("csrf", ""),
             states=states,
             actions=bulk.ACTIONS,
             **context,
@@ -233,6 +251,8 @@ class Dashboard:
         response = HTMLResponse(body, status_code=status, headers={"cache-control": "no-store"})
         if session is not None and self._session(request) != session:
             self._set_session(request, response, session)
+        if login is not None and self._login_state(request) != login:
+            self._set_session(request, response, login, cookie=LOGIN_COOKIE, seconds=LOGIN_SECONDS)
         return response
 
     def _refused(self, request: Request, refused: Refused) -> Response:
@@ -297,48 +317,63 @@ class Dashboard:
                 heading="No login here",
                 text="this dashboard is signed in to through its host application",
             )
-        session = self._session(request)
-        if session is None or "user" in session:
-            session = security.new_session(seconds=600)
+        pending = self._login_state(request)
+        if pending is None:
+            if request.method == "POST" and self.c.secure_cookies and request.url.scheme == "http":
+                # The form's cookie did not come back: over plain HTTP a browser keeps Secure
+                # cookies to itself, and "reload the page" would never help.
+                return self._refused(request, Refused(403, security.PLAIN_HTTP_REFUSAL))
+            pending = security.new_session(seconds=LOGIN_SECONDS, login=True)
         nxt = request.query_params.get("next", "")
         if request.method == "GET":
-            return self._page(request, "login.html", None, session, next=nxt, error=None)
+            return self._page(request, "login.html", None, None, login=pending, next=nxt, error=None)
         try:
-            form = await self._form(request, session)
+            form = await self._form(request, pending)
         except Refused as r:
             return self._refused(request, r)
         name = (form.get("user") or [""])[0]
         password = (form.get("password") or [""])[0]
         nxt = (form.get("next") or [""])[0]
-        client = f"ip:{request.client.host if request.client else '-'}"
+        # The address the server names: behind a proxy, the client's only if the server trusts
+        # that proxy's forwarded header (uvicorn's forwarded_allow_ips); never read here.
+        client = request.client.host if request.client else "-"
         # Counted as a failure from now until it succeeds: concurrent guesses wait their turn.
-        wait = self.throttle.begin(f"user:{name}", client)
-        if wait > 0:
+        admission = self.throttle.begin(name, client)
+        if admission.refused_for > 0:
+            wait = int(admission.refused_for) + 1
             page = self._page(
                 request,
                 "login.html",
                 None,
-                session,
+                None,
                 status=429,
+                login=pending,
                 next=nxt,
-                error=f"too many failed logins: try again in {int(wait) + 1} s",
+                error=f"too many failed logins from this address: try again in {wait} s",
             )
-            page.headers["retry-after"] = str(int(wait) + 1)
+            page.headers["retry-after"] = str(wait)
             return page
+        if admission.delay > 0:
+            await asyncio.sleep(admission.delay)
         user = await run_in_threadpool(security.check_login, self.c.users, name, password)
         if user is None:
-            logger.warning("dashboard login failed", extra={"user": name[:64], "client": client})
+            logger.warning("dashboard login failed", extra={"user": name[:64], "client": client[:64]})
             return self._page(
                 request,
                 "login.html",
                 None,
-                session,
+                None,
                 status=401,
+                login=pending,
                 next=nxt,
                 error="wrong user name or password",
             )
-        self.throttle.succeeded(f"user:{name}", client)
+        self.throttle.succeeded(name, client)
         logger.info("dashboard login", extra={"user": user.name, "role": user.role})
+        replaced = self._session(request)
+        if replaced and replaced.get("sid") and replaced.get("user"):
+            # Signed in over another session: that one ends here, not whenever its copies expire.
+            await self._write(_end_session, str(replaced["sid"]), float(replaced.get("exp", 0)))
         fresh = security.new_session(
             seconds=self.c.session_seconds, user=user.name, pw=security.password_mark(user)
         )
@@ -346,6 +381,7 @@ class Dashboard:
         target = nxt if nxt.startswith("/") and not nxt.startswith("//") else f"{self._base(request)}/"
         response = RedirectResponse(target, status_code=303)
         self._set_session(request, response, fresh)
+        response.delete_cookie(LOGIN_COOKIE, path=self._base(request) or "/")
         return response
 
     async def logout(self, request: Request) -> Response:
@@ -894,8 +930,11 @@ def create_app(
     app's; role ``none``, ``read`` or ``operate``; None: not signed in, 401), or ``users`` (a
     users file's text, or parsed users) for the dashboard's own login. ``secret`` signs the
     session and CSRF cookies: the same on every replica. ``secure_cookies=False`` only for plain
-    HTTP in development. ``handlers`` (the handler module's) let an operator's ``resolve --sent``
-    write the next steps of a chain and ``repair`` ask the provider.
+    HTTP in development. The login throttle counts per ``request.client``: behind a proxy, the
+    hosting server decides whether a forwarded header names it (uvicorn's
+    ``forwarded_allow_ips``); the app never reads one itself. ``handlers`` (the handler
+    module's) let an operator's ``resolve --sent`` write the next steps of a chain and
+    ``repair`` ask the provider.
     """
     from ..db import make_engine
 

@@ -196,6 +196,16 @@ def csrf_ok(session: dict[str, Any] | None, sent: str | None) -> bool:
     return bool(expected and sent) and hmac.compare_digest(str(expected).encode(), str(sent).encode())
 
 
+#: A login form posted over plain HTTP without its (Secure) cookie: the real cause, not a CSRF riddle.
+PLAIN_HTTP_REFUSAL = (
+    "the sign-in cookie did not come back: the dashboard's cookies are Secure and this page was "
+    "served over plain HTTP, where browsers do not send them back (reloading will not help). "
+    "Use HTTPS (or a proxy serving it, named in OUTBOX_DASHBOARD_TRUSTED_PROXIES); for local use "
+    "only, turn Secure off: OUTBOX_DASHBOARD_INSECURE_COOKIES=1 (--insecure-cookies, "
+    "create_app(secure_cookies=False))"
+)
+
+
 def password_mark(user: User) -> str:
     """What a session keeps of its user's password hash: a new hash in the users file (a
     password reset) ends every session opened with the old one."""
@@ -205,60 +215,103 @@ def password_mark(user: User) -> str:
 # -- login throttling -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What the throttle makes of a login try: refused for ``refused_for`` seconds (nothing
+    counted), or admitted, its password to be checked after ``delay`` seconds."""
+
+    refused_for: float = 0.0
+    delay: float = 0.0
+
+
 class Throttle:
-    """At most ``max_failures`` failed logins per user name and per client address within
-    ``window_seconds``; then logins are refused (even right ones) until the oldest failure ages
-    out. Each try counts as a failure from the moment it starts (:meth:`begin`) until it
-    succeeds, so concurrent guesses cannot all slip in while the first ones are being checked.
-    In memory: each replica counts its own (a guesser spread over N replicas gets N times the
-    tries, still a handful a minute)."""
+    """Failed logins within ``window_seconds``, counted two ways.
+
+    Per (user name, client address): after ``max_failures``, that address's tries for that name
+    are refused, even a right one, until the oldest failure ages out. Behind a proxy whose
+    forwarded address is not trusted every operator shares one address; counted per name too,
+    a guesser there locks out the name guessed, not every operator.
+
+    Per user name, from every address: once the name has ``max_failures``, its tries are
+    checked one at a time, the first at once, each next ``slow_seconds`` after the one before,
+    doubling with each further failure up to ``slow_max_seconds``. A try waits its turn and is
+    never refused for the name's sake, so the right password from an address that has not
+    guessed gets in after the wait, while a guesser with a new address per guess gets a handful
+    of tries a minute.
+
+    Each try counts as a failure from the moment it starts (:meth:`begin`) until it succeeds,
+    so concurrent guesses cannot all slip in while the first ones are being checked. In memory:
+    each replica counts its own (a guesser spread over N replicas gets N times the tries).
+    """
 
     #: Names longer than this count under their first characters (a long made-up name is not
-    #: a new bucket per byte, nor kept whole).
+    #: a new bucket per byte, nor kept whole); addresses likewise.
     NAME_CHARS = 128
-    #: Above this many names, the ones with no recent failure are dropped.
+    ADDRESS_CHARS = 64
+    #: Above this many counters, the ones with no recent failure are dropped.
     MAX_NAMES = 10_000
 
-    def __init__(self, max_failures: int = 5, window_seconds: float = 300.0) -> None:
+    def __init__(
+        self,
+        max_failures: int = 5,
+        window_seconds: float = 300.0,
+        *,
+        slow_seconds: float = 1.0,
+        slow_max_seconds: float = 8.0,
+    ) -> None:
         self.max_failures = max_failures
         self.window_seconds = window_seconds
+        self.slow_seconds = slow_seconds
+        self.slow_max_seconds = slow_max_seconds
+        # Keyed by "user NAME" and by "LEN:ADDRESS NAME" (the length keeps the two apart).
         self._failures: dict[str, deque[float]] = {}
+        self._next_check: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def _recent(self, name: str, now: float) -> deque[float] | None:
-        q = self._failures.get(name[: self.NAME_CHARS])
+    def _keys(self, name: str, address: str) -> tuple[str, str]:
+        name, address = name[: self.NAME_CHARS], address[: self.ADDRESS_CHARS]
+        return f"user {name}", f"{len(address)}:{address} {name}"
+
+    def _recent(self, key: str, now: float) -> deque[float] | None:
+        q = self._failures.get(key)
         while q and q[0] <= now - self.window_seconds:
             q.popleft()
         return q
 
-    def begin(self, *names: str) -> float:
-        """Start a login try for these names: 0 and the try counted as a failure (until
-        :meth:`succeeded`), or the seconds to wait, nothing counted."""
+    def begin(self, name: str, address: str) -> Admission:
+        """Start a login try for this name from this address: refused (nothing counted), or
+        admitted and counted as a failure until :meth:`succeeded`."""
         now = time.monotonic()
+        user, pair = self._keys(name, address)
         with self._lock:
-            waits = [
-                q[0] + self.window_seconds - now
-                for q in (self._recent(n, now) for n in names)
-                if q is not None and len(q) >= self.max_failures
-            ]
-            if waits:
-                return max(waits)
+            q = self._recent(pair, now)
+            if q is not None and len(q) >= self.max_failures:
+                return Admission(refused_for=q[0] + self.window_seconds - now)
             if len(self._failures) >= self.MAX_NAMES:
-                self._failures = {
-                    k: q for k, q in self._failures.items() if q and q[-1] > now - self.window_seconds
-                }
-            for n in names:
-                self._failures.setdefault(n[: self.NAME_CHARS], deque()).append(now)
-            return 0.0
+                horizon = now - self.window_seconds
+                self._failures = {k: q for k, q in self._failures.items() if q and q[-1] > horizon}
+                self._next_check = {k: t for k, t in self._next_check.items() if t > now}
+            failures = len(self._recent(user, now) or ())
+            delay = 0.0
+            if failures >= self.max_failures:
+                doublings = min(failures - self.max_failures, 16)
+                spacing = min(self.slow_max_seconds, self.slow_seconds * 2**doublings)
+                at = max(now, self._next_check.get(user, now))
+                self._next_check[user] = at + spacing
+                delay = at - now
+            for key in (user, pair):
+                self._failures.setdefault(key, deque()).append(now)
+            return Admission(delay=delay)
 
-    def succeeded(self, user: str, *others: str) -> None:
-        """The try was right: the user's failures are forgotten, the others' try uncounted."""
+    def succeeded(self, name: str, address: str) -> None:
+        """The try was right: this address's failures for the name are forgotten, and the try
+        uncounted from the name's (the other addresses' failures still slow it)."""
+        user, pair = self._keys(name, address)
         with self._lock:
-            self._failures.pop(user[: self.NAME_CHARS], None)
-            for n in others:
-                q = self._failures.get(n[: self.NAME_CHARS])
-                if q:
-                    q.pop()
+            self._failures.pop(pair, None)
+            q = self._failures.get(user)
+            if q:
+                q.pop()
 
 
 # -- headers -----------------------------------------------------------------------------------------

@@ -931,7 +931,7 @@ def test_python_blocks_run(page: str, clean: Any, engine: Engine, provider: Any,
 
 
 def _known_variables() -> set[str]:
-    from outbox.cli.dashboard import INSECURE_ENV, SECRET_ENV, USERS_ENV
+    from outbox.cli.dashboard import INSECURE_ENV, SECRET_ENV, TRUSTED_PROXIES_ENV, USERS_ENV
     from outbox.cli.flags import LOG_LEVEL_ENV
     from outbox.logs import LOG_FORMAT_ENV
     from outbox.testing.pytest_plugin import DATABASE_ENV
@@ -946,6 +946,7 @@ def _known_variables() -> set[str]:
         SECRET_ENV,
         USERS_ENV,
         INSECURE_ENV,
+        TRUSTED_PROXIES_ENV,
     }
 
 
@@ -970,7 +971,11 @@ def _check_assignment(where: str, assignment: str) -> None:
         from outbox.dashboard.security import MIN_SECRET_CHARS
 
         assert value.startswith("$") or len(value) >= MIN_SECRET_CHARS, f"{where}: {name} too short"
-    elif name in ("OUTBOX_DASHBOARD_USERS", "OUTBOX_DASHBOARD_INSECURE_COOKIES"):
+    elif name in (
+        "OUTBOX_DASHBOARD_USERS",
+        "OUTBOX_DASHBOARD_INSECURE_COOKIES",
+        "OUTBOX_DASHBOARD_TRUSTED_PROXIES",
+    ):
         assert value, f"{where}: {name} is empty"
     else:
         assert re.fullmatch(r"[\w.]+:[\w.]+", value), f"{where}: {name}={value} is not module:function"
