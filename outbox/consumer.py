@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from . import breaker, chains, db, metrics, outcomes, pauses, payloads, policy, tracing, transitions
+from . import breaker, chains, db, logs, metrics, outcomes, pauses, payloads, policy, tracing, transitions
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -503,7 +503,8 @@ class Executor:
             claimed.step,
             result.value,
             claimed.attempt,
-            f": {error}" if error else "",
+            # The provider's text, bounded: the row keeps a longer copy for `outbox show`.
+            f": {logs.provider_text(error)}" if error else "",
             extra={
                 "outbox_id": claimed.id,
                 "key": claimed.key,
@@ -646,7 +647,7 @@ class Executor:
                         destination,
                         handler.breaker.failures,
                         handler.breaker.window_seconds,
-                        reason,
+                        logs.provider_text(reason),
                         handler.breaker.open_seconds,
                         extra={**extra, "outbox_run": "breaker_tripped"},
                     )

@@ -20,7 +20,7 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
-from .sanitize import is_secret_name, redact_text
+from .sanitize import clean_text, is_secret_name, redact_text
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 LOG_FORMAT_ENV = "OUTBOX_LOG_FORMAT"
@@ -33,6 +33,18 @@ _SECRET = re.compile(r"(authorization|idempotency[-_]key|password|secret|token|p
 def _is_secret(name: str) -> bool:
     # Cached: field names repeat on every line, and the search was a fifth of a delivery's log line.
     return _SECRET.search(name) is not None or is_secret_name(name)
+
+
+#: The most of a provider's or a handler's text (an error, a lookup's failure) a log line of the
+#: worker or the reconciler carries, in characters: such a text often echoes the request, and
+#: the row keeps a longer copy (sanitize.MAX_ERROR_CHARS) for ``outbox show``.
+MAX_PROVIDER_TEXT_CHARS = 200
+
+
+def provider_text(text: object) -> str:
+    """A provider's or a handler's text as a log line carries it: storable, card numbers and
+    credentials masked, at most :data:`MAX_PROVIDER_TEXT_CHARS` characters."""
+    return clean_text(text, max_chars=MAX_PROVIDER_TEXT_CHARS)
 
 
 def first_line(exc: BaseException) -> str:

@@ -4,6 +4,13 @@ An alert hook is any ``Callable[[AlertRow], None]``. The default one logs at ERR
 plugs its own (pager, chat) with ``outbox reconcile --alert-hook module:function`` or
 ``OUTBOX_ALERT_HOOK=module:function``. An ``AlertRow`` never carries the payload: alerts end up
 in chat rooms and tickets, and payloads hold customer data.
+
+Nor does it carry what a provider or a handler said: a row's ``last_error`` and its attempts'
+errors are their text, which often echoes the request, hence payload values. An alert keeps the
+outbox's own words (the state, the attempts, the last HTTP status, a passed deadline) and names
+the command that shows the rest (``outbox show ID``, where access is the database's). Every
+reason is sanitised (:func:`outbox.sanitize.clean_text`) and cut to :data:`MAX_REASON_CHARS`
+characters, whoever builds the ``AlertRow``.
 """
 
 from __future__ import annotations
@@ -13,12 +20,19 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from outbox import sanitize
 from outbox.exceptions import ConfigError
 
 logger = logging.getLogger(__name__)
 
 #: Environment variable naming the alert hook; read by ``reconciler.cli`` (flags win over it).
 ALERT_HOOK_ENV = "OUTBOX_ALERT_HOOK"
+
+#: The longest ``AlertRow.reason``, in characters.
+MAX_REASON_CHARS = 500
+
+#: What an alert says in place of a provider's or a handler's text.
+WITHHELD = "its error text is withheld from alerts (it may echo the payload)"
 
 
 @dataclass(frozen=True)
@@ -35,11 +49,18 @@ class AlertRow:
     #: ``paused`` or ``breaker_open`` for a destination (then ``id``/``key`` name its oldest
     #: waiting row: 0 and "" when none waits).
     state: str
-    #: Why: the row's ``last_error`` (for ``unknown`` rows, prefixed with how long it has waited).
+    #: Why, in the outbox's words: the state, the attempts, the last HTTP status, for ``unknown``
+    #: rows how long they have waited; never the provider's text (the module's docstring).
+    #: Sanitised and at most :data:`MAX_REASON_CHARS` characters.
     reason: str
     #: Seconds since the row was written (``created_at``): how long the business operation has
     #: been waiting for its effect.
     age: float
+    #: The HTTP status of the row's last answered attempt, when there was one.
+    http_status: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", sanitize.clean_text(self.reason, max_chars=MAX_REASON_CHARS))
 
 
 AlertHook = Callable[[AlertRow], None]
@@ -61,6 +82,7 @@ def log_alert(row: AlertRow) -> None:
             "destination": row.destination,
             "state": row.state,
             "reason": row.reason,
+            "http_status": row.http_status,
             "age_seconds": round(row.age, 1),
         },
     )

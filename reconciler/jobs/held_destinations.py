@@ -14,6 +14,7 @@ the destination's ``outbox_destination`` row; the mark is ``pause_alerted_at`` /
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -101,6 +102,18 @@ class _Episode:
     reason: str
 
 
+# The status the outbox writes into a breaker's reason ("HTTP 503 from host", "… (HTTP 503)").
+_HTTP_STATUS = re.compile(r"\bHTTP ([1-5][0-9]{2})\b")
+
+
+def _not_processed(breaker_reason: str | None) -> str:
+    """The breaker's reason as an alert says it: the status, not the provider's or the handler's
+    text (reconciler.alerts); ``outbox status`` shows the whole reason."""
+    found = _HTTP_STATUS.search(breaker_reason or "")
+    status = f" (HTTP {found.group(1)})" if found else ""
+    return f"the latest calls were not processed{status}; {alerts.WITHHELD}: outbox status"
+
+
 def _episodes(row: Any) -> list[_Episode]:
     fmt = "%Y-%m-%d %H:%M:%S %Z"
     until = f"until {row.paused_until:{fmt}}" if row.paused_until else "until resumed"
@@ -121,7 +134,7 @@ def _episodes(row: Any) -> list[_Episode]:
         row.breaker_alerted_at,
         f"{row.destination}'s circuit breaker open since {row.breaker_since:{fmt}} "
         f"({row.breaker_probes} probe(s) so far, next after {row.breaker_open_until:{fmt}}): "
-        f"{row.breaker_reason or 'no reason recorded'}"
+        f"{_not_processed(row.breaker_reason)}"
         if row.tripped
         else "",
     )

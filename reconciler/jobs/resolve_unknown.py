@@ -413,7 +413,7 @@ def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
             row.key,
             row.step,
             destination,
-            error,
+            logs.provider_text(error),
             extra={"outbox_id": row_id, "destination": destination},
         )
         return counted
@@ -428,7 +428,7 @@ def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
             result="found",
             ref=found.ref,
             response=found.response,
-            follow=chains.then_plan(handler, delivery, found),
+            follow=chains.then_plan(handler, delivery, chains.as_stored(found)),
         )
         return "sent" if moved else "raced"
     state = _settle_not_found(

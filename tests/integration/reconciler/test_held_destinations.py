@@ -278,3 +278,20 @@ def test_a_resume_ends_a_breaker_episode_and_the_next_trip_alerts_again(clean, e
     assert breaker.count_not_processed(db, DEST, one, reason="HTTP 503 (row 3)")
     assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1}
     assert len(hook.alerts) == 2
+
+
+def test_a_breaker_alert_keeps_the_status_never_the_providers_text(clean, engine, db, provider):
+    """The breaker's reason is the latest delivery's error, a handler's or a provider's text that
+    may echo a payload: the alert says the status and where to read the rest."""
+    declare_charge(provider)
+    trip(engine)
+    db.execute(
+        "UPDATE outbox_destination SET breaker_reason = %s WHERE destination = %s",
+        ('busy: {"email": "alice@example.com", "amount_cents": 1000} (HTTP 503) (row 7)', DEST),
+    )
+    hook = Hook()
+    assert held_destinations(db, hook, alert_after_seconds=0) == {"held": 1, "alerts": 1}
+    [alert] = hook.alerts
+    assert "the latest calls were not processed (HTTP 503)" in alert.reason
+    assert "withheld from alerts" in alert.reason and "outbox status" in alert.reason
+    assert "alice" not in alert.reason and "amount_cents" not in alert.reason and "busy" not in alert.reason

@@ -8,6 +8,7 @@ from helpers import elapse
 
 from outbox import transitions
 from reconciler import AlertRow
+from reconciler.alerts import MAX_REASON_CHARS, log_alert
 from reconciler.jobs.send_alerts import send_alerts
 
 from .support import (
@@ -36,8 +37,11 @@ def test_alerts_report_failed_and_long_unknown_rows_once(clean, engine, db, capl
         (ids[0], "order:0", "charge", DEST, "failed"),
         (ids[1], "order:1", "charge", DEST, "unknown"),
     ]
-    assert seen[0].reason == "card declined"
-    assert seen[1].reason.startswith("outcome unknown for 7200 s: ReadTimeout")
+    assert seen[0].reason.startswith(
+        "failed after 1 attempt(s), last attempt failed; its error text is withheld"
+    )
+    assert seen[1].reason.startswith("outcome unknown for 7200 s after 1 attempt(s), last attempt unknown; ")
+    assert "card declined" not in seen[0].reason and "ReadTimeout" not in seen[1].reason
     assert all(a.age >= 0 for a in seen)
     assert get(db, ids[0])["alerted_at"] is not None
     assert send_alerts(db, seen.append, unknown_alert_after_seconds=3600) == {}
@@ -57,5 +61,69 @@ def test_alerts_report_failed_and_long_unknown_rows_once(clean, engine, db, capl
         assert send_alerts(db, unknown_alert_after_seconds=3600) == {"alerts": 1}
     line = [r for r in caplog.records if r.name == "reconciler.alerts"][-1]
     assert line.levelno == logging.ERROR
-    assert "order:0:charge on payments.charge is failed: card declined" in line.getMessage()
+    assert "order:0:charge on payments.charge is failed: failed after 1 attempt(s)" in line.getMessage()
     assert "4242" not in caplog.text and "amount_cents" not in caplog.text
+
+
+def test_an_alert_keeps_the_class_and_the_status_never_the_providers_text(clean, engine, db, caplog):
+    """A provider's answer often echoes the request: an alert (a chat room, a ticket) carries the
+    row's state, attempts and last HTTP status, and points at `outbox show` for the text."""
+    ids = write_rows(engine, 2)
+    echoed = 'declined: {"email": "alice@example.com", "name": "Alice Liddell", "amount_cents": 1000}'
+    claimed = transitions.claim(db, row_id=ids[0], destination=DEST, lease_seconds=30)
+    assert claimed is not None
+    assert transitions.record(
+        db,
+        row_id=ids[0],
+        token=claimed.token,
+        state="failed",
+        outcome="failed",
+        error=echoed,
+        http_status=422,
+    )
+    claimed = transitions.claim(db, row_id=ids[1], destination=DEST, lease_seconds=30)
+    assert claimed is not None
+    assert transitions.record(
+        db,
+        row_id=ids[1],
+        token=claimed.token,
+        state="unknown",
+        outcome="unknown",
+        error=f"HTTP 502 from provider: upstream said {echoed}",
+        http_status=502,
+    )
+    elapse(db, 7200, [ids[1]])
+
+    seen: list[AlertRow] = []
+    with caplog.at_level(logging.ERROR, logger="reconciler"):
+        assert send_alerts(
+            db, lambda a: (seen.append(a), log_alert(a)), unknown_alert_after_seconds=3600
+        ) == {"alerts": 2}
+    failed, unknown = seen
+    assert (failed.state, failed.http_status) == ("failed", 422)
+    assert failed.reason == (
+        "failed after 1 attempt(s), last answer HTTP 422; its error text is withheld from alerts "
+        f"(it may echo the payload): outbox show {ids[0]}"
+    )
+    assert (unknown.state, unknown.http_status) == ("unknown", 502)
+    assert unknown.reason.startswith("outcome unknown for 7200 s after 1 attempt(s), last answer HTTP 502; ")
+    for leaked in ("alice", "Alice", "Liddell", "declined", "amount_cents"):
+        assert leaked not in failed.reason + unknown.reason
+        assert leaked not in caplog.text
+    # The text stays where access is the database's.
+    assert get(db, ids[0])["last_error"] == echoed
+
+
+def test_every_alert_reason_is_sanitised_and_capped():
+    """Whoever builds the AlertRow (a job, a hook's test): card numbers masked, length bounded."""
+    row = AlertRow(
+        id=1,
+        key="k",
+        step="s",
+        destination="d",
+        state="failed",
+        reason="card 4111 1111 1111 1111 " * 200,
+        age=0,
+    )
+    assert len(row.reason) == MAX_REASON_CHARS
+    assert "4111 1111 1111 1111" not in row.reason and "****1111" in row.reason
