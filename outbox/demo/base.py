@@ -16,6 +16,8 @@ DEFAULT_OUTAGE_SECONDS = 8.0
 
 #: Names of the demo's own: its rows, keys and queues never mix with an application's.
 DEMO_NAMESPACE = "outbox-demo"
+#: The database the demo creates on a PostgreSQL of yours: this, ``_`` and 10 hex digits.
+DATABASE_PREFIX = "outbox_demo"
 ORDERS_TABLE = "outbox_demo_orders"
 KEY_PREFIX = "demo-order"
 DESTINATION = "demo.payments.charge"

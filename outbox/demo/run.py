@@ -71,17 +71,10 @@ from .report import (
     orders_written,
     state_counts,
 )
-from .servers import (
-    delete_namespace,
-    make_engine,
-    migrate,
-    refuse_foreign_rows,
-    settle_earlier_runs,
-    start_servers,
-)
+from .servers import make_engine, migrate, start_servers
 
 
-def _options(args: argparse.Namespace, cfg: settings.Settings) -> Options:
+def _options(args: argparse.Namespace) -> Options:
     namespace = args.namespace or DEMO_NAMESPACE
     return Options(
         orders=args.orders,
@@ -90,8 +83,9 @@ def _options(args: argparse.Namespace, cfg: settings.Settings) -> Options:
         timeout_seconds=args.timeout,
         seed=args.seed,
         namespace=namespace,
-        database_url=cfg.database_url,
-        redis_url=cfg.redis_url,
+        # The command line only: OUTBOX_DATABASE_URL and OUTBOX_REDIS_URL are your application's.
+        database_url=args.database_url,
+        redis_url=args.redis_url,
         keep_logs=args.keep_logs,
         plain=args.plain,
         outage_seconds=args.outage,
@@ -180,19 +174,15 @@ class Demo:
         provider_ready = self.workdir / "provider.url"
         sup = self.supervisor = Supervisor(self.log_dir, self._child_env(provider_url))
         provider = start_provider(sup, provider_url, opts.seed, provider_ready)
-        servers = start_servers(stack, self.workdir / "servers", opts.database_url, opts.redis_url)
+        servers = start_servers(
+            stack, self.workdir / "servers", opts.database_url, opts.redis_url, opts.namespace
+        )
         self.display.text(servers.describe(opts.namespace))
         sup.env.update(OUTBOX_DATABASE_URL=servers.database_url, OUTBOX_REDIS_URL=servers.redis_url)
         engine = make_engine(stack, servers.database_url)
         migrated = migrate(engine)
         if migrated:
             self.display.text(migrated)
-        if not servers.database_owned:
-            # Before any reconciler runs: it would act on whatever it finds.
-            refuse_foreign_rows(engine)
-            self._settle_earlier_runs(engine)
-        if not servers.redis_owned:
-            delete_namespace(servers.redis_url, opts.namespace)
 
         setup = start_shop_setup(sup)
         relay = start_relay(sup)
@@ -247,14 +237,6 @@ class Demo:
             for problem in chain.problems:
                 self.display.text(f"  - {problem}")
         return 0 if chain.ok else 1
-
-    def _settle_earlier_runs(self, engine: Engine) -> None:
-        cancelled, failed = settle_earlier_runs(engine)
-        if cancelled or failed:
-            self.display.text(
-                f"closed {cancelled + failed} demo rows left unfinished by an earlier run "
-                f"({cancelled} cancelled, {failed} failed)"
-            )
 
     def _child_env(self, provider_url: str) -> dict[str, str]:
         # Your OUTBOX_* and SHOP_* settings are your application's: an alert hook or a fail point
@@ -413,6 +395,7 @@ class Demo:
 
 
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    """The ``outbox demo`` command: exit 0 only on a clean audit."""
-    options = _options(args, cfg)
+    """The ``outbox demo`` command: exit 0 only on a clean audit. ``cfg`` is not read: the
+    environment's settings are your application's, never the demo's."""
+    options = _options(args)
     return Demo(options, make_display(plain=options.plain)).run()

@@ -1,8 +1,10 @@
-"""The servers of ``outbox demo``: embedded ones it owns, or yours, on which it keeps to its own names.
+"""The servers of ``outbox demo``: embedded ones it owns, or yours, given on its command line.
 
-On a database of yours the demo refuses unfinished rows that are not its own (its reconciler
-would sweep them with demo timings) and closes the rows an interrupted earlier run left behind;
-on a Redis of yours it deletes only its own namespace.
+The environment does not configure the demo (``OUTBOX_DATABASE_URL`` is your application's): it
+starts embedded servers unless ``--database-url``/``--redis-url`` are given. On a PostgreSQL of
+yours it works in a database of its own, created for the run and dropped at its end, so the
+database the URL names is never written to; on a Redis of yours it keeps to its own namespace,
+deleted before and after the run.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 import redis
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
-from .. import settings, transitions, transport
+from .. import settings, transport
 from ..exceptions import ConfigError
+from ..testing.databases import fresh_database
 from ..testing.embedded import embedded_postgres, embedded_redis
-from .base import DEMO_DESTINATIONS
+from .base import DATABASE_PREFIX
 
 
 @dataclass(frozen=True)
@@ -32,17 +36,24 @@ class Servers:
 
     def describe(self, namespace: str) -> str:
         where = {True: "embedded", False: "yours"}
+        database = "" if self.database_owned else ", a database of its own, dropped at the end"
         return (
-            f"servers: PostgreSQL {where[self.database_owned]} ({settings.redact_url(self.database_url)}), "
+            f"servers: PostgreSQL {where[self.database_owned]} "
+            f"({settings.redact_url(self.database_url)}{database}), "
             f"Redis {where[self.redis_owned]} ({settings.redact_url(self.redis_url)}), "
             f"namespace {namespace!r}"
         )
 
 
 def start_servers(
-    stack: contextlib.ExitStack, directory: Path, database_url: str | None, redis_url: str | None
+    stack: contextlib.ExitStack,
+    directory: Path,
+    database_url: str | None,
+    redis_url: str | None,
+    namespace: str,
 ) -> Servers:
-    """Yours where a URL is given, else embedded ones in ``directory``, stopped by ``stack``."""
+    """Embedded servers in ``directory`` where no URL is given; on yours, the demo's own database
+    and namespace. Whatever the run leaves is removed when ``stack`` closes."""
     # pgserver narrates every step at INFO; the demo says what matters itself.
     logging.getLogger("pgserver").setLevel(logging.WARNING)
     directory.mkdir()
@@ -53,9 +64,24 @@ def start_servers(
         if database_url is None:
             database_url = stack.enter_context(embedded_postgres(str(directory)))
             database_owned = True
+        else:
+            # Never the database the URL names: a fresh one beside it, dropped at the end with
+            # whatever connections its processes still hold.
+            try:
+                database_url = stack.enter_context(fresh_database(database_url, prefix=DATABASE_PREFIX))
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise ConfigError(
+                    "outbox demo works in a database of its own, created for the run and dropped "
+                    f"after it, and the role of {settings.redact_url(database_url)} may not create one "
+                    f"({exc.diag.message_primary}): give --database-url of a role with CREATEDB, or "
+                    "no --database-url for an embedded PostgreSQL"
+                ) from None
         if redis_url is None:
             redis_url = stack.enter_context(embedded_redis(str(directory)))
             redis_owned = True
+        else:
+            delete_namespace(redis_url, namespace)
+            stack.callback(delete_namespace, redis_url, namespace)
     return Servers(database_url, redis_url, database_owned, redis_owned)
 
 
@@ -75,46 +101,6 @@ def migrate(engine: Engine) -> str | None:
     if before != after:
         return f"outbox schema migrated from {before or 'empty'} to {after}"
     return None
-
-
-def refuse_foreign_rows(engine: Engine) -> None:
-    sql = text(
-        """
-        SELECT destination, count(*) FROM outbox_message
-        WHERE state NOT IN ('sent', 'failed', 'cancelled') AND destination <> ALL(:destinations)
-        GROUP BY destination ORDER BY 2 DESC
-        """
-    )
-    with engine.connect() as conn:
-        foreign = conn.execute(sql, {"destinations": list(DEMO_DESTINATIONS)}).fetchall()
-    if foreign:
-        shown = ", ".join(f"{d}: {n}" for d, n in foreign[:5])
-        raise ConfigError(
-            f"this database holds unfinished outbox rows that are not the demo's ({shown}); the "
-            "demo's reconciler would sweep them with demo timings. Run the demo against a "
-            "database of its own (e.g. createdb outbox_demo), or with no URL for embedded servers"
-        )
-
-
-def settle_earlier_runs(engine: Engine) -> tuple[int, int]:
-    """Close the demo rows an interrupted earlier run left unfinished: (cancelled, failed).
-
-    Their provider simulator is gone with its memory: nobody can ever learn whether an
-    in-flight or unknown one took effect, and charging a pending one now would be a charge
-    the audit of this run could not attribute to any of its orders.
-    """
-    cancelled = failed = 0
-    with engine.begin() as conn:
-        for destination in DEMO_DESTINATIONS:
-            c, f = transitions.close_abandoned(
-                conn,
-                destination=destination,
-                unclaimed_reason="cancelled by a later outbox demo run",
-                open_reason="left unfinished by an interrupted outbox demo run, whose provider simulator "
-                "is gone: its outcome cannot be known",
-            )
-            cancelled, failed = cancelled + c, failed + f
-    return cancelled, failed
 
 
 def delete_namespace(redis_url: str, namespace: str) -> int:

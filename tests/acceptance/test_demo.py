@@ -1,7 +1,7 @@
 """`outbox demo` as a user runs it: a real process on embedded servers that ends in a clean
 audit, and that leaves nothing behind — no process, no directory — when interrupted with Ctrl-C.
-Then the same against servers of one's own, where it keeps to its own names and refuses to
-run over data that is not its own."""
+Then beside an application's servers: their URLs in the environment are not the demo's, and
+servers given on its command line are left exactly as they were."""
 
 from __future__ import annotations
 
@@ -12,13 +12,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import psycopg
 import pytest
 import redis
+from sqlalchemy.engine import make_url
 
 from outbox.settings import libpq_url
+from outbox.transport import delete_namespace
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -289,93 +293,120 @@ def test_ctrl_c_stops_every_process_and_removes_the_directory():
 
 
 @pytest.fixture
-def own_servers(clean):
-    """The test services stand in for a user's; the demo's table and keys are removed after."""
+def users_servers(services, empty_database_url) -> Iterator[SimpleNamespace]:
+    """A user's application database (a table of theirs, rows in it) and Redis database (keys of
+    their application), as the quickstart leaves them."""
+    with psycopg.connect(libpq_url(empty_database_url), autocommit=True) as conn:
+        conn.execute("CREATE TABLE shop_orders (id bigint PRIMARY KEY, sku text NOT NULL)")
+        conn.execute("INSERT INTO shop_orders SELECT n, 'sku-' || n FROM generate_series(1, 51) n")
+    client = redis.Redis.from_url(services.redis_url)
+    # The demo's namespace is the demo's: what an earlier run left there is not the user's.
+    delete_namespace(client, "outbox-demo")
+    mine = {"outbox:dramatiq:default": "queued", "shop:session:42": "a user's session"}
+    for key, value in mine.items():
+        client.set(key, value)
+    try:
+        yield SimpleNamespace(database_url=empty_database_url, redis_url=services.redis_url)
+    finally:
+        client.delete(*mine)
+        client.close()
 
-    def drop() -> None:
-        with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-            conn.execute("DROP TABLE IF EXISTS outbox_demo_orders")
-        client = redis.Redis.from_url(clean.redis_url)
-        try:
-            keys = list(client.scan_iter(match="outbox-demo:*"))
-            if keys:
-                client.delete(*keys)
-        finally:
-            client.close()
 
-    drop()
-    yield clean
-    drop()
+# Schemas of the user's, not the server's catalogs nor a session's temporary ones.
+_USERS = "n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp)'"
 
 
-def url_args(services) -> list[str]:
-    return ["--database-url", services.database_url, "--redis-url", services.redis_url]
+def database_snapshot(url: str) -> dict[str, object]:
+    """Everything a run could leave in a database: schemas, relations, functions, the rows."""
+    with psycopg.connect(libpq_url(url)) as conn:
+        return {
+            "schemas": conn.execute(
+                f"SELECT n.nspname FROM pg_namespace n WHERE {_USERS} ORDER BY 1"
+            ).fetchall(),
+            "relations": conn.execute(
+                "SELECT n.nspname, c.relname, c.relkind FROM pg_class c "
+                f"JOIN pg_namespace n ON n.oid = c.relnamespace WHERE {_USERS} ORDER BY 1, 2"
+            ).fetchall(),
+            "functions": conn.execute(
+                "SELECT n.nspname, p.proname FROM pg_proc p "
+                f"JOIN pg_namespace n ON n.oid = p.pronamespace WHERE {_USERS} ORDER BY 1, 2"
+            ).fetchall(),
+            "rows": conn.execute("SELECT * FROM shop_orders ORDER BY id").fetchall(),
+        }
+
+
+def demo_databases(url: str) -> list[str]:
+    """The databases named like the demo's own on the server of ``url``."""
+    with psycopg.connect(libpq_url(url)) as conn:
+        found = conn.execute("SELECT datname FROM pg_database WHERE starts_with(datname, 'outbox_demo_')")
+        return sorted(r[0] for r in found)
+
+
+def redis_snapshot(url: str) -> dict[bytes, bytes | None]:
+    client = redis.Redis.from_url(url)
+    try:
+        return {key: client.dump(key) for key in client.scan_iter()}
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(240)
+def test_the_environment_of_an_application_does_not_configure_the_demo(users_servers):
+    """The quickstart exported OUTBOX_DATABASE_URL and OUTBOX_REDIS_URL: the demo still starts
+    servers of its own, and the application's database and Redis are exactly as they were."""
+    before = database_snapshot(users_servers.database_url), redis_snapshot(users_servers.redis_url)
+    env = demo_env(OUTBOX_DATABASE_URL=users_servers.database_url, OUTBOX_REDIS_URL=users_servers.redis_url)
+    demo = start_demo("--orders", "5", "--rate", "50", "--no-chaos", "--no-chain", "--plain", env=env)
+    output, _ = demo.communicate(timeout=200)
+    assert demo.returncode == 0, output
+    assert_clean_audit(output, 5)
+    assert "PostgreSQL embedded" in output and "Redis embedded" in output, output
+    assert (database_snapshot(users_servers.database_url), redis_snapshot(users_servers.redis_url)) == before
+
+
+def url_args(servers) -> list[str]:
+    return ["--database-url", servers.database_url, "--redis-url", servers.redis_url]
 
 
 @pytest.mark.timeout(300)
-def test_on_servers_of_ones_own_the_demo_keeps_to_its_own_names(own_servers, engine):
-    from sqlalchemy.orm import Session
+def test_on_servers_of_ones_own_the_demo_leaves_nothing_behind(users_servers):
+    """Given on its command line, a PostgreSQL of one's own holds a database the demo creates and
+    drops (the one the URL names is never written), and a Redis of one's own only the demo's
+    namespace, deleted before, at the chaos's "flush" and after."""
+    database_before = database_snapshot(users_servers.database_url)
+    redis_before = redis_snapshot(users_servers.redis_url)
+    assert redis_before, "the user's keys are there"
+    demo_databases_before = demo_databases(users_servers.database_url)
+    demo = start_demo("--orders", "60", "--rate", "30", *url_args(users_servers))
+    output, _ = demo.communicate(timeout=240)
+    assert demo.returncode == 0, output
+    assert_clean_audit(output, 60)
+    assert "PostgreSQL yours" in output and "a database of its own, dropped at the end" in output, output
+    assert "Redis yours" in output, output
+    # Its "flush" deleted its own namespace only.
+    assert re.search(r"deleted the \d+ keys of namespace 'outbox-demo'", output), output
+    assert database_snapshot(users_servers.database_url) == database_before
+    assert redis_snapshot(users_servers.redis_url) == redis_before
+    assert demo_databases(users_servers.database_url) == demo_databases_before
 
-    import outbox
 
-    services = own_servers
-    # An earlier demo run, interrupted, left a row its (long gone) provider never saw.
-    with Session(engine) as s, s.begin():
-        outbox.write(
-            s, key="demo-order:left-over", step="charge", destination="demo.payments.charge", payload={"n": 1}
-        )
-    client = redis.Redis.from_url(services.redis_url)
-    sentinel = f"{services.namespace}:not-the-demos"
-    client.set(sentinel, "untouched")
+@pytest.mark.timeout(120)
+def test_a_role_that_may_not_create_the_demos_database_is_refused(users_servers):
+    role = f"demo_no_createdb_{os.getpid()}"
+    url = make_url(users_servers.database_url)
+    with psycopg.connect(libpq_url(users_servers.database_url), autocommit=True) as conn:
+        conn.execute(f'CREATE ROLE "{role}" LOGIN NOCREATEDB')
     try:
-        demo = start_demo("--orders", "60", "--rate", "30", *url_args(services))
-        output, _ = demo.communicate(timeout=240)
-        assert demo.returncode == 0, output
-        assert_clean_audit(output, 60)
-        assert "PostgreSQL yours" in output and "Redis yours" in output
-        assert "closed 1 demo rows left unfinished by an earlier run (1 cancelled, 0 failed)" in output
-        # Its "flush" deleted its own namespace only.
-        assert re.search(r"deleted the \d+ keys of namespace 'outbox-demo'", output), output
-        assert client.get(sentinel) == b"untouched"
+        before = database_snapshot(users_servers.database_url)
+        as_role = url.set(username=role, password=None).render_as_string(hide_password=False)
+        demo = start_demo("--orders", "5", "--plain", "--database-url", as_role)
+        output, _ = demo.communicate(timeout=100)
+        assert demo.returncode == 2, output
+        assert "a database of its own" in output and "CREATEDB" in output, output
+        assert database_snapshot(users_servers.database_url) == before
     finally:
-        client.delete(sentinel)
-        client.close()
-    with psycopg.connect(libpq_url(services.database_url)) as conn:
-        keys = conn.execute("SELECT DISTINCT destination FROM outbox_message ORDER BY 1").fetchall()
-        assert keys == [("demo.invoicing.issue",), ("demo.invoicing.notify",), ("demo.payments.charge",)]
-        left_over = conn.execute("SELECT state FROM outbox_message WHERE key = 'demo-order:left-over'")
-        assert left_over.fetchall() == [("cancelled",)]
-        assert conn.execute("SELECT count(*) FROM outbox_demo_orders").fetchone() == (60,)
-
-
-@pytest.mark.timeout(180)
-def test_the_demo_refuses_an_orders_table_that_is_not_its_own(own_servers):
-    with psycopg.connect(libpq_url(own_servers.database_url), autocommit=True) as conn:
-        conn.execute("CREATE TABLE outbox_demo_orders (id bigint PRIMARY KEY, sku text)")
-    demo = start_demo("--orders", "10", *url_args(own_servers))
-    output, _ = demo.communicate(timeout=150)
-    assert demo.returncode == 2, output
-    assert "already exists with columns" in output
-    with psycopg.connect(libpq_url(own_servers.database_url)) as conn:
-        assert conn.execute("SELECT count(*) FROM outbox_message").fetchone() == (0,)
-
-
-@pytest.mark.timeout(180)
-def test_the_demo_refuses_a_database_with_unfinished_rows_of_others(own_servers, engine):
-    from sqlalchemy.orm import Session
-
-    import outbox
-
-    with Session(engine) as s, s.begin():
-        outbox.write(
-            s, key="order:1", step="charge", destination="payments.charge", payload={"amount_cents": 1}
-        )
-    demo = start_demo("--orders", "10", *url_args(own_servers))
-    output, _ = demo.communicate(timeout=150)
-    assert demo.returncode == 2, output
-    assert "unfinished outbox rows that are not the demo's (payments.charge: 1)" in output
-    with psycopg.connect(libpq_url(own_servers.database_url)) as conn:
-        assert conn.execute("SELECT state FROM outbox_message").fetchall() == [("pending",)]
+        with psycopg.connect(libpq_url(users_servers.database_url), autocommit=True) as conn:
+            conn.execute(f'DROP ROLE IF EXISTS "{role}"')
 
 
 # -- the display -------------------------------------------------------------------------------------
