@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import sanitize
@@ -159,8 +159,23 @@ def version_for(nxt: Next) -> int:
     return known.payload_version if known is not None else 1
 
 
+def as_stored(confirmed: Confirmed) -> Confirmed:
+    """A provider's answer as the statement that settles its row stores it: the reference and
+    the response summary through :mod:`outbox.sanitize`, the summary read back as a reader of the
+    row gets it. What a ``@then`` function is given on every path, so that it sees one truth: the
+    worker's and a lookup's answers pass through here, the other paths read the stored row."""
+    encoded = sanitize.encode_response(confirmed.response)
+    return replace(
+        confirmed,
+        # A reference that cleans to nothing stays as given (Confirmed refuses an empty one).
+        ref=sanitize.clean_ref(confirmed.ref) or confirmed.ref,
+        response=json.loads(encoded) if encoded is not None else None,
+    )
+
+
 def then_plan(handler: Handler, delivery: Delivery, confirmed: Confirmed) -> Plan:
-    """What settling ``delivery``'s row ``sent`` with ``confirmed`` writes after it."""
+    """What settling ``delivery``'s row ``sent`` with ``confirmed`` writes after it: ``confirmed``
+    as stored (:func:`as_stored`, or the stored row's own values)."""
     fn = handler.then_fn
     if fn is None:
         return NOTHING

@@ -526,7 +526,8 @@ class Executor:
         if decision.outcome is Outcome.SENT:
             if handler.then_fn is None or not decision.ref:
                 return chains.NOTHING
-            confirmed = Confirmed(decision.ref, decision.response)
+            # As the record stores it: the same answer a lookup or an operator's path gives.
+            confirmed = chains.as_stored(Confirmed(decision.ref, decision.response))
             return chains.then_plan(handler, self._delivery(handler, claimed), confirmed)
         if handler.on_failure_fn is None or decision.outcome is Outcome.UNKNOWN:
             return chains.NOTHING

@@ -1549,6 +1549,7 @@ _RESOLVE_SENT = f"""
 WITH moved AS (
     UPDATE outbox_message
     SET state = 'sent', provider_ref = :ref, completed_at = now(), last_error = NULL,
+        response = CAST(:response AS jsonb),
         unknown_since = NULL, lease_expires_at = NULL, alerted_at = NULL,
         chain_problem = {_sqlalchemy(_problem_sql("outbox_message", "'sent'"))},
     {HISTORY_ENTRY}
@@ -1659,10 +1660,19 @@ def resolve_sent(
     ref: str,
     history: Mapping[str, Any],
     follow: chains.Plan = chains.NOTHING,
+    response: str | None = None,
 ) -> int | None:
-    """``unknown`` -> ``sent`` with the provider's reference an operator found, and ``follow``'s
+    """``unknown`` -> ``sent`` with the provider's reference an operator found (and ``response``,
+    the summary as stored: :func:`outbox.sanitize.encode_response`'s text), and ``follow``'s
     ``then`` steps written; how many were, or None when the row did not move."""
-    params = {**history, "id": row_id, "ref": ref, "follow": follow.param, "chain_problem": follow.problem}
+    params = {
+        **history,
+        "id": row_id,
+        "ref": ref,
+        "response": response,
+        "follow": follow.param,
+        "chain_problem": follow.problem,
+    }
     row = connection.execute(_text(_RESOLVE_SENT), params).first()
     return int(row[1]) if row is not None else None
 

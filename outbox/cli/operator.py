@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shlex
 import textwrap
 from collections.abc import Callable, Iterator
@@ -419,7 +420,10 @@ def resolve_arguments(p: argparse.ArgumentParser) -> None:
         Settle an unknown row by hand once you have asked the provider (the reconciler does this
         itself when the destination has a lookup). Exactly one of:
 
-          --sent REF       the provider has it: sent, with its reference REF
+          --sent REF       the provider has it: sent, with its reference REF (and, with
+                           --response JSON, the provider's answer as a JSON object: stored
+                           sanitised as the row's response, and what its @then is given;
+                           without it the @then gets response=None)
           --not-sent       the provider certainly has no record of it: back to pending, retried
                            now (attempts kept); the relay is woken with NOTIFY
           --failed REASON  give up: failed, with REASON as last_error (outbox replay can retry it)
@@ -434,6 +438,12 @@ def resolve_arguments(p: argparse.ArgumentParser) -> None:
     how.add_argument("--not-sent", action="store_true", help="the call did not take effect: retry it")
     how.add_argument("--failed", metavar="REASON", help="give up with this reason")
     p.add_argument(
+        "--response",
+        metavar="JSON",
+        help="with --sent: the provider's answer, a JSON object (stored sanitised as the row's "
+        "response; the @then function is given what is stored)",
+    )
+    p.add_argument(
         "--module",
         metavar="MODULE",
         help="the handler module (e.g. myapp.handlers): with --sent, the row's @then steps are "
@@ -442,11 +452,33 @@ def resolve_arguments(p: argparse.ArgumentParser) -> None:
     _by_and_reason(p)
 
 
+def _json_object(text: str | None) -> dict[str, Any] | None:
+    """--response as given: a JSON object (strict JSON: no NaN or Infinity), else exit 2."""
+    if text is None:
+        return None
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    try:
+        value = json.loads(text, parse_constant=refuse)
+    except ValueError as exc:
+        raise ConfigError(f"--response is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"--response must be a JSON object (the provider's answer), got {type(value).__name__}"
+        )
+    return value
+
+
 def resolve(args: argparse.Namespace, cfg: settings.Settings) -> int:
     row_id = _parse_id(args.id, "resolve takes one row id")
     from ..handlers import load_module
     from ..ops.actions import resolve as resolve_row
 
+    if args.response is not None and args.sent is None:
+        raise ConfigError("--response goes with --sent: it is the answer of the call the provider has")
+    response = _json_object(args.response)
     handlers = load_module(args.module) if args.module else None
     with _connection(cfg, write=True) as conn:
         result = resolve_row(
@@ -458,6 +490,7 @@ def resolve(args: argparse.Namespace, cfg: settings.Settings) -> int:
             by=args.by,
             reason=args.reason,
             handlers=handlers,
+            response=response,
         )
     if args.json:
         print_json(result.to_dict())

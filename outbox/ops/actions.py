@@ -389,6 +389,7 @@ def resolve(
     by: str | None = None,
     reason: str | None = None,
     handlers: Mapping[str, Handler] | None = None,
+    response: Mapping[str, Any] | None = None,
 ) -> ActionResult:
     """Settle an ``unknown`` row by hand, exactly one of: the provider has it (``sent_ref``), it
     certainly has not (``not_sent``: back to pending, attempts kept, its ambiguous fence rows
@@ -399,10 +400,18 @@ def resolve(
 
     ``handlers`` (the handler module's): a row resolved ``sent`` writes its destination's
     ``then`` steps in the same statement (outbox.chains). Without them, none are written, and
-    the result says so: ``outbox repair`` writes them later."""
+    the result says so: ``outbox repair`` writes them later. ``response`` (with ``sent_ref``
+    only): the provider's answer as the operator found it, a JSON object, stored sanitised as the
+    row's response; the ``then`` function gets exactly what is stored (None without it)."""
     chosen = [sent_ref is not None, not_sent, failed_reason is not None]
     if sum(chosen) != 1:
         raise ConfigError("resolve needs exactly one of --sent REF, --not-sent, --failed REASON")
+    if response is not None and sent_ref is None:
+        raise ConfigError("--response goes with --sent: it is the answer of the call the provider has")
+    if response is not None and not isinstance(response, Mapping):
+        raise ConfigError(
+            f"--response must be a JSON object (the provider's answer), got {type(response).__name__}"
+        )
     actor = by or default_actor()
     notes: list[str] = []
     if sent_ref is not None:
@@ -412,9 +421,13 @@ def resolve(
         sent_ref = sanitize.clean_ref(sent_ref)
         to_state = states.SENT
         history = _history_params("resolve", to_state, actor, reason, provider_ref=sent_ref)
-        plan = _then_plan(connection, row_id, sent_ref, handlers)
+        # Stored as a worker's answer is (outbox.sanitize), and the then function is given
+        # exactly that: None without --response.
+        stored = sanitize.encode_response(dict(response)) if response is not None else None
+        answer = Confirmed(sent_ref, json.loads(stored) if stored is not None else None)
+        plan = _then_plan(connection, row_id, answer, handlers)
         followed = transitions.resolve_sent(
-            connection, row_id=row_id, ref=sent_ref, history=history, follow=plan
+            connection, row_id=row_id, ref=sent_ref, history=history, follow=plan, response=stored
         )
         moved = followed is not None
         if moved:
@@ -456,9 +469,9 @@ _ROW_FOR_PLAN = text(
 
 
 def _then_plan(
-    connection: Connection, row_id: int, ref: str, handlers: Mapping[str, Handler] | None
+    connection: Connection, row_id: int, confirmed: Confirmed, handlers: Mapping[str, Handler] | None
 ) -> chains.Plan:
-    """The ``then`` steps of ``row_id`` once sent with ``ref`` (outbox.chains)."""
+    """The ``then`` steps of ``row_id`` once sent with ``confirmed`` (outbox.chains)."""
     if handlers is None:
         # The reconciler's `chains` job computes them with its module (outbox.chains).
         return chains.UNCOMPUTED
@@ -466,7 +479,7 @@ def _then_plan(
     handler = handlers.get(row["destination"]) if row is not None else None
     if row is None or handler is None:
         return chains.NOTHING
-    return chains.then_plan_for_row(handler, dict(row), Confirmed(ref))
+    return chains.then_plan_for_row(handler, dict(row), confirmed)
 
 
 def _chain_notes(plan: chains.Plan, written: int, *, with_module: bool) -> list[str]:

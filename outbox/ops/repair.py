@@ -692,7 +692,7 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
             version=item.failed_at,
             ref=found.ref,
             response=found.response,
-            follow=chains.then_plan(handler, delivery, found),
+            follow=chains.then_plan(handler, delivery, chains.as_stored(found)),
             by=acting.by,
             reason=acting.reason,
             overrule=item.forced,
