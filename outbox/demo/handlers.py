@@ -65,7 +65,9 @@ def charge(d: Delivery) -> Confirmed:
         headers={"Idempotency-Key": d.idempotency_key},
     )
     if r.status_code == 402:
-        raise PermanentError(f"card declined: {r.json().get('error', 'no reason given')}")
+        # A short reason of ours (the outbox adds the status), never the provider's body: it
+        # often echoes the request, and error texts reach people without payload rights.
+        raise PermanentError("card declined")
     r.raise_for_status()
     body = r.json()
     return Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
