@@ -331,6 +331,7 @@ def finish_batch(
         return None
     return Finished(str(row[0]), row[1], row[2], row[3], row[4], float(row[5]))
 
+
 # A finished batch outlives its members for as long as a purged key does (the key ledger), so that
 # ``outbox.batch`` answers for its name as ``write`` answers for a ledgered key. Its then/catch
 # payloads are needed by nothing after the finish: at the retention each gives way to its SHA-256
@@ -395,7 +396,6 @@ def drop_batches(conn: psycopg.Connection[Any], *, horizon_seconds: float, limit
     then/catch row, in ``outbox_message`` or the key ledger): deleted, their names free again, at
     most ``limit``; how many."""
     return conn.execute(DROP_BATCHES_SQL, {"horizon": float(horizon_seconds), "limit": limit}).rowcount
-
 
 
 # == the relay ======================================================================================
