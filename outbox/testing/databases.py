@@ -16,15 +16,25 @@ from outbox.settings import libpq_url
 def fresh_database(url: str, prefix: str = "outbox_test") -> Iterator[str]:
     """An empty database on the same server as ``url``; yields its URL, drops it afterwards."""
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(libpq_url(url), autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    # make_url, not string surgery: a URL without a database path ("…@host:5432") keeps its host.
-    fresh = make_url(url).set(database=name).render_as_string(hide_password=False)
     try:
-        yield fresh
-    finally:
         with psycopg.connect(libpq_url(url), autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            admin.execute(f'CREATE DATABASE "{name}"')
+    except BaseException:
+        # Ctrl-C during CREATE DATABASE: psycopg's cancel may come after the server finished,
+        # so the database can exist though the statement raised.
+        with contextlib.suppress(psycopg.Error):
+            _drop(url, name)
+        raise
+    try:
+        # make_url, not string surgery: a URL without a database path ("…@host:5432") keeps its host.
+        yield make_url(url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        _drop(url, name)
+
+
+def _drop(url: str, name: str) -> None:
+    with psycopg.connect(libpq_url(url), autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 # The one write of outbox_message outside outbox.transitions, and no state move: a test
