@@ -630,10 +630,14 @@ WITH moved AS (
         lease_expires_at = NULL{chain_set}
     -- A confirmed answer also settles a row that a lookup sent back (pending, dispatched) or
     -- failed while this claim's call was still on its way, as long as no newer claim owns it:
-    -- the provider's confirmation beats the lookup's earlier "not found".
+    -- the provider's confirmation beats the lookup's earlier "not found". Not an operator's
+    -- resolve --failed ("refunded by hand"): only another operator overrules that (a forced
+    -- repair or replay); the fence row keeps the answer (superseded:sent, which the audit shows).
     WHERE id = %(id)s AND claim_token = %(token)s
       AND (state IN ('in_flight', 'unknown')
-           OR (%(state)s = 'sent' AND state IN ('pending', 'dispatched', 'failed')))
+           OR (%(state)s = 'sent' AND state IN ('pending', 'dispatched'))
+           OR (%(state)s = 'sent' AND state = 'failed'
+               AND NOT {outcomes.operator_failed_unknown_sql("outbox_message")}))
     RETURNING id, key, state, last_error, trace_context{chain_returning}
 ){follow_cte}
 UPDATE outbox_attempt
