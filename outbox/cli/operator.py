@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import shlex
 import textwrap
 from collections.abc import Callable, Iterator
@@ -460,10 +461,19 @@ def _json_object(text: str | None) -> dict[str, Any] | None:
     def refuse(constant: str) -> Any:
         raise ValueError(f"{constant} is not JSON")
 
+    def finite(digits: str) -> float:
+        # 1e400 parses as infinity, which would be stored as the string "Infinity".
+        number = float(digits)
+        if not math.isfinite(number):
+            raise ValueError(f"{digits[:40]} is out of range")
+        return number
+
     try:
-        value = json.loads(text, parse_constant=refuse)
+        value = json.loads(text, parse_constant=refuse, parse_float=finite)
     except ValueError as exc:
         raise ConfigError(f"--response is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError("--response is nested too deeply to read") from exc
     if not isinstance(value, dict):
         raise ConfigError(
             f"--response must be a JSON object (the provider's answer), got {type(value).__name__}"

@@ -163,6 +163,9 @@ def test_resolve_sent_with_a_response_stores_it_sanitised_and_gives_then_that(
         ("[1, 2]", "a JSON object"),
         ("{not json", "not valid JSON"),
         ('{"amount": NaN}', "not valid JSON"),
+        # What a strict JSON parser reads as infinity, and nesting past Python's parser.
+        ('{"amount": 1e400}', "not valid JSON"),
+        ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply"),
     ):
         code, _, err = cli(
             clean, capsys, "resolve", str(row_id), "--sent", "ch_1", "--response", bad, "--module", MODULE
