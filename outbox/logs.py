@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -112,8 +113,8 @@ class JsonFormatter(logging.Formatter):
         return '{"time": ' + json.dumps(stamp) + ", " + rest[1:]
 
 
-def _formatter() -> logging.Formatter:
-    chosen = (os.environ.get(LOG_FORMAT_ENV) or "text").strip().lower()
+def _formatter(environ: Mapping[str, str] | None = None) -> logging.Formatter:
+    chosen = ((os.environ if environ is None else environ).get(LOG_FORMAT_ENV) or "text").strip().lower()
     if chosen not in LOG_FORMATS:
         from .exceptions import ConfigError
 
@@ -123,10 +124,11 @@ def _formatter() -> logging.Formatter:
     return KeyValueFormatter("%(asctime)s %(levelname)s %(name)s %(message)s")
 
 
-def configure(level: str = "INFO") -> None:
-    """Log to stderr at ``level`` (any case), as text or, with OUTBOX_LOG_FORMAT=json, JSON."""
+def configure(level: str = "INFO", environ: Mapping[str, str] | None = None) -> None:
+    """Log to stderr at ``level`` (any case), as text or, with OUTBOX_LOG_FORMAT=json in
+    ``environ`` (default: the process's environment), JSON."""
     handler = logging.StreamHandler()
-    handler.setFormatter(_formatter())
+    handler.setFormatter(_formatter(environ))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

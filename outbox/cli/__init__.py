@@ -77,7 +77,7 @@ def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
         if only is None or command.name in only:
-            flags.add_global(p)
+            flags.add_global(p, from_environment=command.environment)
             flags.add_shared(p, command.flags)
             cast(Callable[[argparse.ArgumentParser], None], load(command.arguments))(p)
     return parser
@@ -102,12 +102,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = BY_NAME[args.command]
     _reject_misplaced(parser, argv[:position], command)
     try:
-        flags.defaults(args)
+        environ = None if command.environment else {}
+        flags.defaults(args, environ)
         from .. import settings
         from ..logs import configure
 
-        configure(args.log_level)
+        configure(args.log_level, environ)
         cfg = settings.from_env(
+            environ,
             database_url=args.database_url,
             redis_url=args.redis_url,
             namespace=args.namespace,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ..exceptions import ConfigError
 
@@ -62,14 +62,15 @@ def positive_int(flag: str) -> Callable[[str], int]:
     return parse
 
 
-def add_global(parser: argparse.ArgumentParser) -> None:
+def add_global(parser: argparse.ArgumentParser, *, from_environment: bool = True) -> None:
     """--log-level: every command takes it, before or after the subcommand."""
+    default = f"${LOG_LEVEL_ENV} or INFO" if from_environment else "INFO"
     parser.add_argument(
         "--log-level",
         type=log_level,
         default=argparse.SUPPRESS,
         metavar="LEVEL",
-        help=f"log verbosity: {', '.join(LOG_LEVELS)}, any case (default: ${LOG_LEVEL_ENV} or INFO)",
+        help=f"log verbosity: {', '.join(LOG_LEVELS)}, any case (default: {default})",
     )
 
 
@@ -123,15 +124,16 @@ ALL = frozenset({DATABASE, REDIS, JSON, METRICS})
 WITH_VALUE = frozenset({"--log-level", "--database-url", "--redis-url", "--namespace", "--metrics-port"})
 
 
-def defaults(args: argparse.Namespace) -> None:
-    """Fill in the shared flags nobody gave; the log level from $OUTBOX_LOG_LEVEL."""
+def defaults(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:
+    """Fill in the shared flags nobody gave; the log level from $OUTBOX_LOG_LEVEL of ``environ``
+    (default: the process's environment)."""
     for name in ("database_url", "redis_url", "namespace", "metrics_port"):
         if not hasattr(args, name):
             setattr(args, name, None)
     if not hasattr(args, "json"):
         args.json = False
     if not hasattr(args, "log_level"):
-        raw = os.environ.get(LOG_LEVEL_ENV) or "INFO"
+        raw = (os.environ if environ is None else environ).get(LOG_LEVEL_ENV) or "INFO"
         try:
             args.log_level = log_level(raw)
         except argparse.ArgumentTypeError as exc:

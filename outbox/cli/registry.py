@@ -23,6 +23,9 @@ class Command:
     run: str
     #: Shared flags the command takes (outbox.cli.flags): database, redis (with namespace), json.
     flags: frozenset[str] = frozenset()
+    #: Whether OUTBOX_* variables configure it. They are the application's, so the demo, which
+    #: runs beside an application, reads none: a variable of theirs must neither move nor stop it.
+    environment: bool = True
 
 
 _SERVICE = frozenset({DATABASE, REDIS, METRICS})
@@ -198,6 +201,7 @@ COMMANDS: tuple[Command, ...] = (
         "run the whole pipeline with crashes injected, then audit it",
         "outbox.demo.arguments:add_arguments",
         "outbox.demo.run:run",
+        environment=False,
     ),
 )
 
