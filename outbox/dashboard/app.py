@@ -6,12 +6,14 @@ is the CLI's refusal) in a worker thread; the app itself holds no state but the 
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
 import inspect
 import logging
 import re
-from collections.abc import Awaitable, Callable, Mapping
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,10 @@ COOKIE = "outbox_session"
 #: site can start) never touches the signed-in session.
 LOGIN_COOKIE = "outbox_login"
 LOGIN_SECONDS = 600
+#: A browser that signed in as a user keeps a token of it: its tries for that name are not held
+#: back by other addresses' guesses (security.Throttle). Not a session: it opens nothing.
+DEVICE_COOKIE = "outbox_device"
+DEVICE_SECONDS = 30 * 86400
 #: A form body larger than this is refused before it is parsed (a bulk form of 1,000 ids is ~10 KB).
 MAX_FORM_BYTES = 256 * 1024
 
@@ -219,9 +225,7 @@ class Dashboard:
         return access, session
 
     async def _form(self, request: Request, session: dict[str, Any]) -> dict[str, list[str]]:
-        body = await request.body()
-        if len(body) > MAX_FORM_BYTES:
-            raise Refused(413, "form too large")
+        body = await _body(request)
         form = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
         _no_nul(v for values in form.values() for v in values)
         token = (form.get("csrf_token") or [""])[0] or request.headers.get("x-csrf-token")
@@ -337,24 +341,24 @@ class Dashboard:
         # The address the server names: behind a proxy, the client's only if the server trusts
         # that proxy's forwarded header (uvicorn's forwarded_allow_ips); never read here.
         client = request.client.host if request.client else "-"
-        # Counted as a failure from now until it succeeds: concurrent guesses wait their turn.
-        admission = self.throttle.begin(name, client)
+        device = self._device(request, name)
+        # Counted as a failure from now until it succeeds: concurrent guesses are refused, not
+        # checked together.
+        admission = self.throttle.begin(name, client, device)
         if admission.refused_for > 0:
             wait = int(admission.refused_for) + 1
+            if admission.why == "name":
+                error = (
+                    "this user name has had many failed logins: its sign-ins are checked one at a "
+                    f"time; try again in {wait} s"
+                )
+            else:
+                error = f"too many failed logins from this address: try again in {wait} s"
             page = self._page(
-                request,
-                "login.html",
-                None,
-                None,
-                status=429,
-                login=pending,
-                next=nxt,
-                error=f"too many failed logins from this address: try again in {wait} s",
+                request, "login.html", None, None, status=429, login=pending, next=nxt, error=error
             )
             page.headers["retry-after"] = str(wait)
             return page
-        if admission.delay > 0:
-            await asyncio.sleep(admission.delay)
         user = await run_in_threadpool(security.check_login, self.c.users, name, password)
         if user is None:
             logger.warning("dashboard login failed", extra={"user": name[:64], "client": client[:64]})
@@ -368,7 +372,7 @@ class Dashboard:
                 next=nxt,
                 error="wrong user name or password",
             )
-        self.throttle.succeeded(name, client)
+        self.throttle.succeeded(name, client, admission, device)
         logger.info("dashboard login", extra={"user": user.name, "role": user.role})
         replaced = self._session(request)
         if replaced and replaced.get("sid") and replaced.get("user"):
@@ -382,7 +386,22 @@ class Dashboard:
         response = RedirectResponse(target, status_code=303)
         self._set_session(request, response, fresh)
         response.delete_cookie(LOGIN_COOKIE, path=self._base(request) or "/")
+        # A new token at each sign-in: one that failed too often (a guesser at this browser) is
+        # left behind.
+        known = {
+            "device": user.name,
+            "id": secrets.token_urlsafe(16),
+            "exp": int(time.time() + DEVICE_SECONDS),
+        }
+        self._set_session(request, response, known, cookie=DEVICE_COOKIE, seconds=DEVICE_SECONDS)
         return response
+
+    def _device(self, request: Request, name: str) -> str | None:
+        """The token of this browser's earlier sign-in as ``name``, if it holds one."""
+        known = self.c.signer.unsign(request.cookies.get(DEVICE_COOKIE))
+        if known is None or known.get("device") != name or not isinstance(known.get("id"), str):
+            return None
+        return str(known["id"])
 
     async def logout(self, request: Request) -> Response:
         session = self._session(request) or {}
@@ -830,6 +849,21 @@ def _withhold_steps(steps: ops_inspect.KeySteps) -> ops_inspect.KeySteps:
     return ops_inspect.KeySteps(steps.key, [shown.withhold_row(s) for s in steps.steps])
 
 
+async def _body(request: Request) -> bytes:
+    """The request's body, refused as soon as it is larger than a form may be: a body is never
+    held whole in memory before its size is known."""
+    declared = request.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > MAX_FORM_BYTES:
+        raise Refused(413, "form too large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_FORM_BYTES:
+            raise Refused(413, "form too large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _no_nul(values: Any) -> None:
     # PostgreSQL's text cannot hold a NUL byte: refused here rather than failing in a query.
     if any("\x00" in v for v in values):
@@ -904,6 +938,19 @@ def _session_settings(engine: Engine) -> None:
         dbapi_connection.commit()
 
 
+def _disposing(engine: Engine) -> Callable[[Starlette], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan when it opened its engine itself: the pool is closed with the app."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await run_in_threadpool(engine.dispose)
+
+    return lifespan
+
+
 def _pretty(value: Any) -> str:
     import json
 
@@ -953,6 +1000,7 @@ def create_app(
             hide_password=False
         )
         engine = None
+    owned = engine is None
     if engine is None:
         if not database_url:
             raise ConfigError("no database configured: set OUTBOX_DATABASE_URL (or pass --database-url)")
@@ -973,6 +1021,6 @@ def create_app(
         title=title,
     )
     dashboard = Dashboard(config)
-    app = _App(routes=dashboard.routes())
+    app = _App(routes=dashboard.routes(), lifespan=_disposing(engine) if owned else None)
     app.state.dashboard = dashboard
     return app

@@ -218,26 +218,33 @@ def password_mark(user: User) -> str:
 @dataclass(frozen=True)
 class Admission:
     """What the throttle makes of a login try: refused for ``refused_for`` seconds (nothing
-    counted), or admitted, its password to be checked after ``delay`` seconds."""
+    counted; ``why``: ``address`` or ``name``), or admitted, its password to be checked now
+    (``known``: counted as its known browser's)."""
 
     refused_for: float = 0.0
-    delay: float = 0.0
+    why: str = ""
+    known: bool = False
 
 
 class Throttle:
-    """Failed logins within ``window_seconds``, counted two ways.
+    """Failed logins within ``window_seconds``, counted three ways.
 
     Per (user name, client address): after ``max_failures``, that address's tries for that name
     are refused, even a right one, until the oldest failure ages out. Behind a proxy whose
     forwarded address is not trusted every operator shares one address; counted per name too,
     a guesser there locks out the name guessed, not every operator.
 
-    Per user name, from every address: once the name has ``max_failures``, its tries are
-    checked one at a time, the first at once, each next ``slow_seconds`` after the one before,
-    doubling with each further failure up to ``slow_max_seconds``. A try waits its turn and is
-    never refused for the name's sake, so the right password from an address that has not
-    guessed gets in after the wait, while a guesser with a new address per guess gets a handful
+    Per user name, from every address: once the name has ``max_failures``, one try of it is
+    checked at a time, the next ``slow_seconds`` after the one before, doubling with each further
+    failure up to ``slow_max_seconds``; a try before its time is refused with that time (nothing
+    is queued: queued tries would add up, and a campaign from many addresses would make the
+    user's own try wait for all of them). A guesser with a new address per guess gets a handful
     of tries a minute.
+
+    Per (user name, known browser): a browser that has signed in as the name holds a token of
+    it (``device``); its tries skip both counts above and are counted on their own, so no one
+    else's guesses hold the user back there. One that fails ``max_failures`` times is a browser
+    like any other until they age out.
 
     Each try counts as a failure from the moment it starts (:meth:`begin`) until it succeeds,
     so concurrent guesses cannot all slip in while the first ones are being checked. In memory:
@@ -245,10 +252,11 @@ class Throttle:
     """
 
     #: Names longer than this count under their first characters (a long made-up name is not
-    #: a new bucket per byte, nor kept whole); addresses likewise.
+    #: a new bucket per byte, nor kept whole); addresses and browser tokens likewise.
     NAME_CHARS = 128
     ADDRESS_CHARS = 64
-    #: Above this many counters, the ones with no recent failure are dropped.
+    #: Counters are swept of old failures once there are this many, then again whenever they
+    #: have doubled since the last sweep (a flood of names costs each try O(1), not a sweep).
     MAX_NAMES = 10_000
 
     def __init__(
@@ -263,14 +271,17 @@ class Throttle:
         self.window_seconds = window_seconds
         self.slow_seconds = slow_seconds
         self.slow_max_seconds = slow_max_seconds
-        # Keyed by "user NAME" and by "LEN:ADDRESS NAME" (the length keeps the two apart).
+        # Keyed by "user NAME", by "LEN:ADDRESS NAME" and by "device TOKEN NAME" (the length and
+        # the prefix keep them apart).
         self._failures: dict[str, deque[float]] = {}
         self._next_check: dict[str, float] = {}
+        self._sweep_at = self.MAX_NAMES
         self._lock = threading.Lock()
 
-    def _keys(self, name: str, address: str) -> tuple[str, str]:
+    def _keys(self, name: str, address: str, device: str | None) -> tuple[str, str, str | None]:
         name, address = name[: self.NAME_CHARS], address[: self.ADDRESS_CHARS]
-        return f"user {name}", f"{len(address)}:{address} {name}"
+        known = f"device {device[: self.ADDRESS_CHARS]} {name}" if device else None
+        return f"user {name}", f"{len(address)}:{address} {name}", known
 
     def _recent(self, key: str, now: float) -> deque[float] | None:
         q = self._failures.get(key)
@@ -278,36 +289,49 @@ class Throttle:
             q.popleft()
         return q
 
-    def begin(self, name: str, address: str) -> Admission:
-        """Start a login try for this name from this address: refused (nothing counted), or
-        admitted and counted as a failure until :meth:`succeeded`."""
+    def _sweep(self, now: float) -> None:
+        if len(self._failures) < self._sweep_at:
+            return
+        horizon = now - self.window_seconds
+        self._failures = {k: q for k, q in self._failures.items() if q and q[-1] > horizon}
+        self._next_check = {k: t for k, t in self._next_check.items() if t > now}
+        self._sweep_at = max(self.MAX_NAMES, 2 * len(self._failures))
+
+    def begin(self, name: str, address: str, device: str | None = None) -> Admission:
+        """Start a login try for this name from this address (and this known browser's token,
+        if it holds one for the name): refused (nothing counted), or admitted and counted as a
+        failure until :meth:`succeeded`."""
         now = time.monotonic()
-        user, pair = self._keys(name, address)
+        user, pair, known = self._keys(name, address, device)
         with self._lock:
+            self._sweep(now)
+            if known is not None and len(self._recent(known, now) or ()) < self.max_failures:
+                self._failures.setdefault(known, deque()).append(now)
+                return Admission(known=True)
             q = self._recent(pair, now)
             if q is not None and len(q) >= self.max_failures:
-                return Admission(refused_for=q[0] + self.window_seconds - now)
-            if len(self._failures) >= self.MAX_NAMES:
-                horizon = now - self.window_seconds
-                self._failures = {k: q for k, q in self._failures.items() if q and q[-1] > horizon}
-                self._next_check = {k: t for k, t in self._next_check.items() if t > now}
+                return Admission(refused_for=q[0] + self.window_seconds - now, why="address")
             failures = len(self._recent(user, now) or ())
-            delay = 0.0
             if failures >= self.max_failures:
+                at = self._next_check.get(user, now)
+                if at > now:
+                    return Admission(refused_for=at - now, why="name")
                 doublings = min(failures - self.max_failures, 16)
-                spacing = min(self.slow_max_seconds, self.slow_seconds * 2**doublings)
-                at = max(now, self._next_check.get(user, now))
-                self._next_check[user] = at + spacing
-                delay = at - now
+                self._next_check[user] = now + min(self.slow_max_seconds, self.slow_seconds * 2**doublings)
             for key in (user, pair):
                 self._failures.setdefault(key, deque()).append(now)
-            return Admission(delay=delay)
+            return Admission()
 
-    def succeeded(self, name: str, address: str) -> None:
-        """The try was right: this address's failures for the name are forgotten, and the try
-        uncounted from the name's (the other addresses' failures still slow it)."""
-        user, pair = self._keys(name, address)
+    def succeeded(self, name: str, address: str, admission: Admission, device: str | None = None) -> None:
+        """The try ``admission`` let in was right: its own count is forgotten (the known
+        browser's, or this address's failures for the name, the try uncounted from the name's:
+        the other addresses' failures still slow it)."""
+        user, pair, known = self._keys(name, address, device)
         with self._lock:
+            if admission.known:
+                if known is not None:
+                    self._failures.pop(known, None)
+                return
             self._failures.pop(pair, None)
             q = self._failures.get(user)
             if q:
