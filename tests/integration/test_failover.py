@@ -14,7 +14,7 @@ from helpers import published_row_ids, relay_once, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import cli, failover, transitions
+from outbox import cli, failover, transitions, transport
 from outbox.consumer import Executor, RunResult
 from outbox.failover import FailoverGuard
 from outbox.handlers import close_http_clients, registry
@@ -81,7 +81,8 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
     # leaves a row whose publication failed.
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
         transitions.undispatch(db, ids=[ids[2]], retry_after_seconds=0, error="refused")
-    redis_client.flushdb()
+    # Every queued message lost; the database OUTBOX_TEST_REDIS_URL names may hold others' keys.
+    transport.delete_namespace(redis_client, clean.namespace)
 
     assert guard.check_now() is True
     assert sql(
