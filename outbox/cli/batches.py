@@ -52,6 +52,12 @@ def arguments(p: argparse.ArgumentParser) -> None:
         A batch is named by its id or its name (a name of digits only reads as an id). Exit 0;
         `watch` exits 1 when the batch finished with `catch` (a member failed); 1 for no such
         batch.
+
+        A finished batch whose members are all purged loses its then/catch payloads at
+        OUTBOX_RETENTION after its finish (show still tells how it ended) and is deleted at
+        OUTBOX_LEDGER_HORIZON; then show finds no such batch and the name is free (a new
+        batch, new calls). Until then outbox.batch with that name and the same then/catch
+        steps returns the old batch, with other steps raises BatchConflict (docs/chains.md).
         """,
     )
     p.add_argument("action", choices=("show", "watch"), help="show once, or watch until it is finished")
