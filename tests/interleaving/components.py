@@ -543,15 +543,19 @@ def operator_replay_destination(engine: Engine, destination: str, reason: str) -
         )
 
 
-def operator_repair(engine: Engine, database_url: str, key: str, handlers: Any) -> list[str]:
+def operator_repair(
+    engine: Engine, database_url: str, key: str, handlers: Any, *, force: bool = False
+) -> list[str]:
     """``outbox repair KEY --module M --yes`` (issue 14), as the CLI calls it: the plan in one
-    transaction, then each action in its own guarded statement."""
+    transaction, then each action in its own guarded statement. ``force``: ``--force --reason``,
+    which overrules an operator's ``resolve --failed`` (the provider is asked first)."""
     from outbox.ops import repair
 
+    reason = "support: the customer wants it after all" if force else "runbook: repair"
     with engine.begin() as conn:
-        plan = repair.plan_repair(conn, [key], handlers=handlers, module="interleaving")
+        plan = repair.plan_repair(conn, [key], handlers=handlers, module="interleaving", force=force)
     done = repair.execute_repair(
-        database_url, plan, handlers=handlers, module="interleaving", by=OPERATOR, reason="runbook: repair"
+        database_url, plan, handlers=handlers, module="interleaving", by=OPERATOR, reason=reason
     )
     return [r.message for r in done]
 

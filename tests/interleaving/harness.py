@@ -315,6 +315,9 @@ class World:
         self.lost_claims: list[dict[str, Any]] = []
         self.operator_failed: set[int] = set()
         self.purged_then_rewritten: set[tuple[str, str]] = set()
+        #: batch name -> (members, then, catch, the member ids its first transaction wrote)
+        self.batches: dict[str, tuple[list[tuple[str, dict[str, Any]]], Any, Any, list[int]]] = {}
+        self.batch_retries: list[Finding] = []
         self._next_proc = 1
         self._next_key = 1
         self._stop = threading.Event()
@@ -425,7 +428,28 @@ class World:
         then = outbox.Next("done", "ix.once", {"amount_cents": 1, "currency": "EUR"})
         catch = outbox.Next("undo", "ix.once", {"amount_cents": 2, "currency": "EUR"})
         ids = c.write_batch(self.engine, name=name, members=members, then=then, catch=catch)
+        self.batches[name] = (members, then, catch, ids)
         self.log(f"app: batch {name} of rows {ids}")
+
+    def step_rewrite_batch(self) -> None:
+        """The application retries a batch's whole transaction (``outbox.batch`` and its member
+        writes), its members and then/catch payloads maybe purged meanwhile (the purge's strip):
+        until the ledger horizon it is answered with the old batch and the old rows."""
+        if not self.batches:
+            return
+        name = self.rng.choice(sorted(self.batches))
+        members, then, catch, ids = self.batches[name]
+        try:
+            again = c.write_batch(self.engine, name=name, members=members, then=then, catch=catch)
+        except Exception as exc:
+            again, error = [], f"{type(exc).__name__}: {exc}"
+        else:
+            error = ""
+        self.log(f"app: batch {name} written again -> rows {again}{' ' + error if error else ''}")
+        if again != ids:
+            self.batch_retries.append(
+                Finding("batch retry", f"batch {name} retried: rows {again} {error}, first {ids}", ids)
+            )
 
     def step_write(self) -> None:
         for _ in range(self.rng.choice([1, 1, 2, 3])):
@@ -787,10 +811,19 @@ class World:
         if not rows:
             return
         key = self.rng.choice(rows)[0]
+        # A human overrules another's resolve --failed, by name and with a reason (--force).
+        force = self.rng.random() < 0.5 and bool(
+            self.sql(
+                "SELECT 1 FROM outbox_message WHERE key = %s AND state = 'failed' AND id = ANY(%s)",
+                (key, sorted(self.operator_failed)),
+            )
+        )
         self.side_threads.append(
             self._thread(
-                f"operator repair {key}",
-                lambda: c.operator_repair(self.operator_engine, self.database_url, key, self.handlers),
+                f"operator repair {key}{' --force' if force else ''}",
+                lambda: c.operator_repair(
+                    self.operator_engine, self.database_url, key, self.handlers, force=force
+                ),
             )
         )
 
@@ -834,6 +867,7 @@ class World:
         ]
         if "purge" in f:
             steps.append((0.7, self.step_rewrite))
+            steps.append((0.3, self.step_rewrite_batch))
         steps.append((0.5, self.step_cancel))
         steps.append((0.6, self.step_write_batch))
         if "lock" in f:
@@ -878,7 +912,32 @@ class World:
                     break
             time.sleep(self.rng.choice([0.0, 0.05, 0.1]))
         stuck = self.quiesce()
-        return stuck + self.check()
+        findings = stuck + self.check()
+        return findings + self.retry_batches_after_purge()
+
+    def retry_batches_after_purge(self) -> list[Finding]:
+        """Once everything settled: the retention passes, the purge moves the sent rows into the
+        ledger and replaces finished batches' then/catch payloads by their SHA-256, and the
+        application retries every batch's transaction: each must get its old rows back."""
+        if "purge" not in self.cfg.faults or not self.batches:
+            return []
+        time.sleep(self.cfg.retention + 0.2)
+        self.step_job_sync("purge")
+        stripped = self.sql("SELECT count(*) FROM outbox_batch WHERE then_step ? 'payload_sha256'")[0][0]
+        self.log(f"after the retention: {stripped} of {len(self.batches)} batch(es) stripped")
+        for name in sorted(self.batches):
+            members, then, catch, ids = self.batches[name]
+            try:
+                again = c.write_batch(self.engine, name=name, members=members, then=then, catch=catch)
+            except Exception as exc:
+                again, error = [], f"{type(exc).__name__}: {exc}"
+            else:
+                error = ""
+            if again != ids:
+                self.batch_retries.append(
+                    Finding("batch retry", f"batch {name} retried: rows {again} {error}, first {ids}", ids)
+                )
+        return list(self.batch_retries)
 
     # -- quiescence --------------------------------------------------------------------------------
 
@@ -1008,6 +1067,19 @@ class World:
                             [row_id],
                         )
                     )
+            if (
+                state == "sent"
+                and row_id in self.operator_failed
+                and not any(e.get("forced") in (True, "true") for e in history or [])
+            ):
+                findings.append(
+                    Finding(
+                        "operator overruled",
+                        f"row {row_id} ({ikey}) sent after an operator's resolve --failed, no human "
+                        "forcing it",
+                        [row_id],
+                    )
+                )
             if state == "cancelled" and charged:
                 findings.append(
                     Finding("charged but cancelled", f"row {row_id} ({ikey}) cancelled, charged", [row_id])
