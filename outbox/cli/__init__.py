@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = BY_NAME[args.command]
     _reject_misplaced(parser, argv[:position], command)
     try:
-        environ = None if command.environment else {}
+        environ: dict[str, str] | None = None if command.environment else {}
         flags.defaults(args, environ)
         from .. import settings
         from ..logs import configure
