@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import ipaddress
 import logging
 import os
 import sys
@@ -79,7 +78,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     import uvicorn
 
     from ..dashboard import create_app
-    from ..dashboard.security import parse_users
+    from ..dashboard.security import loopback, parse_users
 
     users_path = args.users or os.environ.get(USERS_ENV)
     if not users_path:
@@ -107,7 +106,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         module=args.module,
     )
     proxies = os.environ.get(TRUSTED_PROXIES_ENV, "").strip()
-    if not insecure and not proxies and not _loopback(args.host):
+    if not insecure and not proxies and not loopback(args.host):
         logger.warning(
             "serving plain HTTP on %s with Secure cookies: browsers do not send Secure cookies back "
             'over http://, so signing in fails ("the sign-in cookie did not come back") unless '
@@ -134,13 +133,3 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         forwarded_allow_ips=proxies or None,
     )
     return 0
-
-
-def _loopback(host: str) -> bool:
-    """Browsers send Secure cookies back to http://localhost; anywhere else, only over HTTPS."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

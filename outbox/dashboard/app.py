@@ -323,9 +323,15 @@ class Dashboard:
             )
         pending = self._login_state(request)
         if pending is None:
-            if request.method == "POST" and self.c.secure_cookies and request.url.scheme == "http":
+            if (
+                request.method == "POST"
+                and self.c.secure_cookies
+                and request.url.scheme == "http"
+                and not security.loopback(request.url.hostname)
+            ):
                 # The form's cookie did not come back: over plain HTTP a browser keeps Secure
-                # cookies to itself, and "reload the page" would never help.
+                # cookies to itself, and "reload the page" would never help. To a loopback host
+                # it sends them: there the form is stale (its cookie lasts ten minutes).
                 return self._refused(request, Refused(403, security.PLAIN_HTTP_REFUSAL))
             pending = security.new_session(seconds=LOGIN_SECONDS, login=True)
         nxt = request.query_params.get("next", "")

@@ -13,6 +13,7 @@ import base64
 import functools
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 import threading
@@ -204,6 +205,19 @@ PLAIN_HTTP_REFUSAL = (
     "only, turn Secure off: OUTBOX_DASHBOARD_INSECURE_COOKIES=1 (--insecure-cookies, "
     "create_app(secure_cookies=False))"
 )
+
+
+def loopback(host: str | None) -> bool:
+    """Whether browsers treat ``host`` as a secure context: they send Secure cookies back to
+    http://localhost and loopback addresses, anywhere else only over HTTPS."""
+    if not host:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def password_mark(user: User) -> str:

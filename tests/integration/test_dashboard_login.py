@@ -485,3 +485,15 @@ def test_an_engine_opened_beside_an_async_engine_is_disposed_with_the_host(
         assert alive == (0,)
     finally:
         asyncio.run(async_engine.dispose())
+
+
+# Broke (attack on issue 29): over http://localhost, where browsers do send Secure cookies back,
+# a login form left open past its ten minutes was refused as "served over plain HTTP ... reloading
+# will not help", when reloading is exactly what helps.
+@pytest.mark.parametrize("base", ["http://localhost", "http://127.0.0.1:8090", "http://[::1]:8090"])
+def test_a_stale_form_on_loopback_is_not_blamed_on_plain_http(app: Starlette, base: str) -> None:
+    r = client_from(app, "127.0.0.1", base=base).post(
+        "/login", data={"user": "olga", "password": "x", "csrf_token": "from-a-page-left-open"}
+    )
+    assert r.status_code == 403
+    assert "plain HTTP" not in r.text and "reload" in r.text
