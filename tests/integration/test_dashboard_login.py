@@ -497,3 +497,19 @@ def test_a_stale_form_on_loopback_is_not_blamed_on_plain_http(app: Starlette, ba
     )
     assert r.status_code == 403
     assert "plain HTTP" not in r.text and "reload" in r.text
+
+
+def test_behind_an_untrusted_proxy_a_known_browser_is_not_locked_out(app: Starlette) -> None:
+    proxy = "10.0.0.99"  # every operator and the guesser share the proxy's address
+    browser = client_from(app, proxy)
+    assert try_login(browser, "olga", PASSWORDS["olga"]).status_code == 303
+    browser.cookies.delete("outbox_session")
+    guesser = client_from(app, proxy)
+    for i in range(5):
+        assert try_login(guesser, "olga", f"guess-{i}").status_code == 401
+    assert try_login(guesser, "olga", PASSWORDS["olga"]).status_code == 429
+    assert try_login(browser, "olga", PASSWORDS["olga"]).status_code == 303
+    # The browser's own wrong passwords count against it alone, and five make it one like any other.
+    for i in range(5):
+        assert try_login(browser, "olga", f"typo-{i}").status_code == 401
+    assert try_login(browser, "olga", PASSWORDS["olga"]).status_code == 429
