@@ -297,13 +297,17 @@ def test_the_given_response_is_what_the_database_gives_back(clean):
             assert json.dumps(given, sort_keys=True) == json.dumps(back[0], sort_keys=True)
 
 
+def _nested(inner: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+
+
 _JSON = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(min_value=-(10**30), max_value=10**30)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    _nested,
     max_leaves=12,
 )
 
