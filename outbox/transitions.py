@@ -361,18 +361,17 @@ WHERE b.id IN (
 AND b.finished_at IS NOT NULL AND (b.then_step ? 'payload' OR b.catch_step ? 'payload')
 """
 
-# Along outbox_batch_finished_idx (0021). The ledger entries of its members go first: the ledger
-# drops by age, and a batch waits until the oldest entry left is younger than its finish, so a
-# retried member write keeps finding its batch while the ledger answers for it. The row its end
-# wrote (or the row that took its step) holds the name too: a batch of that name could not write
-# that step again, and a retry would be refused with "exists already" instead of answered.
+# Along outbox_batch_finished_idx (0021). The ledger entries of its members stay as long as the
+# batch (the purge's ledger drop passes over them), so a retried member write keeps answering
+# while the batch does, and go right after it. The row its end wrote (or the row that took its
+# step) holds the name: a batch of that name could not write that step again, and a retry would
+# be refused with "exists already" instead of answered.
 DROP_BATCHES_SQL = """
 DELETE FROM outbox_batch b
 WHERE b.id IN (
     SELECT x.id FROM outbox_batch x
     WHERE x.finished_at IS NOT NULL
       AND x.finished_at < now() - %(horizon)s * interval '1 second'
-      AND x.finished_at < COALESCE((SELECT min(completed_at) FROM outbox_key_ledger), 'infinity')
       AND NOT EXISTS (SELECT 1 FROM outbox_message m WHERE m.batch_id = x.id)
       AND NOT EXISTS (SELECT 1 FROM outbox_message w
                       WHERE w.key = x.name AND w.step IN (x.then_step ->> 'step', x.catch_step ->> 'step'))

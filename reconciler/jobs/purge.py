@@ -40,15 +40,20 @@ def can_see_all_transactions(conn: psycopg.Connection[Any]) -> bool:
 
 # Batches along the completed_at index: each is a short transaction, and the drop keeps pace with
 # the purge (the job runs both) without one long DELETE holding locks or bloating at once.
+# A batch member's entry stays while its batch does (a batch is held past the horizon by its
+# then/catch row, e.g. one failed and waiting for a human): outbox.batch answers a retry of its
+# transaction with the old batch, whose members must then answer with their old rows.
 _DROP_LEDGER = """
 DELETE FROM outbox_key_ledger
 WHERE (key, step) IN (
-    SELECT key, step FROM outbox_key_ledger
-    WHERE completed_at < now() - %(horizon)s * interval '1 second'
-    ORDER BY completed_at
+    SELECT l.key, l.step FROM outbox_key_ledger l
+    WHERE l.completed_at < now() - %(horizon)s * interval '1 second'
+      AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = l.batch_id)
+    ORDER BY l.completed_at
     LIMIT %(limit)s
 )
 AND completed_at < now() - %(horizon)s * interval '1 second'
+AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = outbox_key_ledger.batch_id)
 """
 
 #: Ledger entries dropped per statement (narrow rows: a larger batch than the purge's).
@@ -122,12 +127,16 @@ def purge(
         # Never shorter than the retention: an entry must outlive the row it stands for.
         horizon = max(float(ledger_horizon_seconds), float(retention_seconds))
         drop = {"horizon": horizon, "limit": LEDGER_DROP_BATCH}
-        dropped, _ = _batches(
-            lambda: conn.execute(_DROP_LEDGER, drop).rowcount, max_batches, LEDGER_DROP_BATCH
-        )
-        if dropped:
-            counts["ledger_dropped"] = dropped
-        # After the ledger: a batch waits for its members' entries to go.
+
+        def drop_ledger() -> int:
+            dropped, _ = _batches(
+                lambda: conn.execute(_DROP_LEDGER, drop).rowcount, max_batches, LEDGER_DROP_BATCH
+            )
+            return dropped
+
+        dropped = drop_ledger()
+        # After the ledger: a batch waits for its then/catch row's entry to go; its members'
+        # entries, held by it, go right after it.
         gone, _ = _batches(
             lambda: transitions.drop_batches(conn, horizon_seconds=horizon, limit=BATCH_PURGE_PAGE),
             max_batches,
@@ -135,6 +144,9 @@ def purge(
         )
         if gone:
             counts["batches_dropped"] = gone
+            dropped += drop_ledger()
+        if dropped:
+            counts["ledger_dropped"] = dropped
     return counts
 
 

@@ -152,11 +152,39 @@ def test_the_row_written_at_the_end_holds_the_name(clean, engine, db, handlers, 
     assert consumer().deliver(ids[0], "crm.import") is RunResult.SENT
     assert finish_batches(db) == {"then": 1, "written": 1}
     pass_days(clean, 100)
-    assert run_purge(db) == {"purged": 1, "batches": 1, "batch_payloads_dropped": 1, "ledger_dropped": 1}
+    # The member's ledger entry is held by its batch (below).
+    assert run_purge(db) == {"purged": 1, "batches": 1, "batch_payloads_dropped": 1}
     found = batch_row(clean)
     assert found is not None and "payload" not in found["then_step"]
     with Session(engine) as s, s.begin():
         assert outbox.batch(s, name=NAME, then=THEN, catch=CATCH).id == b.id
+
+
+def test_a_held_batch_keeps_its_members_answering(clean, engine, db, handlers, consumer):
+    # The then row failed and waits for a human: the batch keeps its name past the horizon, and
+    # a retry of its transaction must still get its old rows, not "created by an earlier
+    # transaction" for members whose ledger entries went at their own horizon.
+    b, ids = write_batch(engine, [100, 200])
+    worker = consumer()
+    assert [worker.deliver(i, "crm.import") for i in ids] == [RunResult.SENT, RunResult.SENT]
+    assert finish_batches(db) == {"then": 1, "written": 1}
+    sql(clean, "UPDATE outbox_message SET state = 'failed', completed_at = now() WHERE step = 'report'")
+    pass_days(clean, 31)
+    counts = run_purge(db)
+    assert counts.get("batch_payloads_dropped") == 1 and "batches_dropped" not in counts, counts
+    with Session(engine) as s, s.begin():
+        again = outbox.batch(s, name=NAME, then=THEN, catch=CATCH)
+        assert (again.id, again.created) == (b.id, False)
+        members = [write_member(s, again, 0, 100), write_member(s, again, 1, 200)]
+        assert [(w.id, w.created) for w in members] == [(ids[0], False), (ids[1], False)]
+    # Once the then row is replayed, sent and gone past the horizon, the batch and its members'
+    # entries go together, and the name is new.
+    sql(clean, "UPDATE outbox_message SET state = 'sent', provider_ref = 'r' WHERE step = 'report'")
+    pass_days(clean, 31)
+    assert run_purge(db) == {"purged": 1, "batches": 1, "ledger_dropped": 3, "batches_dropped": 1}
+    with Session(engine) as s, s.begin():
+        fresh = outbox.batch(s, name=NAME, then=THEN, catch=CATCH)
+        assert fresh.created and write_member(s, fresh, 0, 100).created
 
 
 def test_the_batch_purge_goes_in_bounded_pages_along_an_index(clean, db):
