@@ -88,7 +88,7 @@ def purge(
     ``ledger_horizon_seconds`` ago (None: keep them). Finished batches (``outbox.batch``) with no
     member left go the same way: their then/catch payloads at the retention, their rows at the
     horizon (never with None). Counts: ``purged``, ``batches`` (statements that moved rows),
-    ``ledger_dropped``, ``batch_payloads_dropped``, ``batches_dropped``.
+    ``ledger_dropped``, ``batches_stripped``, ``batches_dropped``.
 
     A role that is neither superuser nor a member of ``pg_read_all_stats`` (or ``pg_monitor``)
     cannot see other roles' open transactions, so it cannot hold rows back for them: the purge
@@ -122,7 +122,7 @@ def purge(
         BATCH_PURGE_PAGE,
     )
     if stripped:
-        counts["batch_payloads_dropped"] = stripped
+        counts["batches_stripped"] = stripped
     if ledger_horizon_seconds is not None:
         # Never shorter than the retention: an entry must outlive the row it stands for.
         horizon = max(float(ledger_horizon_seconds), float(retention_seconds))

@@ -6,6 +6,7 @@ before that, its name answers as ``write`` answers for a ledgered key."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import psycopg
@@ -16,6 +17,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import transitions
 from outbox.consumer import RunResult
+from outbox.logs import KeyValueFormatter
 from outbox.settings import libpq_url
 from reconciler.jobs.batches import finish_batches
 from reconciler.jobs.purge import Purge, PurgeConfig, purge
@@ -74,7 +76,12 @@ def test_payloads_go_at_the_retention_the_row_at_the_horizon_then_the_name_is_ne
     pass_days(clean, 6)
     assert run_purge(db) == {}  # younger than the retention: nothing moves
     pass_days(clean, 2)
-    assert run_purge(db) == {"purged": 3, "batches": 1, "batch_payloads_dropped": 1}
+    counts = run_purge(db)
+    assert counts == {"purged": 3, "batches": 1, "batches_stripped": 1}
+    # The reconciler logs its counts as fields, and a field named like a payload is masked.
+    record = logging.LogRecord("outbox.reconciler", logging.INFO, __file__, 0, "purge", None, None)
+    record.__dict__.update(counts)
+    assert "batches_stripped=1" in KeyValueFormatter().format(record)
     assert run_purge(db) == {}
     found = batch_row(clean)
     assert found is not None and found["id"] == b.id and found["outcome"] == "then" and found["total"] == 2
@@ -135,7 +142,7 @@ def test_an_open_batch_and_one_with_a_live_member_are_kept(clean, engine, db, ha
         write_member(s, writing, 0, 100)
         pass_days(clean, 100)
         counts = run_purge(db)
-    assert "batch_payloads_dropped" not in counts and "batches_dropped" not in counts, counts
+    assert "batches_stripped" not in counts and "batches_dropped" not in counts, counts
     for name in ("import:open", "import:failed", "import:writing"):
         found = batch_row(clean, name)
         assert found is not None and found["then_step"]["payload"] == {"import": 7}, name
@@ -153,7 +160,7 @@ def test_the_row_written_at_the_end_holds_the_name(clean, engine, db, handlers, 
     assert finish_batches(db) == {"then": 1, "written": 1}
     pass_days(clean, 100)
     # The member's ledger entry is held by its batch (below).
-    assert run_purge(db) == {"purged": 1, "batches": 1, "batch_payloads_dropped": 1}
+    assert run_purge(db) == {"purged": 1, "batches": 1, "batches_stripped": 1}
     found = batch_row(clean)
     assert found is not None and "payload" not in found["then_step"]
     with Session(engine) as s, s.begin():
@@ -171,7 +178,7 @@ def test_a_held_batch_keeps_its_members_answering(clean, engine, db, handlers, c
     sql(clean, "UPDATE outbox_message SET state = 'failed', completed_at = now() WHERE step = 'report'")
     pass_days(clean, 31)
     counts = run_purge(db)
-    assert counts.get("batch_payloads_dropped") == 1 and "batches_dropped" not in counts, counts
+    assert counts.get("batches_stripped") == 1 and "batches_dropped" not in counts, counts
     with Session(engine) as s, s.begin():
         again = outbox.batch(s, name=NAME, then=THEN, catch=CATCH)
         assert (again.id, again.created) == (b.id, False)
@@ -198,8 +205,8 @@ def test_the_batch_purge_goes_in_bounded_pages_along_an_index(clean, db):
         FROM generate_series(1, 2500) AS g
         """
     )
-    assert purge(db, retention_seconds=RETENTION, max_batches=2) == {"batch_payloads_dropped": 2000}
-    assert purge(db, retention_seconds=RETENTION) == {"batch_payloads_dropped": 500}
+    assert purge(db, retention_seconds=RETENTION, max_batches=2) == {"batches_stripped": 2000}
+    assert purge(db, retention_seconds=RETENTION) == {"batches_stripped": 500}
     assert purge(db, retention_seconds=RETENTION, ledger_horizon_seconds=HORIZON, max_batches=2) == {
         "batches_dropped": 2000
     }
