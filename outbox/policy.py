@@ -38,10 +38,6 @@ _NOT_PROCESSED = provider_headers.NOT_PROCESSED
 _MAX_ERROR_CHARS = 500
 
 
-#: The longest ``Retry-After`` honoured (outbox.provider_headers).
-MAX_RETRY_AFTER_SECONDS = provider_headers.MAX_RETRY_AFTER_SECONDS
-
-
 @dataclass(frozen=True)
 class Decision:
     outcome: Outcome
@@ -56,19 +52,13 @@ class Decision:
     not_processed: bool = False
 
 
-def retry_after_seconds(response: httpx.Response, *, destination: str | None = None) -> float | None:
-    """The wait a 429 or 503 answer asks for in its ``Retry-After``, in seconds, or None; never
-    raises (outbox.provider_headers)."""
-    return provider_headers.retry_after_seconds(response, destination=destination)
-
-
 def _retry_after_of(exc: BaseException, destination: str) -> float | None:
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
         if isinstance(cause, httpx.HTTPStatusError):
-            return retry_after_seconds(cause.response, destination=destination)
+            return provider_headers.retry_after_seconds(cause.response, destination=destination)
         cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
     return None
 

@@ -20,6 +20,7 @@ import outbox
 from outbox import policy, provider_headers
 from outbox.handlers import Deliveries, Handler, clear_registry
 from outbox.policy import Outcome
+from outbox.provider_headers import MAX_RETRY_AFTER_SECONDS
 
 #: No example database (no .hypothesis directory in the checkout), no per-example deadline (a
 #: shared CI machine), and function-scoped fixtures are fine: they are set up once per test.
@@ -121,7 +122,7 @@ def charge() -> Handler:
 
 
 def _in_range(seconds: float | None) -> bool:
-    return seconds is None or (math.isfinite(seconds) and 0.0 <= seconds <= policy.MAX_RETRY_AFTER_SECONDS)
+    return seconds is None or (math.isfinite(seconds) and 0.0 <= seconds <= MAX_RETRY_AFTER_SECONDS)
 
 
 # -- Retry-After: seconds and HTTP date, with and without Date ----------------------------------
@@ -130,7 +131,7 @@ def _in_range(seconds: float | None) -> bool:
 @FUZZ
 @given(status=statuses, retry_after=st.none() | header_bytes, date=st.none() | header_bytes)
 def test_retry_after_never_raises_and_stays_in_range(status, retry_after, date):
-    seconds = policy.retry_after_seconds(answer(status, wire_headers(retry_after, date)))
+    seconds = provider_headers.retry_after_seconds(answer(status, wire_headers(retry_after, date)))
     assert _in_range(seconds)
     if status not in (429, 503):
         assert seconds is None
@@ -142,14 +143,14 @@ def test_a_retry_after_of_non_ascii_digits_is_absent(value, status):
     """RFC 9110's delay-seconds is ASCII digits: ``str.isdigit()`` also accepts ``١٢`` (which
     ``float()`` reads as 12) and ``²`` (which ``float()`` refuses): neither is a delay."""
     response = answer(status, [(b"Retry-After", value.encode())])
-    assert policy.retry_after_seconds(response) is None
+    assert provider_headers.retry_after_seconds(response) is None
 
 
 @FUZZ
 @given(value=st.integers(0, 10**30), pad=st.sampled_from(["", " ", "\t", "  "]))
 def test_ascii_delay_seconds_are_read_and_capped(value, pad):
     response = answer(503, [(b"Retry-After", f"{pad}{value}{pad}".encode())])
-    assert policy.retry_after_seconds(response) == min(float(value), policy.MAX_RETRY_AFTER_SECONDS)
+    assert provider_headers.retry_after_seconds(response) == min(float(value), MAX_RETRY_AFTER_SECONDS)
 
 
 @FUZZ
@@ -158,7 +159,7 @@ def test_any_date_shaped_retry_after_never_raises(retry_after, date):
     headers = [(b"Retry-After", retry_after.encode())]
     if date is not None:
         headers.append((b"Date", date.encode()))
-    assert _in_range(policy.retry_after_seconds(answer(503, headers)))
+    assert _in_range(provider_headers.retry_after_seconds(answer(503, headers)))
 
 
 # -- the response hook of d.http: the status line and every header it reads -------------------

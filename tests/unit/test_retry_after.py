@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 import outbox
-from outbox import policy
+from outbox import policy, provider_headers
 from outbox.handlers import Handler, clear_registry
 
 NOON = "Tue, 01 Dec 2026 10:00:00 GMT"
@@ -32,7 +32,7 @@ def answer(status: int, **headers: str) -> httpx.Response:
             90.0,
         ),
         (503, {"Retry-After": "Tue, 01 Dec 2026 09:59:00 GMT", "Date": "Tue, 01 Dec 2026 10:00:00 GMT"}, 0.0),
-        (503, {"Retry-After": "99999999"}, policy.MAX_RETRY_AFTER_SECONDS),
+        (503, {"Retry-After": "99999999"}, provider_headers.MAX_RETRY_AFTER_SECONDS),
         (503, {"Retry-After": "soon"}, None),
         (503, {"Retry-After": "-5"}, None),
         (503, {}, None),
@@ -41,14 +41,14 @@ def answer(status: int, **headers: str) -> httpx.Response:
     ],
 )
 def test_retry_after_seconds(status, headers, expected):
-    assert policy.retry_after_seconds(answer(status, **headers)) == expected
+    assert provider_headers.retry_after_seconds(answer(status, **headers)) == expected
 
 
 def test_an_http_date_without_a_date_header_counts_from_this_machines_clock():
     import time
 
     later = email.utils.formatdate(time.time() + 60, usegmt=True)
-    seconds = policy.retry_after_seconds(answer(503, **{"Retry-After": later}))
+    seconds = provider_headers.retry_after_seconds(answer(503, **{"Retry-After": later}))
     assert seconds is not None and 58 <= seconds <= 60
 
 
