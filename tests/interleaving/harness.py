@@ -1046,7 +1046,9 @@ class World:
                     Finding("not terminal", f"row {row_id} ({ikey}) is {state}: {last_error}", [row_id])
                 )
             if state == "failed" and charged:
-                last = (history or [])[-1] if history else None
+                # The row's last move, not its last entry: a repair that changed nothing (its
+                # lookup failed) appends an entry without "to" after the operator's resolve.
+                last = next((e for e in reversed(history or []) if e.get("to")), None)
                 by_operator = (
                     last is not None
                     and last.get("to") == "failed"
