@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import text
 
-from . import transitions
+from . import features, transitions
 from .chains import Next, version_for
 from .exceptions import BatchConflict, InvalidMessage
 from .validation import check_destination, check_key_step, encode_payload
@@ -156,7 +156,8 @@ def batch(
 
     params = _params(name, then, catch)
     _ensure_schema(target)
-    inserted = transitions.insert_batch(target, params)
+    with features.gated(f"batch {name}"):
+        inserted = transitions.insert_batch(target, params)
     if inserted is None:
         return _conclude(None, target.execute(_EXISTING, params).first(), params)
     # After the insert: a concurrent writer of the same name waits on it instead of both passing.
@@ -172,7 +173,8 @@ async def batch_async(
 
     params = _params(name, then, catch)
     await _ensure_schema_async(target)
-    inserted = await transitions.insert_batch_async(target, params)
+    with features.gated(f"batch {name}"):
+        inserted = await transitions.insert_batch_async(target, params)
     if inserted is None:
         return _conclude(None, (await target.execute(_EXISTING, params)).first(), params)
     _refuse_taken(list((await target.execute(_TAKEN, params)).scalars()), name)

@@ -63,3 +63,29 @@ class InvalidTransition(OutboxError):
 
 class NotFound(OutboxError, LookupError):
     """No outbox row matches the given id or key."""
+
+
+class FeatureNotEnabled(OutboxError):
+    """A row uses a feature the database refuses until an operator enables it (``outbox features
+    enable NAME``): a process of an older release, still running, would break its rule."""
+
+    def __init__(self, feature: str, detail: str = "") -> None:
+        super().__init__(
+            f"feature {feature} is not enabled on this database{': ' + detail if detail else ''}; "
+            f"once no process older than it runs: outbox features enable {feature}"
+        )
+        self.feature = feature
+
+
+class FeatureRefused(OutboxError):
+    """``outbox features enable`` refused: a live process's code does not know the feature (its
+    heartbeat names an older schema range, or none: a release before ranges)."""
+
+    def __init__(self, feature: str, processes: list[str]) -> None:
+        super().__init__(
+            f"cannot enable {feature}: {len(processes)} live process(es) run code that does not "
+            f"know it ({'; '.join(processes[:10])}{' …' if len(processes) > 10 else ''}); "
+            "stop or upgrade them, then enable it"
+        )
+        self.feature = feature
+        self.processes = processes

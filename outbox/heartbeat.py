@@ -1,8 +1,9 @@
 """Process heartbeats in the database, and what they tell: which destinations no live process
 consumes, and how far each process's clock is from the database's.
 
-A worker beats every ``OUTBOX_HEARTBEAT_INTERVAL`` seconds (default 5) on a thread and a
-connection of its own: one upsert that records the queues it serves, the database clock
+Workers, relays and reconcilers beat every ``OUTBOX_HEARTBEAT_INTERVAL`` seconds (default 5)
+on a thread and a connection of their own: one upsert that records the queues a worker serves,
+the schema range the process's code accepts (``outbox features enable`` reads it), the database clock
 (``last_seen_at``) and its own clock at that moment (``process_clock``). Skew is
 ``process_clock - last_seen_at``; the process's clock is read just before the statement is sent,
 so the estimate is low by the one-way latency to the database (well under the 2 s that
@@ -46,9 +47,10 @@ LIVE = (
 
 _BEAT = """
 INSERT INTO outbox_process AS p
-    (id, kind, hostname, pid, queues, interval_seconds, started_at, last_seen_at, process_clock)
+    (id, kind, hostname, pid, queues, interval_seconds, started_at, last_seen_at, process_clock,
+     schema_oldest, schema_newest)
 VALUES (%(id)s, %(kind)s, %(hostname)s, %(pid)s, %(queues)s, %(interval)s,
-        clock_timestamp(), clock_timestamp(), %(clock)s)
+        clock_timestamp(), clock_timestamp(), %(clock)s, %(schema_oldest)s, %(schema_newest)s)
 ON CONFLICT (id) DO UPDATE
 SET last_seen_at = clock_timestamp(), process_clock = EXCLUDED.process_clock,
     queues = EXCLUDED.queues, interval_seconds = EXCLUDED.interval_seconds, stopped_at = NULL
@@ -170,6 +172,11 @@ class Heartbeat:
         self.interval_seconds = float(interval_seconds)
         #: The process's clock; a parameter so that a test can give a process a skewed one.
         self.clock = clock
+        #: The schema range this code accepts: what ``outbox features enable`` holds a feature to.
+        from .migrate import SCHEMA_OLDEST, head_revision
+
+        self.schema_oldest = SCHEMA_OLDEST
+        self.schema_newest = head_revision()
         self._conn: psycopg.Connection[Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -194,6 +201,8 @@ class Heartbeat:
                 "queues": self.queues,
                 "interval": self.interval_seconds,
                 "clock": self.clock(),
+                "schema_oldest": self.schema_oldest,
+                "schema_newest": self.schema_newest,
             },
         )
 

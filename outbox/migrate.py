@@ -55,8 +55,10 @@ def current_revision(connection: Connection) -> str | None:
 #: (``parent_id``, ``via``, ``chain_problem``) that the record and the purge write (outbox.chains);
 #: 0014 the batches (``outbox_batch``, ``batch_id``) that ``write(batch=)`` and the reconciler's
 #: ``batches`` job use; 0016 ``payload_version``, which ``write`` inserts and the claim returns;
-#: 0017 the ordering columns and triggers (outbox.ordering) that the relay and the claim read.
-SCHEMA_OLDEST = "0017"
+#: 0017 the ordering columns and triggers (outbox.ordering) that the relay and the claim read;
+#: 0022 the heartbeat's schema range and ``outbox_feature`` (outbox.features), which every
+#: process's beat writes and ``write`` relies on to refuse a feature an older process would break.
+SCHEMA_OLDEST = "0022"
 
 #: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``): the
 #: oldest code, named by the newest revision it knows, that may still run on the database.

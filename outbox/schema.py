@@ -214,6 +214,23 @@ outbox_process = Table(
     # The process's own clock when it sent its last beat.
     Column("process_clock", DateTime(timezone=True), nullable=False),
     Column("stopped_at", DateTime(timezone=True), nullable=True),
+    # The schema range the process's code accepts (migration 0022; outbox.features): NULL on the
+    # beats of older releases, which count as older than every feature.
+    Column("schema_oldest", Text, nullable=True),
+    Column("schema_newest", Text, nullable=True),
+)
+
+#: The features an operator enabled (``outbox features enable``; outbox.features): a feature an
+#: older running process would break stays refused by the database until it is listed here.
+#: ``needs_code``: the revision its code needs, also written to the floor when enabled.
+outbox_feature = Table(
+    "outbox_feature",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("needs_code", Text, nullable=False),
+    Column("enabled_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    Column("enabled_by", Text, nullable=False),
+    Column("reason", Text, nullable=True),
 )
 
 #: One row per destination with rows waiting and no live process serving its queue, kept by the
@@ -377,6 +394,9 @@ Index(
 #: The version of the payload's shape its writer meant; the worker upgrades older ones and
 #: leaves newer ones to a newer worker. CHECK payload_version >= 1 (added NOT VALID, validated).
 outbox_message.append_column(Column("payload_version", Integer, nullable=False, server_default=text("1")))
+# Migration 0022: when code that knows chains last settled the row; a move to `sent` that leaves
+# it unchanged came from an older release, and a trigger marks the row for the chains job.
+outbox_message.append_column(Column("chains_known_at", DateTime(timezone=True), nullable=True))
 
 # -- Issue 15 (migrations 0017, 0018): per-key ordering (outbox.ordering) --------------------------
 #: Rows of one ordering key are claimed one at a time, in commit order. Triggers (not in the

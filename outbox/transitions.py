@@ -94,6 +94,15 @@ _PLANNED = (
 )
 
 
+#: A planned step (``n``) the database would refuse: a payload version while ``payload_versions``
+#: is not enabled (outbox.features). Left unwritten, and named in ``chain_problem``, so that the
+#: confirmed answer is recorded all the same; ``outbox repair`` writes it once enabled.
+_GATED_STEP = (
+    "(COALESCE(n.payload_version, 1) <> 1 AND NOT EXISTS "
+    "(SELECT 1 FROM outbox_feature WHERE name = 'payload_versions'))"
+)
+
+
 def _follow_sql(moved: str, *, certain: str = "false") -> str:
     """The CTE (``, followed AS (…)``) that writes the plan's rows after the row of CTE ``moved``
     (which returns ``id, key, state, trace_context``): the ``then`` steps when it moved to
@@ -107,8 +116,9 @@ def _follow_sql(moved: str, *, certain: str = "false") -> str:
     SELECT {moved}.key, n.step, n.destination, n.payload, {moved}.id, n.via, {moved}.trace_context,
            COALESCE(n.payload_version, 1)
     FROM {moved}, {_PLANNED}
-    WHERE (n.via = '{chains.THEN}' AND {moved}.state = 'sent')
-       OR (n.via = '{chains.ON_FAILURE}' AND {moved}.state = 'failed' AND {certain})
+    WHERE ((n.via = '{chains.THEN}' AND {moved}.state = 'sent')
+           OR (n.via = '{chains.ON_FAILURE}' AND {moved}.state = 'failed' AND {certain}))
+      AND NOT {_GATED_STEP}
     ON CONFLICT (key, step) DO NOTHING
     RETURNING id
 )"""
@@ -131,13 +141,25 @@ def _conflict_sql(row: str, new_state: str) -> str:
            OR l.destination <> n.destination OR l.payload_hash <> outbox_payload_digest(n.payload)))"""
 
 
+def _gated_sql(new_state: str) -> str:
+    """The planned steps :data:`_GATED_STEP` leaves unwritten, said for ``chain_problem``; NULL
+    when none."""
+    return f"""(SELECT string_agg('step ' || n.step || ' not written: payload versions are not '
+                  || 'enabled (outbox features enable payload_versions, then outbox repair)', '; ')
+    FROM {_PLANNED}
+    WHERE n.via = CASE {new_state} WHEN 'sent' THEN '{chains.THEN}'
+                                   WHEN 'failed' THEN '{chains.ON_FAILURE}' END
+      AND {_GATED_STEP})"""
+
+
 def _problem_sql(row: str, new_state: str) -> str:
     """``chain_problem`` after the move: the plan's own problem (``%(chain_problem)s``, from
     Python) and the conflicts, when the row moves to a state that writes steps; else unchanged."""
     return f"""CASE WHEN CAST(%(follow)s AS jsonb) IS NULL AND CAST(%(chain_problem)s AS text) IS NULL
          THEN {row}.chain_problem
          WHEN {new_state} IN ('sent', 'failed')
-         THEN NULLIF(concat_ws('; ', CAST(%(chain_problem)s AS text), {_conflict_sql(row, new_state)}), '')
+         THEN NULLIF(concat_ws('; ', CAST(%(chain_problem)s AS text), {_conflict_sql(row, new_state)},
+                               {_gated_sql(new_state)}), '')
          ELSE {row}.chain_problem END"""
 
 
@@ -614,6 +636,9 @@ def _record_sql(follow: bool) -> str:
 WITH moved AS (
     UPDATE outbox_message
     SET state = {NEW_STATE_SQL},
+        -- Settled by code that knows chains (migration 0022's trigger marks a move to sent
+        -- without it, by an older release, for the reconciler's chains job).
+        chains_known_at = clock_timestamp(),
         -- A breaker's probe that found the provider still down is not an attempt of its row
         -- (outbox.breaker): the row only carried the question.
         attempts = GREATEST(attempts - %(refund)s, 0),
@@ -1029,6 +1054,7 @@ def _settle_unknown_sql(follow: bool) -> str:
 WITH moved AS (
 UPDATE outbox_message
 SET state = {NEW_STATE_SQL},
+    chains_known_at = clock_timestamp(),
     provider_ref = COALESCE(%(ref)s, provider_ref),
     response = COALESCE(CAST(%(response)s AS jsonb), response),
     last_error = CASE WHEN {PAST_DEADLINE_SQL} THEN %(deadline_error)s ELSE %(error)s END,
@@ -1357,7 +1383,8 @@ _WRITE_NEXT_STEPS = f"""
 WITH moved AS (
     UPDATE outbox_message
     SET chain_problem = NULLIF(concat_ws('; ', CAST(%(chain_problem)s AS text),
-                                         {_conflict_sql("outbox_message", "'sent'")}), ''),
+                                         {_conflict_sql("outbox_message", "'sent'")},
+                                         {_gated_sql("'sent'")}), ''),
         -- A new problem is alerted (again).
         alerted_at = NULL
     WHERE id = %(id)s AND state = 'sent' AND chain_problem IS NOT DISTINCT FROM %(expected)s
@@ -1395,6 +1422,7 @@ _REPAIR_FOUND = f"""
 WITH moved AS (
     UPDATE outbox_message m
     SET state = 'sent', provider_ref = %(ref)s, response = COALESCE(CAST(%(response)s AS jsonb), response),
+        chains_known_at = clock_timestamp(),
         last_error = NULL, completed_at = now(), alerted_at = NULL, unknown_since = NULL,
         lease_expires_at = NULL,
         chain_problem = {_problem_sql("m", "'sent'")},
@@ -1552,7 +1580,7 @@ _RESOLVE_SENT = f"""
 WITH moved AS (
     UPDATE outbox_message
     SET state = 'sent', provider_ref = :ref, completed_at = now(), last_error = NULL,
-        response = CAST(:response AS jsonb),
+        response = CAST(:response AS jsonb), chains_known_at = clock_timestamp(),
         unknown_since = NULL, lease_expires_at = NULL, alerted_at = NULL,
         chain_problem = {_sqlalchemy(_problem_sql("outbox_message", "'sent'"))},
     {HISTORY_ENTRY}

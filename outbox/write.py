@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
 
+from . import features, tracing, transitions
 from . import settings as _settings
-from . import tracing, transitions
 from .exceptions import BatchConflict, ConfigError, InvalidMessage, KeyConflict
 from .ordering import MAX_ORDERING_KEY_LENGTH
 from .payloads import check_version, imported_handler
@@ -275,14 +275,16 @@ def write(
     _ensure_schema(target)
     if batch is not None:
         params["batch_id"] = _batch_id(batch, key, step)
-        inserted = transitions.insert_member(target, params)
+        with features.gated(f"row {key}:{step}"):
+            inserted = transitions.insert_member(target, params)
         if inserted is not None:
             return Written(int(inserted), True)
         existing = target.execute(_EXISTING_MEMBER, params).first()
         if existing is None:
             _not_in_batch(target.execute(_BATCH_OWNER, params).first(), params["batch_id"])
         return _conclude(None, existing, key, step)
-    inserted = transitions.insert(target, params)
+    with features.gated(f"row {key}:{step}"):
+        inserted = transitions.insert(target, params)
     existing = None if inserted is not None else target.execute(_EXISTING, params).first()
     return _conclude(inserted, existing, key, step)
 
@@ -331,14 +333,16 @@ async def write_async(
     await _ensure_schema_async(target)
     if batch is not None:
         params["batch_id"] = _batch_id(batch, key, step)
-        inserted = await transitions.insert_member_async(target, params)
+        with features.gated(f"row {key}:{step}"):
+            inserted = await transitions.insert_member_async(target, params)
         if inserted is not None:
             return Written(int(inserted), True)
         existing = (await target.execute(_EXISTING_MEMBER, params)).first()
         if existing is None:
             _not_in_batch((await target.execute(_BATCH_OWNER, params)).first(), params["batch_id"])
         return _conclude(None, existing, key, step)
-    inserted = await transitions.insert_async(target, params)
+    with features.gated(f"row {key}:{step}"):
+        inserted = await transitions.insert_async(target, params)
     existing = None if inserted is not None else (await target.execute(_EXISTING, params)).first()
     return _conclude(inserted, existing, key, step)
 

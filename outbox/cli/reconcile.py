@@ -139,6 +139,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
     from .. import transport
     from ..failover import FailoverGuard
+    from ..heartbeat import Heartbeat
     from ..migrate import check_database
     from ..probes import LIVENESS_FLOOR_SECONDS, Liveness, check_metrics_environment, serve
 
@@ -183,9 +184,14 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
             database_url=database_url,
             redis_url=redis_url,
         )
+        # Beats with the schema range of this code: `outbox features enable` waits for older ones.
+        heartbeat = Heartbeat(
+            database_url, kind="reconciler", interval_seconds=cfg.heartbeat_interval_seconds
+        ).start()
         try:
             reconciler.run_forever(stop, interval_seconds=interval)
         finally:
+            heartbeat.stop()
             if probes is not None:
                 probes.stop()
         return exits.OK

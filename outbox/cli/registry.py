@@ -189,6 +189,13 @@ COMMANDS: tuple[Command, ...] = (
         _LOOK,
     ),
     Command(
+        "features",
+        "features kept off while older processes run: features | features enable NAME --reason R",
+        "outbox.cli.features:arguments",
+        "outbox.cli.features:run",
+        _LOOK,
+    ),
+    Command(
         "dashboard",
         "serve the web dashboard (search, lifecycle, replay/resolve with a preview), or --hash-password",
         "outbox.cli.dashboard:arguments",

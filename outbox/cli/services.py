@@ -102,6 +102,7 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
     from .. import transport
     from ..failover import FailoverGuard
+    from ..heartbeat import Heartbeat
     from ..migrate import check_database
 
     # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
@@ -156,9 +157,12 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         cfg.poll_interval_seconds,
         relay.gather_seconds,
     )
+    # Beats with the schema range of this code: `outbox features enable` waits for older relays.
+    heartbeat = Heartbeat(database_url, kind="relay", interval_seconds=cfg.heartbeat_interval_seconds).start()
     try:
         relay.run_forever(stop)
     finally:
+        heartbeat.stop()
         guard.stop()
         if probes is not None:
             probes.stop()

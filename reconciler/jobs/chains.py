@@ -1,6 +1,7 @@
 """Job 8, ``chains``: a row an operator resolved ``sent`` without the handler module (``outbox
-resolve --sent`` without ``--module``) gets its ``then`` steps from the reconciler's module
-(issue 14; ``outbox.chains``). One guarded statement per row writes the steps and clears the
+resolve --sent`` without ``--module``), or that a release older than migration 0022 settled
+``sent`` (its trigger marks those), gets its ``then`` steps from the reconciler's module
+(``outbox.chains``). One guarded statement per row writes the steps and clears the
 mark; a destination this module has no handler for keeps a problem that the ``alerts`` job
 reports.
 """
@@ -25,9 +26,15 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHAINS_BATCH = 100
 
-_UNCOMPUTED = """
-SELECT id, key, step, destination, payload, attempts, deadline, provider_ref, response, payload_version
-FROM outbox_message
+# followed_already: the settling code wrote its then steps (a release that knows chains but not
+# the mark of 0022's trigger): only the mark goes, the plan is not computed a second time.
+_UNCOMPUTED = f"""
+SELECT id, key, step, destination, payload, attempts, deadline, provider_ref, response, payload_version,
+       EXISTS (SELECT 1 FROM outbox_message c WHERE c.key = m.key AND c.parent_id = m.id
+                                               AND c.via = '{chains.THEN}')
+       OR EXISTS (SELECT 1 FROM outbox_key_ledger c WHERE c.key = m.key AND c.parent_id = m.id
+                                                  AND c.via = '{chains.THEN}') AS followed_already
+FROM outbox_message m
 WHERE chain_problem = %(marker)s AND alerted_at IS NULL AND state = 'sent'
 ORDER BY id
 LIMIT %(limit)s
@@ -49,7 +56,9 @@ def write_uncomputed(
         rows = cur.execute(_UNCOMPUTED, {"marker": chains.NOT_COMPUTED, "limit": batch_size}).fetchall()
     for row in rows:
         handler = handlers.get(row["destination"])
-        if handler is None:
+        if row["followed_already"]:
+            plan = chains.NOTHING
+        elif handler is None:
             plan = chains.Plan(
                 (), f"no handler for destination {row['destination']} in {module}: its next steps are unknown"
             )

@@ -186,7 +186,11 @@ def test_a_held_batch_keeps_its_members_answering(clean, engine, db, handlers, c
         assert [(w.id, w.created) for w in members] == [(ids[0], False), (ids[1], False)]
     # Once the then row is replayed, sent and gone past the horizon, the batch and its members'
     # entries go together, and the name is new.
-    sql(clean, "UPDATE outbox_message SET state = 'sent', provider_ref = 'r' WHERE step = 'report'")
+    sql(
+        clean,
+        "UPDATE outbox_message SET state = 'sent', chains_known_at = clock_timestamp(), provider_ref = 'r'"
+        " WHERE step = 'report'",
+    )
     pass_days(clean, 31)
     assert run_purge(db) == {"purged": 1, "batches": 1, "ledger_dropped": 3, "batches_dropped": 1}
     with Session(engine) as s, s.begin():

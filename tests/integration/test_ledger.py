@@ -50,8 +50,10 @@ def make_sent(
         )
     sql(
         services,
-        "UPDATE outbox_message SET state = 'sent', provider_ref = %s, attempts = %s, "
-        "completed_at = now() WHERE id = %s",
+        # chains_known_at: settled as this code settles (an older release's move is marked for
+        # the chains job, and a marked row waits for it before its purge).
+        "UPDATE outbox_message SET state = 'sent', chains_known_at = clock_timestamp(), provider_ref = %s,"
+        " attempts = %s, completed_at = now() WHERE id = %s",
         (f"ch_{row_id}", len(outcomes), row_id),
     )
     elapse(services, days_ago * 86400, [row_id])

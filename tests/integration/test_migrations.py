@@ -40,6 +40,8 @@ TABLES |= {"outbox_process", "outbox_no_consumer"}  # 0005_transport
 TABLES |= {"outbox_db_identity"}  # 0006_integrity
 TABLES |= {"outbox_destination"}  # 0009_destination_pause
 TABLES |= {"outbox_batch"}  # 0014_batches
+# 0022_rolling_deploys: the features, and the floor (its requirement: code from 0010).
+TABLES |= {"outbox_feature", "outbox_schema_floor"}
 TABLES |= {"outbox_dashboard_session_end"}  # 0020_dashboard_sessions
 
 

@@ -45,12 +45,18 @@ from outbox.transport import delete_namespace
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = Path(str(resources.files("outbox.migrations"))) / "versions"
 
-#: The last release's commit. Bump it at each release: a revision added after it must leave that
-#: code running (test_previous_release_*). 9dcb8e0 demanded the exact head, which is why issue 10
-#: shipped no revision; 91058b4 (issue 11, schema range 0007 and newer) is the release before
-#: 0008; 13b453f (issue 13 parts 1-2, schema range 0009 and newer) the release before 0010;
-#: ffe982d (issue 13, schema range 0010 and newer) the release before 0012.
-PREVIOUS_RELEASE = "ffe982d"
+#: The last release: its tag and commit (docs/releases.md lists them all; a clone without tags
+#: still has the commit). Bump both at each release: a revision added after it must leave that
+#: code running (test_previous_release_*, test_previous_release_beside.py). History: 9dcb8e0
+#: demanded the exact head, which is why issue 10 shipped no revision; 91058b4 (issue 11, schema
+#: range 0007 and newer) is the release before 0008; 13b453f (issue 13 parts 1-2) the release
+#: before 0010; ffe982d (issue 13) the release before 0012; v0.29 the release before 0022.
+PREVIOUS_RELEASE_TAG = "v0.29"
+PREVIOUS_RELEASE = "8a6716a"
+
+#: The oldest code the database's floor lets start (migration 0022: code that knows the breaker,
+#: 0010): its relay and worker run beside this code in test_previous_release_beside.py.
+FLOOR_RELEASE = "ffe982d"
 
 #: Revisions numbered below this were written before the rule; from this one on, the lint holds.
 LINT_FROM = 8
@@ -348,7 +354,8 @@ def test_an_additive_revision_newer_than_the_code_is_tolerated(database, service
         valid = conn.execute(
             text("SELECT indisvalid FROM pg_index WHERE indexrelid = 'outbox_message_tenant_idx'::regclass")
         ).scalar()
-    assert status.ok and status.current == newer and status.floor is None, status
+    # The floor is 0022's (code that knows the breaker), which this code meets.
+    assert status.ok and status.current == newer and status.floor == "0010", status
     assert "newer than this code" in status.describe()
     assert definition is not None and valid is True
     check_database(url_of(database))
@@ -409,7 +416,8 @@ def test_a_contract_revision_makes_older_code_refuse_in_one_line(database, tmp_p
         command.downgrade(alembic_config(conn, scripts), needs)
         conn.commit()
         assert check_schema(conn) is None
-        assert conn.execute(text(f"SELECT count(*) FROM {FLOOR_TABLE}")).scalar() == 0
+        left = conn.execute(text(f"SELECT migration FROM {FLOOR_TABLE}")).scalars().all()
+        assert left == ["0022"]  # the head's own requirement stays
 
 
 def test_a_requirement_this_code_meets_is_no_refusal(database, tmp_path) -> None:
@@ -421,6 +429,26 @@ def test_a_requirement_this_code_meets_is_no_refusal(database, tmp_path) -> None
 
 
 # -- (a) the previous release on the new head ----------------------------------------------------
+
+
+def test_the_previous_release_is_the_newest_listed_and_tagged() -> None:
+    """docs/releases.md's newest entry is PREVIOUS_RELEASE; its tag, where the clone has tags,
+    names that commit."""
+    listed = re.findall(
+        r"^\| (v\d+\.\d+) \| ([0-9a-f]{7,40}) \|", (ROOT / "docs" / "releases.md").read_text(), re.M
+    )
+    assert listed, "docs/releases.md lists no release"
+    assert listed[0] == (PREVIOUS_RELEASE_TAG, PREVIOUS_RELEASE), listed[0]
+    git = shutil.which("git")
+    if git is None:
+        return
+    tagged = subprocess.run(
+        [git, "-C", str(ROOT), "rev-parse", "--verify", "-q", f"refs/tags/{PREVIOUS_RELEASE_TAG}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if tagged.returncode == 0:  # a clone without tags has the commit only
+        assert tagged.stdout.strip().startswith(PREVIOUS_RELEASE), tagged.stdout
 
 
 @pytest.fixture(scope="module")

@@ -40,11 +40,12 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import ops, pauses
+from outbox import ops, outcomes, pauses, transitions
 from outbox import transport as outbox_transport
 from outbox.consumer import Executor
 from outbox.exceptions import ConfigError
 from outbox.handlers import Handler
+from outbox.settings import libpq_url
 from reconciler import Reconciler
 from relay import Relay
 
@@ -534,6 +535,28 @@ def operator_resolve(engine: Engine, row_id: int, **how: Any) -> str:
 def operator_replay(engine: Engine, row_id: int, reason: str) -> list[Any]:
     with engine.begin() as conn:
         return list(ops.replay(conn, [row_id], by=OPERATOR, reason=reason))
+
+
+#: `outbox replay ID` as the floor release (ffe982d, before chains and ordering) sends it: its own
+#: rules (no blocking fence row, no operator's resolve --failed), none of the later ones. Migration
+#: 0022's trigger must refuse what those later rules refuse (a compensated step, a row out of its
+#: ordering key's line); the checker's ordering and chain promises catch it if it does not.
+OLD_RELEASE_REPLAY = f"""
+UPDATE outbox_message m
+SET state = 'pending', attempts = 0, available_at = now(), dispatched_at = NULL, completed_at = NULL,
+    alerted_at = NULL, unknown_since = NULL, lease_expires_at = NULL,
+    history = history || jsonb_build_array(jsonb_build_object(
+        'at', now(), 'by', '{OPERATOR}-old', 'action', 'replay', 'from', state, 'to', 'pending'))
+WHERE m.id = %(id)s AND m.state = 'failed'
+  AND NOT EXISTS ({transitions.BLOCKING_ATTEMPT_SQL})
+  AND NOT {outcomes.operator_failed_unknown_sql("m")}
+RETURNING m.id
+"""
+
+
+def old_release_replay(database_url: str, row_id: int) -> bool:
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        return conn.execute(OLD_RELEASE_REPLAY, {"id": row_id}).fetchone() is not None
 
 
 def operator_replay_destination(engine: Engine, destination: str, reason: str) -> list[Any]:

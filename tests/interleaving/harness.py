@@ -800,6 +800,21 @@ class World:
             )
         )
 
+    def step_old_release_replay(self) -> None:
+        """An operator still on the floor release's CLI during a rolling deploy (issue 30)
+        replays any failed row its own rules allow, a compensated or skipped one included."""
+        rows = self.sql("SELECT id FROM outbox_message WHERE state = 'failed' ORDER BY id")
+        candidates = [r[0] for r in rows if r[0] not in self.operator_failed]
+        if not candidates:
+            return
+        row_id = self.rng.choice(candidates)
+        self.side_threads.append(
+            self._thread(
+                f"operator (floor release) replay {row_id}",
+                lambda: c.old_release_replay(self.database_url, row_id),
+            )
+        )
+
     def step_operator_repair(self) -> None:
         """``outbox repair KEY`` (issue 14) by the runbook: a key whose work stopped at a failed or
         unknown step, or at a confirmed one without its next steps; any such key, at any time
@@ -882,6 +897,7 @@ class World:
             steps += [(1, self.step_operator_resolve), (0.6, self.step_operator_replay)]
             steps += [(0.4, self.step_operator_pause), (0.6, self.step_operator_resume)]
             steps.append((0.6, self.step_operator_repair))
+            steps.append((0.4, self.step_old_release_replay))
         return steps
 
     def run(self) -> list[Finding]:
