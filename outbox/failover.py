@@ -244,7 +244,13 @@ class FailoverGuard:
 
     def _verdict(self) -> Verdict:
         if self._conn is None or self._conn.closed:
-            self._conn = connect_raw(self.database_url, autocommit=True, application_name="outbox-failover")
+            # The revision names this code to `outbox features enable` (outbox.features): a
+            # release before 0022 holds an "outbox-failover" connection without one.
+            from .migrate import head_revision
+
+            self._conn = connect_raw(
+                self.database_url, autocommit=True, application_name=f"outbox-failover/{head_revision()}"
+            )
         return check(self._conn, process=self.process)
 
     def _drop_conn(self) -> None:

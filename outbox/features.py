@@ -6,12 +6,18 @@ obey holds for them in one of two ways (docs/production.md, "Rolling deploys", p
 
 * the database enforces it, so that an older statement obeys it too (a row trigger restricted by
   ``WHEN`` to the rows that use the feature: ordering, an operator's ``resolve --failed``);
-* or the feature is **gated**, listed here: the database refuses rows that use it (SQLSTATE
-  :data:`SQLSTATE`; ``outbox.write`` raises :class:`~outbox.exceptions.FeatureNotEnabled`) until
-  an operator runs ``outbox features enable NAME``. That refuses while any live process (relay,
-  worker and reconciler all beat, with the schema range their code accepts; a beat without a range
-  is an older release's) cannot handle the feature, and it raises the floor to the feature's
-  revision, so that such a process, restarted later, refuses to start.
+* or the feature is **gated**, listed here: rows that use it are not claimed until an operator
+  runs ``outbox features enable NAME`` (a BEFORE UPDATE trigger, ``WHEN`` the row uses it), and
+  the application's own writes of such rows are refused meanwhile (SQLSTATE :data:`SQLSTATE`;
+  ``outbox.write`` raises :class:`~outbox.exceptions.FeatureNotEnabled`), so that it learns at
+  once. Enabling refuses while any live process cannot handle the feature: by its heartbeat
+  (relays, workers and reconcilers beat with the schema range their code accepts; a beat without
+  one is a release before 0022 and counts as older) and by its connection (every relay, worker
+  and reconciler holds its failover check's connection from its start, named
+  ``outbox-failover`` before 0022 and ``outbox-failover/<revision>`` since: older relays and
+  reconcilers do not beat). It raises the floor to the feature's revision first, so that no
+  such process starts any more, waits for one that started just before to show itself, and
+  looks again.
 
 Who moves a feature: ``outbox features enable`` (on), migration 0022 (on, when no process was live
 or rows already used it); nothing turns one off but a downgrade.
@@ -20,13 +26,14 @@ or rows already used it); nothing turns one off but a downgrade.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy.exc
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 
 from .exceptions import ConfigError, FeatureNotEnabled, FeatureRefused
 
@@ -105,12 +112,38 @@ def _feature(name: str) -> Feature:
         raise ConfigError(f"no feature named {name!r}; the features are: {known}") from None
 
 
+# Connections of a relay, worker or reconciler whose code does not know revision :needs, seen
+# by the failover check's connection every such process holds from its start, before it takes
+# any message (every release the floor lets start has one): named "outbox-failover" by a release
+# before 0022, "outbox-failover/<revision>" since. This sees what heartbeats cannot: relays and
+# reconcilers before 0022 do not beat, and a worker beats only once it consumes.
+_OLD_CONNECTIONS = """
+SELECT COALESCE(host(client_addr), 'local') || ':' || COALESCE(client_port, 0), application_name
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+  AND (application_name = 'outbox-failover'
+       OR (application_name ~ '^outbox-failover/[0-9]+$'
+           AND CAST(substr(application_name, 17) AS integer) < CAST(:needs AS integer)))
+ORDER BY 1
+"""
+
+
 def holdouts(conn: Connection, feature: Feature) -> list[str]:
-    """The live processes that keep ``feature`` off, one line each."""
+    """The live processes that keep ``feature`` off, one line each: by their heartbeat, and by
+    the connection each holds (processes of a release before 0022 that do not beat)."""
     from .heartbeat import LIVE
 
     rows = conn.execute(text(_HOLDOUTS.format(live=LIVE)), {"needs": feature.needs_code}).all()
-    return [f"{kind} {host}:{pid} (code up to {newest})" for kind, host, pid, newest in rows]
+    found = [
+        f"{kind} {host}:{pid} ("
+        + ("a release before schema ranges" if newest == "no range" else f"code up to revision {newest}")
+        + ")"
+        for kind, host, pid, newest in rows
+    ]
+    for client, name in conn.execute(text(_OLD_CONNECTIONS), {"needs": feature.needs_code}).all():
+        release = "a release before 0022" if name == "outbox-failover" else f"code up to revision {name[16:]}"
+        found.append(f"a relay, worker or reconciler connected from {client} ({release})")
+    return found
 
 
 def states(conn: Connection) -> list[FeatureState]:
@@ -130,41 +163,84 @@ def states(conn: Connection) -> list[FeatureState]:
     return result
 
 
-def enable(conn: Connection, name: str, *, by: str, reason: str | None = None) -> FeatureState:
-    """Turn ``name`` on in the caller's transaction (which commits it), and raise the floor to
-    its revision; raises :class:`FeatureRefused` while a live process cannot handle it. Enabling
-    an enabled feature changes nothing and returns its state."""
-    from .migrate import FLOOR_TABLE, revision_number
+#: How long ``enable`` waits between raising the floor and its last look for older processes:
+#: one that passed its start-up check just before the floor connects its failover check, and
+#: beats, well within it (both come before it takes a message).
+DEFAULT_SETTLE_SECONDS = 10.0
 
+
+def enable(
+    engine: Engine,
+    name: str,
+    *,
+    by: str,
+    reason: str | None = None,
+    settle_seconds: float = DEFAULT_SETTLE_SECONDS,
+) -> FeatureState:
+    """Turn ``name`` on; raises :class:`FeatureRefused` while a live process cannot handle it.
+    Enabling an enabled feature changes nothing and returns its state.
+
+    Three steps, each committed: look for older processes (refuse at once); raise the floor to
+    the feature's revision, so that no older process starts from now on; wait ``settle_seconds``
+    for one that passed its check just before, look again, and turn the feature on (or take the
+    floor back down and refuse)."""
     feature = _feature(name)
-    # One enable at a time. A process of older code starting during it passes its schema check
-    # before this commits the floor and beats within its first interval: `outbox features`
-    # lists it as a holdout then (docs/production.md says to look once more).
-    conn.execute(text("LOCK TABLE outbox_feature IN SHARE ROW EXCLUSIVE MODE"))
-    row = conn.execute(
-        text("SELECT enabled_at, enabled_by, reason FROM outbox_feature WHERE name = :n"), {"n": name}
-    ).first()
-    if row is not None:
-        return FeatureState(feature, row.enabled_at, row.enabled_by, row.reason, ())
-    blocking = holdouts(conn, feature)
+    with engine.begin() as conn:
+        current = _enabled(conn, feature)
+        if current is not None:
+            return current
+        blocking = holdouts(conn, feature)
     if blocking:
         raise FeatureRefused(name, blocking)
+    with engine.begin() as conn:
+        _raise_floor(conn, feature)
+    if settle_seconds > 0:
+        time.sleep(settle_seconds)
+    with engine.begin() as conn:
+        # One enable at a time: the second waits here and finds the feature on.
+        conn.execute(text("LOCK TABLE outbox_feature IN SHARE ROW EXCLUSIVE MODE"))
+        current = _enabled(conn, feature)
+        if current is not None:
+            return current
+        blocking = holdouts(conn, feature)
+        if blocking:
+            _lower_floor(conn, feature)
+        else:
+            row = conn.execute(
+                text(
+                    "INSERT INTO outbox_feature (name, needs_code, enabled_by, reason) "
+                    "VALUES (:n, :needs, :by, :reason) RETURNING enabled_at, enabled_by, reason"
+                ),
+                {"n": name, "needs": feature.needs_code, "by": by, "reason": reason},
+            ).one()
+    if blocking:
+        raise FeatureRefused(name, blocking)
+    return FeatureState(feature, row.enabled_at, row.enabled_by, row.reason, ())
+
+
+def _enabled(conn: Connection, feature: Feature) -> FeatureState | None:
     row = conn.execute(
-        text(
-            "INSERT INTO outbox_feature (name, needs_code, enabled_by, reason) "
-            "VALUES (:n, :needs, :by, :reason) RETURNING enabled_at, enabled_by, reason"
-        ),
-        {"n": name, "needs": feature.needs_code, "by": by, "reason": reason},
-    ).one()
-    assert revision_number(feature.needs_code) is not None
+        text("SELECT enabled_at, enabled_by, reason FROM outbox_feature WHERE name = :n"), {"n": feature.name}
+    ).first()
+    return None if row is None else FeatureState(feature, row.enabled_at, row.enabled_by, row.reason, ())
+
+
+def _raise_floor(conn: Connection, feature: Feature) -> None:
+    from .migrate import FLOOR_TABLE
+
     conn.execute(
         text(
             f"INSERT INTO {FLOOR_TABLE} (migration, needs_code) VALUES (:m, :c) "
             "ON CONFLICT (migration) DO UPDATE SET needs_code = excluded.needs_code"
         ),
-        {"m": f"feature:{name}", "c": feature.needs_code},
+        {"m": f"feature:{feature.name}", "c": feature.needs_code},
     )
-    return FeatureState(feature, row.enabled_at, row.enabled_by, row.reason, ())
+
+
+def _lower_floor(conn: Connection, feature: Feature) -> None:
+    from .migrate import FLOOR_TABLE
+
+    conn.execute(text(f"DELETE FROM {FLOOR_TABLE} WHERE migration = :m"), {"m": f"feature:{feature.name}"})
 
 
 @contextlib.contextmanager

@@ -47,7 +47,8 @@ Rows are created ``pending`` by ``insert`` (``outbox.write``), and by the statem
 another row of the same key (:mod:`outbox.chains`): ``record_outcome`` (the consumer's
 ``record`` with the next steps), ``settle_unknown`` and ``resolve_sent`` write the settled row's
 "then" steps when it moves to ``sent`` (``record_outcome`` its "on_failure" steps when it
-fails for a certain reason); ``write_next_steps`` writes a ``sent`` row's missing ones later,
+fails for a certain reason); ``write_next_steps`` writes a ``sent`` row's missing ones later
+(``clear_uncomputed`` takes the mark off rows that need none),
 ``repair_found`` a failed row's when its lookup finds the call. A batch's members are created
 ``pending`` by ``insert_member`` (``outbox.write(batch=)``, in the transaction whose
 ``insert_batch`` created the batch); ``finish_batch`` writes the batch's then or catch row once

@@ -33,6 +33,7 @@ function                              move                            called by
 :func:`fail_past_deadline`            pending/dispatched -> failed    reconciler (held back; ->
                                                                       unknown if it may have charged)
 :func:`write_next_steps`              (a sent row's next steps)       reconciler, ``outbox repair``
+:func:`clear_uncomputed`              (a sent row needs none)         reconciler
 :func:`repair_found`                  failed -> sent                  ``outbox repair`` (a lookup)
 :func:`note_history`                  (history only)                  ``outbox repair``
 :func:`purge`                         sent/cancelled -> key ledger    reconciler
@@ -94,15 +95,6 @@ _PLANNED = (
 )
 
 
-#: A planned step (``n``) the database would refuse: a payload version while ``payload_versions``
-#: is not enabled (outbox.features). Left unwritten, and named in ``chain_problem``, so that the
-#: confirmed answer is recorded all the same; ``outbox repair`` writes it once enabled.
-_GATED_STEP = (
-    "(COALESCE(n.payload_version, 1) <> 1 AND NOT EXISTS "
-    "(SELECT 1 FROM outbox_feature WHERE name = 'payload_versions'))"
-)
-
-
 def _follow_sql(moved: str, *, certain: str = "false") -> str:
     """The CTE (``, followed AS (…)``) that writes the plan's rows after the row of CTE ``moved``
     (which returns ``id, key, state, trace_context``): the ``then`` steps when it moved to
@@ -116,9 +108,8 @@ def _follow_sql(moved: str, *, certain: str = "false") -> str:
     SELECT {moved}.key, n.step, n.destination, n.payload, {moved}.id, n.via, {moved}.trace_context,
            COALESCE(n.payload_version, 1)
     FROM {moved}, {_PLANNED}
-    WHERE ((n.via = '{chains.THEN}' AND {moved}.state = 'sent')
-           OR (n.via = '{chains.ON_FAILURE}' AND {moved}.state = 'failed' AND {certain}))
-      AND NOT {_GATED_STEP}
+    WHERE (n.via = '{chains.THEN}' AND {moved}.state = 'sent')
+       OR (n.via = '{chains.ON_FAILURE}' AND {moved}.state = 'failed' AND {certain})
     ON CONFLICT (key, step) DO NOTHING
     RETURNING id
 )"""
@@ -141,25 +132,13 @@ def _conflict_sql(row: str, new_state: str) -> str:
            OR l.destination <> n.destination OR l.payload_hash <> outbox_payload_digest(n.payload)))"""
 
 
-def _gated_sql(new_state: str) -> str:
-    """The planned steps :data:`_GATED_STEP` leaves unwritten, said for ``chain_problem``; NULL
-    when none."""
-    return f"""(SELECT string_agg('step ' || n.step || ' not written: payload versions are not '
-                  || 'enabled (outbox features enable payload_versions, then outbox repair)', '; ')
-    FROM {_PLANNED}
-    WHERE n.via = CASE {new_state} WHEN 'sent' THEN '{chains.THEN}'
-                                   WHEN 'failed' THEN '{chains.ON_FAILURE}' END
-      AND {_GATED_STEP})"""
-
-
 def _problem_sql(row: str, new_state: str) -> str:
     """``chain_problem`` after the move: the plan's own problem (``%(chain_problem)s``, from
     Python) and the conflicts, when the row moves to a state that writes steps; else unchanged."""
     return f"""CASE WHEN CAST(%(follow)s AS jsonb) IS NULL AND CAST(%(chain_problem)s AS text) IS NULL
          THEN {row}.chain_problem
          WHEN {new_state} IN ('sent', 'failed')
-         THEN NULLIF(concat_ws('; ', CAST(%(chain_problem)s AS text), {_conflict_sql(row, new_state)},
-                               {_gated_sql(new_state)}), '')
+         THEN NULLIF(concat_ws('; ', CAST(%(chain_problem)s AS text), {_conflict_sql(row, new_state)}), '')
          ELSE {row}.chain_problem END"""
 
 
@@ -1383,8 +1362,7 @@ _WRITE_NEXT_STEPS = f"""
 WITH moved AS (
     UPDATE outbox_message
     SET chain_problem = NULLIF(concat_ws('; ', CAST(%(chain_problem)s AS text),
-                                         {_conflict_sql("outbox_message", "'sent'")},
-                                         {_gated_sql("'sent'")}), ''),
+                                         {_conflict_sql("outbox_message", "'sent'")}), ''),
         -- A new problem is alerted (again).
         alerted_at = NULL
     WHERE id = %(id)s AND state = 'sent' AND chain_problem IS NOT DISTINCT FROM %(expected)s
@@ -1392,6 +1370,31 @@ WITH moved AS (
 ){_follow_sql("moved")}
 SELECT (SELECT count(*) FROM followed), chain_problem FROM moved
 """
+
+
+# Rows marked "next steps not computed" whose steps need no computing: their destination's
+# handler declares no @then, or a step of theirs exists (the settling release wrote it). One
+# statement for many: a release before 0022 marks every row it settles (migration 0022).
+_CLEAR_UNCOMPUTED = f"""
+UPDATE outbox_message m SET chain_problem = NULL
+WHERE m.id IN (
+    SELECT id FROM outbox_message
+    WHERE chain_problem = %(marker)s AND alerted_at IS NULL AND state = 'sent'
+      AND (destination = ANY(%(no_then)s)
+           OR EXISTS (SELECT 1 FROM outbox_message c WHERE c.key = outbox_message.key
+                        AND c.parent_id = outbox_message.id AND c.via = '{chains.THEN}'))
+    ORDER BY id LIMIT %(limit)s)
+  AND m.chain_problem = %(marker)s AND m.state = 'sent'
+"""
+
+
+def clear_uncomputed(conn: psycopg.Connection[Any], *, no_then: Sequence[str], limit: int) -> int:
+    """``sent`` rows marked :data:`outbox.chains.NOT_COMPUTED` whose destination has no ``@then``
+    (``no_then``) or whose ``then`` step exists lose the mark, at most ``limit``; how many."""
+    cur = conn.execute(
+        _CLEAR_UNCOMPUTED, {"marker": chains.NOT_COMPUTED, "no_then": list(no_then), "limit": limit}
+    )
+    return cur.rowcount
 
 
 def write_next_steps(

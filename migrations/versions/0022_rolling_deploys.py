@@ -2,29 +2,34 @@
 release that are still running when this revision is applied, because the database enforces them
 or because a feature stays off until no such process is left.
 
-* **Enforced** by BEFORE UPDATE row triggers, each restricted by ``WHEN`` to the rows and moves it
-  guards (no cost for any other row or move). A refused move does not happen (the trigger returns
-  NULL): the statement moves nothing, exactly what this code's own guarded statements do when
-  their rule refuses, and what every release already reads as "someone else moved it".
+* **Enforced** by row triggers on ``outbox_message``, each restricted by ``WHEN`` to the rows and
+  moves it guards (no function runs for any other row or move). A refused move does not happen
+  (a BEFORE trigger returns NULL): the statement moves nothing, what this code's own guarded
+  statements do when their rule refuses, and what every release reads as "someone else moved it".
 
   - ``outbox_message_ordered_claim``: a claim (pending/dispatched -> in_flight) of a row of an
     ordering key while an earlier row holds the key (outbox.ordering.blocked_sql).
-  - ``outbox_message_chains_unknown`` (not a refusal): a move to ``sent`` that leaves
-    ``chains_known_at`` as it was comes from a release that does not set it, which may not know
-    chains at all: the row is marked ``chain_problem = NOT_COMPUTED`` (outbox.chains) and the
-    reconciler's ``chains`` job writes its ``then`` steps, or clears the mark when they exist.
   - ``outbox_message_failed_stands``: out of ``failed`` (a replay, a repair, a late
     confirmation), a row an operator failed out of unknown (``resolve --failed``) moves only when
     the same statement records a forced replay or repair (outbox.outcomes); a replay of a row
     that let its ordering key go on, or whose @on_failure compensation was written, only forced.
+  - ``outbox_message_payload_versions_claim``: a row with ``payload_version <> 1`` is claimed
+    only once the feature ``payload_versions`` is on (below): a worker older than 0016 would
+    hand the new shape to its handler. It waits, whoever's message brought it.
+  - ``outbox_message_chains_unknown`` (AFTER, not a refusal): a move to ``sent`` that leaves
+    ``chains_known_at`` as it was comes from a release that does not set it, which may not know
+    chains: unless the statement wrote the row's ``then`` step itself, the row is marked
+    ``chain_problem = NOT_COMPUTED`` (outbox.chains; ``alerted_at`` cleared) and the
+    reconciler's ``chains`` job writes its steps, or clears the mark when its handler has none.
 
 * **Gated**: ``outbox_feature`` lists the features an operator enabled (``outbox features
-  enable``). A row with ``payload_version <> 1``, or a batch whose then/catch step has one, is
-  refused (SQLSTATE OB001) until ``payload_versions`` is: a worker older than 0016 would hand the
-  new shape to its handler. (A chain's next step is not refused: its settling statement leaves it
-  unwritten and says so in ``chain_problem``, for ``outbox repair``.)
-  Enabled here when nothing can be harmed: no live process heartbeats (a new database), or rows
-  already use it (the deployment relies on it already).
+  enable``). The application's rows with ``payload_version <> 1``, and batches whose then/catch
+  step has one, are refused (SQLSTATE OB001) until ``payload_versions`` is; a chain's next step
+  or a batch's row, written by a statement that settles a row after its call, is not refused
+  (that statement must not fail after a charge): it waits at its claim (above).
+  Enabled here, with its floor, when nothing older can be running: no live heartbeat and no
+  connection of a release before this one ("outbox-failover", held by every relay, worker and
+  reconciler), or when rows already use it (the deployment relies on it already).
 
 * ``outbox_process`` gains the schema range each process's code accepts (``schema_oldest``,
   ``schema_newest``); a beat without one is an older release's.
@@ -123,11 +128,38 @@ $$
 
 # outbox.chains.NOT_COMPUTED: the reconciler's chains job computes and writes the row's then
 # steps with its handler module, or clears the mark when the settling code wrote them already.
+# An AFTER trigger: it runs once the whole statement is done, so it sees the steps a release
+# that knows chains (but not this mark) wrote in the same statement, and leaves those rows alone.
+# alerted_at goes: a row alerted while unknown must be picked up by the chains job, which only
+# takes rows not alerted yet (an older `resolve --sent` leaves it set).
 _CHAINS_UNKNOWN = """
 CREATE OR REPLACE FUNCTION outbox_message_chains_unknown() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    NEW.chain_problem := 'next steps not computed yet: settled sent by hand without the handler module';
+    IF NOT EXISTS (SELECT 1 FROM outbox_message c
+                   WHERE c.key = NEW.key AND c.parent_id = NEW.id AND c.via = 'then')
+       AND NOT EXISTS (SELECT 1 FROM outbox_key_ledger c
+                       WHERE c.key = NEW.key AND c.parent_id = NEW.id AND c.via = 'then') THEN
+        UPDATE outbox_message
+        SET chain_problem = 'next steps not computed yet: settled sent by hand without the handler module',
+            alerted_at = NULL
+        WHERE id = NEW.id AND state = 'sent' AND chain_problem IS NULL;
+    END IF;
+    RETURN NULL;
+END
+$$
+"""
+
+# A row with a payload version is claimed only once the feature is on: until then no process is
+# known to handle it (a worker before 0016 would hand it to its handler as it is). It waits
+# `dispatched`, re-queued by the reconciler, whoever's message brought it.
+_PAYLOAD_VERSIONS_CLAIM = """
+CREATE OR REPLACE FUNCTION outbox_message_payload_versions_claim() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM outbox_feature WHERE name = 'payload_versions') THEN
+        RETURN NULL;
+    END IF;
     RETURN NEW;
 END
 $$
@@ -182,11 +214,18 @@ def upgrade() -> None:
         SELECT 'payload_versions', '0016', 'migration 0022',
                CASE WHEN EXISTS (SELECT 1 FROM outbox_message WHERE payload_version <> 1)
                     THEN 'rows used it already' ELSE 'no live process at migration' END
-        WHERE NOT EXISTS (SELECT 1 FROM outbox_process WHERE {_LIVE})
+        WHERE (NOT EXISTS (SELECT 1 FROM outbox_process WHERE {_LIVE})
+               AND NOT EXISTS (SELECT 1 FROM pg_stat_activity
+                               WHERE datname = current_database() AND application_name = 'outbox-failover'))
            OR EXISTS (SELECT 1 FROM outbox_message WHERE payload_version <> 1)
            OR EXISTS (SELECT 1 FROM outbox_batch b WHERE {_BATCH_VERSIONED.format(r="b")})
         """
     )
+    # Enabled, the feature raises the floor as `outbox features enable` does: code before 0016
+    # no longer starts here.
+    bind = op.get_bind()
+    if bind.execute(sa.text("SELECT EXISTS (SELECT 1 FROM outbox_feature)")).scalar():
+        require_code_from(op, "0016", migration="feature:payload_versions")
     op.execute(_ORDERED_CLAIM)
     op.execute(
         """
@@ -212,19 +251,32 @@ def upgrade() -> None:
     op.execute(
         """
         CREATE TRIGGER outbox_message_chains_unknown
-        BEFORE UPDATE ON outbox_message
+        AFTER UPDATE ON outbox_message
         FOR EACH ROW WHEN (
             NEW.state = 'sent' AND OLD.state IS DISTINCT FROM 'sent' AND NEW.chain_problem IS NULL
             AND NEW.chains_known_at IS NOT DISTINCT FROM OLD.chains_known_at)
         EXECUTE FUNCTION outbox_message_chains_unknown()
         """
     )
+    op.execute(_PAYLOAD_VERSIONS_CLAIM)
+    op.execute(
+        """
+        CREATE TRIGGER outbox_message_payload_versions_claim
+        BEFORE UPDATE ON outbox_message
+        FOR EACH ROW WHEN (
+            NEW.payload_version <> 1 AND NEW.state = 'in_flight' AND OLD.state IN ('pending', 'dispatched'))
+        EXECUTE FUNCTION outbox_message_payload_versions_claim()
+        """
+    )
+    # The application's own rows only: a chain's next step or a batch's row is written by the
+    # statement that settles a row (any release's), which must never fail after a charge; such a
+    # row waits at its claim instead.
     op.execute(_PAYLOAD_VERSIONS_GATE)
     op.execute(
         """
         CREATE TRIGGER outbox_message_payload_versions_gate
         BEFORE INSERT OR UPDATE OF payload_version ON outbox_message
-        FOR EACH ROW WHEN (NEW.payload_version <> 1)
+        FOR EACH ROW WHEN (NEW.payload_version <> 1 AND NEW.parent_id IS NULL AND NEW.via IS NULL)
         EXECUTE FUNCTION outbox_payload_versions_gate()
         """
     )
@@ -249,10 +301,17 @@ def downgrade() -> None:
         if not bind.execute(sa.text("SELECT EXISTS (SELECT 1 FROM outbox_schema_floor)")).scalar():
             op.execute("DROP TABLE outbox_schema_floor")
     op.execute("DROP TRIGGER IF EXISTS outbox_batch_payload_versions_gate ON outbox_batch")
-    for name in ("payload_versions_gate", "chains_unknown", "failed_stands", "ordered_claim"):
+    for name in (
+        "payload_versions_gate",
+        "payload_versions_claim",
+        "chains_unknown",
+        "failed_stands",
+        "ordered_claim",
+    ):
         op.execute(f"DROP TRIGGER IF EXISTS outbox_message_{name} ON outbox_message")
     for name in (
         "outbox_payload_versions_gate",
+        "outbox_message_payload_versions_claim",
         "outbox_message_chains_unknown",
         "outbox_message_failed_stands",
         "outbox_message_ordered_claim",

@@ -6,6 +6,7 @@ import argparse
 
 from .. import settings
 from ..exceptions import ConfigError, FeatureRefused
+from ..features import DEFAULT_SETTLE_SECONDS
 from . import exits
 from .operator import _connection
 from .output import err, out, print_json
@@ -35,6 +36,14 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", help="the feature to enable")
     p.add_argument("--reason", help="why now (recorded; required with enable)")
     p.add_argument("--by", help="who (default: $USER or the login name)")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=DEFAULT_SETTLE_SECONDS,
+        metavar="SECONDS",
+        help="wait between raising the floor and the last look for older processes "
+        f"(default {DEFAULT_SETTLE_SECONDS:g})",
+    )
 
 
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
@@ -67,15 +76,34 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         raise ConfigError(f"enable which feature? ({', '.join(sorted(FEATURES))})")
     if not (args.reason or "").strip():
         raise ConfigError("--reason is required: why it is safe now, for the next reader")
+    from ..db import make_engine
+
+    if args.settle < 0:
+        raise ConfigError("--settle must be 0 or more seconds")
+    if args.name not in FEATURES:
+        raise ConfigError(f"no feature named {args.name!r}; the features are: {', '.join(sorted(FEATURES))}")
+    engine = make_engine(cfg.require_database_url(), connect_args={"application_name": "outbox ops"})
     try:
-        with _connection(cfg, write=True) as conn:
-            state = enable(conn, args.name, by=args.by or default_actor(), reason=args.reason.strip())
+        if not args.json:
+            err(
+                f"enabling {args.name}: looking for older processes now, and again {args.settle:g} s after "
+                "raising the floor (one that started just before shows itself by then)"
+            )
+        state = enable(
+            engine,
+            args.name,
+            by=args.by or default_actor(),
+            reason=args.reason.strip(),
+            settle_seconds=args.settle,
+        )
     except FeatureRefused as exc:
         if args.json:
             body = {"name": args.name, "enabled": False, "holdouts": exc.processes}
             return print_json(body, error=str(exc), exit_code=exits.FAILED)
         err(str(exc))
         return exits.FAILED
+    finally:
+        engine.dispose()
     if args.json:
         return print_json(state.to_dict())
     assert state.enabled_at is not None

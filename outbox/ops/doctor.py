@@ -19,7 +19,7 @@ import redis
 import sqlalchemy.exc
 from sqlalchemy import Connection, text
 
-from .. import breaker, heartbeat, pauses, transport
+from .. import breaker, features, heartbeat, pauses, transport
 from ..db import make_engine
 from ..exceptions import ConfigError, NotMigrated, OutboxError
 from ..handlers import load_module
@@ -183,6 +183,26 @@ def _attention_checks(conn: Connection, cfg: Settings) -> list[Check]:
     return checks
 
 
+def _features_check(conn: Connection) -> Check:
+    """The gated features (outbox.features): off ones are fine (their rows are refused); an
+    enabled one with a live process whose code does not know it is a deploy gone wrong."""
+    found = features.states(conn)
+    wrong = [
+        f"{s.feature.name} is on, but {h} does not know it" for s in found if s.enabled for h in s.holdouts
+    ]
+    if wrong:
+        return Check("features", FAIL, "; ".join(wrong) + ": stop those processes (docs/production.md)")
+    shown = ", ".join(f"{s.feature.name} {'on' if s.enabled else 'off'}" for s in found)
+    off = [s for s in found if not s.enabled]
+    if off:
+        return Check(
+            "features",
+            OK,
+            f"{shown} (an off feature's rows are refused until `outbox features enable NAME`)",
+        )
+    return Check("features", OK, shown)
+
+
 def _transport_checks(conn: Connection, cfg: Settings) -> list[Check]:
     """From the heartbeats in the database: destinations no live worker consumes, and each
     live process's clock against the database's."""
@@ -216,6 +236,7 @@ def _transport_checks(conn: Connection, cfg: Settings) -> list[Check]:
             "no destination's breaker is open",
         )
     )
+    checks.append(_features_check(conn))
     processes = heartbeat.live_processes(conn.execute(text(heartbeat.LIVE_PROCESSES_SQL)))
     limit = cfg.clock_skew_warn_seconds
     skewed = [p for p in processes if abs(p.skew_seconds) > limit]

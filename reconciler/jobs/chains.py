@@ -25,6 +25,8 @@ from ._common import _nonzero, _require_autocommit
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHAINS_BATCH = 100
+#: Marked rows cleared per run without computing anything (no @then, or their step exists).
+CLEAR_BATCH = 10_000
 
 # followed_already: the settling code wrote its then steps (a release that knows chains but not
 # the mark of 0022's trigger): only the mark goes, the plan is not computed a second time.
@@ -49,9 +51,14 @@ def write_uncomputed(
     batch_size: int = DEFAULT_CHAINS_BATCH,
 ) -> dict[str, int]:
     """Write the next steps of up to ``batch_size`` rows resolved ``sent`` without the handler
-    module. Counts: ``followed`` (rows done), ``steps`` (rows written), ``no_handler``, ``raced``."""
+    module (or settled by a release before 0022). Counts: ``cleared`` (no step to compute),
+    ``followed`` (rows done), ``steps`` (rows written), ``no_handler``, ``raced``."""
     _require_autocommit(conn, "chains")
     counts: Counter[str] = Counter()
+    # First the rows that need no computing, many per statement (a release before 0022 marks
+    # every row it settles): only those whose handler declares a @then are computed one by one.
+    no_then = sorted(d for d, h in handlers.items() if h.then_fn is None)
+    counts["cleared"] = transitions.clear_uncomputed(conn, no_then=no_then, limit=CLEAR_BATCH)
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(_UNCOMPUTED, {"marker": chains.NOT_COMPUTED, "limit": batch_size}).fetchall()
     for row in rows:

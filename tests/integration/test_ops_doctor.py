@@ -112,6 +112,7 @@ def _healthy(clean, capsys, module):
         "consumers",
         "pauses",
         "breakers",
+        "features",
         "clocks",
         "failed",
         "unknown",

@@ -242,7 +242,7 @@ def test_this_codes_settlements_leave_no_mark(clean, engine, db) -> None:
     assert write_uncomputed(db, outbox.handlers.registry()) == {}
 
 
-def test_a_release_that_wrote_the_steps_itself_has_only_its_mark_cleared(clean, engine, db) -> None:
+def test_a_release_that_wrote_the_steps_itself_leaves_no_mark(clean, engine, db) -> None:
     declare_chain()
     row = write(engine, "order:1")
     assert db.execute(OLD_CLAIM, (row,)).fetchall() == [(row,)]
@@ -253,11 +253,51 @@ def test_a_release_that_wrote_the_steps_itself_has_only_its_mark_cleared(clean, 
         " SELECT key, 'ship', 'warehouse.ship', '{\"charge\": \"other\"}', id, 'then' FROM moved",
         ("ch_1", row),
     )
-    assert write_uncomputed(db, outbox.handlers.registry()) == {"followed": 1}
+    # Seen by the trigger once the statement is done: no mark, nothing for the chains job.
+    assert write_uncomputed(db, outbox.handlers.registry()) == {}
     rows = db.execute(
         "SELECT step, payload, chain_problem FROM outbox_message WHERE key = 'order:1' ORDER BY id"
     )
     assert rows.fetchall() == [("charge", {}, None), ("ship", {"charge": "other"}, None)]
+
+
+def test_rows_an_older_release_settled_without_a_then_are_cleared_many_at_a_time(clean, engine, db) -> None:
+    @outbox.handler(DEST, time_limit=2)
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:  # pragma: no cover - never called here
+        raise AssertionError("no call in this test")
+
+    rows = [write(engine, f"order:{i}") for i in range(300)]
+    for row in rows:
+        db.execute(OLD_CLAIM, (row,))
+        db.execute(OLD_SENT, ("ch", row))
+    marked = db.execute(
+        "SELECT count(*) FROM outbox_message WHERE chain_problem = %s", (chains.NOT_COMPUTED,)
+    )
+    assert marked.fetchone() == (300,)
+    # One run, whatever its batch of rows to compute: no step to compute for a handler without @then.
+    assert write_uncomputed(db, outbox.handlers.registry(), batch_size=10) == {"cleared": 300}
+    assert db.execute("SELECT count(*) FROM outbox_message WHERE chain_problem IS NOT NULL").fetchone() == (
+        0,
+    )
+
+
+def test_a_row_alerted_while_unknown_then_settled_by_an_older_resolve_is_followed(clean, engine, db) -> None:
+    """An older `outbox resolve --sent` leaves alerted_at as the alert left it; the mark takes it
+    away, or the chains job (which takes rows not alerted) would never see the row."""
+    declare_chain()
+    row = write(engine, "order:1")
+    assert db.execute(OLD_CLAIM, (row,)).fetchall() == [(row,)]
+    db.execute(
+        "UPDATE outbox_message SET state = 'unknown', unknown_since = now(), lease_expires_at = NULL,"
+        " alerted_at = now() WHERE id = %s",
+        (row,),
+    )
+    db.execute(
+        "UPDATE outbox_message SET state = 'sent', provider_ref = 'ch_1', completed_at = now() WHERE id = %s",
+        (row,),
+    )
+    assert write_uncomputed(db, outbox.handlers.registry()) == {"followed": 1, "steps": 1}
+    assert db.execute("SELECT count(*) FROM outbox_message WHERE step = 'ship'").fetchone() == (1,)
 
 
 # -- payload versions: gated --------------------------------------------------------------------
@@ -278,8 +318,9 @@ def test_a_payload_version_is_refused_until_enabled(gate_off, engine, db) -> Non
         outbox.batch(s, name="batch:1", then=outbox.Next("done", DEST, {}, payload_version=3))
     # Version 1 rows are not concerned.
     assert write(engine, "order:3") > 0
-    with engine.begin() as conn:
-        done = features.enable(conn, "payload_versions", by="ops", reason="all workers on this release")
+    done = features.enable(
+        engine, "payload_versions", by="ops", reason="all workers on this release", settle_seconds=0
+    )
     assert done.enabled
     assert write(engine, "order:1", payload_version=2) > 0
 
@@ -289,22 +330,23 @@ def test_enabling_waits_for_every_older_process(gate_off, engine, db) -> None:
     current = Heartbeat(gate_off.database_url.replace("+psycopg", ""), kind="relay")
     current.beat()
     try:
-        with engine.begin() as conn, pytest.raises(FeatureRefused) as info:
-            features.enable(conn, "payload_versions", by="ops")
-        assert info.value.processes == ["worker old-host:4242 (code up to no range)"]
+        with pytest.raises(FeatureRefused) as info:
+            features.enable(engine, "payload_versions", by="ops", settle_seconds=0)
+        assert info.value.processes == ["worker old-host:4242 (a release before schema ranges)"]
         with engine.connect() as conn:
             (listed,) = features.states(conn)
-        assert not listed.enabled and listed.holdouts == ("worker old-host:4242 (code up to no range)",)
+        assert not listed.enabled and listed.holdouts == (
+            "worker old-host:4242 (a release before schema ranges)",
+        )
         # A process whose code predates the feature counts too, by its range.
         db.execute(
             "UPDATE outbox_process SET schema_oldest = '0010', schema_newest = '0015' WHERE id = %s", (old,)
         )
-        with engine.begin() as conn, pytest.raises(FeatureRefused, match=r"code up to 0015"):
-            features.enable(conn, "payload_versions", by="ops")
+        with pytest.raises(FeatureRefused, match=r"code up to revision 0015"):
+            features.enable(engine, "payload_versions", by="ops", settle_seconds=0)
         # Stopped (a clean stop marks it), it no longer counts; this code's relay never did.
         db.execute("UPDATE outbox_process SET stopped_at = now() WHERE id = %s", (old,))
-        with engine.begin() as conn:
-            features.enable(conn, "payload_versions", by="ops", reason="rolled")
+        features.enable(engine, "payload_versions", by="ops", reason="rolled", settle_seconds=0)
     finally:
         current.stop()
     # The floor: code older than 0016 no longer starts here.
@@ -317,18 +359,22 @@ def test_enabling_waits_for_every_older_process(gate_off, engine, db) -> None:
         (listed,) = features.states(conn)
     assert listed.enabled and listed.enabled_by == "ops" and listed.reason == "rolled"
     # Enabling again changes nothing.
-    with engine.begin() as conn:
-        assert features.enable(conn, "payload_versions", by="someone else").enabled_by == "ops"
+    assert (
+        features.enable(engine, "payload_versions", by="someone else", settle_seconds=0).enabled_by == "ops"
+    )
 
 
 def test_an_unknown_feature_is_a_clear_error(gate_off, engine) -> None:
-    with engine.begin() as conn, pytest.raises(ConfigError, match="the features are: payload_versions"):
-        features.enable(conn, "payload_version", by="ops")
+    with pytest.raises(ConfigError, match="the features are: payload_versions"):
+        features.enable(engine, "payload_version", by="ops", settle_seconds=0)
 
 
-def test_a_chain_step_with_a_version_waits_for_enabling_and_the_charge_is_recorded(
+def test_a_chain_step_with_a_version_is_written_and_waits_at_its_claim_until_enabled(
     gate_off, engine, db
 ) -> None:
+    """The settling statement (this release's or an older one's) never fails after a charge: the
+    step is written, and no worker claims it until the feature is on."""
+
     @outbox.handler(DEST, time_limit=2)
     def charge(d: outbox.Delivery) -> outbox.Confirmed:  # pragma: no cover - never called here
         raise AssertionError("no call in this test")
@@ -354,17 +400,67 @@ def test_a_chain_step_with_a_version_waits_for_enabling_and_the_charge_is_record
     done = transitions.record_outcome(
         db, row_id=row, token=claimed.token, state="sent", outcome="sent", ref="ch_1", follow=plan
     )
-    assert done.state == "sent"
-    row_now = db.execute("SELECT state, chain_problem FROM outbox_message WHERE id = %s", (row,)).fetchone()
-    assert row_now is not None and row_now[0] == "sent"
-    assert "step ship not written: payload versions are not enabled" in row_now[1]
-    assert db.execute("SELECT count(*) FROM outbox_message WHERE step = 'ship'").fetchone() == (0,)
-    with engine.begin() as conn:
-        features.enable(conn, "payload_versions", by="ops")
-    # What `outbox repair` does with the row's problem: the step goes now.
-    written = transitions.write_next_steps(db, row_id=row, follow=plan, expected_problem=row_now[1])
-    assert written is not None and written.followed == 1
-    assert db.execute("SELECT payload_version FROM outbox_message WHERE step = 'ship'").fetchone() == (2,)
+    assert done.state == "sent" and done.followed == 1
+    (step,) = db.execute(
+        "SELECT id FROM outbox_message WHERE step = 'ship' AND payload_version = 2"
+    ).fetchone()
+    # No claim of it, this code's or an older one's, while the feature is off.
+    assert transitions.claim(db, row_id=step, destination="warehouse.ship", lease_seconds=30) is None
+    assert db.execute(OLD_CLAIM, (step,)).fetchall() == []
+    assert state(db, step) == "pending"
+    features.enable(engine, "payload_versions", by="ops", settle_seconds=0)
+    assert transitions.claim(db, row_id=step, destination="warehouse.ship", lease_seconds=30) is not None
+
+
+def test_an_older_process_is_seen_by_its_connection_before_it_beats(gate_off, engine, db) -> None:
+    """Relays and reconcilers before 0022 do not beat, and a worker beats only once it consumes;
+    each holds its failover check's connection from its start ("outbox-failover")."""
+    from outbox.settings import libpq_url as plain
+
+    url = plain(gate_off.database_url)
+    with psycopg.connect(url, autocommit=True, application_name="outbox-failover"):
+        with pytest.raises(FeatureRefused, match=r"connected from .* \(a release before 0022\)"):
+            features.enable(engine, "payload_versions", by="ops", settle_seconds=0)
+        # A release that names its revision, older than the feature: refused by number.
+        with psycopg.connect(url, autocommit=True, application_name="outbox-failover/0015"):
+            with engine.connect() as conn:
+                (listed,) = features.states(conn)
+            assert sorted(listed.holdouts)[0].endswith("(a release before 0022)")
+            assert sorted(listed.holdouts)[1].endswith("(code up to revision 0015)")
+    # This release's own connection does not count.
+    with psycopg.connect(url, autocommit=True, application_name="outbox-failover/0022"):
+        assert features.enable(engine, "payload_versions", by="ops", settle_seconds=0).enabled
+
+
+def test_an_older_process_appearing_while_enabling_settles_takes_the_floor_back(gate_off, engine, db) -> None:
+    """Between raising the floor and the last look, a process that passed its start-up check just
+    before shows itself: enabling refuses, and the floor goes back down."""
+    import threading
+
+    from outbox.settings import libpq_url as plain
+
+    appeared = threading.Event()
+    done = threading.Event()
+
+    def start_old_worker() -> None:
+        with psycopg.connect(
+            plain(gate_off.database_url), autocommit=True, application_name="outbox-failover"
+        ):
+            appeared.set()
+            done.wait(10)
+
+    threading.Timer(0.3, start_old_worker).start()
+    try:
+        with pytest.raises(FeatureRefused, match="a release before 0022"):
+            features.enable(engine, "payload_versions", by="ops", settle_seconds=1.5)
+        assert appeared.is_set()
+    finally:
+        done.set()
+    with engine.connect() as conn:
+        (listed,) = features.states(conn)
+        floor = conn.execute(text(f"SELECT count(*) FROM {FLOOR_TABLE} WHERE migration LIKE 'feature:%'"))
+        assert floor.scalar() == 0
+    assert not listed.enabled
 
 
 # -- the migration's own choice --------------------------------------------------------------------
@@ -424,17 +520,33 @@ def test_the_features_command_lists_refuses_and_enables(gate_off, db, capsys) ->
     code, out, _ = cli(gate_off, capsys, "features")
     assert code == 0
     assert "payload_versions: off (needs code from revision 0016" in out
-    assert "kept off by reconciler old-host:4242 (code up to no range)" in out
+    assert "kept off by reconciler old-host:4242 (a release before schema ranges)" in out
     code, _, err = cli(gate_off, capsys, "features", "enable", "payload_versions")
     assert code != 0 and "--reason is required" in err
-    code, out, err = cli(gate_off, capsys, "features", "enable", "payload_versions", "--reason", "rolled")
+    code, out, err = cli(
+        gate_off, capsys, "features", "enable", "payload_versions", "--reason", "rolled", "--settle", "0"
+    )
     assert code == 1 and "cannot enable payload_versions: 1 live process(es)" in err
     assert "reconciler old-host:4242" in err and out == ""
-    code, out, _ = cli(gate_off, capsys, "features", "enable", "payload_versions", "--reason", "x", "--json")
-    assert code == 1 and json.loads(out)["holdouts"] == ["reconciler old-host:4242 (code up to no range)"]
+    code, out, _ = cli(
+        gate_off, capsys, "features", "enable", "payload_versions", "--reason", "x", "--json", "--settle", "0"
+    )
+    assert code == 1 and json.loads(out)["holdouts"] == [
+        "reconciler old-host:4242 (a release before schema ranges)"
+    ]
     db.execute("UPDATE outbox_process SET stopped_at = now() WHERE id = %s", (old,))
     code, out, _ = cli(
-        gate_off, capsys, "features", "enable", "payload_versions", "--reason", "rolled", "--by", "ann"
+        gate_off,
+        capsys,
+        "features",
+        "enable",
+        "payload_versions",
+        "--reason",
+        "rolled",
+        "--by",
+        "ann",
+        "--settle",
+        "0.2",
     )
     assert code == 0, out
     assert "payload_versions: on since" in out and "by ann" in out
@@ -491,3 +603,21 @@ def test_the_relay_and_the_reconciler_beat_with_their_range(gate_off, db) -> Non
     assert [p.returncode for p in procs] == [0, 0], outs
     # A clean stop marks them stopped: nobody waits for them to go stale.
     assert db.execute("SELECT count(*) FROM outbox_process WHERE stopped_at IS NULL").fetchone() == (0,)
+
+
+def test_doctor_fails_an_enabled_feature_that_a_live_process_does_not_know(
+    gate_off, db, engine, capsys
+) -> None:
+    features.enable(engine, "payload_versions", by="ops", settle_seconds=0)
+    code, out, _ = cli(gate_off, capsys, "doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(out)["checks"]}
+    assert checks["features"]["status"] == "ok" and checks["features"]["detail"] == "payload_versions on"
+    # A worker of older code that passed its start-up check in the instant of enabling.
+    old_heartbeat(db, "worker")
+    code, out, _ = cli(gate_off, capsys, "doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(out)["checks"]}
+    assert code == 1 and checks["features"]["status"] == "FAIL"
+    assert (
+        "payload_versions is on, but worker old-host:4242 (a release before schema ranges) does not know it"
+        in (checks["features"]["detail"])
+    )

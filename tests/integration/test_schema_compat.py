@@ -354,8 +354,9 @@ def test_an_additive_revision_newer_than_the_code_is_tolerated(database, service
         valid = conn.execute(
             text("SELECT indisvalid FROM pg_index WHERE indexrelid = 'outbox_message_tenant_idx'::regclass")
         ).scalar()
-    # The floor is 0022's (code that knows the breaker), which this code meets.
-    assert status.ok and status.current == newer and status.floor == "0010", status
+    # The floor is the feature's that 0022 enabled on this new database (payload versions, 0016),
+    # which this code meets.
+    assert status.ok and status.current == newer and status.floor == "0016", status
     assert "newer than this code" in status.describe()
     assert definition is not None and valid is True
     check_database(url_of(database))
@@ -417,7 +418,7 @@ def test_a_contract_revision_makes_older_code_refuse_in_one_line(database, tmp_p
         conn.commit()
         assert check_schema(conn) is None
         left = conn.execute(text(f"SELECT migration FROM {FLOOR_TABLE}")).scalars().all()
-        assert left == ["0022"]  # the head's own requirement stays
+        assert sorted(left) == ["0022", "feature:payload_versions"]  # the head's own stay
 
 
 def test_a_requirement_this_code_meets_is_no_refusal(database, tmp_path) -> None:
