@@ -112,18 +112,20 @@ def _feature(name: str) -> Feature:
         raise ConfigError(f"no feature named {name!r}; the features are: {known}") from None
 
 
-# Connections of a relay, worker or reconciler whose code does not know revision :needs, seen
-# by the failover check's connection every such process holds from its start, before it takes
-# any message (every release the floor lets start has one): named "outbox-failover" by a release
-# before 0022, "outbox-failover/<revision>" since. This sees what heartbeats cannot: relays and
-# reconcilers before 0022 do not beat, and a worker beats only once it consumes.
+# Connections of a relay, worker or reconciler whose code does not know revision :needs: the
+# failover check's, which every such process holds from its start, before it takes any message
+# (every release the floor lets start has one), a worker's heartbeat and a reconciler's per-job
+# connections; named without a revision before 0022 ("outbox-failover", "outbox-worker",
+# "outbox-reconcile-<job>"), with one since ("…/0022"). They see what heartbeats cannot: relays
+# and reconcilers before 0022 do not beat, and a worker beats only once it consumes. An older
+# process's failover connection, dropped (an idle timeout, a blip), comes back at its next check,
+# every 30 s: hence the settle time of DEFAULT_SETTLE_SECONDS, and its job connections.
 _OLD_CONNECTIONS = """
 SELECT COALESCE(host(client_addr), 'local') || ':' || COALESCE(client_port, 0), application_name
 FROM pg_stat_activity
 WHERE datname = current_database() AND pid <> pg_backend_pid()
-  AND (application_name = 'outbox-failover'
-       OR (application_name ~ '^outbox-failover/[0-9]+$'
-           AND CAST(substr(application_name, 17) AS integer) < CAST(:needs AS integer)))
+  AND application_name ~ '^outbox-(failover|worker|reconcile-[a-z_]+)(/[0-9]+)?$'
+  AND COALESCE(CAST(substring(application_name FROM '/([0-9]+)$') AS integer), 0) < CAST(:needs AS integer)
 ORDER BY 1
 """
 
@@ -141,8 +143,9 @@ def holdouts(conn: Connection, feature: Feature) -> list[str]:
         for kind, host, pid, newest in rows
     ]
     for client, name in conn.execute(text(_OLD_CONNECTIONS), {"needs": feature.needs_code}).all():
-        release = "a release before 0022" if name == "outbox-failover" else f"code up to revision {name[16:]}"
-        found.append(f"a relay, worker or reconciler connected from {client} ({release})")
+        revision = name.rpartition("/")[2] if "/" in name else None
+        release = f"code up to revision {revision}" if revision else "a release before 0022"
+        found.append(f"a relay, worker or reconciler connected from {client} as {name} ({release})")
     return found
 
 
@@ -164,9 +167,10 @@ def states(conn: Connection) -> list[FeatureState]:
 
 
 #: How long ``enable`` waits between raising the floor and its last look for older processes:
-#: one that passed its start-up check just before the floor connects its failover check, and
-#: beats, well within it (both come before it takes a message).
-DEFAULT_SETTLE_SECONDS = 10.0
+#: one that passed its start-up check just before the floor connects its failover check (before
+#: it takes a message) well within it, and an older process's dropped failover connection comes
+#: back at its next check (OUTBOX_FAILOVER_CHECK_INTERVAL, 30 s by default).
+DEFAULT_SETTLE_SECONDS = 35.0
 
 
 def enable(

@@ -185,7 +185,9 @@ class Heartbeat:
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = connect_raw(
-                self.database_url, autocommit=True, application_name=f"outbox-{self.kind}"
+                self.database_url,
+                autocommit=True,
+                application_name=f"outbox-{self.kind}/{self.schema_newest}",
             )
         return self._conn
 

@@ -32,6 +32,7 @@ from outbox import metrics, settings, transport
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
 from outbox.handlers import Handler
+from outbox.migrate import head_revision
 from outbox.probes import Liveness
 from outbox.settings import DEFAULT_NAMESPACE, DEFAULT_NO_CONSUMER_CYCLES, Settings
 
@@ -199,7 +200,10 @@ class Reconciler:
         conn = self._conns.get(job)
         if conn is None or conn.closed:
             conn = self._conns[job] = connect_raw(
-                self.database_url, autocommit=True, application_name=f"outbox-reconcile-{job}"
+                self.database_url,
+                autocommit=True,
+                # The revision tells this code from a release before 0022 (outbox.features).
+                application_name=f"outbox-reconcile-{job}/{head_revision()}",
             )
             if self.failover_guard is not None:
                 # A new connection may be to a new server: check before a job acts on it.

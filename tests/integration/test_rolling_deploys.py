@@ -621,3 +621,23 @@ def test_doctor_fails_an_enabled_feature_that_a_live_process_does_not_know(
         "payload_versions is on, but worker old-host:4242 (a release before schema ranges) does not know it"
         in (checks["features"]["detail"])
     )
+
+
+def test_an_older_reconcilers_job_connection_and_an_older_workers_beat_connection_count(
+    gate_off, engine
+) -> None:
+    """An older process's failover connection can drop between its checks (every 30 s): its
+    other connections, named without a revision, still show it."""
+    from outbox.settings import libpq_url as plain
+
+    url = plain(gate_off.database_url)
+    for name in ("outbox-reconcile-resolve_unknown", "outbox-worker"):
+        with psycopg.connect(url, autocommit=True, application_name=name):
+            with pytest.raises(FeatureRefused, match=f"as {name} \\(a release before 0022\\)"):
+                features.enable(engine, "payload_versions", by="ops", settle_seconds=0)
+    # This release names its own with the revision.
+    with (
+        psycopg.connect(url, autocommit=True, application_name="outbox-reconcile-resolve_unknown/0022"),
+        psycopg.connect(url, autocommit=True, application_name="outbox-worker/0022"),
+    ):
+        assert features.enable(engine, "payload_versions", by="ops", settle_seconds=0).enabled
