@@ -70,11 +70,10 @@ from outbox.transport import delete_namespace
 from reconciler.jobs.expire_leases import expire_leases
 from reconciler.scheduler import Reconciler
 
-from .test_schema_compat import PREVIOUS_RELEASE, ROOT
+# FLOOR_RELEASE: the oldest code revision 0022 lets start (schema range 0010 to 0011): pauses and
+# the breaker, no chains (0012), batches (0014), payload versions (0016) or ordering (0017).
+from .test_schema_compat import FLOOR_RELEASE, PREVIOUS_RELEASE, ROOT, url_of
 
-#: The oldest code revision 0022 lets start (schema range 0010 to 0011): pauses and the breaker,
-#: no chains (0012), batches (0014), payload versions (0016) or ordering (0017).
-FLOOR_RELEASE = "ffe982d"
 RELEASES = list(dict.fromkeys([FLOOR_RELEASE, PREVIOUS_RELEASE]))
 
 #: Revisions that brought what the older release may not know.
@@ -259,10 +258,6 @@ def namespace(services) -> Iterator[str]:
         delete_namespace(client, name)
     finally:
         client.close()
-
-
-def url_of(engine: Engine) -> str:
-    return engine.url.render_as_string(hide_password=False)
 
 
 @dataclass

@@ -219,21 +219,26 @@ def test_a_row_an_older_release_settled_sent_is_followed_once(clean, engine, db)
     assert db.execute("SELECT chain_problem FROM outbox_message WHERE id = %s", (row,)).fetchone() == (None,)
 
 
-def test_this_codes_settlements_leave_no_mark(clean, engine, db) -> None:
-    declare_chain()
-    row = write(engine, "order:1")
+def claim_and_plan(db: psycopg.Connection[Any], row: int) -> tuple[Any, chains.Plan]:
+    """This code's claim of ``row`` and the then plan its worker records with ``ch_1``."""
     claimed = transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    handler = outbox.handlers.registry()[DEST]
     stored = db.execute(
         "SELECT id, key, step, destination, payload, attempts, deadline, payload_version FROM outbox_message"
         " WHERE id = %s",
         (row,),
     )
     names = [c.name for c in stored.description or ()]
-    plan = chains.then_plan_for_row(
-        handler, dict(zip(names, stored.fetchone() or (), strict=True)), outbox.Confirmed("ch_1")
+    stored_row = dict(zip(names, stored.fetchone() or (), strict=True))
+    return claimed, chains.then_plan_for_row(
+        outbox.handlers.registry()[DEST], stored_row, outbox.Confirmed("ch_1")
     )
+
+
+def test_this_codes_settlements_leave_no_mark(clean, engine, db) -> None:
+    declare_chain()
+    row = write(engine, "order:1")
+    claimed, plan = claim_and_plan(db, row)
     done = transitions.record_outcome(
         db, row_id=row, token=claimed.token, state="sent", outcome="sent", ref="ch_1", follow=plan
     )
@@ -384,19 +389,7 @@ def test_a_chain_step_with_a_version_is_written_and_waits_at_its_claim_until_ena
         return [outbox.Next("ship", "warehouse.ship", {"charge": c.ref}, payload_version=2)]
 
     row = write(engine, "order:1")
-    claimed = transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30)
-    assert claimed is not None
-    stored = db.execute(
-        "SELECT id, key, step, destination, payload, attempts, deadline, payload_version FROM outbox_message"
-        " WHERE id = %s",
-        (row,),
-    )
-    names = [c.name for c in stored.description or ()]
-    plan = chains.then_plan_for_row(
-        outbox.handlers.registry()[DEST],
-        dict(zip(names, stored.fetchone() or (), strict=True)),
-        outbox.Confirmed("ch_1"),
-    )
+    claimed, plan = claim_and_plan(db, row)
     done = transitions.record_outcome(
         db, row_id=row, token=claimed.token, state="sent", outcome="sent", ref="ch_1", follow=plan
     )
