@@ -26,6 +26,7 @@ or rows already used it); nothing turns one off but a downgrade.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -266,4 +267,7 @@ def refusal(exc: BaseException) -> str | None:
     orig = getattr(exc, "orig", exc)
     if getattr(orig, "sqlstate", None) != SQLSTATE:
         return None
-    return "payload_versions"
+    # Each gate's HINT names its feature ("… outbox features enable NAME").
+    hint = getattr(getattr(orig, "diag", None), "message_hint", None) or ""
+    named = re.search(r"outbox features enable (\w+)", hint)
+    return named.group(1) if named else "payload_versions"
