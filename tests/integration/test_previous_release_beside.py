@@ -602,7 +602,9 @@ def test_payload_versions_stay_off_while_an_older_worker_lives(release, database
     with pytest.raises(FeatureRefused) as why:
         enable_payload_versions(database)
     assert str(pid) in str(why.value), why.value
-    code, out = cli(capsys, database, "features", "enable", "payload_versions", "--reason", "issue 30")
+    code, out = cli(
+        capsys, database, "features", "enable", "payload_versions", "--reason", "issue 30", "--settle", "0"
+    )
     assert code != 0 and str(pid) in out, out
     assert one(database, "SELECT count(*) FROM outbox_feature WHERE name = 'payload_versions'") == 0
 
@@ -611,7 +613,9 @@ def test_payload_versions_stay_off_while_an_older_worker_lives(release, database
     assert one(database, "SELECT bool_and(stopped_at IS NOT NULL) FROM outbox_process WHERE pid = :p", p=pid)
     assert live_workers(database) == []
     floors = set(q(database, f"SELECT migration, needs_code FROM {FLOOR_TABLE}"))
-    code, out = cli(capsys, database, "features", "enable", "payload_versions", "--reason", "issue 30")
+    code, out = cli(
+        capsys, database, "features", "enable", "payload_versions", "--reason", "issue 30", "--settle", "0"
+    )
     assert code == 0, out
     added = set(q(database, f"SELECT migration, needs_code FROM {FLOOR_TABLE}")) - floors
     assert any(int(needs) >= PAYLOAD_VERSIONS for _, needs in added), (floors, added)
