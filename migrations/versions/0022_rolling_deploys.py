@@ -16,11 +16,11 @@ or because a feature stays off until no such process is left.
   - ``outbox_message_payload_versions_claim``: a row with ``payload_version <> 1`` is claimed
     only once the feature ``payload_versions`` is on (below): a worker older than 0016 would
     hand the new shape to its handler. It waits, whoever's message brought it.
-  - ``outbox_message_chains_unknown`` (AFTER, not a refusal): a move to ``sent`` that leaves
+  - ``outbox_message_chains_unknown`` (not a refusal): a move to ``sent`` that leaves
     ``chains_known_at`` as it was comes from a release that does not set it, which may not know
-    chains: unless the statement wrote the row's ``then`` step itself, the row is marked
-    ``chain_problem = NOT_COMPUTED`` (outbox.chains; ``alerted_at`` cleared) and the
-    reconciler's ``chains`` job writes its steps, or clears the mark when its handler has none.
+    chains: the row is marked ``chain_problem = NOT_COMPUTED`` (outbox.chains; ``alerted_at``
+    cleared) and the reconciler's ``chains`` job writes its steps, or only clears the mark when
+    its handler has none or its step exists (a release that knows chains wrote it).
 
 * **Gated**: ``outbox_feature`` lists the features an operator enabled (``outbox features
   enable``). The application's rows with ``payload_version <> 1``, and batches whose then/catch
@@ -128,24 +128,19 @@ $$
 
 # outbox.chains.NOT_COMPUTED: the reconciler's chains job computes and writes the row's then
 # steps with its handler module, or clears the mark when the settling code wrote them already.
-# An AFTER trigger: it runs once the whole statement is done, so it sees the steps a release
-# that knows chains (but not this mark) wrote in the same statement, and leaves those rows alone.
-# alerted_at goes: a row alerted while unknown must be picked up by the chains job, which only
-# takes rows not alerted yet (an older `resolve --sent` leaves it set).
+# Assignments only, no query: it runs at every settle of an older release, and a query in a
+# trigger runs on a generic plan, which on a table grown since its statistics can read every sent
+# row (an UPDATE by id in an AFTER trigger cost tens of ms per row with thousands marked; bench/
+# README.md, "After issue 30"). alerted_at
+# goes: a row alerted while unknown must be picked up by the chains job, which only takes rows not
+# alerted yet (an older `resolve --sent` leaves it set).
 _CHAINS_UNKNOWN = """
 CREATE OR REPLACE FUNCTION outbox_message_chains_unknown() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM outbox_message c
-                   WHERE c.key = NEW.key AND c.parent_id = NEW.id AND c.via = 'then')
-       AND NOT EXISTS (SELECT 1 FROM outbox_key_ledger c
-                       WHERE c.key = NEW.key AND c.parent_id = NEW.id AND c.via = 'then') THEN
-        UPDATE outbox_message
-        SET chain_problem = 'next steps not computed yet: settled sent by hand without the handler module',
-            alerted_at = NULL
-        WHERE id = NEW.id AND state = 'sent' AND chain_problem IS NULL;
-    END IF;
-    RETURN NULL;
+    NEW.chain_problem := 'next steps not computed yet: settled sent by hand without the handler module';
+    NEW.alerted_at := NULL;
+    RETURN NEW;
 END
 $$
 """
@@ -251,7 +246,7 @@ def upgrade() -> None:
     op.execute(
         """
         CREATE TRIGGER outbox_message_chains_unknown
-        AFTER UPDATE ON outbox_message
+        BEFORE UPDATE ON outbox_message
         FOR EACH ROW WHEN (
             NEW.state = 'sent' AND OLD.state IS DISTINCT FROM 'sent' AND NEW.chain_problem IS NULL
             AND NEW.chains_known_at IS NOT DISTINCT FROM OLD.chains_known_at)
