@@ -154,8 +154,12 @@ def test_an_operator_searches_reads_the_attempts_and_replays_through_the_preview
     page.click(f"a[href='/rows/{row}']")
     page.wait_for_selector("table.attempts")
     attempts = page.locator("table.attempts tbody tr")
-    assert attempts.count() == 1
-    assert "declined" in page.locator("table.attempts").inner_text() or "failed" in attempts.inner_text()
+    # Every fence row is shown: one, unless a loaded machine made the first call outlive its time
+    # limit (unknown, looked up, not found, called again: the decline came on the second).
+    stored = sql(clean, "SELECT count(*) FROM outbox_attempt WHERE message_id = %s", (row,))[0][0]
+    assert stored >= 1 and attempts.count() == stored
+    shown = page.locator("table.attempts").inner_text()
+    assert "declined" in shown or "failed" in shown
     page.screenshot(path=str(ARTIFACTS / "02-row-failed.png"), full_page=True)
 
     page.click("nav a[href='/rows?state=failed']")
