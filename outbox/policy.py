@@ -10,7 +10,7 @@ import enum
 import logging
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -293,4 +293,6 @@ def deadline_error(deadline: datetime | None, error: str | None) -> str | None:
     """The reason stored when a retry would fall on or after the row's ``deadline``."""
     if deadline is None:
         return None
-    return f"deadline {deadline.isoformat()} reached; last error: {error}"
+    # "Z" (a letter) ends the digit run: time and offset digits never read as a card number.
+    at = deadline.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    return f"deadline {at} reached; last error: {error}"

@@ -157,7 +157,7 @@ def test_next_state_backoff_and_attempts_as_delays() -> None:
     deadline = datetime(2026, 1, 1, tzinfo=UTC)
     assert (
         deadline_error(deadline, "HTTP 503")
-        == "deadline 2026-01-01T00:00:00+00:00 reached; last error: HTTP 503"
+        == "deadline 2026-01-01T00:00:00Z reached; last error: HTTP 503"
     )
     assert deadline_error(None, "HTTP 503") is None
 

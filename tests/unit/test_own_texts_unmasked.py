@@ -1,5 +1,6 @@
-"""The no-consumer text ("no consumer for D since T, K rows waiting") goes through the card-number
-masking of alert and log text: its timestamp and its count must never read as one card number."""
+"""Texts the outbox writes itself ("no consumer for D since T, K rows waiting", a deadline reason)
+go through the card-number masking of alert, log and error text: a timestamp and the numbers
+beside it must never read as one card number."""
 
 from datetime import UTC, datetime, timedelta
 
@@ -32,3 +33,14 @@ def test_the_space_separated_form_it_replaced_was_masked_on_some_days() -> None:
         if "[card" in redact_text(f"since {since.isoformat(sep=' ', timespec='seconds')}, 3 rows waiting")
     ]
     assert masked
+
+
+def test_a_deadline_reason_keeps_its_time_whatever_the_microseconds() -> None:
+    # "23:59:59.999999+00:00" held 14 digits starting with 2: one in ten was masked.
+    from outbox.policy import deadline_error
+
+    start = datetime(2026, 12, 3, 23, 0, tzinfo=UTC)
+    for n in range(5000):
+        at = start + timedelta(seconds=n * 0.7, microseconds=n * 137)
+        text = deadline_error(at, "HTTP 503") or ""
+        assert redact_text(text) == text, text
