@@ -119,7 +119,7 @@ def _connected_then_go(database_url: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 def child_drain(args: argparse.Namespace) -> None:
-    from relay import Relay
+    from outbox.relay import Relay
 
     cfg = settings.from_env(database_url=args.database_url, redis_url=args.redis_url)
     relay = Relay(
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_bench(db: str, rd: str, origin: str, args: argparse.Namespace) -> int:
-    from relay import Relay
+    from outbox.relay import Relay
 
     batch = args.batch_size or settings.from_env().relay_batch_size
     parallel = args.parallel or Relay(database_url=db, redis_url=rd).parallel

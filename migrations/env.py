@@ -10,7 +10,7 @@ revision that builds an index CONCURRENTLY ends that transaction early (see
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine, text
+from sqlalchemy import Connection, create_engine, text
 
 from outbox.migrate import MIGRATION_LOCK_ID
 from outbox.schema import VERSION_TABLE, metadata
@@ -19,7 +19,7 @@ from outbox.settings import normalize_database_url
 config = context.config
 
 
-def _run(connection) -> None:  # type: ignore[no-untyped-def]
+def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=metadata,

@@ -20,10 +20,10 @@ import redis
 import outbox
 from outbox import transitions
 from outbox.handlers import Handler, registry
+from outbox.relay import Relay
 from outbox.settings import libpq_url
 from outbox.testing.embedded import free_port as free_port  # re-exported for the tests
 from outbox.worker import run_worker
-from relay import Relay
 
 
 def sql(services: Any, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
@@ -122,7 +122,7 @@ def worker_thread(
 def relay_thread(services: Any, *, poll_interval_seconds: float = 30) -> Iterator[Any]:
     """A relay (``Relay.run_forever``, the default gathering window) in a thread for the duration
     of the block; on exit it is told to stop and joined (10 s at most)."""
-    from relay import Relay
+    from outbox.relay import Relay
 
     relay = Relay(
         database_url=services.database_url,

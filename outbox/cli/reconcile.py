@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from reconciler.alerts import ALERT_HOOK_ENV
+from outbox.reconciler.alerts import ALERT_HOOK_ENV
 
 from .. import settings
 from ..exceptions import ConfigError
@@ -134,8 +134,8 @@ def _ledger_horizon(args: argparse.Namespace, cfg: settings.Settings) -> float:
 
 
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    from reconciler.alerts import load_alert_hook
-    from reconciler.scheduler import Reconciler
+    from outbox.reconciler.alerts import load_alert_hook
+    from outbox.reconciler.scheduler import Reconciler
 
     from .. import transport
     from ..failover import FailoverGuard

@@ -98,7 +98,7 @@ def migrate(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
 
 def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    from relay import Relay
+    from outbox.relay import Relay
 
     from .. import transport
     from ..failover import FailoverGuard

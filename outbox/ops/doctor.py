@@ -275,7 +275,7 @@ def _purge_checks(conn: Connection, cfg: Settings) -> list[Check]:
     """Whether the purge can run on this role, and whether it keeps up. A reconciler on a role
     that cannot see other roles' open transactions skips the purge (reconciler.jobs.purge.purge)."""
     # Imported here: the reconciler package builds on this one, not the other way round.
-    from reconciler.jobs.purge import CAN_SEE_ALL_XACTS
+    from outbox.reconciler.jobs.purge import CAN_SEE_ALL_XACTS
 
     role = conn.execute(text("SELECT current_user")).scalar_one()
     if conn.execute(text(CAN_SEE_ALL_XACTS)).scalar():

@@ -60,7 +60,7 @@ from .inspect import _IN_STATE_SINCE, key_steps, require_destination
 if TYPE_CHECKING:
     import psycopg
 
-    from reconciler.lookups import LookupClients
+    from outbox.reconciler.lookups import LookupClients
 
 #: A waiting step (pending, dispatched, in flight) counts as stalled after this long in its state.
 DEFAULT_STALLED_AFTER_SECONDS = 900.0
@@ -513,7 +513,7 @@ def execute_repair(
 ) -> list[RepairResult]:
     """Do what ``plan`` says, key by key, each action one guarded statement that re-checks the
     row is still what the plan saw (a lookup runs with no transaction open)."""
-    from reconciler.lookups import LookupClients
+    from outbox.reconciler.lookups import LookupClients
 
     from ..db import connect_raw
 
@@ -609,7 +609,7 @@ def _write_next(acting: _Acting, item: RepairItem) -> RepairResult:
 
 
 def _look_up_unknown(acting: _Acting, item: RepairItem) -> RepairResult:
-    from reconciler.jobs.resolve_unknown import resolve_one
+    from outbox.reconciler.jobs.resolve_unknown import resolve_one
 
     assert item.row_id is not None and item.destination is not None
     # The reconciler's own first lookup comes no sooner (expire_leases).
@@ -662,7 +662,7 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
     refused = acting.still_landing(item, handler)
     if refused is not None:
         return refused
-    from reconciler.jobs.resolve_unknown import ask_provider
+    from outbox.reconciler.jobs.resolve_unknown import ask_provider
 
     # No transaction is open: the connection is in autocommit mode.
     try:

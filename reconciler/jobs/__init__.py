@@ -14,6 +14,6 @@ Connections are psycopg connections in autocommit mode: every statement is its o
 transaction, and nothing is held open while a lookup talks to a provider. Only
 ``expire_leases`` also works inside a caller's transaction (the caller commits).
 
-Import a job from its module (``from reconciler.jobs.purge import purge``): this package
+Import a job from its module (``from outbox.reconciler.jobs.purge import purge``): this package
 re-exports nothing, so that ``reconciler.jobs.purge`` stays the module.
 """

@@ -25,9 +25,9 @@ import psycopg
 
 from outbox import transitions
 from outbox.handlers import Handler
+from outbox.reconciler import alerts
+from outbox.reconciler.alerts import AlertHook, AlertRow, log_alert
 from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS, default_lease_seconds
-from reconciler import alerts
-from reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
 

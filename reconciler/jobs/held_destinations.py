@@ -24,8 +24,8 @@ import psycopg
 from psycopg.rows import namedtuple_row
 
 from outbox import settings, transitions
-from reconciler import alerts
-from reconciler.alerts import AlertHook, AlertRow, log_alert
+from outbox.reconciler import alerts
+from outbox.reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
 

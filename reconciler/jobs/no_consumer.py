@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 import psycopg
 
 from outbox import heartbeat, settings
-from reconciler import alerts
-from reconciler.alerts import AlertHook, AlertRow, log_alert
+from outbox.reconciler import alerts
+from outbox.reconciler.alerts import AlertHook, AlertRow, log_alert
 
 from ._common import _nonzero, _require_autocommit
 

@@ -20,9 +20,9 @@ import psycopg
 
 from outbox import chains, logs, outcomes, policy, sanitize, tracing, transitions
 from outbox.handlers import Confirmed, Delivery, Handler, idempotency_key
+from outbox.reconciler.alerts import AlertHook, AlertRow, log_alert
+from outbox.reconciler.lookups import LookupClients
 from outbox.validation import header_safe
-from reconciler.alerts import AlertHook, AlertRow, log_alert
-from reconciler.lookups import LookupClients
 
 from ._common import _describe, _nonzero, _require_autocommit, _short
 

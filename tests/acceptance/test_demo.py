@@ -154,18 +154,48 @@ def test_the_demo_runs_from_an_install_in_any_directory(tmp_path):
     assert_clean_audit(demo.stdout, 10)
 
 
+def _packages_in_checkout() -> set[str]:
+    # os.walk follows the links outbox/relay, outbox/reconciler and outbox/migrations (rglob
+    # before Python 3.13 does not).
+    found = set()
+    for directory, dirs, files in os.walk(ROOT / "outbox", followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        if "__init__.py" in files:
+            found.add(".".join(Path(directory).relative_to(ROOT).parts))
+    return found
+
+
 def test_every_package_of_outbox_is_in_the_distribution():
     """A package missing from pyproject's list works in a checkout and is absent from the wheel."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {
-        ".".join(init.parent.relative_to(ROOT).parts)
-        for init in (ROOT / "outbox").rglob("__init__.py")
-        if "__pycache__" not in init.parts
-    }
-    assert {"outbox.demo", "outbox.testing"} <= found
+    found = _packages_in_checkout()
+    assert {"outbox.demo", "outbox.testing", "outbox.relay", "outbox.reconciler.jobs"} <= found
     assert found - listed == set()
+
+
+@pytest.mark.timeout(240)
+def test_the_wheel_installs_one_import_package(tmp_path):
+    """Everything is inside ``outbox`` (the folders relay/, reconciler/ and migrations/ are
+    installed as outbox.relay, outbox.reconciler and outbox.migrations): top-level ``relay`` and
+    ``reconciler`` are other projects' names on the package index."""
+    import zipfile
+
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"outbox"}
+    modules = {n[: -len(".py")].replace("/", ".") for n in names if n.endswith(".py")}
+    assert {"outbox.relay.relay", "outbox.reconciler.jobs.purge", "outbox.migrations.env"} <= modules
+    packaged = {m.rsplit(".", 1)[0] for m in modules if m.endswith(".__init__")}
+    assert packaged == _packages_in_checkout()
 
 
 # -- Ctrl-C ------------------------------------------------------------------------------------------

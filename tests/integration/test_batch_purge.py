@@ -18,9 +18,9 @@ import outbox
 from outbox import transitions
 from outbox.consumer import RunResult
 from outbox.logs import KeyValueFormatter
+from outbox.reconciler.jobs.batches import finish_batches
+from outbox.reconciler.jobs.purge import Purge, PurgeConfig, purge
 from outbox.settings import libpq_url
-from reconciler.jobs.batches import finish_batches
-from reconciler.jobs.purge import Purge, PurgeConfig, purge
 
 from .test_batches import CATCH, NAME, THEN, cli, handlers, rows, write_batch
 

@@ -19,9 +19,9 @@ from outbox import ops, transitions
 from outbox.cli import main
 from outbox.consumer import RunResult
 from outbox.handlers import registry
+from outbox.reconciler.jobs.batches import finish_batches
+from outbox.reconciler.jobs.purge import purge
 from outbox.settings import libpq_url
-from reconciler.jobs.batches import finish_batches
-from reconciler.jobs.purge import purge
 
 from .test_chains import declare
 

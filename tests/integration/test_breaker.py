@@ -22,7 +22,7 @@ from outbox.cli import main
 from outbox.consumer import Executor, RunResult
 from outbox.exceptions import ConfigError
 from outbox.handlers import registry
-from reconciler.jobs.redispatch import redispatch
+from outbox.reconciler.jobs.redispatch import redispatch
 
 from .reconciler.support import DEST, get, write_rows
 

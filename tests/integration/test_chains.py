@@ -15,12 +15,12 @@ import outbox
 from outbox import chains, ops, transitions
 from outbox.consumer import RunResult
 from outbox.handlers import registry
+from outbox.reconciler.alerts import AlertRow
+from outbox.reconciler.jobs.chains import write_uncomputed
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
+from outbox.reconciler.jobs.send_alerts import send_alerts
+from outbox.reconciler.lookups import LookupClients
 from outbox.settings import libpq_url
-from reconciler.alerts import AlertRow
-from reconciler.jobs.chains import write_uncomputed
-from reconciler.jobs.resolve_unknown import resolve_unknown
-from reconciler.jobs.send_alerts import send_alerts
-from reconciler.lookups import LookupClients
 
 KEY = "invoice:7"
 

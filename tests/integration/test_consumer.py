@@ -20,8 +20,8 @@ import outbox
 from outbox import ops, transitions, transport
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
+from outbox.reconciler.jobs.expire_leases import expire_leases
 from outbox.settings import libpq_url
-from reconciler.jobs.expire_leases import expire_leases
 
 
 def charge_handler(provider, **options: Any):
@@ -349,7 +349,7 @@ def test_worker_drops_malformed_messages_and_keeps_working(clean, engine, provid
                 time.sleep(0.05)
             assert client.llen(key) == 0, "the worker did not consume the malformed messages"
             time.sleep(1.5)  # Dramatiq restarts a consumer one second after an undecodable message
-            from relay import Relay
+            from outbox.relay import Relay
 
             relay = Relay(
                 database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace
@@ -412,7 +412,7 @@ def test_worker_interrupts_a_handler_past_its_time_limit(clean, engine):
             pass
 
     (row_id,) = write_rows(engine)
-    from relay import Relay
+    from outbox.relay import Relay
 
     relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
     relay.drain()

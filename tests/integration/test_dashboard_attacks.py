@@ -909,8 +909,8 @@ def _claimed_then_unknown(clean: Any, row: int) -> None:
 
     from outbox import transitions
     from outbox.handlers import registry
+    from outbox.reconciler.jobs.expire_leases import expire_leases
     from outbox.settings import libpq_url
-    from reconciler.jobs.expire_leases import expire_leases
 
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         assert transitions.claim(conn, row_id=row, destination=DEST, lease_seconds=5)

@@ -106,7 +106,7 @@ def _unknown(clean: Any, engine: Any, key: str) -> int:
 def _lookup(clean: Any, engine: Any, provider: Any, consumer: Any, *, found: bool) -> int:
     """The reconciler's lookup settles an unknown row: sent (the provider has the charge) or
     pending (it has none)."""
-    from reconciler.jobs.resolve_unknown import resolve_unknown
+    from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 
     handler = declare(provider)
     row = write(engine, "order:lookup")

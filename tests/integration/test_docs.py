@@ -81,7 +81,7 @@ PAGES = (
     "testing.md",
     "dashboard.md",
 )
-OWN_PACKAGES = ("outbox", "reconciler", "relay")
+OWN_PACKAGES = ("outbox",)
 #: Blocks importing one of these (or a module inside it) are compiled and API-checked when it is
 #: not installed. The OTLP exporter is what production.md's tracing set-up names; the suite
 #: installs only the SDK (and must not set a tracer provider in its own process anyway).
@@ -603,7 +603,7 @@ def check_readme(run: PageRun, shop: Shop) -> None:
 
 
 def check_quickstart(run: PageRun, shop: Shop) -> None:
-    from relay import Relay
+    from outbox.relay import Relay
 
     ns = run.namespace
     assert ns["written"] == outbox.Written(1, True)
@@ -708,7 +708,7 @@ def check_handlers(run: PageRun, shop: Shop) -> None:
 
 
 def check_chains(run: PageRun, shop: Shop) -> None:
-    from reconciler.jobs.batches import finish_batches
+    from outbox.reconciler.jobs.batches import finish_batches
 
     # The chain: each confirmed step writes the next in its record; every step is called once.
     issue, export, notify = (run.handler(d) for d in ("billing.issue", "accounting.post", "mail.notify"))
@@ -798,7 +798,7 @@ def check_not_a_queue(run: PageRun, shop: Shop) -> None:
 
 
 def check_runbook(run: PageRun, shop: Shop) -> None:
-    from reconciler.alerts import AlertRow
+    from outbox.reconciler.alerts import AlertRow
 
     received = run.namespace["_received"]
     row = AlertRow(
@@ -934,8 +934,8 @@ def _known_variables() -> set[str]:
     from outbox.cli.dashboard import INSECURE_ENV, SECRET_ENV, TRUSTED_PROXIES_ENV, USERS_ENV
     from outbox.cli.flags import LOG_LEVEL_ENV
     from outbox.logs import LOG_FORMAT_ENV
+    from outbox.reconciler.alerts import ALERT_HOOK_ENV
     from outbox.testing.pytest_plugin import DATABASE_ENV
-    from reconciler.alerts import ALERT_HOOK_ENV
 
     return {
         *settings.ENVIRONMENT,

@@ -20,10 +20,10 @@ import outbox
 from outbox import transitions, transport
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
+from outbox.relay import Relay
+from outbox.relay import relay as relay_module
 from outbox.settings import libpq_url
 from outbox.transport import Broker
-from relay import Relay
-from relay import relay as relay_module
 
 pytestmark = pytest.mark.timeout(120)
 

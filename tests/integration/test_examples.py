@@ -20,9 +20,9 @@ from sqlalchemy.orm import Session
 from outbox import Delivery, transitions
 from outbox.consumer import Executor, delivery_for
 from outbox.handlers import Deliveries, Handler, close_http_clients, registry
+from outbox.relay import Relay
 from outbox.settings import libpq_url
 from outbox.testing.provider import ProviderSimulator
-from relay import Relay
 
 # -- the shop --------------------------------------------------------------------------------------
 
@@ -229,8 +229,8 @@ def claim(services, chain: Chain, step: str, key: str) -> Delivery:
 
 def expire_and_reconcile(services, chain: Chain) -> dict[str, int]:
     """What the reconciler does once the dead worker's lease is over: expire it, look it up."""
-    from reconciler.jobs.expire_leases import expire_leases
-    from reconciler.jobs.resolve_unknown import resolve_unknown
+    from outbox.reconciler.jobs.expire_leases import expire_leases
+    from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
         # The dead worker's lease runs out, then the first lookup's wait (one time_limit).

@@ -18,9 +18,9 @@ from outbox import cli, failover, transitions, transport
 from outbox.consumer import Executor, RunResult
 from outbox.failover import FailoverGuard
 from outbox.handlers import close_http_clients, registry
+from outbox.reconciler import Reconciler
+from outbox.relay import Relay
 from outbox.settings import libpq_url
-from reconciler import Reconciler
-from relay import Relay
 
 DEST = "payments.charge"
 

@@ -19,8 +19,8 @@ import outbox
 from outbox import transitions
 from outbox.consumer import RunResult
 from outbox.handlers import registry
-from reconciler import AlertRow
-from reconciler.jobs.resolve_unknown import resolve_unknown
+from outbox.reconciler import AlertRow
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 
 DEST = "payments.charge"
 OTHER = "mail.send"

@@ -35,11 +35,11 @@ from outbox import ops, policy, transitions
 from outbox.consumer import RELEASE_ALERT_THRESHOLD, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.ops import audit
+from outbox.reconciler import Reconciler
+from outbox.reconciler.jobs import resolve_unknown as resolve_unknown_job
+from outbox.reconciler.jobs.expire_leases import expire_leases
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 from outbox.settings import libpq_url
-from reconciler import Reconciler
-from reconciler.jobs import resolve_unknown as resolve_unknown_job
-from reconciler.jobs.expire_leases import expire_leases
-from reconciler.jobs.resolve_unknown import resolve_unknown
 
 DEST = "payments.charge"
 

@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import transitions
+from outbox.reconciler.jobs import purge as purge_job
 from outbox.settings import async_database_url, libpq_url
-from reconciler.jobs import purge as purge_job
 
 DESTINATION = "payments.charge"
 PAYLOAD = {"amount_cents": 1000, "currency": "EUR", "meta": {"a": 1, "b": [1, 2]}}

@@ -10,7 +10,7 @@ import logging
 import outbox
 from outbox.consumer import RunResult
 from outbox.logs import MAX_PROVIDER_TEXT_CHARS
-from reconciler.jobs.resolve_unknown import resolve_unknown
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 
 from .reconciler.support import DEST, get, make_unknown, write_rows
 
@@ -62,7 +62,7 @@ def test_the_reconciler_line_of_a_failed_lookup_carries_a_capped_text(clean, eng
 
     (row_id,) = write_rows(engine, 1)
     make_unknown(db, row_id)
-    with caplog.at_level(logging.WARNING, logger="reconciler"):
+    with caplog.at_level(logging.WARNING, logger="outbox.reconciler"):
         assert resolve_unknown(db, {DEST: charge}) == {"lookup_failed": 1}
     [line] = [r for r in caplog.records if r.getMessage().startswith("outbox order:0:charge on ")]
     assert line.levelno == logging.WARNING

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import chains, ops, transitions
 from outbox.handlers import registry
+from outbox.reconciler.jobs.expire_leases import expire_leases
 from outbox.settings import libpq_url
-from reconciler.jobs.expire_leases import expire_leases
 
 
 def declare() -> None:

@@ -17,8 +17,8 @@ import outbox
 from outbox import transitions
 from outbox.cli import main
 from outbox.ops.audit import AuditReport, audit, parse_since
+from outbox.reconciler.jobs.expire_leases import expire_leases
 from outbox.settings import libpq_url
-from reconciler.jobs.expire_leases import expire_leases
 
 
 def write(engine, key: str, destination: str = "payments.charge") -> int:

@@ -17,11 +17,11 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox.consumer import RunResult
 from outbox.handlers import registry
+from outbox.reconciler.jobs.expire_leases import expire_leases
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
+from outbox.reconciler.lookups import LookupClients
+from outbox.relay import Relay
 from outbox.settings import libpq_url
-from reconciler.jobs.expire_leases import expire_leases
-from reconciler.jobs.resolve_unknown import resolve_unknown
-from reconciler.lookups import LookupClients
-from relay import Relay
 
 DEST = "crm.update"
 

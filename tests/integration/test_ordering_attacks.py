@@ -17,7 +17,7 @@ from outbox import pauses, transitions
 from outbox.consumer import RunResult
 from outbox.handlers import registry
 from outbox.ops import actions
-from reconciler.jobs.purge import purge
+from outbox.reconciler.jobs.purge import purge
 
 DEST = "crm.update"
 
@@ -234,7 +234,7 @@ def test_a_successor_whose_claim_was_refused_is_requeued_not_lost(
     assert worker.deliver(head, DEST) is RunResult.SENT
     assert ids_by_state(clean)["dispatched"] == {behind}
     # The reconciler finds its message gone and re-queues it.
-    from reconciler.jobs.redispatch import redispatch
+    from outbox.reconciler.jobs.redispatch import redispatch
 
     elapse(db, 60, [behind])
     counts = redispatch(db, redis_client, registry(), namespace=clean.namespace, redispatch_after_seconds=300)

@@ -26,10 +26,10 @@ from outbox.db import make_engine
 from outbox.handlers import registry
 from outbox.heartbeat import Heartbeat
 from outbox.ops.doctor import run_checks
+from outbox.reconciler.alerts import AlertRow
+from outbox.reconciler.jobs.redispatch import redispatch
+from outbox.reconciler.scheduler import Reconciler
 from outbox.settings import Settings, libpq_url
-from reconciler.alerts import AlertRow
-from reconciler.jobs.redispatch import redispatch
-from reconciler.scheduler import Reconciler
 
 DEST = "payments.charge"
 TYPO = "paymnets.charge"

@@ -19,7 +19,7 @@ from helpers import relay_once, wait_for, worker_thread
 
 import outbox
 from outbox.handlers import registry
-from reconciler.jobs.redispatch import redispatch
+from outbox.reconciler.jobs.redispatch import redispatch
 
 from .reconciler.support import DEST, write_rows
 

@@ -17,7 +17,7 @@ from outbox import metrics, pauses, transitions
 from outbox.cli import main
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
-from reconciler.jobs.redispatch import redispatch
+from outbox.reconciler.jobs.redispatch import redispatch
 
 from .reconciler.support import DEST, declare_charge, get, write_rows
 

@@ -17,10 +17,10 @@ from outbox import handlers as _handlers
 from outbox.consumer import RunResult
 from outbox.handlers import registry
 from outbox.ops.payload_check import check_payloads
+from outbox.reconciler.jobs.expire_leases import expire_leases
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
+from outbox.reconciler.lookups import LookupClients
 from outbox.settings import libpq_url
-from reconciler.jobs.expire_leases import expire_leases
-from reconciler.jobs.resolve_unknown import resolve_unknown
-from reconciler.lookups import LookupClients
 
 DEST = "payments.charge"
 

@@ -10,8 +10,8 @@ from helpers import worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
+from outbox.relay import Relay
 from outbox.settings import libpq_url
-from relay import Relay
 
 
 def test_write_relay_worker_sent(clean, engine, provider, monkeypatch):

@@ -65,10 +65,10 @@ from outbox.db import make_engine
 from outbox.exceptions import FeatureNotEnabled, FeatureRefused
 from outbox.handlers import Handler, registry
 from outbox.migrate import FLOOR_TABLE, head_revision, upgrade
+from outbox.reconciler.jobs.expire_leases import expire_leases
+from outbox.reconciler.scheduler import Reconciler
 from outbox.settings import libpq_url
 from outbox.transport import delete_namespace
-from reconciler.jobs.expire_leases import expire_leases
-from reconciler.scheduler import Reconciler
 
 # FLOOR_RELEASE: the oldest code revision 0022 lets start (schema range 0010 to 0011): pauses and
 # the breaker, no chains (0012), batches (0014), payload versions (0016) or ordering (0017).
@@ -123,7 +123,8 @@ def extract(commit: str, directory: Path) -> Path:
     )
     subprocess.run(["tar", "-x", "-C", str(directory)], input=archive.stdout, check=True)
     # Without this copy the old code would import this tree's migrations (editable install).
-    shutil.copytree(directory / "migrations", directory / "outbox" / "migrations")
+    if not (directory / "outbox" / "migrations").exists():  # releases before v0.31 (no link)
+        shutil.copytree(directory / "migrations", directory / "outbox" / "migrations")
     return directory
 
 

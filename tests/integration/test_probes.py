@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import metrics
 from outbox.probes import Liveness, ProbeServer, Readiness
-from reconciler.scheduler import JOB_LOCK_IDS, LOCK_CLASS, Reconciler
+from outbox.reconciler.scheduler import JOB_LOCK_IDS, LOCK_CLASS, Reconciler
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def test_the_reading_reconciler_keeps_the_job_and_the_other_exports_nothing(clea
 
 
 def test_a_destination_with_nothing_waiting_is_exported_as_zeros(clean, engine, db):
-    from reconciler.jobs.database_metrics import DatabaseMetrics
+    from outbox.reconciler.jobs.database_metrics import DatabaseMetrics
 
     DatabaseMetrics(10, ("payments.charge",)).run_once(db)
     body = metrics.render()[1].decode()

@@ -20,9 +20,9 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import transitions
 from outbox.exceptions import ConfigError
+from outbox.reconciler.alerts import load_alert_hook, log_alert
 from outbox.settings import libpq_url
 from outbox.testing.embedded import embedded_redis
-from reconciler.alerts import load_alert_hook, log_alert
 
 MODULE = "examples.shop.handlers"
 DEST = "payments.charge"

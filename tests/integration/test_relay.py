@@ -21,10 +21,10 @@ import redis
 from helpers import elapse, free_port, ids_by_state, published_row_ids, relay_once, sql, wait_for
 
 from outbox import transitions, transport
+from outbox.relay import Relay
+from outbox.relay.relay import PUBLISH_RETRY_SECONDS
 from outbox.settings import libpq_url
 from outbox.testing.embedded import embedded_redis
-from relay import Relay
-from relay.relay import PUBLISH_RETRY_SECONDS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -399,7 +399,7 @@ def test_a_backlog_is_drained_by_parallel_connections_each_row_once(clean, redis
         batch_size=50,
         parallel=3,
     )
-    caplog.set_level("INFO", logger="relay.relay")
+    caplog.set_level("INFO", logger="outbox.relay.relay")
     try:
         assert relay.drain() == 5000
         helpers = list(relay._helpers)

@@ -22,9 +22,9 @@ from outbox.cli import main
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
 from outbox.ops.repair import execute_repair, plan_repair
+from outbox.reconciler.jobs.expire_leases import expire_leases
+from outbox.reconciler.jobs.purge import purge
 from outbox.settings import libpq_url
-from reconciler.jobs.expire_leases import expire_leases
-from reconciler.jobs.purge import purge
 
 from .test_chains import KEY, declare, invoice_chain, steps, write_charge
 

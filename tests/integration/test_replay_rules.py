@@ -16,9 +16,9 @@ import outbox
 from outbox import ops, transitions
 from outbox.cli import main
 from outbox.handlers import Handler
-from reconciler.jobs.expire_leases import expire_leases
-from reconciler.jobs.resolve_unknown import resolve_unknown
-from reconciler.jobs.send_alerts import send_alerts
+from outbox.reconciler.jobs.expire_leases import expire_leases
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
+from outbox.reconciler.jobs.send_alerts import send_alerts
 
 DEST = "payments.charge"
 

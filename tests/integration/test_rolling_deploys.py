@@ -21,8 +21,8 @@ from outbox import chains, features, transitions
 from outbox.exceptions import ConfigError, FeatureNotEnabled, FeatureRefused
 from outbox.heartbeat import Heartbeat
 from outbox.migrate import FLOOR_TABLE, schema_status, upgrade
+from outbox.reconciler.jobs.chains import write_uncomputed
 from outbox.settings import libpq_url
-from reconciler.jobs.chains import write_uncomputed
 
 DEST = "payments.charge"
 

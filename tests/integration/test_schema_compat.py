@@ -470,7 +470,8 @@ def previous_release(tmp_path_factory) -> Path:
     # Installed, the migrations are the package outbox.migrations; from a source tree they sit
     # in migrations/. Without this copy the import would fall through to this tree's (editable
     # install) and the old code would see this code's head.
-    shutil.copytree(tree / "migrations", tree / "outbox" / "migrations")
+    if not (tree / "outbox" / "migrations").exists():  # releases before v0.31 (no link)
+        shutil.copytree(tree / "migrations", tree / "outbox" / "migrations")
     return tree
 
 

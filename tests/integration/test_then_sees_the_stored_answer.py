@@ -26,10 +26,10 @@ from outbox.cli import main
 from outbox.consumer import RunResult
 from outbox.dashboard import create_app, hash_password
 from outbox.handlers import registry
+from outbox.reconciler.jobs.chains import write_uncomputed
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
+from outbox.reconciler.lookups import LookupClients
 from outbox.settings import libpq_url
-from reconciler.jobs.chains import write_uncomputed
-from reconciler.jobs.resolve_unknown import resolve_unknown
-from reconciler.lookups import LookupClients
 
 MODULE = __name__
 KEY = "order:5"

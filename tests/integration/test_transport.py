@@ -15,9 +15,9 @@ from helpers import elapse
 from sqlalchemy.orm import Session
 
 import outbox
+from outbox.relay import Relay
+from outbox.relay.relay import PUBLISH_RETRY_SECONDS
 from outbox.settings import libpq_url
-from relay import Relay
-from relay.relay import PUBLISH_RETRY_SECONDS
 
 GOOD = "payments.charge"
 BROKEN = "mail.send"

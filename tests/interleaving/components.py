@@ -45,9 +45,9 @@ from outbox import transport as outbox_transport
 from outbox.consumer import Executor
 from outbox.exceptions import ConfigError
 from outbox.handlers import Handler
+from outbox.reconciler import Reconciler
+from outbox.relay import Relay
 from outbox.settings import libpq_url
-from reconciler import Reconciler
-from relay import Relay
 
 OPERATOR = "oxil-operator"
 
@@ -95,8 +95,8 @@ class SkewedDatetime(datetime):
 CLOCK_MODULES = (
     "outbox.consumer",
     "outbox.policy",
-    "reconciler.jobs.resolve_unknown",
-    "reconciler.jobs.redispatch",
+    "outbox.reconciler.jobs.resolve_unknown",
+    "outbox.reconciler.jobs.redispatch",
     "outbox.transitions",
 )
 

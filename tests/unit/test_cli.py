@@ -66,9 +66,9 @@ def test_every_registered_command_builds_and_has_a_run_function():
 
 
 def test_nothing_in_the_reconciler_imports_the_cli():
-    import reconciler
+    import outbox.reconciler
 
-    for path in Path(reconciler.__file__).parent.glob("*.py"):
+    for path in Path(outbox.reconciler.__file__).parent.glob("*.py"):
         assert "outbox.cli" not in path.read_text(encoding="utf-8"), path
 
 

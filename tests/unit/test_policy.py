@@ -156,8 +156,7 @@ def test_next_state_backoff_and_attempts_as_delays() -> None:
     assert (unknown.state, unknown.delay_seconds) == ("unknown", 7)
     deadline = datetime(2026, 1, 1, tzinfo=UTC)
     assert (
-        deadline_error(deadline, "HTTP 503")
-        == "deadline 2026-01-01T00:00:00Z reached; last error: HTTP 503"
+        deadline_error(deadline, "HTTP 503") == "deadline 2026-01-01T00:00:00Z reached; last error: HTTP 503"
     )
     assert deadline_error(None, "HTTP 503") is None
 

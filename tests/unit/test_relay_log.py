@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from relay.relay import BatchResult, _PublishLog
+from outbox.relay.relay import BatchResult, _PublishLog
 
 
 def batch(rows: int, destination: str = "payments.charge") -> BatchResult:
@@ -22,7 +22,7 @@ def info_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 def test_first_batch_after_a_quiet_spell_is_logged_at_once_and_the_rest_summed(caplog):
-    caplog.set_level(logging.DEBUG, logger="relay.relay")
+    caplog.set_level(logging.DEBUG, logger="outbox.relay.relay")
     log = _PublishLog(every_seconds=60)
     log.published(batch(3))
     assert info_lines(caplog) == ["relay published 3 rows"]
@@ -44,7 +44,7 @@ def test_first_batch_after_a_quiet_spell_is_logged_at_once_and_the_rest_summed(c
 
 
 def test_a_window_that_ended_is_summed_up_while_idle_and_the_next_batch_logged_at_once(caplog):
-    caplog.set_level(logging.INFO, logger="relay.relay")
+    caplog.set_level(logging.INFO, logger="outbox.relay.relay")
     log = _PublishLog(every_seconds=0.05)
     log.published(batch(1))
     log.published(batch(1))

@@ -300,8 +300,8 @@ def test_every_default_is_defined_once_in_settings() -> None:
     import inspect
 
     from outbox import heartbeat
-    from reconciler.scheduler import Reconciler
-    from relay import Relay
+    from outbox.reconciler.scheduler import Reconciler
+    from outbox.relay import Relay
 
     fields = {f.name: f.default for f in dataclasses.fields(settings.Settings)}
     assert fields["relay_batch_size"] == settings.DEFAULT_RELAY_BATCH_SIZE

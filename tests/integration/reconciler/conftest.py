@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from outbox.handlers import registry
-from reconciler import Reconciler
+from outbox.reconciler import Reconciler
 
 from .support import MODULE
 

@@ -10,9 +10,9 @@ from helpers import elapse, relay_once
 
 import outbox
 from outbox import transitions
+from outbox.reconciler.jobs.expire_leases import LEASE_EXPIRED_ERROR, expire_leases
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS, libpq_url
-from reconciler.jobs.expire_leases import LEASE_EXPIRED_ERROR, expire_leases
-from reconciler.jobs.resolve_unknown import resolve_unknown
 
 from .support import (
     DEST,

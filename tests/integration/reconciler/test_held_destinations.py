@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import text
 
 from outbox import pauses
-from reconciler.alerts import AlertRow
-from reconciler.jobs.held_destinations import held_destinations
+from outbox.reconciler.alerts import AlertRow
+from outbox.reconciler.jobs.held_destinations import held_destinations
 
 from .support import DEST, declare_charge, write_rows
 
@@ -110,7 +110,7 @@ def test_a_short_episode_is_not_alerted_and_a_failing_hook_is_tried_again(clean,
 @pytest.mark.parametrize("kind", ["pause", "breaker"])
 def test_the_reconciler_runs_it_with_its_alert_hook(clean, engine, db, provider, kind):
     from outbox.handlers import registry
-    from reconciler.scheduler import Reconciler
+    from outbox.reconciler.scheduler import Reconciler
 
     declare_charge(provider)
     pause(engine) if kind == "pause" else trip(engine)
@@ -187,7 +187,7 @@ def test_a_row_that_may_have_charged_goes_unknown_not_failed_past_its_deadline(
 ):
     """(attack on issue 13, F1) Failed, the row would hide the provider's charge: it goes to
     `unknown` and the lookup finds the charge."""
-    from reconciler.jobs.resolve_unknown import resolve_unknown
+    from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 
     from .support import get
 

@@ -8,7 +8,7 @@ from helpers import elapse
 from sqlalchemy.orm import Session
 
 import outbox
-from reconciler.jobs.purge import purge
+from outbox.reconciler.jobs.purge import purge
 
 from .support import (
     settle,

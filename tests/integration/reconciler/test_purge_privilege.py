@@ -16,8 +16,8 @@ from sqlalchemy import text
 
 from outbox.db import make_engine
 from outbox.ops import doctor
+from outbox.reconciler.jobs.purge import PURGE_SKIPPED_NO_PRIVILEGE, purge
 from outbox.settings import Settings, libpq_url
-from reconciler.jobs.purge import PURGE_SKIPPED_NO_PRIVILEGE, purge
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_purge_without_pg_read_all_stats_moves_nothing_and_says_so(
     clean: Any, role: str, as_role: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     old_sent_row(clean)
-    with caplog.at_level(logging.ERROR, logger="reconciler.jobs.purge"):
+    with caplog.at_level(logging.ERROR, logger="outbox.reconciler.jobs.purge"):
         counts = purge(as_role, retention_seconds=3600)
     assert counts == {PURGE_SKIPPED_NO_PRIVILEGE: 1}
     assert count_rows(clean) == 1

@@ -13,9 +13,9 @@ from helpers import elapse, relay_once, worker_thread
 
 from outbox import transport
 from outbox.handlers import registry
+from outbox.reconciler.jobs.redispatch import redispatch
 from outbox.schema import NOTIFY_CHANNEL
 from outbox.settings import libpq_url
-from reconciler.jobs.redispatch import redispatch
 
 from .support import (
     DEST,
@@ -87,7 +87,7 @@ def test_an_unreachable_redis_never_means_the_message_is_gone(
     assert relay_once(clean) == 1
     elapse(db, 3600, [row_id])
     reconciler = reconcilers(redis_url="redis://127.0.0.1:1/11")
-    with caplog.at_level(logging.ERROR, logger="reconciler"):
+    with caplog.at_level(logging.ERROR, logger="outbox.reconciler"):
         result = reconciler.run_once()
     assert result["redispatch"] == {"error": 1}
     assert result["expire_leases"] == {} and result["purge"] == {}  # the other jobs ran

@@ -10,8 +10,8 @@ from helpers import elapse
 
 from outbox import transitions
 from outbox.consumer import RunResult
+from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 from outbox.settings import libpq_url
-from reconciler.jobs.resolve_unknown import resolve_unknown
 
 from .support import (
     DEST,

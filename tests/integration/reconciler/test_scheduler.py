@@ -11,9 +11,9 @@ import psycopg
 from helpers import elapse, relay_once
 
 from outbox import transitions
+from outbox.reconciler import Job, scheduler
+from outbox.reconciler.scheduler import JOB_LOCK_IDS, LOCK_CLASS
 from outbox.settings import libpq_url
-from reconciler import Job, scheduler
-from reconciler.scheduler import JOB_LOCK_IDS, LOCK_CLASS
 
 from .support import (
     DEST,
@@ -98,11 +98,11 @@ def test_two_reconcilers_at_once_act_once_per_job(clean, engine, db, provider, r
             rec.jobs[name] = Job(name, job.lock_id, waiting)
 
     handler = Tried()
-    logging.getLogger("reconciler").addHandler(handler)
+    logging.getLogger("outbox.reconciler").addHandler(handler)
     results: dict[str, dict[str, dict[str, int]]] = {}
     try:
         # DEBUG: a job another reconciler holds is logged at DEBUG (an idle run), and Tried needs it.
-        with caplog.at_level(logging.DEBUG, logger="reconciler"):
+        with caplog.at_level(logging.DEBUG, logger="outbox.reconciler"):
             threads = [
                 threading.Thread(target=lambda who=who: results.__setitem__(who, instances[who].run_once()))
                 for who in "AB"
@@ -112,7 +112,7 @@ def test_two_reconcilers_at_once_act_once_per_job(clean, engine, db, provider, r
             for t in threads:
                 t.join(30)
     finally:
-        logging.getLogger("reconciler").removeHandler(handler)
+        logging.getLogger("outbox.reconciler").removeHandler(handler)
 
     assert set(results) == {"A", "B"}
     assert overlapped == [True] * len(JOBS)
@@ -188,15 +188,19 @@ def test_an_idle_reconciler_logs_at_debug_with_one_info_heartbeat_per_interval(
         return [
             r.getMessage()
             for r in caplog.records
-            if r.name.startswith("reconciler") and r.levelno >= logging.INFO
+            if r.name.startswith("outbox.reconciler") and r.levelno >= logging.INFO
         ]
 
-    with caplog.at_level(logging.DEBUG, logger="reconciler"):
+    with caplog.at_level(logging.DEBUG, logger="outbox.reconciler"):
         for _ in range(cycles):
             results = rec.run_once()
             assert all(counts == {} for counts in results.values()), results
         # Every job run is still logged, at DEBUG, and nothing at INFO.
-        debug = [r for r in caplog.records if r.name == "reconciler.scheduler" and r.levelno == logging.DEBUG]
+        debug = [
+            r
+            for r in caplog.records
+            if r.name == "outbox.reconciler.scheduler" and r.levelno == logging.DEBUG
+        ]
         assert len(debug) >= cycles * len(JOBS)
         assert info_lines() == []
 

@@ -7,9 +7,9 @@ import logging
 from helpers import elapse
 
 from outbox import transitions
-from reconciler import AlertRow
-from reconciler.alerts import MAX_REASON_CHARS, log_alert
-from reconciler.jobs.send_alerts import send_alerts
+from outbox.reconciler import AlertRow
+from outbox.reconciler.alerts import MAX_REASON_CHARS, log_alert
+from outbox.reconciler.jobs.send_alerts import send_alerts
 
 from .support import (
     DEST,
@@ -54,12 +54,12 @@ def test_alerts_report_failed_and_long_unknown_rows_once(clean, engine, db, capl
     def broken(row: AlertRow) -> None:
         raise RuntimeError("pager down")
 
-    with caplog.at_level(logging.ERROR, logger="reconciler"):
+    with caplog.at_level(logging.ERROR, logger="outbox.reconciler"):
         assert send_alerts(db, broken, unknown_alert_after_seconds=3600) == {"hook_errors": 1}
         assert get(db, ids[0])["alerted_at"] is None
         # The default hook: one ERROR line naming the row, never the payload.
         assert send_alerts(db, unknown_alert_after_seconds=3600) == {"alerts": 1}
-    line = [r for r in caplog.records if r.name == "reconciler.alerts"][-1]
+    line = [r for r in caplog.records if r.name == "outbox.reconciler.alerts"][-1]
     assert line.levelno == logging.ERROR
     assert "order:0:charge on payments.charge is failed: failed after 1 attempt(s)" in line.getMessage()
     assert "4242" not in caplog.text and "amount_cents" not in caplog.text
@@ -95,7 +95,7 @@ def test_an_alert_keeps_the_class_and_the_status_never_the_providers_text(clean,
     elapse(db, 7200, [ids[1]])
 
     seen: list[AlertRow] = []
-    with caplog.at_level(logging.ERROR, logger="reconciler"):
+    with caplog.at_level(logging.ERROR, logger="outbox.reconciler"):
         assert send_alerts(
             db, lambda a: (seen.append(a), log_alert(a)), unknown_alert_after_seconds=3600
         ) == {"alerts": 2}
