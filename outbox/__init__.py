@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .batches import Batch, batch, batch_async
-    from .breaker import Breaker
     from .chains import Next
     from .exceptions import (
         AmbiguousError,
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
         RetryableError,
         UnsafeBroker,
     )
-    from .handlers import Confirmed, Delivery, Handler, handler
+    from .handlers import Breaker, Confirmed, Delivery, Handler, handler
     from .middleware import worker_middleware
     from .write import Written, cancel, cancel_async, write, write_async
 
@@ -97,10 +96,9 @@ _HOME = {
         ),
         "exceptions",
     ),
-    **dict.fromkeys(("Confirmed", "Delivery", "Handler", "handler"), "handlers"),
+    **dict.fromkeys(("Breaker", "Confirmed", "Delivery", "Handler", "handler"), "handlers"),
     **dict.fromkeys(("Written", "cancel", "cancel_async", "write", "write_async"), "write"),
     "worker_middleware": "middleware",
-    "Breaker": "breaker",
     "Next": "chains",
     **dict.fromkeys(("Batch", "batch", "batch_async"), "batches"),
 }

@@ -38,6 +38,7 @@ from sqlalchemy import text
 from . import features, transitions
 from .chains import Next, version_for
 from .exceptions import BatchConflict, InvalidMessage
+from .schema_check import ensure_schema, ensure_schema_async
 from .validation import check_destination, check_key_step, encode_payload
 
 if TYPE_CHECKING:
@@ -152,10 +153,8 @@ def batch(
     with other steps it raises :class:`BatchConflict`; so until the purge drops a finished batch
     at the ledger horizon, after which the name is new. Bad input raises
     :class:`InvalidMessage` before any statement is sent."""
-    from .write import _ensure_schema
-
     params = _params(name, then, catch)
-    _ensure_schema(target)
+    ensure_schema(target)
     with features.gated(f"batch {name}"):
         inserted = transitions.insert_batch(target, params)
     if inserted is None:
@@ -169,10 +168,8 @@ async def batch_async(
     target: AsyncSession | AsyncConnection, *, name: str, then: Next | None = None, catch: Next | None = None
 ) -> Batch:
     """The :func:`batch` twin for ``AsyncSession`` / ``AsyncConnection``."""
-    from .write import _ensure_schema_async
-
     params = _params(name, then, catch)
-    await _ensure_schema_async(target)
+    await ensure_schema_async(target)
     with features.gated(f"batch {name}"):
         inserted = await transitions.insert_batch_async(target, params)
     if inserted is None:

@@ -40,7 +40,9 @@ back to 0 only when its claim saw it above 0 (no extra statement per healthy del
 failures recorded while a success was under way (claimed when the count was 0) stay counted
 after it; ``window_seconds`` bounds how long.
 
-Statements only: the worker calls :func:`count_not_processed`, :func:`reset`, :func:`settle_probe`
+The thresholds are declared with the handler (``outbox.handlers.Breaker``) and what one call
+says about the provider is a rule (``outbox.policy.verdict``); this module holds the statements
+only: the worker calls :func:`count_not_processed`, :func:`reset`, :func:`settle_probe`
 and :func:`close` after its record; the claim (``outbox.transitions``) reads and reserves;
 ``outbox resume`` closes (``outbox.pauses``); ``status``, ``doctor`` and the metrics read
 :func:`open_breakers`.
@@ -48,7 +50,6 @@ and :func:`close` after its record; the claim (``outbox.transitions``) reads and
 
 from __future__ import annotations
 
-import enum
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -58,65 +59,9 @@ import psycopg
 from sqlalchemy import Connection, text
 
 from . import sanitize
+from .handlers import Breaker
+from .policy import Verdict
 from .settings import DESTINATION_EPISODE_GAP_SECONDS
-
-
-@dataclass(frozen=True)
-class Breaker:
-    """A destination's breaker thresholds (``@handler(breaker=...)``; ``breaker=None``: none).
-
-    ``failures`` consecutive "not processed" outcomes, the first of them at most
-    ``window_seconds`` before the last, open the breaker for ``open_seconds``; each probe that
-    finds the provider still down doubles that, up to ``max_open_seconds``.
-    """
-
-    failures: int = 5
-    window_seconds: float = 60.0
-    open_seconds: float = 10.0
-    max_open_seconds: float = 300.0
-
-    def problems(self) -> list[str]:
-        problems: list[str] = []
-        if not isinstance(self.failures, int) or isinstance(self.failures, bool) or self.failures < 1:
-            problems.append(f"breaker failures must be a whole number >= 1, got {self.failures!r}")
-        for name in ("window_seconds", "open_seconds", "max_open_seconds"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
-                problems.append(f"breaker {name} must be a finite number of seconds > 0, got {value!r}")
-        if not problems and self.max_open_seconds < self.open_seconds:
-            problems.append(
-                f"breaker max_open_seconds ({self.max_open_seconds:g}) must be >= open_seconds "
-                f"({self.open_seconds:g})"
-            )
-        return problems
-
-
-#: What ``@handler`` uses unless told otherwise.
-DEFAULT_BREAKER = Breaker()
-
-
-class Verdict(enum.StrEnum):
-    """What one call says about the provider's health."""
-
-    PROCESSED = "processed"  # it answered: sent, or a refusal
-    NOT_PROCESSED = "not_processed"  # connect error, 429, 503: it did not take the request
-    NEITHER = "neither"  # ambiguous, a handler's own retry, no call made: proves nothing
-
-
-def verdict(*, called: bool, outcome: str, not_processed: bool, http_status: int | None) -> Verdict:
-    """What a delivery says about the provider: ``outcome`` is the decision's (sent, retry,
-    failed, unknown), ``called`` whether a call was made at all, ``http_status`` the provider's
-    last answer during it. A refusal counts as processed only with an answer behind it: a
-    handler that refuses a row by itself, before any request, proves nothing about the
-    provider (attack on part 3, F2)."""
-    if not called:
-        return Verdict.NEITHER
-    if not_processed:
-        return Verdict.NOT_PROCESSED
-    if outcome == "sent" or (outcome == "failed" and http_status is not None):
-        return Verdict.PROCESSED
-    return Verdict.NEITHER
-
 
 # Claims of the row that made a call (or may have): its attempts plus the probes refunded.
 _CALLS = """

@@ -448,7 +448,7 @@ class Executor:
             observed.call_seconds = time.monotonic() - claimed_at
         failpoint("after_call")
 
-        health = breaker.verdict(
+        health = policy.verdict(
             called=observed.called,
             outcome=decision.outcome.value,
             not_processed=decision.not_processed,
@@ -456,7 +456,7 @@ class Executor:
         )
         # A probe that found the provider still down is not counted against its row: the row
         # only carried the breaker's question (outbox.breaker); up to max_attempts times a row.
-        refund = claimed.probe and handler.breaker is not None and health is breaker.Verdict.NOT_PROCESSED
+        refund = claimed.probe and handler.breaker is not None and health is policy.Verdict.NOT_PROCESSED
         if refund:
             refund = self._refundable(handler, claimed)
         if refund:
@@ -601,7 +601,7 @@ class Executor:
         self,
         handler: Handler,
         claimed: transitions.Claimed,
-        health: breaker.Verdict,
+        health: policy.Verdict,
         decision: Decision,
         *,
         called: bool,
@@ -637,10 +637,10 @@ class Executor:
                         destination,
                         settled.open_seconds or 0.0,
                         claimed.id,
-                        "was not processed" if health is breaker.Verdict.NOT_PROCESSED else "proved nothing",
+                        "was not processed" if health is policy.Verdict.NOT_PROCESSED else "proved nothing",
                         extra={**extra, "outbox_run": "breaker_open"},
                     )
-            elif handler.breaker is not None and health is breaker.Verdict.NOT_PROCESSED:
+            elif handler.breaker is not None and health is policy.Verdict.NOT_PROCESSED:
                 if breaker.count_not_processed(conn, destination, handler.breaker, reason=reason):
                     logger.error(
                         "breaker of %s tripped after %s consecutive calls not processed within %g s "
@@ -652,7 +652,7 @@ class Executor:
                         handler.breaker.open_seconds,
                         extra={**extra, "outbox_run": "breaker_tripped"},
                     )
-            elif health is breaker.Verdict.PROCESSED and claimed.breaker_failures > 0:
+            elif health is policy.Verdict.PROCESSED and claimed.breaker_failures > 0:
                 breaker.reset(conn, destination)
         except psycopg.Error as exc:
             self._drop("record_conn")

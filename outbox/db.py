@@ -98,3 +98,25 @@ def end_backend(
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+
+
+def require_autocommit(conn: psycopg.Connection[Any], job: str) -> None:
+    """Refuse a connection inside a transaction: there a lookup would hold row locks (and a
+    snapshot) for the length of an HTTP call, and one failing statement would undo a batch's
+    earlier moves."""
+    if not conn.autocommit:
+        raise ValueError(f"{job} needs a psycopg connection in autocommit mode")
+
+
+# Superusers and members of pg_read_all_stats (pg_monitor is one) see every session's
+# xact_start; USAGE, not MEMBER: a NOINHERIT membership does not lend the privilege.
+CAN_SEE_ALL_XACTS = """
+SELECT r.rolsuper OR pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')
+FROM pg_roles r WHERE r.rolname = current_user
+"""
+
+
+def can_see_all_transactions(conn: psycopg.Connection[Any]) -> bool:
+    """True when this role sees the ``xact_start`` of every role's sessions, as the purge needs."""
+    row = conn.execute(CAN_SEE_ALL_XACTS).fetchone()
+    return bool(row and row[0])

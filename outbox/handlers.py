@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 
 from . import payloads, provider_headers
-from .breaker import DEFAULT_BREAKER, Breaker
 from .exceptions import ConfigError, RetryableError
 from .ordering import ON_FAILED_HEAD
 from .settings import (
@@ -33,6 +32,40 @@ from .settings import (
     default_lease_seconds,
 )
 from .validation import destination_problem
+
+
+@dataclass(frozen=True)
+class Breaker:
+    """A destination's breaker thresholds (``@handler(breaker=...)``; ``breaker=None``: none).
+
+    ``failures`` consecutive "not processed" outcomes, the first of them at most
+    ``window_seconds`` before the last, open the breaker for ``open_seconds``; each probe that
+    finds the provider still down doubles that, up to ``max_open_seconds``.
+    """
+
+    failures: int = 5
+    window_seconds: float = 60.0
+    open_seconds: float = 10.0
+    max_open_seconds: float = 300.0
+
+    def problems(self) -> list[str]:
+        problems: list[str] = []
+        if not isinstance(self.failures, int) or isinstance(self.failures, bool) or self.failures < 1:
+            problems.append(f"breaker failures must be a whole number >= 1, got {self.failures!r}")
+        for name in ("window_seconds", "open_seconds", "max_open_seconds"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < float("inf"):
+                problems.append(f"breaker {name} must be a finite number of seconds > 0, got {value!r}")
+        if not problems and self.max_open_seconds < self.open_seconds:
+            problems.append(
+                f"breaker max_open_seconds ({self.max_open_seconds:g}) must be >= open_seconds "
+                f"({self.open_seconds:g})"
+            )
+        return problems
+
+
+#: What ``@handler`` uses unless told otherwise.
+DEFAULT_BREAKER = Breaker()
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .ordering import BLOCKED_SUMMARY_SQL
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 logger = logging.getLogger(__name__)
@@ -305,9 +307,7 @@ def read_database(conn: Any) -> DatabaseReading:
     reading.no_consumer = sorted({g.destination for g in gaps})
     reading.paused = [r[0] for r in conn.execute(PAUSED_SQL).fetchall()]
     reading.breakers = [r[0] for r in conn.execute(BREAKERS_SQL).fetchall()]
-    from .ops.ordering import SUMMARY_SQL
-
-    keys, oldest = conn.execute(SUMMARY_SQL).fetchone()
+    keys, oldest = conn.execute(BLOCKED_SUMMARY_SQL).fetchone()
     reading.blocked_keys = int(keys)
     reading.oldest_block_seconds = float(oldest) if oldest is not None else None
     return reading

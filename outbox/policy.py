@@ -122,8 +122,21 @@ def _os_error_text(exc: BaseException) -> str:
     return found
 
 
-def _short(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
+def short_error(text: str, limit: int = _MAX_ERROR_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def describe_exception(exc: Exception) -> str:
+    """An exception as a short text for logs and stored errors: never the full URL (query
+    strings carry idempotency keys, and sometimes credentials)."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code} from {exc.request.url.host}"
+    if isinstance(exc, httpx.RequestError):
+        try:
+            return f"{type(exc).__name__} talking to {exc.request.url.host}"
+        except RuntimeError:  # raised by .request when the error carries no request
+            return type(exc).__name__
+    return f"{type(exc).__name__}: {exc}"
 
 
 def classify_status(status: int) -> Outcome:
@@ -138,11 +151,11 @@ def classify_exception(exc: BaseException) -> tuple[Outcome, str, int | None]:
     """Default classification of what a handler raised: (outcome, reason, http status)."""
     name = type(exc).__name__
     if isinstance(exc, PermanentError):
-        return Outcome.FAILED, _short(str(exc) or name), None
+        return Outcome.FAILED, short_error(str(exc) or name), None
     if isinstance(exc, RetryableError):
-        return Outcome.RETRY, _short(str(exc) or name), None
+        return Outcome.RETRY, short_error(str(exc) or name), None
     if isinstance(exc, AmbiguousError):
-        return Outcome.UNKNOWN, _short(str(exc) or name), None
+        return Outcome.UNKNOWN, short_error(str(exc) or name), None
     if isinstance(exc, httpx.HTTPStatusError):
         status = exc.response.status_code
         return classify_status(status), f"HTTP {status} from {exc.request.url.host}", status
@@ -157,9 +170,9 @@ def classify_exception(exc: BaseException) -> tuple[Outcome, str, int | None]:
     if type(exc).__name__ == "TimeLimitExceeded":
         return Outcome.UNKNOWN, "the handler hit its time limit", None
     if isinstance(exc, ValueError) and "JSON" in type(exc).__name__ + str(exc):
-        return Outcome.UNKNOWN, _short(f"the provider's answer is not valid JSON ({exc})"), None
+        return Outcome.UNKNOWN, short_error(f"the provider's answer is not valid JSON ({exc})"), None
     # A bug in the handler: it may have raised before or after the call.
-    return Outcome.UNKNOWN, _short(f"handler raised {name}: {exc}"), None
+    return Outcome.UNKNOWN, short_error(f"handler raised {name}: {exc}"), None
 
 
 def decide_result(result: object) -> Decision:
@@ -220,21 +233,21 @@ def decide_exception(
                 override,
             )
         elif override is not None:
-            outcome, reason = _OVERRIDABLE[override], _short(f"{type(exc).__name__}: {exc}")
+            outcome, reason = _OVERRIDABLE[override], short_error(f"{type(exc).__name__}: {exc}")
     if outcome is Outcome.FAILED and status is None:
         status = _cause_status(exc)
         if status is None and last_status is not None and 400 <= last_status < 500:
             status = last_status
         if status is not None and f"HTTP {status}" not in reason:
             suffix = f" (HTTP {status})"
-            reason = _short(reason, _MAX_ERROR_CHARS - len(suffix)) + suffix
+            reason = short_error(reason, _MAX_ERROR_CHARS - len(suffix)) + suffix
     retry_after = None
     if outcome is Outcome.RETRY:
         retry_after = _retry_after_of(exc, handler.destination)
         if retry_after is None:
             retry_after = last_retry_after
         if retry_after is not None:
-            reason = _short(f"{reason}; Retry-After {retry_after:g} s")
+            reason = short_error(f"{reason}; Retry-After {retry_after:g} s")
     return Decision(
         outcome,
         error=reason,
@@ -287,6 +300,29 @@ def retry_or_fail(
     if attempt >= handler.max_attempts:
         return Move("failed", None, f"gave up after {attempt} attempts; last error: {error}")
     return Move("pending", max(handler.backoff_seconds(attempt), at_least or 0.0), error)
+
+
+class Verdict(enum.StrEnum):
+    """What one call says about the provider's health."""
+
+    PROCESSED = "processed"  # it answered: sent, or a refusal
+    NOT_PROCESSED = "not_processed"  # connect error, 429, 503: it did not take the request
+    NEITHER = "neither"  # ambiguous, a handler's own retry, no call made: proves nothing
+
+
+def verdict(*, called: bool, outcome: str, not_processed: bool, http_status: int | None) -> Verdict:
+    """What a delivery says about the provider: ``outcome`` is the decision's (sent, retry,
+    failed, unknown), ``called`` whether a call was made at all, ``http_status`` the provider's
+    last answer during it. A refusal counts as processed only with an answer behind it: a
+    handler that refuses a row by itself, before any request, proves nothing about the
+    provider (attack on part 3, F2)."""
+    if not called:
+        return Verdict.NEITHER
+    if not_processed:
+        return Verdict.NOT_PROCESSED
+    if outcome == "sent" or (outcome == "failed" and http_status is not None):
+        return Verdict.PROCESSED
+    return Verdict.NEITHER
 
 
 def deadline_error(deadline: datetime | None, error: str | None) -> str | None:

@@ -6,26 +6,24 @@ The caller owns the transaction: nothing here commits, begins or rolls back.
 from __future__ import annotations
 
 import os
-import threading
-import weakref
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, text
 from sqlalchemy.orm import Session
 
 from . import features, tracing, transitions
 from . import settings as _settings
-from .exceptions import BatchConflict, ConfigError, InvalidMessage, KeyConflict
+from .batches import Batch
+from .exceptions import BatchConflict, InvalidMessage, KeyConflict
 from .ordering import MAX_ORDERING_KEY_LENGTH
 from .payloads import check_version, imported_handler
+from .schema_check import ensure_schema, ensure_schema_async
 from .validation import check_aware, check_destination, check_key_step, encode_payload
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-
-    from .batches import Batch
 
 
 @dataclass(frozen=True)
@@ -77,9 +75,6 @@ _BATCH_OWNER = text(
 )
 
 _max_payload_bytes: int | None = None
-#: Engines whose database was found at the head revision (checked once each, not per write).
-_checked_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
-_checked_lock = threading.Lock()
 
 
 def _default_max_payload_bytes() -> int:
@@ -157,41 +152,7 @@ def _payload_version(destination: str, payload: Any, payload_version: Any, valid
     return version
 
 
-def _engine_of(target: Session | Connection) -> Engine:
-    if isinstance(target, Session):
-        bind = target.get_bind()
-        return bind.engine if isinstance(bind, Connection) else bind
-    return target.engine
-
-
-def _require_postgresql(engine: Engine) -> None:
-    # The statements use PostgreSQL's ON CONFLICT, jsonb and NOTIFY: another database would fail
-    # on the first of them with an error that names none of this.
-    if engine.dialect.name != "postgresql":
-        raise ConfigError(f"outbox needs PostgreSQL, got {engine.dialect.name}")
-
-
-def _ensure_schema(target: Session | Connection) -> None:
-    """Check once per engine that the tables exist at the head revision.
-
-    A missing table would abort the caller's transaction; a read-only check does not, so a
-    clear `NotMigrated` leaves the transaction usable.
-    """
-    engine = _engine_of(target)
-    if engine in _checked_engines:
-        return
-    _require_postgresql(engine)
-    from .migrate import check_schema  # imports Alembic: only when an engine is first seen
-
-    connection = target.connection() if isinstance(target, Session) else target
-    check_schema(connection)
-    with _checked_lock:
-        _checked_engines.add(engine)
-
-
 def _batch_id(batch: Any, key: str, step: str) -> int:
-    from .batches import Batch
-
     if not isinstance(batch, Batch):
         raise InvalidMessage(
             f"batch= takes the outbox.Batch that outbox.batch returned, got {type(batch).__name__}"
@@ -272,7 +233,7 @@ def write(
         validate,
         ordering_key,
     )
-    _ensure_schema(target)
+    ensure_schema(target)
     if batch is not None:
         params["batch_id"] = _batch_id(batch, key, step)
         with features.gated(f"row {key}:{step}"):
@@ -298,7 +259,7 @@ def cancel(target: Session | Connection, *, key: str, step: str) -> bool:
     ledger) is terminal: False.
     """
     check_key_step(key, step, new_row=False)
-    _ensure_schema(target)
+    ensure_schema(target)
     return transitions.cancel_by_key(target, key=key, step=step)
 
 
@@ -330,7 +291,7 @@ async def write_async(
         validate,
         ordering_key,
     )
-    await _ensure_schema_async(target)
+    await ensure_schema_async(target)
     if batch is not None:
         params["batch_id"] = _batch_id(batch, key, step)
         with features.gated(f"row {key}:{step}"):
@@ -350,20 +311,5 @@ async def write_async(
 async def cancel_async(target: AsyncSession | AsyncConnection, *, key: str, step: str) -> bool:
     """The :func:`cancel` twin for ``AsyncSession`` / ``AsyncConnection``."""
     check_key_step(key, step, new_row=False)
-    await _ensure_schema_async(target)
+    await ensure_schema_async(target)
     return await transitions.cancel_by_key_async(target, key=key, step=step)
-
-
-async def _ensure_schema_async(target: AsyncSession | AsyncConnection) -> None:
-    from sqlalchemy.ext.asyncio import AsyncSession
-
-    connection = await target.connection() if isinstance(target, AsyncSession) else target
-    engine = connection.engine.sync_engine
-    if engine in _checked_engines:
-        return
-    _require_postgresql(engine)
-    from .migrate import check_schema
-
-    await connection.run_sync(check_schema)
-    with _checked_lock:
-        _checked_engines.add(engine)

@@ -29,14 +29,15 @@ from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
 from outbox import metrics, settings, transport
+from outbox.alerts import AlertHook, log_alert
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
 from outbox.handlers import Handler
 from outbox.migrate import head_revision
 from outbox.probes import Liveness
 from outbox.settings import DEFAULT_NAMESPACE, DEFAULT_NO_CONSUMER_CYCLES, Settings
+from outbox.settlement import LookupClients
 
-from .alerts import AlertHook, log_alert
 from .jobs._common import MaintenanceJob
 from .jobs.batches import Batches, BatchesConfig
 from .jobs.chains import Chains, ChainsConfig
@@ -48,7 +49,6 @@ from .jobs.purge import Purge, PurgeConfig
 from .jobs.redispatch import DEFAULT_REDISPATCH_GRACE_SECONDS, Redispatch, RedispatchConfig
 from .jobs.resolve_unknown import ResolveUnknown, ResolveUnknownConfig
 from .jobs.send_alerts import SendAlerts, SendAlertsConfig
-from .lookups import LookupClients
 
 logger = logging.getLogger(__name__)
 

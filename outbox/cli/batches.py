@@ -17,6 +17,7 @@ from . import exits
 from .flags import positive_int
 from .operator import _connection, _describe
 from .output import out, print_json
+from .render import render
 
 if TYPE_CHECKING:
     from ..ops.batches import BatchReport
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         report = take()
         if args.json:
             return print_json(report.to_dict())
-        out(report.render())
+        out(render(report))
         return exits.OK
     return watch(take, interval=interval, count=args.count, as_json=args.json)
 
@@ -118,7 +119,7 @@ def _refreshes(count: int | None) -> Any:
 def _lines(
     take: Callable[[], BatchReport], interval: float, count: int | None, *, as_json: bool
 ) -> BatchReport | None:
-    from ..ops.tables import json_default
+    from ..ops.values import json_default
 
     report = None
     for n in _refreshes(count):
@@ -138,7 +139,7 @@ def _lines(
 def _bar(take: Callable[[], BatchReport], interval: float, count: int | None) -> BatchReport | None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..ops.tables import printable
+    from ..ops.values import printable
 
     report = None
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

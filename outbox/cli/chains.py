@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 
 from .. import settings
 from ..exceptions import ConfigError
-from ..ops.tables import printable
+from ..ops.values import printable
 from . import exits
 from .flags import duration, positive_int
 from .operator import _by_and_reason, _connection, _describe
 from .output import err, out, print_json
+from .render import render
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -77,7 +78,7 @@ def chains(args: argparse.Namespace, cfg: settings.Settings) -> int:
         report = _stalled(conn, args)
     if args.json:
         return print_json(report.to_dict())
-    out(report.render())
+    out(render(report))
     return exits.OK
 
 
@@ -199,7 +200,7 @@ def repair(args: argparse.Namespace, cfg: settings.Settings) -> int:
             error=problem,
             exit_code=code,
         )
-    out(plan.render())
+    out(render(plan))
     if not args.yes:
         for item in plan.refused:
             out(printable(f"{item.key}: refused: {item.detail}"))

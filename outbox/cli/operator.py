@@ -16,6 +16,7 @@ from .. import settings, states
 from ..exceptions import ConfigError
 from . import exits
 from .output import err, out, print_json
+from .render import render
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -97,7 +98,7 @@ def status(args: argparse.Namespace, cfg: settings.Settings) -> int:
         if args.json:
             print_json(report.to_dict())
         else:
-            out(report.render())
+            out(render(report))
         return exits.OK
     interval = settings.parse_seconds(args.interval or WATCH_INTERVAL, "--interval")
     if interval <= 0:
@@ -164,7 +165,7 @@ def show(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if args.json:
         print_json(detail.to_dict())
     else:
-        out(detail.render())
+        out(render(detail))
     return exits.OK
 
 
@@ -176,7 +177,7 @@ def _show_key(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if args.json:
         print_json(report.to_dict())
     else:
-        out(report.render())
+        out(render(report))
     return exits.OK
 
 
@@ -235,7 +236,7 @@ def list_rows(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if args.json:
         print_json(listed.to_dict())
     else:
-        out(listed.render())
+        out(render(listed))
     return exits.OK
 
 
@@ -387,7 +388,7 @@ def replay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         )
     else:
         if bulk:
-            out(plan.render())
+            out(render(plan))
         if not act:
             out(
                 f"\nnothing changed: this is a preview. To replay exactly these "
@@ -708,5 +709,5 @@ def audit(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if args.json:
         problem = None if report.ok else f"{report.violation_count} violation(s)"
         return print_json(report.to_dict(), error=problem, exit_code=code)
-    out(report.render())
+    out(render(report))
     return code

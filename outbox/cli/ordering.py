@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 
 from .. import settings
-from ..ops.tables import format_table, printable, short
+from ..ops.values import printable
 from .flags import positive_int
 from .operator import _by_and_reason, _connection, _describe, _parse_id
 from .output import out, print_json
+from .render import format_table, short
 
 
 def ordering_arguments(p: argparse.ArgumentParser) -> None:

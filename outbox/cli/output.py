@@ -39,7 +39,7 @@ def error_member(message: str, exit_code: int) -> dict[str, Any]:
 
 def print_json(data: Any, *, error: str | None = None, exit_code: int = exits.OK) -> int:
     """Print one JSON document; with ``error``, the ``error`` member too. Returns ``exit_code``."""
-    from ..ops.tables import to_json
+    from .render import to_json
 
     if error is not None:
         data = (

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from outbox.reconciler.alerts import ALERT_HOOK_ENV
+from outbox.alerts import ALERT_HOOK_ENV
 
 from .. import settings
 from ..exceptions import ConfigError
@@ -107,7 +107,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--alert-hook",
         metavar="MODULE:FUNCTION",
-        help=f"called with each reconciler.alerts.AlertRow to report (default: ${ALERT_HOOK_ENV}, "
+        help=f"called with each outbox.alerts.AlertRow to report (default: ${ALERT_HOOK_ENV}, "
         "else an ERROR log line)",
     )
 
@@ -134,7 +134,7 @@ def _ledger_horizon(args: argparse.Namespace, cfg: settings.Settings) -> float:
 
 
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    from outbox.reconciler.alerts import load_alert_hook
+    from outbox.alerts import load_alert_hook
     from outbox.reconciler.scheduler import Reconciler
 
     from .. import transport

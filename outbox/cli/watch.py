@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import exits
 from .output import out
+from .render import render
 
 if TYPE_CHECKING:
     from ..ops.inspect import StatusReport
@@ -59,7 +60,7 @@ def _title(report: StatusReport, interval: float) -> str:
 def _plain(
     take: Callable[[], StatusReport], interval: float, count: int | None, *, as_json: bool, redraw: bool
 ) -> None:
-    from ..ops.tables import json_default
+    from ..ops.values import json_default
 
     for n in _refreshes(count):
         if n:
@@ -68,9 +69,9 @@ def _plain(
         if as_json:
             out(json.dumps(report.to_dict(), ensure_ascii=False, default=json_default))
         elif redraw:
-            out(f"{_CLEAR}{_title(report, interval)}\n\n{report.render()}")
+            out(f"{_CLEAR}{_title(report, interval)}\n\n{render(report)}")
         else:
-            out(f"{_title(report, interval)}\n\n{report.render()}\n")
+            out(f"{_title(report, interval)}\n\n{render(report)}\n")
 
 
 def _live(take: Callable[[], StatusReport], interval: float, count: int | None) -> None:
@@ -89,7 +90,7 @@ def _table(report: StatusReport, interval: float) -> Any:
     from rich.text import Text
 
     from .. import states
-    from ..ops.tables import age
+    from ..ops.values import age
 
     attention = (states.UNKNOWN, states.FAILED)
     table = Table(title=_title(report, interval), title_justify="left")

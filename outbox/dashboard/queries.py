@@ -17,7 +17,7 @@ from sqlalchemy import Connection, text
 
 from .. import states
 from ..ops.inspect import key_like
-from ..ops.tables import seconds
+from ..ops.values import seconds
 
 #: Above this many rows in the table, terminal counts (sent, cancelled) are the planner's
 #: estimates, marked as such: counting them exactly reads the whole table.

@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine, text
 
+from outbox.cli.render import render
+
 from .. import settings, states
 from ..exceptions import ConfigError
 from ..testing.embedded import free_port
@@ -355,7 +357,7 @@ class Demo:
                 f"on them); breaker tripped {trips}x, {probes} probe(s); rows failed: "
                 f"{result.by_state.get(states.FAILED, 0)}"
             )
-        self.display.text("\n" + report.render())
+        self.display.text("\n" + render(report))
         self.display.text("")
         if result.ok:
             self.display.text(

@@ -1,6 +1,6 @@
 """What the person on call does, as functions returning data: look (``inspect``: status, show,
 lists; ``audit``; ``doctor``) and act (``actions``: replay, resolve, cancel). No argparse and no
-printing here: ``outbox.cli`` parses the flags and prints, ``outbox.ops.tables`` renders.
+printing here: ``outbox.cli`` parses the flags and prints, ``outbox.cli.render`` renders.
 
 Every action is one guarded statement per row, so a row that moved since the operator looked is
 refused, never overwritten. The functions take a SQLAlchemy ``Connection`` and never commit: the

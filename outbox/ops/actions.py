@@ -24,7 +24,6 @@ from sqlalchemy import Connection, text
 from .. import chains, ordering, outcomes, sanitize, states, transitions
 from ..exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
 from ..handlers import Confirmed, Handler
-from . import tables
 from .inspect import require_destination
 
 # -- replay and resolve ------------------------------------------------------------------------------
@@ -244,9 +243,6 @@ class ReplayPlan:
             "refused": [{**r.to_dict(), "reason": r.refusal()} for r in self.refused],
             "missing": self.missing,
         }
-
-    def render(self) -> str:
-        return tables.render_replay_plan(self)
 
 
 def _candidate(row: Any) -> ReplayCandidate:

@@ -34,7 +34,6 @@ from sqlalchemy import Connection, text
 from .. import outcomes, states
 from ..exceptions import ConfigError
 from ..settings import parse_seconds
-from . import tables
 
 #: Fence outcomes meaning the provider confirmed the call (see the module docstring).
 CONFIRMED_OUTCOMES = ("sent", "superseded:sent")
@@ -340,12 +339,6 @@ class AuditReport:
             "violation_count": self.violation_count,
             "violations": [vars(v) for v in self.violations],
         }
-
-    def render(self) -> str:
-        return tables.render_audit(self)
-
-    def __str__(self) -> str:
-        return self.render()
 
 
 def parse_since(value: str, *, now: datetime | None = None) -> datetime:

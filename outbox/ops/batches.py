@@ -15,7 +15,7 @@ from sqlalchemy import Connection, text
 
 from .. import states
 from ..exceptions import NotFound
-from . import tables
+from .values import printable
 
 _BATCH = text(
     """
@@ -97,7 +97,7 @@ class BatchReport:
         parts = ", ".join(
             f"{self.counts[g]} {g}" for g in GROUPS if self.counts[g] or g in ("sent", "failed")
         )
-        head = f"batch {tables.printable(self.name)}: {self.done}/{self.total} done ({parts})"
+        head = f"batch {printable(self.name)}: {self.done}/{self.total} done ({parts})"
         return f"{head}; {self.ending()}" if self.finished else head
 
     def ending(self) -> str:
@@ -116,9 +116,6 @@ class BatchReport:
             moved = ", ".join(f"{self.now[g]} {g}" for g in GROUPS if self.now[g])
             ended += f"; its members moved since: now {moved}"
         return ended
-
-    def render(self) -> str:
-        return tables.render_batch(self)
 
 
 def batch_report(

@@ -20,13 +20,13 @@ import sqlalchemy.exc
 from sqlalchemy import Connection, text
 
 from .. import breaker, features, heartbeat, pauses, transport
-from ..db import make_engine
+from ..db import CAN_SEE_ALL_XACTS, make_engine
 from ..exceptions import ConfigError, NotMigrated, OutboxError
 from ..handlers import load_module
 from ..logs import first_line
 from ..migrate import schema_status
 from ..settings import Settings, redact_url
-from .tables import age, seconds
+from .values import age, seconds
 
 OK = "ok"
 FAIL = "FAIL"
@@ -273,10 +273,7 @@ WHERE state IN ('sent', 'cancelled')
 
 def _purge_checks(conn: Connection, cfg: Settings) -> list[Check]:
     """Whether the purge can run on this role, and whether it keeps up. A reconciler on a role
-    that cannot see other roles' open transactions skips the purge (reconciler.jobs.purge.purge)."""
-    # Imported here: the reconciler package builds on this one, not the other way round.
-    from outbox.reconciler.jobs.purge import CAN_SEE_ALL_XACTS
-
+    that cannot see other roles' open transactions skips the purge (outbox.reconciler.jobs.purge)."""
     role = conn.execute(text("SELECT current_user")).scalar_one()
     if conn.execute(text(CAN_SEE_ALL_XACTS)).scalar():
         checks = [Check("purge", OK, f"role {role} sees every session's open transaction")]

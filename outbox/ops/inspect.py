@@ -1,7 +1,7 @@
 """Looking at the outbox: ``status``, ``show`` (a row, or a purged key's ledger entry) and the
 lists of rows by state, destination and key prefix (``failed`` and ``unknown`` among them).
 Read-only queries returning data; the caller owns the (read-only) transaction, and
-``outbox.ops.tables`` or the CLI turns the data into text or JSON.
+``outbox.cli.render`` turns the data into text or JSON.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from ..exceptions import ConfigError, NotFound
 from ..heartbeat import NoConsumer
 from ..ordering import HOLDING_SQL
 from ..pauses import Pause
-from . import tables
-from .tables import seconds
+from .values import seconds
 
 DEFAULT_LIST_LIMIT = settings.DEFAULT_LIST_LIMIT
 
@@ -89,9 +88,6 @@ class StatusReport:
             "blocked_ordering_keys": self.blocked_keys,
             "oldest_block_seconds": self.oldest_block_seconds,
         }
-
-    def render(self) -> str:
-        return tables.render_status(self)
 
 
 def status(connection: Connection) -> StatusReport:
@@ -207,9 +203,6 @@ class RowDetail:
             row["payload"] = self.payload
         return {"row": row, "attempts": self.attempts, "history": self.history}
 
-    def render(self) -> str:
-        return tables.render_row(self)
-
 
 # A purged row's key: what the key ledger keeps of it (never the payload, only its hash).
 _SHOW_LEDGER = text(
@@ -230,9 +223,6 @@ class LedgerDetail:
 
     def to_dict(self) -> dict[str, Any]:
         return {"purged": True, "ledger": dict(self.entry)}
-
-    def render(self) -> str:
-        return tables.render_ledger(self)
 
 
 def show(
@@ -347,9 +337,6 @@ class KeySteps:
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "steps": self.steps, "stopped": self.stopped}
 
-    def render(self) -> str:
-        return tables.render_key_steps(self)
-
 
 def key_steps(connection: Connection, key: str) -> KeySteps:
     """Every step of ``key`` with its milestones. Raises :class:`NotFound` when the key has none."""
@@ -432,9 +419,6 @@ class RowList:
             "matching": self.matching,
             "rows": [vars(r) for r in self.rows],
         }
-
-    def render(self) -> str:
-        return tables.render_rows(self)
 
 
 def require_destination(connection: Connection, destination: str) -> None:

@@ -17,39 +17,13 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from ..ordering import HOLDING_SQL
-from .tables import seconds
+from ..ordering import BLOCKED_SQL, BLOCKED_SUMMARY_SQL
+from .values import seconds
 
 DEFAULT_BLOCKED_LIMIT = 50
 
-_BLOCKED = f"""
-WITH heads AS (
-    SELECT DISTINCT ON (e.ordering_key)
-           e.ordering_key, e.id, e.key, e.step, e.destination, e.state, e.attempts, e.last_error,
-           e.releases, e.available_at > now() AS not_due, e.available_at,
-           EXISTS (SELECT 1 FROM outbox_destination d
-                   WHERE d.destination = e.destination
-                     AND (d.paused_until > now() OR d.breaker_opened_at IS NOT NULL)) AS held,
-           CASE e.state WHEN 'failed' THEN e.completed_at
-                        WHEN 'unknown' THEN e.unknown_since
-                        WHEN 'in_flight' THEN e.claimed_at
-                        ELSE GREATEST(e.created_at, (SELECT max(a.finished_at) FROM outbox_attempt a
-                                                     WHERE a.message_id = e.id)) END AS since
-    FROM outbox_message e
-    WHERE e.ordering_key IS NOT NULL AND e.state NOT IN ('sent', 'cancelled') AND {HOLDING_SQL}
-    ORDER BY e.ordering_key, e.id
-), blocked AS (
-    SELECT h.*,
-           (SELECT count(*) FROM outbox_message w
-            WHERE w.ordering_key = h.ordering_key AND w.id > h.id
-              AND w.state IN ('pending', 'dispatched')) AS waiting
-    FROM heads h
-    WHERE h.state IN ('failed', 'unknown', 'in_flight') OR h.attempts > 0 OR h.releases > 0
-       OR h.not_due OR h.held
-)
-"""
 _LIST = text(
-    _BLOCKED
+    BLOCKED_SQL
     + """
 SELECT *, EXTRACT(EPOCH FROM now() - since) AS age, count(*) OVER () AS matching
 FROM blocked WHERE waiting > 0
@@ -57,15 +31,7 @@ ORDER BY since, ordering_key
 LIMIT :limit
 """
 )
-#: Plain SQL (no parameters): the metrics read it on a psycopg connection.
-SUMMARY_SQL = (
-    _BLOCKED
-    + """
-SELECT count(*) AS keys, EXTRACT(EPOCH FROM now() - min(since)) AS oldest
-FROM blocked WHERE waiting > 0
-"""
-)
-_SUMMARY = text(SUMMARY_SQL)
+_SUMMARY = text(BLOCKED_SUMMARY_SQL)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ from sqlalchemy import Connection, text
 from .. import chains, outcomes, states, transitions
 from ..exceptions import ConfigError, NotFound
 from ..handlers import Confirmed, Handler
-from . import tables
 from .actions import (
     _COMPENSATED,
     _FAILED_OUT_OF_UNKNOWN,
@@ -56,11 +55,12 @@ from .actions import (
     plan_replay,
 )
 from .inspect import _IN_STATE_SINCE, key_steps, require_destination
+from .values import age, seconds
 
 if TYPE_CHECKING:
     import psycopg
 
-    from outbox.reconciler.lookups import LookupClients
+    from ..settlement import LookupClients
 
 #: A waiting step (pending, dispatched, in flight) counts as stalled after this long in its state.
 DEFAULT_STALLED_AFTER_SECONDS = 900.0
@@ -120,15 +120,12 @@ class StalledReport:
             "keys": self.keys,
         }
 
-    def render(self) -> str:
-        return tables.render_stalled(self)
-
 
 def _why(row: Mapping[str, Any]) -> str:
     if row["state"] == states.SENT:
         return f"its next steps are not written: {row['chain_problem']}"
     if row["state"] in states.WAITING:
-        waited = tables.age(tables.seconds(row["age"]))
+        waited = age(seconds(row["age"]))
         return f"{row['state']} for {waited}: not moving (outbox doctor says why)"
     return str(row["last_error"] or "no reason recorded")
 
@@ -160,7 +157,7 @@ def stalled(
             "step": r["step"],
             "destination": r["destination"],
             "state": r["state"],
-            "age_seconds": tables.seconds(r["age"]),
+            "age_seconds": seconds(r["age"]),
             "steps": int(r["steps"]),
             "chained": bool(r["chained"]),
             "why": _why(r),
@@ -240,9 +237,6 @@ class RepairPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"force": self.force, "keys": [i.to_dict() for i in self.items]}
-
-    def render(self) -> str:
-        return tables.render_repair_plan(self)
 
 
 def _no_handler(key: str, s: Mapping[str, Any], module: str, what: str) -> RepairItem:
@@ -513,9 +507,8 @@ def execute_repair(
 ) -> list[RepairResult]:
     """Do what ``plan`` says, key by key, each action one guarded statement that re-checks the
     row is still what the plan saw (a lookup runs with no transaction open)."""
-    from outbox.reconciler.lookups import LookupClients
-
     from ..db import connect_raw
+    from ..settlement import LookupClients
 
     if plan.force and not (reason and reason.strip()):
         raise ConfigError("--force needs --reason: why re-running this step is right now")
@@ -609,7 +602,7 @@ def _write_next(acting: _Acting, item: RepairItem) -> RepairResult:
 
 
 def _look_up_unknown(acting: _Acting, item: RepairItem) -> RepairResult:
-    from outbox.reconciler.jobs.resolve_unknown import resolve_one
+    from ..settlement import resolve_one
 
     assert item.row_id is not None and item.destination is not None
     # The reconciler's own first lookup comes no sooner (expire_leases).
@@ -662,7 +655,7 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
     refused = acting.still_landing(item, handler)
     if refused is not None:
         return refused
-    from outbox.reconciler.jobs.resolve_unknown import ask_provider
+    from ..settlement import ask_provider
 
     # No transaction is open: the connection is in autocommit mode.
     try:

@@ -158,7 +158,8 @@ def reconcile_once(handlers: Handlers = None, *, database_url: Database) -> dict
     """Run the reconciler's broker-free jobs once, in order, on the handlers' destinations only:
     expire leases, then resolve the due ``unknown`` rows through the lookups. Counts per job."""
     from outbox.reconciler.jobs.expire_leases import expire_leases
-    from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
+
+    from ..settlement import resolve_unknown
 
     table, url = _handlers(handlers), _url(database_url)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:

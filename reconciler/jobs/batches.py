@@ -23,13 +23,13 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import transitions
+from outbox import alerts, transitions
+from outbox.alerts import AlertHook, AlertRow, log_alert
+from outbox.db import require_autocommit
 from outbox.handlers import Handler
-from outbox.reconciler import alerts
-from outbox.reconciler.alerts import AlertHook, AlertRow, log_alert
 from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS, default_lease_seconds
 
-from ._common import _nonzero, _require_autocommit
+from ._common import nonzero
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,10 @@ def finish_batches(
     (else ``late_record_default_seconds``) ago waits (its worker may still record a late answer)
     and is not selected. Counts: ``then``, ``catch`` (batches finished each way), ``written``
     (then/catch rows written), ``problems`` (finished, its row not written: its key and step
-    exist; alerted once through ``alert_hook``, default :func:`~reconciler.alerts.log_alert`, as
+    exist; alerted once through ``alert_hook``, default :func:`~outbox.alerts.log_alert`, as
     state ``batch_broken``: ``alerts``), ``raced`` (finished by someone else meanwhile, or a
     member re-opened)."""
-    _require_autocommit(conn, "batches")
+    require_autocommit(conn, "batches")
     counts: Counter[str] = Counter()
     started = time.monotonic()
     after = 0
@@ -131,7 +131,7 @@ def finish_batches(
                     extra={"outbox_batch": name, "outcome": outcome},
                 )
         if len(page) < page_size or time.monotonic() - started > time_budget_seconds:
-            return _nonzero(counts)
+            return nonzero(counts)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ import psycopg
 from psycopg.rows import dict_row
 
 from outbox import chains, transitions
+from outbox.db import require_autocommit
 from outbox.handlers import Confirmed, Handler
 
-from ._common import _nonzero, _require_autocommit
+from ._common import nonzero
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def write_uncomputed(
     """Write the next steps of up to ``batch_size`` rows resolved ``sent`` without the handler
     module (or settled by a release before 0022). Counts: ``cleared`` (no step to compute),
     ``followed`` (rows done), ``steps`` (rows written), ``no_handler``, ``raced``."""
-    _require_autocommit(conn, "chains")
+    require_autocommit(conn, "chains")
     counts: Counter[str] = Counter()
     # First the rows that need no computing, many per statement (a release before 0022 marks
     # every row it settles): only those whose handler declares a @then are computed one by one.
@@ -88,7 +89,7 @@ def write_uncomputed(
                 done.followed,
                 extra={"outbox_id": row["id"], "key": row["key"], "step": row["step"]},
             )
-    return _nonzero(counts)
+    return nonzero(counts)
 
 
 @dataclass(frozen=True)

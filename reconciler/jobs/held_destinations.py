@@ -23,11 +23,11 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg.rows import namedtuple_row
 
-from outbox import settings, transitions
-from outbox.reconciler import alerts
-from outbox.reconciler.alerts import AlertHook, AlertRow, log_alert
+from outbox import alerts, settings, transitions
+from outbox.alerts import AlertHook, AlertRow, log_alert
+from outbox.db import require_autocommit
 
-from ._common import _nonzero, _require_autocommit
+from ._common import nonzero
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ _HTTP_STATUS = re.compile(r"\bHTTP ([1-5][0-9]{2})\b")
 
 def _not_processed(breaker_reason: str | None) -> str:
     """The breaker's reason as an alert says it: the status, not the provider's or the handler's
-    text (reconciler.alerts); ``outbox status`` shows the whole reason."""
+    text (outbox.alerts); ``outbox status`` shows the whole reason."""
     found = _HTTP_STATUS.search(breaker_reason or "")
     status = f" (HTTP {found.group(1)})" if found else ""
     return f"the latest calls were not processed{status}; {alerts.WITHHELD}: outbox status"
@@ -161,7 +161,7 @@ def held_destinations(
     ``past_deadline_unknown`` (rows whose earlier call may have taken effect: to
     ``unknown``, for the lookup).
     """
-    _require_autocommit(conn, "held_destinations")
+    require_autocommit(conn, "held_destinations")
     counts: Counter[str] = Counter()
     with conn.cursor(row_factory=namedtuple_row) as cur:
         rows: list[Any] = cur.execute(_HELD).fetchall()
@@ -203,7 +203,7 @@ def held_destinations(
             if (row.now - episode.since).total_seconds() < alert_after_seconds:
                 continue
             counts[_alert(conn, hook, row.destination, episode)] += 1
-    return _nonzero(counts)
+    return nonzero(counts)
 
 
 def _alert(conn: psycopg.Connection[Any], hook: AlertHook, destination: str, episode: _Episode) -> str:

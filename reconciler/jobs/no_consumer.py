@@ -9,11 +9,11 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import heartbeat, settings
-from outbox.reconciler import alerts
-from outbox.reconciler.alerts import AlertHook, AlertRow, log_alert
+from outbox import alerts, heartbeat, settings
+from outbox.alerts import AlertHook, AlertRow, log_alert
+from outbox.db import require_autocommit
 
-from ._common import _nonzero, _require_autocommit
+from ._common import nonzero
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def no_consumer(
     Counts: ``no_consumer`` (destinations), ``alerts``, ``hook_errors``, ``ended`` (episodes
     over: a consumer appeared or nothing waits), ``heartbeats_purged``.
     """
-    _require_autocommit(conn, "no_consumer")
+    require_autocommit(conn, "no_consumer")
     counts: Counter[str] = Counter()
     counts["heartbeats_purged"] = conn.execute(
         _PURGE_HEARTBEATS, {"retention": heartbeat.HEARTBEAT_RETENTION_SECONDS}
@@ -103,7 +103,7 @@ def no_consumer(
             continue
         if conn.execute(_MARK_EPISODE_ALERTED, {"destination": gap.destination}).fetchone() is not None:
             counts["alerts"] += 1
-    return _nonzero(counts)
+    return nonzero(counts)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,7 @@ from typing import Any, ClassVar
 import psycopg
 
 from outbox import settings, transitions
-
-from ._common import _require_autocommit
+from outbox.db import can_see_all_transactions, require_autocommit
 
 logger = logging.getLogger(__name__)
 
@@ -21,21 +20,8 @@ logger = logging.getLogger(__name__)
 PURGE_BATCH = 1000
 DEFAULT_PURGE_MAX_BATCHES = 20
 
-# Superusers and members of pg_read_all_stats (pg_monitor is one) see every session's
-# xact_start; USAGE, not MEMBER: a NOINHERIT membership does not lend the privilege.
-CAN_SEE_ALL_XACTS = """
-SELECT r.rolsuper OR pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')
-FROM pg_roles r WHERE r.rolname = current_user
-"""
-
 #: The purge's count when it refused to run for want of the privilege above.
 PURGE_SKIPPED_NO_PRIVILEGE = "skipped_no_stats_privilege"
-
-
-def can_see_all_transactions(conn: psycopg.Connection[Any]) -> bool:
-    """True when this role sees the ``xact_start`` of every role's sessions, as the purge needs."""
-    row = conn.execute(CAN_SEE_ALL_XACTS).fetchone()
-    return bool(row and row[0])
 
 
 # Batches along the completed_at index: each is a short transaction, and the drop keeps pace with
@@ -93,7 +79,7 @@ def purge(
     A role that is neither superuser nor a member of ``pg_read_all_stats`` (or ``pg_monitor``)
     cannot see other roles' open transactions, so it cannot hold rows back for them: the purge
     then moves nothing, logs an error and counts ``skipped_no_stats_privilege``."""
-    _require_autocommit(conn, "purge")
+    require_autocommit(conn, "purge")
 
     def move() -> int:
         return transitions.purge(conn, retention_seconds=retention_seconds, limit=PURGE_BATCH)

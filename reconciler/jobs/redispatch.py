@@ -14,10 +14,11 @@ import psycopg
 import redis
 
 from outbox import settings, transitions, transport
+from outbox.db import require_autocommit
 from outbox.handlers import Handler
 from outbox.schema import NOTIFY_CHANNEL
 
-from ._common import _nonzero, _require_autocommit
+from ._common import nonzero
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def redispatch(
     Counts: ``missing``, ``unacked``, ``waiting``, ``raced``, ``no_handler``, ``probe``.
     A Redis error raises: an unreachable Redis never means "the message is gone".
     """
-    _require_autocommit(conn, "redispatch")
+    require_autocommit(conn, "redispatch")
     counts: Counter[str] = Counter()
     orphans: Counter[str] = Counter()
     after_at: datetime | None = None
@@ -144,7 +145,7 @@ def redispatch(
     if counts["missing"] or counts["unacked"] or counts["probe"]:
         # The relay sleeps until NOTIFY or its poll interval; wake it for the re-queued rows.
         conn.execute("SELECT pg_notify(%s, '')", (NOTIFY_CHANNEL,))
-    return _nonzero(counts)
+    return nonzero(counts)
 
 
 def _lost(

@@ -1,7 +1,7 @@
 """Job 5, ``alerts``: each `failed` row, each row `unknown` for too long, and each `sent` row whose
 next steps were not all written (outbox.chains), is reported once.
 
-Named ``send_alerts`` beside ``reconciler.alerts``, which defines the hook the alerts go to.
+Named ``send_alerts`` beside ``outbox.alerts``, which defines the hook the alerts go to.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import chains, settings, transitions
-from outbox.reconciler import alerts
-from outbox.reconciler.alerts import AlertHook, AlertRow, log_alert
+from outbox import alerts, chains, settings, transitions
+from outbox.alerts import AlertHook, AlertRow, log_alert
+from outbox.db import require_autocommit
 
-from ._common import _nonzero, _require_autocommit
+from ._common import nonzero
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ CHAIN_BROKEN = "chain_broken"
 # A sent row whose next steps were not all written (outbox.chains) is alerted once too, found by
 # its own partial index (outbox_message_chain_problem_idx). The alert says what the outbox knows
 # of the row (its last attempt's outcome and HTTP status, a passed deadline), never the
-# provider's text (reconciler.alerts): last_error only when the reconciler wrote it.
+# provider's text (outbox.alerts): last_error only when the reconciler wrote it.
 _ALERTABLE = """
 (SELECT m.id, m.key, m.step, m.destination, m.state, m.attempts, m.last_error,
         EXTRACT(EPOCH FROM now() - m.created_at) AS age,
@@ -59,7 +59,7 @@ SELECT (SELECT outcome FROM outbox_attempt WHERE message_id = %(id)s AND outcome
 """
 
 
-#: The reasons the reconciler parks an unknown row with (reconciler.jobs.resolve_unknown): its
+#: The reasons the reconciler parks an unknown row with (outbox.settlement): its
 #: own words, names and numbers, which an alert repeats whole. Any other last_error is a
 #: provider's or a handler's text.
 OWN_REASONS = ("needs a human:", "lookup answer could not be recorded")
@@ -104,7 +104,7 @@ def send_alerts(
     A hook that raises leaves the row unmarked, so it is reported again next run.
     Counts: ``alerts``, ``hook_errors``, ``raced``.
     """
-    _require_autocommit(conn, "alerts")
+    require_autocommit(conn, "alerts")
     counts: Counter[str] = Counter()
     rows = conn.execute(
         _ALERTABLE,
@@ -158,7 +158,7 @@ def send_alerts(
             continue
         marked = transitions.mark_alerted(conn, row_id=row_id, state=state)
         counts["alerts" if marked else "raced"] += 1
-    return _nonzero(counts)
+    return nonzero(counts)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,8 +183,18 @@ def test_the_wheel_installs_one_import_package(tmp_path):
     ``reconciler`` are other projects' names on the package index."""
     import zipfile
 
+    # Built from a copy: setuptools leaves a build/ folder in the tree it builds.
+    source = tmp_path / "source"
+    shutil.copytree(
+        ROOT,
+        source,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".demo", ".artifacts"
+        ),
+    )
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
         capture_output=True,
         text=True,
         timeout=200,

@@ -13,14 +13,14 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import chains, ops, transitions
+from outbox.alerts import AlertRow
 from outbox.consumer import RunResult
 from outbox.handlers import registry
-from outbox.reconciler.alerts import AlertRow
 from outbox.reconciler.jobs.chains import write_uncomputed
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 from outbox.reconciler.jobs.send_alerts import send_alerts
-from outbox.reconciler.lookups import LookupClients
 from outbox.settings import libpq_url
+from outbox.settlement import LookupClients
 
 KEY = "invoice:7"
 

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import ops, transitions, transport
+from outbox.cli.render import render
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
 from outbox.reconciler.jobs.expire_leases import expire_leases
@@ -164,7 +165,7 @@ def test_permanent_error_fails_with_reason(clean, engine, provider, consumer):
     with engine.connect() as conn:
         detail = ops.show(conn, row_id)
     assert isinstance(detail, ops.RowDetail) and detail.attempts[0]["http_status"] == 402
-    assert " 402 " in detail.render()
+    assert " 402 " in render(detail)
 
 
 def test_permanent_error_raised_from_a_status_error_keeps_its_status(clean, engine, provider, consumer):

@@ -798,7 +798,7 @@ def check_not_a_queue(run: PageRun, shop: Shop) -> None:
 
 
 def check_runbook(run: PageRun, shop: Shop) -> None:
-    from outbox.reconciler.alerts import AlertRow
+    from outbox.alerts import AlertRow
 
     received = run.namespace["_received"]
     row = AlertRow(
@@ -931,10 +931,10 @@ def test_python_blocks_run(page: str, clean: Any, engine: Engine, provider: Any,
 
 
 def _known_variables() -> set[str]:
+    from outbox.alerts import ALERT_HOOK_ENV
     from outbox.cli.dashboard import INSECURE_ENV, SECRET_ENV, TRUSTED_PROXIES_ENV, USERS_ENV
     from outbox.cli.flags import LOG_LEVEL_ENV
     from outbox.logs import LOG_FORMAT_ENV
-    from outbox.reconciler.alerts import ALERT_HOOK_ENV
     from outbox.testing.pytest_plugin import DATABASE_ENV
 
     return {

@@ -215,7 +215,9 @@ def test_since_limits_the_audit_to_recent_activity(clean, engine, capsys):
     assert "--since" in capsys.readouterr().err
 
 
-def test_python_api_returns_a_printable_report(clean, engine):
+def test_python_api_returns_a_report_the_cli_renders(clean, engine):
+    from outbox.cli.render import render
+
     settle(clean, write(engine, "order:1"), "sent", "sent", ref="ch_1")
     with engine.connect() as conn:
         report = audit(conn)
@@ -223,7 +225,7 @@ def test_python_api_returns_a_printable_report(clean, engine):
     assert isinstance(report, AuditReport) and report.ok
     assert report.destinations["payments.charge"].confirmed_calls == 1
     assert recent.totals.messages == 1
-    text = str(report)
+    text = render(report)
     assert "payments.charge" in text and "confirmed calls" in text and "OK: no violation" in text
 
 

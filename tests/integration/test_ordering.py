@@ -19,9 +19,9 @@ from outbox.consumer import RunResult
 from outbox.handlers import registry
 from outbox.reconciler.jobs.expire_leases import expire_leases
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
-from outbox.reconciler.lookups import LookupClients
 from outbox.relay import Relay
 from outbox.settings import libpq_url
+from outbox.settlement import LookupClients
 
 DEST = "crm.update"
 

@@ -125,9 +125,9 @@ def _stress(
 
     from outbox.reconciler.jobs.expire_leases import expire_leases
     from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
-    from outbox.reconciler.lookups import LookupClients
     from outbox.relay import Relay
     from outbox.settings import libpq_url
+    from outbox.settlement import LookupClients
 
     h = declare(provider, on_failed_head="skip", idempotent=idempotent, max_attempts=4, backoff=(1,))
     if not idempotent:

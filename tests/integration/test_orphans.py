@@ -21,12 +21,13 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import ops, transport
+from outbox.alerts import AlertRow
 from outbox.cli import main
+from outbox.cli.render import render
 from outbox.db import make_engine
 from outbox.handlers import registry
 from outbox.heartbeat import Heartbeat
 from outbox.ops.doctor import run_checks
-from outbox.reconciler.alerts import AlertRow
 from outbox.reconciler.jobs.redispatch import redispatch
 from outbox.reconciler.scheduler import Reconciler
 from outbox.settings import Settings, libpq_url
@@ -133,7 +134,7 @@ def test_a_typo_destination_is_never_copied_alerted_once_shown_and_cancelled(
         # Shown by status and doctor, read from the database alone.
         report = status_report(clean)
         assert [(g.destination, g.rows_waiting) for g in report.no_consumer] == [(TYPO, 3)]
-        assert f"no consumer for {TYPO} since " in report.render()
+        assert f"no consumer for {TYPO} since " in render(report)
         assert report.to_dict()["no_consumer"][0]["rows_waiting"] == 3
         checks = {c.name: c for c in run_checks(cfg(clean))}
         assert checks["consumers"].status == "FAIL"

@@ -19,8 +19,8 @@ from outbox.handlers import registry
 from outbox.ops.payload_check import check_payloads
 from outbox.reconciler.jobs.expire_leases import expire_leases
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
-from outbox.reconciler.lookups import LookupClients
 from outbox.settings import libpq_url
+from outbox.settlement import LookupClients
 
 DEST = "payments.charge"
 

@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import transitions
+from outbox.alerts import load_alert_hook, log_alert
 from outbox.exceptions import ConfigError
-from outbox.reconciler.alerts import load_alert_hook, log_alert
 from outbox.settings import libpq_url
 from outbox.testing.embedded import embedded_redis
 

@@ -28,8 +28,8 @@ from outbox.dashboard import create_app, hash_password
 from outbox.handlers import registry
 from outbox.reconciler.jobs.chains import write_uncomputed
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
-from outbox.reconciler.lookups import LookupClients
 from outbox.settings import libpq_url
+from outbox.settlement import LookupClients
 
 MODULE = __name__
 KEY = "order:5"

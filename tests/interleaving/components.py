@@ -95,7 +95,7 @@ class SkewedDatetime(datetime):
 CLOCK_MODULES = (
     "outbox.consumer",
     "outbox.policy",
-    "outbox.reconciler.jobs.resolve_unknown",
+    "outbox.settlement",
     "outbox.reconciler.jobs.redispatch",
     "outbox.transitions",
 )

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import text
 
 from outbox import pauses
-from outbox.reconciler.alerts import AlertRow
+from outbox.alerts import AlertRow
 from outbox.reconciler.jobs.held_destinations import held_destinations
 
 from .support import DEST, declare_charge, write_rows

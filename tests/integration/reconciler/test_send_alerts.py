@@ -7,8 +7,8 @@ import logging
 from helpers import elapse
 
 from outbox import transitions
+from outbox.alerts import MAX_REASON_CHARS, log_alert
 from outbox.reconciler import AlertRow
-from outbox.reconciler.alerts import MAX_REASON_CHARS, log_alert
 from outbox.reconciler.jobs.send_alerts import send_alerts
 
 from .support import (
@@ -59,7 +59,7 @@ def test_alerts_report_failed_and_long_unknown_rows_once(clean, engine, db, capl
         assert get(db, ids[0])["alerted_at"] is None
         # The default hook: one ERROR line naming the row, never the payload.
         assert send_alerts(db, unknown_alert_after_seconds=3600) == {"alerts": 1}
-    line = [r for r in caplog.records if r.name == "outbox.reconciler.alerts"][-1]
+    line = [r for r in caplog.records if r.name == "outbox.alerts"][-1]
     assert line.levelno == logging.ERROR
     assert "order:0:charge on payments.charge is failed: failed after 1 attempt(s)" in line.getMessage()
     assert "4242" not in caplog.text and "amount_cents" not in caplog.text

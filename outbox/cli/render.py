@@ -1,40 +1,31 @@
-"""Rendering the operator commands' data: aligned text tables, ages, cells, each report as text
-(the `render()` of the data classes of outbox.ops), and JSON."""
+"""Rendering the operator commands' data (outbox.ops) as text: aligned tables, cells, each
+report; and JSON. The data classes know nothing of it: ``render(report)`` picks the form."""
 
 from __future__ import annotations
 
 import json
-import re
 import textwrap
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any
-from uuid import UUID
 
 from .. import states
+from ..ops.values import age, json_default, printable
 
-if TYPE_CHECKING:
-    from .actions import ReplayPlan
-    from .audit import AuditReport
-    from .inspect import LedgerDetail, RowDetail, RowList, StatusReport
+if TYPE_CHECKING:  # `outbox --help` loads this module: the reports' modules load SQLAlchemy
+    from ..ops.actions import ReplayPlan
+    from ..ops.audit import AuditReport
+    from ..ops.batches import BatchReport
+    from ..ops.inspect import KeySteps, LedgerDetail, RowDetail, RowList, StatusReport
+    from ..ops.repair import RepairPlan, StalledReport
 
 
-def seconds(value: Decimal | float | None) -> float | None:
-    return None if value is None else round(float(value), 3)
-
-
-def age(seconds: float | None) -> str | None:
-    if seconds is None:
-        return None
-    s = max(int(seconds), 0)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+def render(report: Any) -> str:
+    """The text form of one of outbox.ops' reports."""
+    form = _FORMS.get(type(report).__name__)
+    if form is None:
+        raise TypeError(f"no text form for {type(report).__name__}")
+    return form(report)
 
 
 def short(value: str | None, width: int = 80) -> str | None:
@@ -56,25 +47,6 @@ def cell(value: Any, *, long: bool = False) -> Any:
 
 def indent(block: str) -> str:
     return textwrap.indent(block, "  ")
-
-
-def json_default(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, UUID):
-        return str(value)
-    if isinstance(value, Decimal):
-        return float(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def printable(text: str) -> str:
-    """``text`` with its control characters escaped (``\\n``, ``\\x1b``): a key or an error
-    written by plain SQL must not forge table lines or colour a terminal."""
-    return _CONTROL.sub(lambda m: repr(m.group(0))[1:-1], text)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -386,7 +358,7 @@ def _written_by(step: dict[str, Any]) -> str:
     return f"{step['via']} of {step.get('after') or '(gone)'}"
 
 
-def render_key_steps(report: Any) -> str:
+def render_key_steps(report: KeySteps) -> str:
     """``outbox show KEY``: one line a step, its milestones, then where the key's work stopped."""
     rows = [
         [
@@ -419,7 +391,7 @@ def render_key_steps(report: Any) -> str:
     return f"{table}\n\n{verdict}"
 
 
-def render_stalled(report: Any) -> str:
+def render_stalled(report: StalledReport) -> str:
     """``outbox chains --stalled``: one line a key, the longest stopped first."""
     rows = [
         [
@@ -453,13 +425,13 @@ def render_stalled(report: Any) -> str:
     )
 
 
-def render_repair_plan(plan: Any) -> str:
+def render_repair_plan(plan: RepairPlan) -> str:
     """``outbox repair`` before ``--yes``: what it will do for each key."""
     rows = [[i.key, i.step, i.state, i.action.replace("_", " "), short(i.detail, 100)] for i in plan.items]
     return format_table(["key", "stopped at", "state", "repair will", "detail"], rows)
 
 
-def render_batch(report: Any) -> str:
+def render_batch(report: BatchReport) -> str:
     """``outbox batch show``: the batch, its members by group, how it ends."""
 
     def step(s: dict[str, Any] | None) -> str:
@@ -475,3 +447,19 @@ def render_batch(report: Any) -> str:
         report.ending(),
     ]
     return "\n".join(lines)
+
+
+#: Each report class of outbox.ops (by name: importing them here would load SQLAlchemy), and
+#: its text form.
+_FORMS: dict[str, Any] = {
+    "StatusReport": render_status,
+    "RowDetail": render_row,
+    "LedgerDetail": render_ledger,
+    "RowList": render_rows,
+    "ReplayPlan": render_replay_plan,
+    "AuditReport": render_audit,
+    "KeySteps": render_key_steps,
+    "StalledReport": render_stalled,
+    "RepairPlan": render_repair_plan,
+    "BatchReport": render_batch,
+}
