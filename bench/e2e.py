@@ -801,8 +801,8 @@ def run_procrastinate(
 _CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("logging (outbox log line per delivery)", ("logging/", "outbox/logs.py")),
     ("httpx/httpcore/h11 (the provider call)", ("httpx/", "httpcore/", "h11/")),
-    ("psycopg claim", ("claim (outbox/transitions.py",)),
-    ("psycopg record", ("record (outbox/transitions.py",)),
+    ("psycopg claim", ("claim (outbox/store/delivery.py",)),
+    ("psycopg record", ("record (outbox/store/delivery.py",)),
     ("dramatiq (fetch, ack, middleware, Redis)", ("dramatiq/", "redis/")),
     ("json", ("json/",)),
 ]

@@ -151,7 +151,7 @@ def child_drain(args: argparse.Namespace) -> None:
 
 
 def child_claim(args: argparse.Namespace) -> None:
-    from outbox.transitions import DISPATCH_DUE_SQL
+    from outbox.store.relay import DISPATCH_DUE_SQL
 
     cfg = settings.from_env()
     batch_size = args.batch_size or cfg.relay_batch_size

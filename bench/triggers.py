@@ -1,5 +1,5 @@
 """What migration 0022's triggers cost a delivery (issue 30): the claim -> record cycle of this
-code's own statements (``outbox.transitions``), with the triggers enabled and disabled, in one
+code's own statements (``outbox.store``), with the triggers enabled and disabled, in one
 run, alternating blocks, on one database:
 
 * **plain** rows (no ordering key): the triggers' ``WHEN`` is all they meet;
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import MACHINE_DATABASE_URL, connect, drop_database, migrate, recreate_database  # noqa: E402
-from outbox import transitions  # noqa: E402
+from outbox import store  # noqa: E402
 
 DATABASE = "bench_triggers"
 DEST = "bench.charge"
@@ -68,9 +68,9 @@ def cycle(conn: Any, ids: list[int]) -> float:
     """Claim and record each row, in id order (a key's head before the rows behind it)."""
     started = time.perf_counter()
     for row_id in ids:
-        claimed = transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
+        claimed = store.delivery.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
         assert claimed is not None, row_id
-        done = transitions.record_outcome(
+        done = store.delivery.record_outcome(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref=f"ch_{row_id}"
         )
         assert done.state == "sent", done

@@ -14,7 +14,7 @@ The batch and its members commit together, in the caller's transaction (nothing 
 A row joins a batch only in the transaction that created it, so a committed batch's members are
 fixed, and "every member is terminal" means the same to every reader. When it is, the
 reconciler's ``batches`` job finishes the batch in one guarded statement
-(:func:`outbox.transitions.finish_batch`): exactly one of ``then`` (no member failed: each is
+(:func:`outbox.store.recovery.finish_batch`): exactly one of ``then`` (no member failed: each is
 ``sent`` or ``cancelled``) or ``catch`` (any failed) is written, as row ``(name, step)``, even
 with two reconcilers at once, and never lost: the job sweeps every open batch each run, so two
 last members settling at the same moment cannot each leave the finishing to the other.
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import text
 
-from . import features, transitions
+from . import features, store
 from .chains import Next, version_for
 from .exceptions import BatchConflict, InvalidMessage
 from .schema_check import ensure_schema, ensure_schema_async
@@ -52,12 +52,12 @@ MAX_STEP_PAYLOAD_BYTES = 65536
 
 def _same_step(column: str, param: str) -> str:
     """The stored step ``column`` is the one given: equal, or, once the purge replaced its
-    payload by its SHA-256 (:data:`outbox.transitions.STRIPPED_STEP_SQL`), equal to the given one
+    payload by its SHA-256 (:data:`outbox.store.recovery.STRIPPED_STEP_SQL`), equal to the given one
     stripped the same way."""
     given = f"CAST(:{param} AS jsonb)"
     return (
         f"{column} IS NOT DISTINCT FROM CASE WHEN {column} ? 'payload_sha256' "
-        f"THEN {transitions.STRIPPED_STEP_SQL.format(step=given)} ELSE {given} END"
+        f"THEN {store.recovery.STRIPPED_STEP_SQL.format(step=given)} ELSE {given} END"
     )
 
 
@@ -156,7 +156,7 @@ def batch(
     params = _params(name, then, catch)
     ensure_schema(target)
     with features.gated(f"batch {name}"):
-        inserted = transitions.insert_batch(target, params)
+        inserted = store.application.insert_batch(target, params)
     if inserted is None:
         return _conclude(None, target.execute(_EXISTING, params).first(), params)
     # After the insert: a concurrent writer of the same name waits on it instead of both passing.
@@ -171,7 +171,7 @@ async def batch_async(
     params = _params(name, then, catch)
     await ensure_schema_async(target)
     with features.gated(f"batch {name}"):
-        inserted = await transitions.insert_batch_async(target, params)
+        inserted = await store.application.insert_batch_async(target, params)
     if inserted is None:
         return _conclude(None, (await target.execute(_EXISTING, params)).first(), params)
     _refuse_taken(list((await target.execute(_TAKEN, params)).scalars()), name)

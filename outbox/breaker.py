@@ -43,7 +43,7 @@ after it; ``window_seconds`` bounds how long.
 The thresholds are declared with the handler (``outbox.handlers.Breaker``) and what one call
 says about the provider is a rule (``outbox.policy.verdict``); this module holds the statements
 only: the worker calls :func:`count_not_processed`, :func:`reset`, :func:`settle_probe`
-and :func:`close` after its record; the claim (``outbox.transitions``) reads and reserves;
+and :func:`close` after its record; the claim (``outbox.store.delivery``) reads and reserves;
 ``outbox resume`` closes (``outbox.pauses``); ``status``, ``doctor`` and the metrics read
 :func:`open_breakers`.
 """

@@ -211,7 +211,7 @@ def then_plan_for_row(handler: Handler, row: Mapping[str, Any], confirmed: Confi
     delivery's client is closed unused."""
     if handler.then_fn is None:
         return NOTHING
-    # Here, not at the top: outbox.write imports this module (through transitions), and an
+    # Here, not at the top: outbox.write imports this module (through the store), and an
     # application's writer has no use for httpx.
     from .handlers import Deliveries
 

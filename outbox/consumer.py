@@ -26,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from . import breaker, chains, db, logs, metrics, outcomes, pauses, payloads, policy, tracing, transitions
+from . import breaker, chains, db, logs, metrics, outcomes, pauses, payloads, policy, store, tracing
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -305,7 +305,7 @@ class Executor:
         handler = self.handlers.get(destination)
         if handler is None:
             reason = f"no handler for destination {destination!r} in this deploy"
-            transitions.fail_unhandled(self._conn("claim_conn"), row_id=row_id, error=reason)
+            store.delivery.fail_unhandled(self._conn("claim_conn"), row_id=row_id, error=reason)
             logger.error(
                 "outbox row %s failed: %s",
                 row_id,
@@ -320,7 +320,7 @@ class Executor:
         # a row lock or for the commit only shortens what is left, whatever the clocks say.
         sent_at = time.monotonic()
         try:
-            claimed = transitions.claim(
+            claimed = store.delivery.claim(
                 conn,
                 row_id=row_id,
                 destination=destination,
@@ -337,7 +337,7 @@ class Executor:
             if not lost:
                 raise
             return self._recover_lost_claim(handler, row_id, token, backend)
-        if isinstance(claimed, transitions.Aged):
+        if isinstance(claimed, store.delivery.Aged):
             logger.warning(
                 "outbox row %s -> unknown: %s",
                 row_id,
@@ -518,7 +518,7 @@ class Executor:
         return result
 
     def _plan(
-        self, handler: Handler, claimed: transitions.Claimed, decision: Decision, nxt: Move
+        self, handler: Handler, claimed: store.delivery.Claimed, decision: Decision, nxt: Move
     ) -> chains.Plan:
         """The next steps the record writes (outbox.chains): the ``then`` steps of a confirmed
         call; the ``on_failure`` steps of a certain failure, also of a retry that the record may
@@ -535,10 +535,12 @@ class Executor:
             return chains.failure_plan(handler, self._delivery(handler, claimed, strict=False), nxt.error)
         return chains.NOTHING
 
-    def _delivery(self, handler: Handler, claimed: transitions.Claimed, *, strict: bool = True) -> Delivery:
+    def _delivery(
+        self, handler: Handler, claimed: store.delivery.Claimed, *, strict: bool = True
+    ) -> Delivery:
         return delivery_for(claimed, handler, self._caller().deliveries, strict=strict)
 
-    def _call(self, handler: Handler, claimed: transitions.Claimed, sent_at: float) -> Decision | None:
+    def _call(self, handler: Handler, claimed: store.delivery.Claimed, sent_at: float) -> Decision | None:
         """The call's decision, or None when it was not started: the start check passed, but a
         pause since (SIGSTOP, a VM stall, a starved thread) took the process past the last
         instant a call may start, so its lease may already be running out.
@@ -587,7 +589,7 @@ class Executor:
             )
         return decide_result(call.result)
 
-    def _refundable(self, handler: Handler, claimed: transitions.Claimed) -> bool:
+    def _refundable(self, handler: Handler, claimed: store.delivery.Claimed) -> bool:
         try:
             carried = breaker.refunds_so_far(
                 self._conn("record_conn"), row_id=claimed.id, attempts=claimed.attempt
@@ -600,7 +602,7 @@ class Executor:
     def _breaker(
         self,
         handler: Handler,
-        claimed: transitions.Claimed,
+        claimed: store.delivery.Claimed,
         health: policy.Verdict,
         decision: Decision,
         *,
@@ -693,10 +695,10 @@ class Executor:
                 extra={"destination": handler.destination, "outbox_run": "held"},
             )
 
-    def _leave_for_newer(self, handler: Handler, claimed: transitions.Claimed, reason: str) -> RunResult:
+    def _leave_for_newer(self, handler: Handler, claimed: store.delivery.Claimed, reason: str) -> RunResult:
         """A payload newer than this worker's handler (new writers deployed before the workers):
         released, no attempt spent, due again in a while for a newer worker."""
-        released = transitions.release(
+        released = store.delivery.release(
             self._conn("claim_conn"),
             row_id=claimed.id,
             token=claimed.token,
@@ -726,7 +728,7 @@ class Executor:
         return RunResult.RELEASED
 
     def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> RunResult:
-        released = transitions.release(self._conn("claim_conn"), row_id=row_id, token=token, reason=reason)
+        released = store.delivery.release(self._conn("claim_conn"), row_id=row_id, token=token, reason=reason)
         if released is None:
             logger.warning(
                 "outbox row %s: claim not released, it no longer owns the row (%s)",
@@ -807,14 +809,14 @@ class Executor:
 
     def _record(
         self,
-        claimed: transitions.Claimed,
+        claimed: store.delivery.Claimed,
         decision: Decision,
         nxt: Move,
         deadline_error: str | None,
         *,
         refund: bool = False,
         follow: chains.Plan = chains.NOTHING,
-    ) -> transitions.Recorded:
+    ) -> store.sql.Recorded:
         # A failed record is not a lost outcome (the lease and the lookup recover it), but a
         # short database blip should not cost a lookup: try a few times within the lease.
         # An ambiguous call stays "unknown" on its fence row even when the row fails (an
@@ -823,7 +825,7 @@ class Executor:
         outcome = decision.outcome.value if nxt.state != "failed" or ambiguous else "failed"
         for attempt in range(3):
             try:
-                return transitions.record_outcome(
+                return store.delivery.record_outcome(
                     self._conn("record_conn"),
                     row_id=claimed.id,
                     token=claimed.token,
@@ -847,7 +849,7 @@ class Executor:
 
 
 def delivery_for(
-    claimed: transitions.Claimed, handler: Handler, deliveries: Deliveries, *, strict: bool = True
+    claimed: store.delivery.Claimed, handler: Handler, deliveries: Deliveries, *, strict: bool = True
 ) -> Delivery:
     """What the handler sees of a claimed row; ``strict=False``: the payload as stored when it
     does not fit the handler's model (an ``on_failure`` function of a row failed for that)."""

@@ -15,7 +15,7 @@ operator who says "go" means every guard; a provider still down trips it again.
 
 Statements only: ``outbox pause``/``resume`` (``outbox.cli.pauses``), ``outbox status`` and
 ``doctor``, the worker (why its claim was empty; the Retry-After hold) call these. The claim's
-guard reads the same row (``outbox.transitions``).
+guard reads the same row (``outbox.store.delivery``).
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ class Move:
 
     A delay, never an instant: the statement that applies it adds it to the database's clock
     (one clock for every comparison), and fails a retry that would fall on or after the row's
-    deadline there too (see ``outbox.transitions``).
+    deadline there too (see ``outbox.store.delivery``).
     """
 
     state: str

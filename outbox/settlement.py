@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 
-from . import chains, logs, outcomes, policy, sanitize, tracing, transitions
+from . import chains, logs, outcomes, policy, sanitize, store, tracing
 from .alerts import AlertHook, AlertRow, log_alert
 from .db import require_autocommit
 from .handlers import Confirmed, Deliveries, Delivery, Handler, idempotency_key
@@ -87,7 +87,7 @@ def _settle_not_found(
     alerted once). Returns the new state, ``past_key_ttl`` when parked, or None when the row had
     moved meanwhile."""
     nxt = policy.retry_or_fail(handler, attempt=attempts, error=error)
-    moved = transitions.settle_unknown(
+    moved = store.recovery.settle_unknown(
         conn,
         row_id=row_id,
         token=token,
@@ -106,7 +106,7 @@ def _settle_not_found(
         f"have forgotten it and 'not found' proves nothing; a retry could charge twice. Check the "
         f"provider's records, then run outbox resolve {row_id} --sent REF or --not-sent"
     )
-    parked = transitions.park_past_key_ttl(
+    parked = store.recovery.park_past_key_ttl(
         conn, row_id=row_id, token=token, seconds=HUMAN_RECHECK_SECONDS, error=reason, key_ttl=handler.key_ttl
     )
     if not parked:
@@ -122,7 +122,7 @@ def _settle_not_found(
 
 
 def _park(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str) -> bool:
-    return transitions.park_unknown(
+    return store.recovery.park_unknown(
         conn, row_id=row_id, token=token, seconds=HUMAN_RECHECK_SECONDS, error=error
     )
 
@@ -168,7 +168,7 @@ def _unsettleable(
 
 
 def _defer(conn: psycopg.Connection[Any], row_id: int, token: uuid.UUID | None, error: str | None) -> bool:
-    return transitions.defer_unknown(conn, row_id=row_id, token=token, error=error)
+    return store.recovery.defer_unknown(conn, row_id=row_id, token=token, error=error)
 
 
 class _Due(NamedTuple):
@@ -437,7 +437,7 @@ def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
     run.consecutive_failures[destination] = 0
     if found is not None:
         # The row's next steps (outbox.chains) are written by the statement that settles it.
-        moved = transitions.settle_unknown(
+        moved = store.recovery.settle_unknown(
             conn,
             row_id=row_id,
             token=token,

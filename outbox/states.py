@@ -1,14 +1,14 @@
 """The row states of ``outbox_message``, who moves a row out of each, and by which function.
 
-Every move is one guarded statement in :mod:`outbox.transitions` (the function named below);
-nothing else in the product writes ``outbox_message``. A paused destination's rows
-(:mod:`outbox.pauses`), and those behind an open breaker (:mod:`outbox.breaker`) but for its
-probe, move no further than ``dispatched``: ``claim`` refuses them and ``requeue`` leaves them
-alone until the pause ends (the breaker closes); ``fail_past_deadline`` fails those whose
-deadline passes meanwhile.
+Every move is one guarded statement in :mod:`outbox.store` (the function named below, in the
+module of its caller); nothing else in the product writes ``outbox_message``. A paused
+destination's rows (:mod:`outbox.pauses`), and those behind an open breaker
+(:mod:`outbox.breaker`) but for its probe, move no further than ``dispatched``: ``claim``
+refuses them and ``requeue`` leaves them alone until the pause ends (the breaker closes);
+``fail_past_deadline`` fails those whose deadline passes meanwhile.
 
 ==============  ==================================  =================================================
-state           meaning                             moved out by (``outbox.transitions`` function)
+state           meaning                             moved out by (``outbox.store`` function)
 ==============  ==================================  =================================================
 ``pending``     committed, waiting to be published  relay: ``dispatch_due`` -> dispatched;
                 (or retried at ``available_at``)    consumer: ``claim`` -> in_flight (a redelivered

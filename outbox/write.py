@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, text
 from sqlalchemy.orm import Session
 
-from . import features, tracing, transitions
+from . import features, store, tracing
 from . import settings as _settings
 from .batches import Batch
 from .exceptions import BatchConflict, InvalidMessage, KeyConflict
@@ -237,7 +237,7 @@ def write(
     if batch is not None:
         params["batch_id"] = _batch_id(batch, key, step)
         with features.gated(f"row {key}:{step}"):
-            inserted = transitions.insert_member(target, params)
+            inserted = store.application.insert_member(target, params)
         if inserted is not None:
             return Written(int(inserted), True)
         existing = target.execute(_EXISTING_MEMBER, params).first()
@@ -245,7 +245,7 @@ def write(
             _not_in_batch(target.execute(_BATCH_OWNER, params).first(), params["batch_id"])
         return _conclude(None, existing, key, step)
     with features.gated(f"row {key}:{step}"):
-        inserted = transitions.insert(target, params)
+        inserted = store.application.insert(target, params)
     existing = None if inserted is not None else target.execute(_EXISTING, params).first()
     return _conclude(inserted, existing, key, step)
 
@@ -260,7 +260,7 @@ def cancel(target: Session | Connection, *, key: str, step: str) -> bool:
     """
     check_key_step(key, step, new_row=False)
     ensure_schema(target)
-    return transitions.cancel_by_key(target, key=key, step=step)
+    return store.application.cancel_by_key(target, key=key, step=step)
 
 
 async def write_async(
@@ -295,7 +295,7 @@ async def write_async(
     if batch is not None:
         params["batch_id"] = _batch_id(batch, key, step)
         with features.gated(f"row {key}:{step}"):
-            inserted = await transitions.insert_member_async(target, params)
+            inserted = await store.application.insert_member_async(target, params)
         if inserted is not None:
             return Written(int(inserted), True)
         existing = (await target.execute(_EXISTING_MEMBER, params)).first()
@@ -303,7 +303,7 @@ async def write_async(
             _not_in_batch((await target.execute(_BATCH_OWNER, params)).first(), params["batch_id"])
         return _conclude(None, existing, key, step)
     with features.gated(f"row {key}:{step}"):
-        inserted = await transitions.insert_async(target, params)
+        inserted = await store.application.insert_async(target, params)
     existing = None if inserted is not None else (await target.execute(_EXISTING, params)).first()
     return _conclude(inserted, existing, key, step)
 
@@ -312,4 +312,4 @@ async def cancel_async(target: AsyncSession | AsyncConnection, *, key: str, step
     """The :func:`cancel` twin for ``AsyncSession`` / ``AsyncConnection``."""
     check_key_step(key, step, new_row=False)
     await ensure_schema_async(target)
-    return await transitions.cancel_by_key_async(target, key=key, step=step)
+    return await store.application.cancel_by_key_async(target, key=key, step=step)

@@ -1,6 +1,6 @@
 """Take due `pending` rows in batches, publish them in one Redis pipeline, mark them `dispatched`.
 
-The relay *takes* rows (:func:`outbox.transitions.dispatch_due`); only a consumer *claims* one.
+The relay *takes* rows (:func:`outbox.store.relay.dispatch_due`); only a consumer *claims* one.
 
 The UPDATE, the publish and the COMMIT happen in that order inside one transaction, so a row is
 never `dispatched` unless its publish succeeded: a crash between publish and commit leaves it
@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 import redis
 
-from outbox import metrics, settings, transitions, transport
+from outbox import metrics, settings, store, transport
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
 from outbox.logs import first_line
@@ -246,14 +246,14 @@ class Relay:
             # commit() or rollback() rather than psycopg's transaction() block, whose savepoint
             # bookkeeping showed in the profile of one-row takes.
             try:
-                rows = transitions.dispatch_due(conn, limit=self.batch_size)
+                rows = store.relay.dispatch_due(conn, limit=self.batch_size)
                 # Inside the transaction: if the publish raises, the move rolls back and the
                 # rows stay pending.
                 published = transport.publish_batch(self.redis, self.namespace, rows)
                 for destination, error in published.failed.items():
                     # Only the refused destinations' rows: the others were published and are
                     # marked dispatched by this same commit.
-                    transitions.undispatch(
+                    store.relay.undispatch(
                         conn,
                         ids=[r[0] for r in rows if r[1] == destination],
                         retry_after_seconds=PUBLISH_RETRY_SECONDS,

@@ -18,10 +18,10 @@ import psycopg
 import redis
 
 import outbox
-from outbox import transitions
 from outbox.handlers import Handler, registry
 from outbox.relay import Relay
 from outbox.settings import libpq_url
+from outbox.testing import clock
 from outbox.testing.embedded import free_port as free_port  # re-exported for the tests
 from outbox.worker import run_worker
 
@@ -35,12 +35,12 @@ def sql(services: Any, statement: str, params: Any = None) -> list[tuple[Any, ..
 
 def elapse(target: Any, seconds: float, ids: Iterable[int] | None = None) -> int:
     """Make ``seconds`` pass for the rows ``ids`` (all rows when None): the one way a test moves
-    time (:func:`outbox.transitions.elapse`). ``target``: a psycopg connection, or the services."""
+    time (:func:`outbox.clock.elapse`). ``target``: a psycopg connection, or the services."""
     chosen = list(ids) if ids is not None else None
     if isinstance(target, psycopg.Connection):
-        return transitions.elapse(target, seconds, ids=chosen)
+        return clock.elapse(target, seconds, ids=chosen)
     with psycopg.connect(libpq_url(target.database_url), autocommit=True) as conn:
-        return transitions.elapse(conn, seconds, ids=chosen)
+        return clock.elapse(conn, seconds, ids=chosen)
 
 
 def ids_by_state(services: Any) -> dict[str, set[int]]:

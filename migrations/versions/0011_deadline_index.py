@@ -1,5 +1,5 @@
 """An index of the waiting rows that carry a deadline (issue 13): the reconciler fails the rows
-of a held-back destination whose deadline passed (``outbox.transitions.fail_past_deadline``),
+of a held-back destination whose deadline passed (``outbox.store.recovery.fail_past_deadline``),
 found by deadline rather than by scanning the backlog.
 
 A revision of its own, after 0010's columns (attack on issue 13, F2): a build CONCURRENTLY
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
+
 from outbox.migrations.helpers import create_index_concurrently
 
 revision = "0011"

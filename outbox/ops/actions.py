@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import chains, ordering, outcomes, sanitize, states, transitions
+from .. import chains, ordering, outcomes, sanitize, states, store
 from ..exceptions import ConfigError, InvalidTransition, NotFound, OutboxError
 from ..handlers import Confirmed, Handler
 from .inspect import require_destination
@@ -312,14 +312,14 @@ def execute_replay(
             raise ConfigError("--force needs --reason: why replaying this row cannot charge twice")
         [row] = chosen
         params = _history_params("replay", states.PENDING, actor, reason, forced=True, overrode=row.refusals)
-        seen = transitions.replay_forced(
+        seen = store.operator.replay_forced(
             connection, row_id=row.id, version=row.failed_at, seen=row.blockers, history=params
         )
         if seen is not None:
             moved[int(seen.id)] = seen
     elif chosen:
         params = _history_params("replay", states.PENDING, actor, reason)
-        for done in transitions.replay_planned(
+        for done in store.operator.replay_planned(
             connection, ids=[c.id for c in chosen], versions=[c.failed_at for c in chosen], history=params
         ):
             moved[int(done.id)] = done
@@ -422,7 +422,7 @@ def resolve(
         stored = sanitize.encode_response(dict(response)) if response is not None else None
         answer = Confirmed(sent_ref, json.loads(stored) if stored is not None else None)
         plan = _then_plan(connection, row_id, answer, handlers)
-        followed = transitions.resolve_sent(
+        followed = store.operator.resolve_sent(
             connection, row_id=row_id, ref=sent_ref, history=history, follow=plan, response=stored
         )
         moved = followed is not None
@@ -431,7 +431,7 @@ def resolve(
     elif not_sent:
         to_state = states.PENDING
         history = _history_params("resolve", to_state, actor, reason)
-        moved = transitions.resolve_not_sent(connection, row_id=row_id, history=history)
+        moved = store.operator.resolve_not_sent(connection, row_id=row_id, history=history)
     else:
         assert failed_reason is not None
         if not failed_reason.strip():
@@ -440,7 +440,7 @@ def resolve(
         failed_reason = sanitize.clean_text(failed_reason, max_chars=2000)
         to_state = states.FAILED
         history = _history_params("resolve", to_state, actor, reason, error=failed_reason)
-        moved = transitions.resolve_failed(connection, row_id=row_id, error=failed_reason, history=history)
+        moved = store.operator.resolve_failed(connection, row_id=row_id, error=failed_reason, history=history)
     if not moved:
         confirmed = (
             connection.execute(_CONFIRMED_ATTEMPT, {"id": row_id}).first()
@@ -498,7 +498,7 @@ def _chain_notes(plan: chains.Plan, written: int, *, with_module: bool) -> list[
 
 _CANCEL_CANDIDATES = text(
     f"""
-SELECT id, key, step, state, ({transitions.CANCELLABLE_SQL}) AS cancellable
+SELECT id, key, step, state, ({store.operator.CANCELLABLE_SQL}) AS cancellable
 FROM outbox_message
 WHERE destination = :destination AND state IN ('pending', 'dispatched', 'in_flight', 'unknown')
   AND (CAST(:max_id AS bigint) IS NULL OR id <= CAST(:max_id AS bigint))
@@ -508,7 +508,7 @@ ORDER BY id
 
 _CANCEL_IDS = text(
     f"""
-SELECT id, key, step, state, ({transitions.CANCELLABLE_SQL}) AS cancellable
+SELECT id, key, step, state, ({store.operator.CANCELLABLE_SQL}) AS cancellable
 FROM outbox_message WHERE id = ANY(CAST(:ids AS bigint[]))
 """
 )
@@ -602,7 +602,7 @@ def cancel_rows(
     top = max([r[0] for r in rows] + [i for i, _ in refused], default=max_id) if destination else None
     if not apply:
         return CancelPlan(destination, False, rows, refused, top)
-    done = transitions.cancel_rows(
+    done = store.operator.cancel_rows(
         connection,
         ids=wanted,
         error=operator_text(f"cancelled by an operator: {reason}"),
@@ -636,7 +636,7 @@ def skip(
     if not reason or not reason.strip():
         raise ConfigError("skip needs --reason: why the rows behind this one may go without it")
     history = _history_params("skip", states.FAILED, by or default_actor(), reason)
-    if transitions.skip_head(connection, row_id=row_id, history=history):
+    if store.operator.skip_head(connection, row_id=row_id, history=history):
         return ActionResult(
             row_id, True, f"row {row_id} skipped: the rows of its ordering key behind it go; it stays failed"
         )

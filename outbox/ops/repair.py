@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, text
 
-from .. import chains, outcomes, states, transitions
+from .. import chains, outcomes, states, store
 from ..exceptions import ConfigError, NotFound
 from ..handlers import Confirmed, Handler
 from .actions import (
@@ -433,7 +433,7 @@ SELECT id, key, step, destination, payload, attempts, deadline, state, provider_
 FROM outbox_message WHERE id = %(id)s
 """
 _OLD_CALL = f"""
-SELECT EXISTS ({transitions.CALL_OLDER_THAN_KEY_TTL_SQL}) FROM outbox_message WHERE id = %(id)s
+SELECT EXISTS ({store.recovery.CALL_OLDER_THAN_KEY_TTL_SQL}) FROM outbox_message WHERE id = %(id)s
 """
 
 
@@ -465,7 +465,7 @@ class _Acting:
             return cur.execute(_ROW, {"id": row_id}).fetchone()
 
     def note(self, row_id: int, **extra: Any) -> None:
-        transitions.note_history(
+        store.operator.note_history(
             self.conn, row_id=row_id, by=self.by, action="repair", reason=self.reason, extra=json.dumps(extra)
         )
 
@@ -571,7 +571,7 @@ def _write_next(acting: _Acting, item: RepairItem) -> RepairResult:
     plan = chains.then_plan_for_row(
         handler, row, Confirmed(ref=row["provider_ref"], response=row["response"])
     )
-    done = transitions.write_next_steps(
+    done = store.recovery.write_next_steps(
         acting.conn, row_id=item.row_id, follow=plan, expected_problem=row["chain_problem"]
     )
     if done is None:
@@ -679,7 +679,7 @@ def _look_up_failed(acting: _Acting, item: RepairItem) -> RepairResult:
             item.row_id,
         )
     if found is not None:
-        written = transitions.repair_found(
+        written = store.operator.repair_found(
             acting.conn,
             row_id=item.row_id,
             version=item.failed_at,
@@ -734,7 +734,7 @@ def _rerun(acting: _Acting, item: RepairItem, *, forced: bool, result: str) -> R
                 **({"forced": True} if item.forced else {}),
             )
             if forced:
-                moved = transitions.replay_forced(
+                moved = store.operator.replay_forced(
                     conn,
                     row_id=item.row_id,
                     version=item.failed_at,
@@ -743,7 +743,7 @@ def _rerun(acting: _Acting, item: RepairItem, *, forced: bool, result: str) -> R
                     overrule=item.forced,
                 )
             else:
-                rows = transitions.replay_planned(
+                rows = store.operator.replay_planned(
                     conn, ids=[item.row_id], versions=[item.failed_at], history=history
                 )
                 moved = rows[0] if rows else None

@@ -37,8 +37,8 @@ def _drop(url: str, name: str) -> None:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-# The one write of outbox_message outside outbox.transitions, and no state move: a test
-# database emptied between tests (tests/unit/test_transitions_home.py names this file).
+# A write of outbox_message outside outbox.store, and no state move: a test database
+# emptied between tests (tests/unit/test_store_home.py names this file).
 _EMPTY = (
     "TRUNCATE outbox_message, outbox_attempt, outbox_key_ledger, outbox_destination, outbox_batch,"
     " outbox_dashboard_session_end RESTART IDENTITY CASCADE"

@@ -25,12 +25,13 @@ from typing import Any
 import psycopg
 from sqlalchemy import URL, Engine
 
-from .. import transitions
+from .. import store
 from ..consumer import Executor, RunResult, delivery_for
 from ..exceptions import ConfigError
 from ..handlers import Deliveries, Handler, registry
 from ..settings import libpq_url
 from ..states import TERMINAL
+from . import clock
 
 #: Rows ``deliver`` takes per round, and rounds at most (a row retried at once comes back).
 _BATCH = 1000
@@ -135,14 +136,14 @@ def crash_after_call(
         with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             for row_id, destination in conn.execute(_DUE, _due_params(table, ids)).fetchall():
                 handler = table[destination]
-                claimed = transitions.claim(
+                claimed = store.delivery.claim(
                     conn,
                     row_id=row_id,
                     destination=destination,
                     lease_seconds=handler.lease_seconds,
                     key_ttl=handler.key_ttl if handler.idempotent else None,
                 )
-                if not isinstance(claimed, transitions.Claimed):
+                if not isinstance(claimed, store.delivery.Claimed):
                     continue  # not claimable, or sent to `unknown` (past key_ttl): no call
                 try:
                     handler.fn(delivery_for(claimed, handler, deliveries))
@@ -203,9 +204,9 @@ def recover(handlers: Handlers = None, *, database_url: Database, max_rounds: in
 
 def pass_time(seconds: float, *, database_url: Database, ids: list[int] | None = None) -> int:
     """Make ``seconds`` pass for the rows ``ids`` (all when None): leases expire, retries and
-    lookups fall due (:func:`outbox.transitions.elapse`). How many rows."""
+    lookups fall due (:func:`outbox.clock.elapse`). How many rows."""
     with psycopg.connect(libpq_url(_url(database_url)), autocommit=True) as conn:
-        return transitions.elapse(conn, seconds, ids=ids)
+        return clock.elapse(conn, seconds, ids=ids)
 
 
 def rows(database_url: Database) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Job 9, ``batches``: every open batch whose members are all terminal is finished, its ``then``
 row (no member failed) or ``catch`` row (any failed) written by the same guarded statement
-(:func:`outbox.transitions.finish_batch`; issue 14, :mod:`outbox.batches`).
+(:func:`outbox.store.recovery.finish_batch`; issue 14, :mod:`outbox.batches`).
 
 A sweep rather than a counter bumped by each member's settling statement: the members' own
 statements (record, lookup, resolve, cancel, …) stay as they are, and two last members that
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import alerts, transitions
+from outbox import alerts, store
 from outbox.alerts import AlertHook, AlertRow, log_alert
 from outbox.db import require_autocommit
 from outbox.handlers import Handler
@@ -46,7 +46,7 @@ SELECT b.id, b.name FROM outbox_batch b
 WHERE b.finished_at IS NULL AND b.id > %(after)s
   AND NOT EXISTS (SELECT 1 FROM outbox_message m
                   WHERE m.batch_id = b.id AND m.state IN ('pending', 'dispatched', 'in_flight', 'unknown'))
-  AND NOT EXISTS ({transitions.LATE_RECORD_SQL})
+  AND NOT EXISTS ({store.recovery.LATE_RECORD_SQL})
 ORDER BY b.id
 LIMIT %(limit)s
 """
@@ -94,7 +94,7 @@ def finish_batches(
         page = conn.execute(_DONE, {"limit": page_size, "after": after, **late}).fetchall()
         for batch_id, name in page:
             after = batch_id
-            done = transitions.finish_batch(
+            done = store.recovery.finish_batch(
                 conn,
                 batch_id=batch_id,
                 late_record_seconds=late_record_after_seconds,

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg.rows import dict_row
 
-from outbox import chains, transitions
+from outbox import chains, store
 from outbox.db import require_autocommit
 from outbox.handlers import Confirmed, Handler
 
@@ -59,7 +59,7 @@ def write_uncomputed(
     # First the rows that need no computing, many per statement (a release before 0022 marks
     # every row it settles): only those whose handler declares a @then are computed one by one.
     no_then = sorted(d for d, h in handlers.items() if h.then_fn is None)
-    counts["cleared"] = transitions.clear_uncomputed(conn, no_then=no_then, limit=CLEAR_BATCH)
+    counts["cleared"] = store.recovery.clear_uncomputed(conn, no_then=no_then, limit=CLEAR_BATCH)
     with conn.cursor(row_factory=dict_row) as cur:
         rows = cur.execute(_UNCOMPUTED, {"marker": chains.NOT_COMPUTED, "limit": batch_size}).fetchall()
     for row in rows:
@@ -73,7 +73,7 @@ def write_uncomputed(
         else:
             confirmed = Confirmed(ref=row["provider_ref"], response=row["response"])
             plan = chains.then_plan_for_row(handler, row, confirmed)
-        done = transitions.write_next_steps(
+        done = store.recovery.write_next_steps(
             conn, row_id=row["id"], follow=plan, expected_problem=chains.NOT_COMPUTED
         )
         if done is None:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import transitions
+from outbox import store
 from outbox.handlers import Handler
 from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS
 
@@ -33,7 +33,7 @@ def expire_leases(
     # The first lookup waits one time_limit of the row's destination (on the database's clock):
     # a call that overran its lease may still be landing at the provider, and a lookup before
     # it lands would find nothing and let the row be charged again.
-    return transitions.expire_leases(
+    return store.recovery.expire_leases(
         conn,
         waits_seconds={d: h.time_limit for d, h in known.items()},
         default_wait_seconds=max([DEFAULT_TIME_LIMIT_SECONDS, *(h.time_limit for h in known.values())]),

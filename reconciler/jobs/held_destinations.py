@@ -1,7 +1,7 @@
 """Job 7, ``held_destinations``: a destination held back (paused, or its breaker open) is alerted
 once per episode, not once per row; the episode's mark is cleared when it ends, so that the next
 one alerts again (issue 13 part 4). Its waiting rows whose deadline passes meanwhile are failed
-(``outbox.transitions.fail_past_deadline``): no claim comes to do it, and the failure is then
+(``outbox.store.recovery.fail_past_deadline``): no claim comes to do it, and the failure is then
 reported by the ``alerts`` job when it happens, not when the provider is back.
 
 An episode is a pause (``outbox pause``, or a worker's Retry-After hold: ``outbox.pauses``) from
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg.rows import namedtuple_row
 
-from outbox import alerts, settings, transitions
+from outbox import alerts, settings, store
 from outbox.alerts import AlertHook, AlertRow, log_alert
 from outbox.db import require_autocommit
 
@@ -166,7 +166,7 @@ def held_destinations(
     with conn.cursor(row_factory=namedtuple_row) as cur:
         rows: list[Any] = cur.execute(_HELD).fetchall()
     held = [r.destination for r in rows if r.paused or r.tripped]
-    past = transitions.fail_past_deadline(
+    past = store.recovery.fail_past_deadline(
         conn, destinations=held, limit=DEADLINE_BATCH, skip_when_failed=sorted(skip_when_failed)
     )
     if past.failed or past.unknown:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import settings, transitions
+from outbox import settings, store
 from outbox.db import can_see_all_transactions, require_autocommit
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def purge(
     require_autocommit(conn, "purge")
 
     def move() -> int:
-        return transitions.purge(conn, retention_seconds=retention_seconds, limit=PURGE_BATCH)
+        return store.recovery.purge(conn, retention_seconds=retention_seconds, limit=PURGE_BATCH)
 
     counts: dict[str, int] = {}
     if can_see_all_transactions(conn):
@@ -103,7 +103,9 @@ def purge(
     # No privilege needed: a snapshot older than the statement finds the batch as it was, and a
     # name freed at the horizon is new by definition.
     stripped, _ = _batches(
-        lambda: transitions.strip_batches(conn, retention_seconds=retention_seconds, limit=BATCH_PURGE_PAGE),
+        lambda: store.recovery.strip_batches(
+            conn, retention_seconds=retention_seconds, limit=BATCH_PURGE_PAGE
+        ),
         max_batches,
         BATCH_PURGE_PAGE,
     )
@@ -124,7 +126,7 @@ def purge(
         # After the ledger: a batch waits for its then/catch row's entry to go; its members'
         # entries, held by it, go right after it.
         gone, _ = _batches(
-            lambda: transitions.drop_batches(conn, horizon_seconds=horizon, limit=BATCH_PURGE_PAGE),
+            lambda: store.recovery.drop_batches(conn, horizon_seconds=horizon, limit=BATCH_PURGE_PAGE),
             max_batches,
             BATCH_PURGE_PAGE,
         )

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import psycopg
 import redis
 
-from outbox import settings, transitions, transport
+from outbox import settings, store, transport
 from outbox.db import require_autocommit
 from outbox.handlers import Handler
 from outbox.schema import NOTIFY_CHANNEL
@@ -129,8 +129,8 @@ def redispatch(
 
         orphans.update(destination for _, destination, _, _ in rows if destination not in handlers)
         missing, unacked, workers = _lost(redis_client, namespace, rows, workers)
-        moved_missing = transitions.requeue(conn, missing)
-        moved_unacked = transitions.requeue(conn, unacked)
+        moved_missing = store.recovery.requeue(conn, missing)
+        moved_unacked = store.recovery.requeue(conn, unacked)
         counts["missing"] += moved_missing
         counts["unacked"] += moved_unacked
         counts["waiting"] += len(rows) - len(missing) - len(unacked)
@@ -140,7 +140,7 @@ def redispatch(
     probes = conn.execute(_PROBES, {"grace": float(grace_seconds)}).fetchall()
     if probes:
         missing, _, workers = _lost(redis_client, namespace, probes, workers)
-        counts["probe"] += transitions.requeue(conn, missing)
+        counts["probe"] += store.recovery.requeue(conn, missing)
     _report_orphans(orphans, module, counts)
     if counts["missing"] or counts["unacked"] or counts["probe"]:
         # The relay sleeps until NOTIFY or its poll interval; wake it for the re-queued rows.

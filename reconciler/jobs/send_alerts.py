@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import alerts, chains, settings, transitions
+from outbox import alerts, chains, settings, store
 from outbox.alerts import AlertHook, AlertRow, log_alert
 from outbox.db import require_autocommit
 
@@ -156,7 +156,7 @@ def send_alerts(
         if not sent:
             counts["hook_errors"] += 1
             continue
-        marked = transitions.mark_alerted(conn, row_id=row_id, state=state)
+        marked = store.recovery.mark_alerted(conn, row_id=row_id, state=state)
         counts["alerts" if marked else "raced"] += 1
     return nonzero(counts)
 

@@ -15,7 +15,7 @@ from helpers import elapse, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.consumer import RunResult
 from outbox.logs import KeyValueFormatter
 from outbox.reconciler.jobs.batches import finish_batches
@@ -220,8 +220,8 @@ def test_the_batch_purge_goes_in_bounded_pages_along_an_index(clean, db):
     db.execute("SET enable_seqscan = off")
     try:
         for statement, params in (
-            (transitions.STRIP_BATCHES_SQL, {"retention": RETENTION, "limit": 10}),
-            (transitions.DROP_BATCHES_SQL, {"horizon": HORIZON, "limit": 10}),
+            (store.recovery.STRIP_BATCHES_SQL, {"retention": RETENTION, "limit": 10}),
+            (store.recovery.DROP_BATCHES_SQL, {"horizon": HORIZON, "limit": 10}),
         ):
             plan = "\n".join(r[0] for r in db.execute("EXPLAIN " + statement, params).fetchall())
             assert "Seq Scan on outbox_batch" not in plan, plan

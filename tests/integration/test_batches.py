@@ -15,7 +15,7 @@ from helpers import elapse, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import ops, transitions
+from outbox import ops, store
 from outbox.cli import main
 from outbox.consumer import RunResult
 from outbox.handlers import registry
@@ -50,7 +50,7 @@ def write_batch(engine: Any, amounts: list[int], *, name: str = NAME) -> tuple[o
 def finish_in_thread(services: Any, batch_id: int, results: list[Any]) -> threading.Thread:
     def run() -> None:
         with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-            results.append(transitions.finish_batch(conn, batch_id=batch_id))
+            results.append(store.recovery.finish_batch(conn, batch_id=batch_id))
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -129,7 +129,7 @@ def test_two_finishers_at_once_write_one_row(clean, engine, handlers, consumer):
     with psycopg.connect(libpq_url(clean.database_url)) as first:
         # The first finisher has run its statement and not committed yet; the second one waits on
         # the batch row, then finds it finished.
-        results.append(transitions.finish_batch(first, batch_id=batch_id))
+        results.append(store.recovery.finish_batch(first, batch_id=batch_id))
         second = finish_in_thread(clean, batch_id, results)
         second.join(0.5)
         assert second.is_alive(), "the second finisher waits for the first one's lock"
@@ -168,13 +168,15 @@ def test_many_batches_finished_by_two_reconcilers_racing_get_one_row_each(clean,
 def test_two_last_members_settling_at_once_still_finish_the_batch(clean, engine, db, handlers):
     _, ids = write_batch(engine, [100, 200])
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claims = [transitions.claim(conn, row_id=i, destination="crm.import", lease_seconds=30) for i in ids]
+        claims = [
+            store.delivery.claim(conn, row_id=i, destination="crm.import", lease_seconds=30) for i in ids
+        ]
     start = threading.Barrier(2)
 
     def settle(row_id: int, token: Any) -> None:
         with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
             start.wait()
-            transitions.record(
+            store.delivery.record(
                 conn, row_id=row_id, token=token, state="sent", outcome="sent", ref=f"r{row_id}"
             )
 
@@ -345,8 +347,8 @@ def test_a_purged_member_answers_write_as_before_the_purge(clean, engine, db, ha
 def test_a_failed_member_waits_out_a_late_record_before_the_batch_ends(clean, engine, db, handlers):
     _, ids = write_batch(engine, [100])
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claim = transitions.claim(conn, row_id=ids[0], destination="crm.import", lease_seconds=30)
-        transitions.record(
+        claim = store.delivery.claim(conn, row_id=ids[0], destination="crm.import", lease_seconds=30)
+        store.delivery.record(
             conn, row_id=ids[0], token=claim.token, state="failed", outcome="failed", error="no"
         )
     # Its worker may still record a late answer under that claim: not yet (the batch is not even

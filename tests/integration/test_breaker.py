@@ -17,7 +17,7 @@ from helpers import relay_once, wait_for
 from sqlalchemy import text
 
 import outbox
-from outbox import breaker, metrics, transitions
+from outbox import breaker, metrics, store
 from outbox.cli import main
 from outbox.consumer import Executor, RunResult
 from outbox.exceptions import ConfigError
@@ -237,7 +237,7 @@ def test_exactly_one_claim_gets_the_probe_when_many_race(clean, engine, db, prov
         from outbox.settings import libpq_url
 
         with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-            got = transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
+            got = store.delivery.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
         with lock:
             results.append(got)
 
@@ -274,11 +274,11 @@ def test_a_probe_that_never_records_frees_the_probe_at_its_lease_end(clean, engi
     charge_handler(provider)
     rows = write_rows(engine, 2)
     open_breaker(engine)
-    first = transitions.claim(db, row_id=rows[0], destination=DEST, lease_seconds=0.5)  # then dies
+    first = store.delivery.claim(db, row_id=rows[0], destination=DEST, lease_seconds=0.5)  # then dies
     assert first is not None and first.probe
-    assert transitions.claim(db, row_id=rows[1], destination=DEST, lease_seconds=30) is None
+    assert store.delivery.claim(db, row_id=rows[1], destination=DEST, lease_seconds=30) is None
     time.sleep(0.6)
-    second = transitions.claim(db, row_id=rows[1], destination=DEST, lease_seconds=30)
+    second = store.delivery.claim(db, row_id=rows[1], destination=DEST, lease_seconds=30)
     assert second is not None and second.probe
 
 
@@ -286,10 +286,10 @@ def test_a_released_probe_frees_the_probe_at_once(clean, engine, db, provider):
     charge_handler(provider)
     rows = write_rows(engine, 2)
     open_breaker(engine)
-    first = transitions.claim(db, row_id=rows[0], destination=DEST, lease_seconds=30)
-    assert isinstance(first, transitions.Claimed) and first.probe
-    assert transitions.release(db, row_id=first.id, token=first.token, reason="no call") is not None
-    second = transitions.claim(db, row_id=rows[1], destination=DEST, lease_seconds=30)
+    first = store.delivery.claim(db, row_id=rows[0], destination=DEST, lease_seconds=30)
+    assert isinstance(first, store.delivery.Claimed) and first.probe
+    assert store.delivery.release(db, row_id=first.id, token=first.token, reason="no call") is not None
+    second = store.delivery.claim(db, row_id=rows[1], destination=DEST, lease_seconds=30)
     assert second is not None and second.probe
 
 

@@ -12,7 +12,7 @@ from helpers import lookup_on, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import chains, ops, transitions
+from outbox import chains, ops
 from outbox.alerts import AlertRow
 from outbox.consumer import RunResult
 from outbox.handlers import registry
@@ -21,6 +21,7 @@ from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 from outbox.reconciler.jobs.send_alerts import send_alerts
 from outbox.settings import libpq_url
 from outbox.settlement import LookupClients
+from outbox.testing import clock
 
 KEY = "invoice:7"
 
@@ -183,7 +184,7 @@ def test_the_lookup_that_finds_the_charge_writes_the_next_step(clean, engine, pr
     clients = LookupClients()
     try:
         with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-            transitions.elapse(conn, 60, ids=[charge_id])
+            clock.elapse(conn, 60, ids=[charge_id])
             counts = resolve_unknown(conn, {charge.destination: charge}, module="tests", clients=clients)
     finally:
         clients.close()

@@ -17,7 +17,7 @@ from helpers import elapse, worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import ops, transitions, transport
+from outbox import ops, store, transport
 from outbox.cli.render import render
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
@@ -280,7 +280,7 @@ def test_late_record_after_takeover_changes_nothing(clean, engine, provider):
     charge_handler(provider)
     (row_id,) = write_rows(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        first = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
+        first = store.delivery.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
         assert first is not None
         # The lease was taken over: it ran out, the reconciler expired it, an operator settled
         # it as not sent, and a new claim owns the row.
@@ -288,10 +288,10 @@ def test_late_record_after_takeover_changes_nothing(clean, engine, provider):
         assert expire_leases(conn, registry()) == 1
         with engine.begin() as tx:
             assert ops.resolve(tx, row_id, not_sent=True, by="test", reason="not at the provider").done
-        second = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
+        second = store.delivery.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
         assert second is not None and second.token != first.token
         before = row(clean, row_id)
-        moved = transitions.record(
+        moved = store.delivery.record(
             conn, row_id=row_id, token=first.token, state="sent", outcome="sent", ref="ch_late"
         )
         assert moved is None  # a newer claim owns the row

@@ -907,13 +907,13 @@ def _claimed_then_unknown(clean: Any, row: int) -> None:
     import psycopg
     from helpers import elapse
 
-    from outbox import transitions
+    from outbox import store
     from outbox.handlers import registry
     from outbox.reconciler.jobs.expire_leases import expire_leases
     from outbox.settings import libpq_url
 
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        assert transitions.claim(conn, row_id=row, destination=DEST, lease_seconds=5)
+        assert store.delivery.claim(conn, row_id=row, destination=DEST, lease_seconds=5)
         elapse(conn, 6, [row])
         assert expire_leases(conn, registry()) == 1
         elapse(conn, 120, [row])  # no call can still be landing

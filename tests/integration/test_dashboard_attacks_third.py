@@ -22,7 +22,7 @@ from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 import outbox
-from outbox import chains, transitions
+from outbox import chains, store
 from outbox.consumer import RunResult
 from outbox.dashboard import Access, create_app
 from outbox.dashboard.security import SECURITY_HEADERS
@@ -83,9 +83,9 @@ def connect(clean: Any) -> psycopg.Connection[Any]:
 def claim_and_record(clean: Any, row: int, state: str, outcome: str, **kw: Any) -> None:
     """A consumer's claim and its recorded outcome (the consumer's own statements)."""
     with connect(clean) as db:
-        claimed = transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30)
+        claimed = store.delivery.claim(db, row_id=row, destination=DEST, lease_seconds=30)
         assert claimed is not None
-        assert transitions.record(db, row_id=row, token=claimed.token, state=state, outcome=outcome, **kw)
+        assert store.delivery.record(db, row_id=row, token=claimed.token, state=state, outcome=outcome, **kw)
 
 
 def history(clean: Any, row: int) -> list[dict[str, Any]]:
@@ -188,7 +188,7 @@ def w_repair_found(clean: Any, engine: Any, provider: Any, consumer: Any) -> int
             db.execute("SELECT completed_at FROM outbox_message WHERE id = %s", (row,)).fetchone() or ()
         )
         assert (
-            transitions.repair_found(
+            store.operator.repair_found(
                 db,
                 row_id=row,
                 version=version,
@@ -211,7 +211,7 @@ def w_repair_note(clean: Any, engine: Any, provider: Any, consumer: Any) -> int:
             {"result": "not_found_past_key_ttl"},
             {"result": "next_steps_written", "written": 0, "problem": None},
         ):
-            transitions.note_history(
+            store.operator.note_history(
                 db, row_id=row, by="tester", action="repair", reason=None, extra=json.dumps(extra)
             )
     return row

@@ -17,7 +17,7 @@ from helpers import ids_by_state, relay_thread, sql, wait_for
 from psycopg import pq
 
 import outbox
-from outbox import transitions, transport
+from outbox import store, transport
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
 from outbox.relay import Relay
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 DEST = "payments.charge"
 
-# What outbox.write sends (outbox.transitions._INSERT), in positional form for the raw pgconn.
+# What outbox.write sends (outbox.store.application._INSERT), in positional form for the raw pgconn.
 _WRITE_SQL = (
     b"INSERT INTO outbox_message (key, step, destination, payload) "
     b"VALUES ($1, 'charge', 'payments.charge', '{}'::jsonb) "
@@ -336,8 +336,8 @@ def test_a_statement_on_two_connections_never_mixes_their_cursors(clean, engine)
         psycopg.connect(libpq_url(clean.database_url)) as one,
         psycopg.connect(libpq_url(clean.database_url)) as two,
     ):
-        first = transitions.dispatch_due(one, limit=1)
-        second = transitions.dispatch_due(two, limit=1)
+        first = store.relay.dispatch_due(one, limit=1)
+        second = store.relay.dispatch_due(two, limit=1)
         assert {first[0][0], second[0][0]} == set(ids)
         assert one._outbox_cursor is not two._outbox_cursor  # type: ignore[attr-defined]
         one.rollback()

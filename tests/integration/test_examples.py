@@ -17,7 +17,7 @@ from helpers import elapse, relay_once
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from outbox import Delivery, transitions
+from outbox import Delivery, store
 from outbox.consumer import Executor, delivery_for
 from outbox.handlers import Deliveries, Handler, close_http_clients, registry
 from outbox.relay import Relay
@@ -220,7 +220,7 @@ def claim(services, chain: Chain, step: str, key: str) -> Delivery:
         (row_id,) = conn.execute(
             "SELECT id FROM outbox_message WHERE key = %s AND step = %s", (key, step)
         ).fetchone()
-        claimed = transitions.claim(
+        claimed = store.delivery.claim(
             conn, row_id=row_id, destination=handler.destination, lease_seconds=LEASE_SECONDS
         )
     assert claimed is not None

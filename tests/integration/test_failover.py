@@ -14,7 +14,7 @@ from helpers import published_row_ids, relay_once, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import cli, failover, transitions, transport
+from outbox import cli, failover, store, transport
 from outbox.consumer import Executor, RunResult
 from outbox.failover import FailoverGuard
 from outbox.handlers import close_http_clients, registry
@@ -80,7 +80,7 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
     # The restored database lost the dispatch of ids[2]: pending again, as the relay's own undo
     # leaves a row whose publication failed.
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
-        transitions.undispatch(db, ids=[ids[2]], retry_after_seconds=0, error="refused")
+        store.relay.undispatch(db, ids=[ids[2]], retry_after_seconds=0, error="refused")
     # Every queued message lost; the database OUTBOX_TEST_REDIS_URL names may hold others' keys.
     transport.delete_namespace(redis_client, clean.namespace)
 
@@ -165,7 +165,7 @@ def test_a_new_connection_is_checked_before_its_first_claim_or_batch(
     assert guard.halted
     # Dispatched by a relay that had not noticed yet.
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
-        assert [r[0] for r in transitions.dispatch_due(db, limit=1)] == [ids[0]]
+        assert [r[0] for r in store.relay.dispatch_due(db, limit=1)] == [ids[0]]
     consumer = Executor(clean.database_url, registry(), failover_guard=guard)
     try:
         assert consumer.deliver(ids[0], DEST) is RunResult.HALTED

@@ -16,7 +16,7 @@ from helpers import elapse, relay_once, wait_for, worker_thread
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.consumer import RunResult
 from outbox.handlers import registry
 from outbox.reconciler import AlertRow
@@ -77,9 +77,9 @@ def row(db: psycopg.Connection[Any], row_id: int) -> dict[str, Any]:
 
 
 def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DEST) -> None:
-    claimed = transitions.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
     assert claimed is not None
-    assert transitions.record(db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown")
+    assert store.delivery.record(db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown")
     elapse(db, 1, [row_id])  # its first lookup is due
 
 

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import consumer as consumer_module
-from outbox import ops, policy, transitions
+from outbox import ops, policy, settlement, store
 from outbox.consumer import RELEASE_ALERT_THRESHOLD, RunResult
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.ops import audit
@@ -110,7 +110,7 @@ def row_held(services: Any, row_id: int, how: str) -> Iterator[psycopg.Connectio
             holder.execute("SELECT id FROM outbox_message WHERE id = %s FOR UPDATE", (row_id,))
         else:
             # The relay's own move; the row is the only one due.
-            assert [r[0] for r in transitions.dispatch_due(holder, limit=1)] == [row_id]
+            assert [r[0] for r in store.relay.dispatch_due(holder, limit=1)] == [row_id]
         yield holder
         holder.commit()
 
@@ -153,7 +153,7 @@ def test_claim_lease_counts_from_when_the_row_is_held(clean, engine, how):
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         with row_held(clean, row_id, how) as holder:
             thread, out = in_thread(
-                lambda: transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
+                lambda: store.delivery.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
             )
             wait_until_waiting_on_a_lock(clean)
             time.sleep(1.5)
@@ -353,7 +353,7 @@ def test_an_expired_lease_is_looked_up_only_one_time_limit_later(clean, engine, 
     handler.lookup(counting)
     (row_id,) = write_rows(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        assert transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30) is not None
+        assert store.delivery.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30) is not None
         elapse(conn, 31, [row_id])  # the lease runs out
     with Reconciler(
         database_url=clean.database_url,
@@ -385,7 +385,7 @@ def skewed_clock(request, monkeypatch) -> timedelta:
         def now(cls, tz: Any = None) -> Any:
             return datetime.now(tz) + offset
 
-    for module in (consumer_module, policy, transitions, resolve_unknown_job):
+    for module in (consumer_module, policy, store.delivery, store.recovery, settlement, resolve_unknown_job):
         monkeypatch.setattr(module, "datetime", Skewed, raising=False)
     return offset
 
@@ -443,10 +443,10 @@ def test_a_reconciler_whose_clock_is_off_computes_every_instant_on_the_database_
     )
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         for row_id in (not_found, not_found_near_deadline, expired):
-            claimed = transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
+            claimed = store.delivery.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
             assert claimed is not None
             if row_id != expired:
-                assert transitions.record(
+                assert store.delivery.record(
                     conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="x"
                 )
         # The lookups find nothing at the provider: both rows are retried after their backoff.
@@ -698,14 +698,14 @@ def test_a_confirmed_answer_settles_a_row_the_lookup_sent_back_under_the_same_cl
     lookup_on(charge, provider)
     (row_id,) = write_rows(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=3)
+        claimed = store.delivery.claim(conn, row_id=row_id, destination=DEST, lease_seconds=3)
         assert claimed is not None
         # Three seconds pass (the lease), then one time_limit (the first lookup's wait).
         elapse(conn, 3 + 1, [row_id])
         assert expire_leases(conn, registry()) == 1
         elapse(conn, 1, [row_id])
         assert resolve_unknown(conn, registry()) == {"pending": 1}
-        state = transitions.record(
+        state = store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_late"
         )
     assert state == "sent"

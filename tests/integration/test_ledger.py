@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.reconciler.jobs import purge as purge_job
 from outbox.settings import async_database_url, libpq_url
 
@@ -328,7 +328,7 @@ def test_purge_in_progress_while_the_writer_inserts(clean, engine, isolation) ->
             eng.dispose()
 
     with psycopg.connect(libpq_url(clean.database_url)) as purger:
-        moved = transitions.purge(purger, retention_seconds=RETENTION, limit=purge_job.PURGE_BATCH)
+        moved = store.recovery.purge(purger, retention_seconds=RETENTION, limit=purge_job.PURGE_BATCH)
         assert moved == 1
         thread = threading.Thread(target=writer)
         thread.start()

@@ -13,7 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import ops, transitions
+from outbox import ops, store
 from outbox.cli import main
 from outbox.settings import libpq_url
 
@@ -92,7 +92,7 @@ def test_cli_cancel_by_id_of_a_row_with_a_safe_attempt(clean, engine, capsys, st
     if state == "dispatched":
         # The relay takes the oldest due row first: ids[0].
         with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
-            assert [r[0] for r in transitions.dispatch_due(db, limit=1)] == [ids[0]]
+            assert [r[0] for r in store.relay.dispatch_due(db, limit=1)] == [ids[0]]
     url = ["--database-url", clean.database_url]
     assert main(["cancel", str(ids[0]), "--reason", "provider has ch_1 for order:0 charge", *url]) == 0
     assert _states(engine, ids[:1]) == {ids[0]: "cancelled"}

@@ -12,7 +12,7 @@ from helpers import elapse
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import chains, ops, transitions
+from outbox import chains, ops, store
 from outbox.handlers import registry
 from outbox.reconciler.jobs.expire_leases import expire_leases
 from outbox.settings import libpq_url
@@ -42,7 +42,7 @@ def test_a_late_confirmation_leaves_an_operators_failed_step_failed_and_unchaine
         ).id
     handler = registry()["payments.charge"]
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        held = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
+        held = store.delivery.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=30)
         assert held is not None
         # The worker froze mid-call; its lease ran out and the reconciler expired it.
         elapse(conn, 31, [row_id])
@@ -59,7 +59,7 @@ def test_a_late_confirmation_leaves_an_operators_failed_step_failed_and_unchaine
         stored = dict(zip([c.name for c in cur.description], cur.fetchone(), strict=True))
         plan = chains.then_plan_for_row(handler, stored, outbox.Confirmed("ch_late", {"id": "ch_late"}))
         assert plan.rows  # what the worker would write with its record
-        moved = transitions.record(
+        moved = store.delivery.record(
             conn,
             row_id=row_id,
             token=held.token,

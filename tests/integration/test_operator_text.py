@@ -13,7 +13,7 @@ from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import cli, ops, transitions
+from outbox import cli, ops, store
 from outbox.settings import libpq_url
 
 DEST = "payments.charge"
@@ -56,15 +56,15 @@ def test_cancel_reason_is_masked_in_last_error_and_history(clean: Any, engine: A
 
 def test_replay_and_resolve_reasons_are_masked(clean: Any, engine: Any, db: Any) -> None:
     failed = write(engine, "order:2")
-    declined = transitions.claim(db, row_id=failed, destination=DEST, lease_seconds=30)
+    declined = store.delivery.claim(db, row_id=failed, destination=DEST, lease_seconds=30)
     assert declined is not None
-    assert transitions.record(
+    assert store.delivery.record(
         db, row_id=failed, token=declined.token, state="failed", outcome="failed", error="card declined"
     )
     unknown = write(engine, "order:3")
-    claimed = transitions.claim(db, row_id=unknown, destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=unknown, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert transitions.record(db, row_id=unknown, token=claimed.token, state="unknown", outcome="unknown")
+    assert store.delivery.record(db, row_id=unknown, token=claimed.token, state="unknown", outcome="unknown")
     with engine.begin() as conn:
         assert ops.replay(conn, [failed], by="test", reason=SAID)[0].done
         ops.resolve(conn, unknown, sent_ref="ch_1", by="test", reason=SAID)

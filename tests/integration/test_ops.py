@@ -18,7 +18,7 @@ from helpers import elapse, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.cli import main
 from outbox.schema import NOTIFY_CHANNEL
 from outbox.settings import libpq_url
@@ -44,12 +44,12 @@ def connect(services) -> psycopg.Connection[Any]:
     return psycopg.connect(libpq_url(services.database_url), autocommit=True)
 
 
-def claim(conn: psycopg.Connection[Any], row_id: int) -> transitions.Claimed:
+def claim(conn: psycopg.Connection[Any], row_id: int) -> store.delivery.Claimed:
     """A consumer's claim of the row, for the row's own destination."""
     [(destination,)] = conn.execute(
         "SELECT destination FROM outbox_message WHERE id = %s", (row_id,)
     ).fetchall()
-    claimed = transitions.claim(conn, row_id=row_id, destination=destination, lease_seconds=60)
+    claimed = store.delivery.claim(conn, row_id=row_id, destination=destination, lease_seconds=60)
     assert claimed is not None
     return claimed
 
@@ -58,11 +58,11 @@ def make_failed(services, row_id: int, error: str = "card declined", *, ref: str
     """A claim the provider refuses for good, then reported, as the consumer and reconciler do."""
     with connect(services) as conn:
         claimed = claim(conn, row_id)
-        moved = transitions.record(
+        moved = store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="failed", outcome="failed", error=error, ref=ref
         )
         assert moved == "failed"
-        assert transitions.mark_alerted(conn, row_id=row_id, state="failed")
+        assert store.recovery.mark_alerted(conn, row_id=row_id, state="failed")
 
 
 def make_unknown(services, row_id: int, *, dispatched: bool = False) -> uuid.UUID:
@@ -70,9 +70,9 @@ def make_unknown(services, row_id: int, *, dispatched: bool = False) -> uuid.UUI
     be the only due row)."""
     with connect(services) as conn:
         if dispatched:
-            assert [r[0] for r in transitions.dispatch_due(conn, limit=1)] == [row_id]
+            assert [r[0] for r in store.relay.dispatch_due(conn, limit=1)] == [row_id]
         claimed = claim(conn, row_id)
-        moved = transitions.record(
+        moved = store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
         )
         assert moved == "unknown"
@@ -82,7 +82,7 @@ def make_unknown(services, row_id: int, *, dispatched: bool = False) -> uuid.UUI
 def make_sent(services, row_id: int, ref: str = "ch_1") -> None:
     with connect(services) as conn:
         claimed = claim(conn, row_id)
-        moved = transitions.record(
+        moved = store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref=ref
         )
         assert moved == "sent"
@@ -179,9 +179,9 @@ def test_status_without_a_database_url_is_a_config_error(capsys, monkeypatch):
 def test_show_hides_the_payload_unless_asked(clean, engine, capsys):
     row_id = write(engine, "order:7")
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
+        claimed = store.delivery.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
         assert claimed is not None
-        transitions.record(
+        store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="boom"
         )
 
@@ -346,13 +346,15 @@ def test_replayed_row_goes_through_the_claim_and_a_sent_row_never_comes_back(cle
     assert run(clean, capsys, "replay", str(row_id))[0] == 0
 
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
+        claimed = store.delivery.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
         assert claimed is not None and claimed.attempt == 1
-        assert transitions.record(
+        assert store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_9"
         )
         # A second delivery of the same message claims nothing.
-        assert transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60) is None
+        assert (
+            store.delivery.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60) is None
+        )
 
     before = snapshot(clean, row_id)
     code, _, err = run(clean, capsys, "replay", str(row_id))
@@ -460,7 +462,7 @@ def test_resolve_not_sent_retries_and_wakes_the_relay(clean, engine, capsys):
     assert (after["state"], after["attempts"], after["dispatched_at"]) == ("pending", 1, None)
     # Claimable at once, through the normal claim.
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
+        claimed = store.delivery.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
     assert claimed is not None and claimed.attempt == 2
 
 

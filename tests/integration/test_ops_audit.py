@@ -14,7 +14,7 @@ from helpers import elapse, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.cli import main
 from outbox.ops.audit import AuditReport, audit, parse_since
 from outbox.reconciler.jobs.expire_leases import expire_leases
@@ -30,12 +30,12 @@ def connect(services) -> psycopg.Connection[Any]:
     return psycopg.connect(libpq_url(services.database_url), autocommit=True)
 
 
-def claim(conn: psycopg.Connection[Any], row_id: int) -> transitions.Claimed:
+def claim(conn: psycopg.Connection[Any], row_id: int) -> store.delivery.Claimed:
     """A consumer's claim of the row, for the row's own destination."""
     [(destination,)] = conn.execute(
         "SELECT destination FROM outbox_message WHERE id = %s", (row_id,)
     ).fetchall()
-    claimed = transitions.claim(conn, row_id=row_id, destination=destination, lease_seconds=30)
+    claimed = store.delivery.claim(conn, row_id=row_id, destination=destination, lease_seconds=30)
     assert claimed is not None
     return claimed
 
@@ -47,7 +47,7 @@ def settle(services, row_id: int, state: str, *outcomes: str, ref: str | None = 
     with connect(services) as conn:
         for outcome in outcomes:
             claimed = claim(conn, row_id)
-            moved = transitions.record(
+            moved = store.delivery.record(
                 conn,
                 row_id=row_id,
                 token=claimed.token,
@@ -156,11 +156,11 @@ def test_a_late_confirmation_that_lost_the_race_still_counts(clean, engine, caps
         assert expire_leases(conn) == 1
         assert main(["resolve", str(row_id), "--not-sent", "--database-url", clean.database_url]) == 0
         newer = claim(conn, row_id)
-        assert transitions.record(
+        assert store.delivery.record(
             conn, row_id=row_id, token=newer.token, state="sent", outcome="sent", ref="ch_1"
         )
         # The old worker's call was confirmed after all: a late, superseded recording.
-        assert not transitions.record(
+        assert not store.delivery.record(
             conn, row_id=row_id, token=old.token, state="sent", outcome="sent", ref="ch_0"
         )
     capsys.readouterr()

@@ -13,7 +13,7 @@ from helpers import elapse, sql, wait_for
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.cli import main
 from outbox.heartbeat import Heartbeat
 from outbox.settings import libpq_url
@@ -64,8 +64,8 @@ def connect(services) -> psycopg.Connection[Any]:
     return psycopg.connect(libpq_url(services.database_url), autocommit=True)
 
 
-def claim(conn: psycopg.Connection[Any], row_id: int, *, lease_seconds: float = 30) -> transitions.Claimed:
-    claimed = transitions.claim(
+def claim(conn: psycopg.Connection[Any], row_id: int, *, lease_seconds: float = 30) -> store.delivery.Claimed:
+    claimed = store.delivery.claim(
         conn, row_id=row_id, destination="payments.charge", lease_seconds=lease_seconds
     )
     assert claimed is not None
@@ -76,7 +76,7 @@ def settle(conn: psycopg.Connection[Any], row_id: int, state: str) -> None:
     """Claim the row and record ``state`` (``failed`` or ``unknown``), as a consumer does."""
     claimed = claim(conn, row_id)
     error = "card declined" if state == "failed" else "ReadTimeout"
-    moved = transitions.record(
+    moved = store.delivery.record(
         conn, row_id=row_id, token=claimed.token, state=state, outcome=state, error=error
     )
     assert moved == state
@@ -220,7 +220,7 @@ def test_liveness_hints_name_the_process_that_is_not_running(clean, engine, caps
         claim(conn, in_flight, lease_seconds=30)
         # The relay publishes the oldest due row first: make `dispatched` the oldest, alone.
         elapse(conn, 1, [dispatched])
-        assert [r[0] for r in transitions.dispatch_due(conn, limit=1)] == [dispatched]
+        assert [r[0] for r in store.relay.dispatch_due(conn, limit=1)] == [dispatched]
         elapse(conn, 5 * 60, [pending])  # due for 5 minutes
         elapse(conn, 30 + 3 * 60, [in_flight])  # its lease ran out 3 minutes ago
         elapse(conn, 30 * 60, [dispatched])  # dispatched 30 minutes ago

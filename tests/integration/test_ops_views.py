@@ -14,7 +14,7 @@ from helpers import sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.cli import main, watch
 from outbox.ops.inspect import key_like
 from outbox.settings import libpq_url
@@ -34,9 +34,9 @@ def run(services, capsys, *argv: str) -> tuple[int, str, str]:
 def fail_once(services, row_id: int, *, status: int, error: str) -> None:
     """One claim of the row, which the provider refuses for good (a permanent error)."""
     with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
-        claimed = transitions.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
+        claimed = store.delivery.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60)
         assert claimed is not None
-        moved = transitions.record(
+        moved = store.delivery.record(
             conn,
             row_id=row_id,
             token=claimed.token,
@@ -57,9 +57,9 @@ def test_show_key_lists_every_step_with_its_milestones_and_where_it_stopped(clea
     written; `outbox show KEY` says where the work stopped and why."""
     first = write(engine, "invoice:7", step="issue")
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = transitions.claim(conn, row_id=first, destination="payments.charge", lease_seconds=60)
+        claimed = store.delivery.claim(conn, row_id=first, destination="payments.charge", lease_seconds=60)
         assert claimed is not None
-        moved = transitions.record(
+        moved = store.delivery.record(
             conn, row_id=first, token=claimed.token, state="sent", outcome="sent", ref="inv_1"
         )
         assert moved == "sent"
@@ -101,7 +101,7 @@ def test_show_key_lists_every_step_with_its_milestones_and_where_it_stopped(clea
             "UPDATE outbox_message SET completed_at = completed_at - interval '1 hour' WHERE id = %s",
             (first,),
         )
-        assert transitions.purge(conn, retention_seconds=60, limit=10) == 1
+        assert store.recovery.purge(conn, retention_seconds=60, limit=10) == 1
     code, out, _ = run(clean, capsys, "show", "invoice:7", "--json")
     purged = json.loads(out)["steps"][0]
     assert purged["step"] == "issue" and purged["purged"] and purged["provider_ref"] == "inv_1"

@@ -13,7 +13,7 @@ from helpers import elapse, ids_by_state, relay_once, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import pauses, transitions
+from outbox import pauses, store
 from outbox.consumer import RunResult
 from outbox.handlers import registry
 from outbox.ops import actions
@@ -80,7 +80,7 @@ def test_a_skipped_head_is_not_replayed_without_force_so_no_claim_can_race_it(
     with engine.begin() as operator:
         [result] = actions.replay(operator, [head], by="ops", reason="the customer fixed the card")
     assert not result.done and "went on without it" in result.message
-    claimed = transitions.claim(db, row_id=behind, destination=DEST, lease_seconds=60)
+    claimed = store.delivery.claim(db, row_id=behind, destination=DEST, lease_seconds=60)
     assert claimed is not None
     assert in_flight(clean) == {behind}
     assert ids_by_state(clean)["failed"] == {head}
@@ -118,7 +118,7 @@ def test_a_head_failed_past_its_deadline_is_skipped_when_its_handler_says_so(
     with engine.begin() as c:
         pauses.pause(c, DEST, by="ops", reason="provider outage")
     elapse(db, 3600, [head])
-    moved = transitions.fail_past_deadline(db, destinations=[DEST], limit=100, skip_when_failed=[DEST])
+    moved = store.recovery.fail_past_deadline(db, destinations=[DEST], limit=100, skip_when_failed=[DEST])
     assert moved.failed == 1
     assert ids_by_state(clean)["failed"] == {head}
     with engine.begin() as c:

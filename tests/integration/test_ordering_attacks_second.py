@@ -14,7 +14,7 @@ from helpers import elapse, ids_by_state, lookup_on, relay_once, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import pauses, transitions
+from outbox import pauses, store
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
 from outbox.ops import actions
@@ -92,7 +92,7 @@ def test_repair_of_a_skipped_failed_head_needs_force_like_replay(clean, engine, 
         with engine.begin() as c:
             assert actions.skip(c, head, by="ops", reason="go on").done
     assert relay_once(clean) == 1  # the key went on without the head
-    claimed = transitions.claim(db, row_id=behind, destination=DEST, lease_seconds=60)
+    claimed = store.delivery.claim(db, row_id=behind, destination=DEST, lease_seconds=60)
     assert claimed is not None and in_flight(clean) == {behind}
     # replay is refused without --force ...
     with engine.begin() as c:
@@ -103,7 +103,7 @@ def test_repair_of_a_skipped_failed_head_needs_force_like_replay(clean, engine, 
         plan = plan_repair(c, ["customer:7:0"], handlers=registry())
     results = execute_repair(clean.database_url, plan, handlers=registry(), by="ops")
     # What a worker holding the head's message would do next: claim it.
-    second = transitions.claim(db, row_id=head, destination=DEST, lease_seconds=60)
+    second = store.delivery.claim(db, row_id=head, destination=DEST, lease_seconds=60)
     assert in_flight(clean) == {behind}, (
         f"two rows of customer:7 in flight after repair without --force: {results}, claimed {second}"
     )

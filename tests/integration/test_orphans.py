@@ -196,9 +196,9 @@ def test_a_typo_destination_is_never_copied_alerted_once_shown_and_cancelled(
 def test_cancel_refuses_a_row_that_was_claimed(clean, engine, db, capsys):
     declare()
     ids = write(engine, 2, DEST)
-    from outbox import transitions
+    from outbox import store
 
-    transitions.claim(db, row_id=ids[0], destination=DEST, lease_seconds=30)
+    store.delivery.claim(db, row_id=ids[0], destination=DEST, lease_seconds=30)
     code = main(["cancel", *map(str, ids), "--reason", "r", "--database-url", clean.database_url])
     out = capsys.readouterr()
     assert code == 1

@@ -13,7 +13,7 @@ import pytest
 from helpers import lookup_on, relay_once, wait_for, worker_thread
 from sqlalchemy import text
 
-from outbox import metrics, pauses, transitions
+from outbox import metrics, pauses, store
 from outbox.cli import main
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
@@ -61,7 +61,9 @@ def test_a_paused_destination_is_not_claimed_and_its_rows_keep_their_attempts(cl
     [mail] = write_rows(engine, 1, destination="mail.send", start=1)
     pause(engine)
 
-    assert transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30, token=uuid.uuid4()) is None
+    assert (
+        store.delivery.claim(db, row_id=row, destination=DEST, lease_seconds=30, token=uuid.uuid4()) is None
+    )
     assert pauses.held_reason(db, destination=DEST) == "is paused"
     assert pauses.held_reason(db, destination="mail.send") is None
     executor = Executor(clean.database_url, {**registry(), "mail.send": other})
@@ -130,7 +132,7 @@ def test_a_pause_with_until_ends_by_itself_on_the_database_clock(clean, engine, 
     assert done.until is not None
     assert pauses.held_reason(db, destination=DEST) == "is paused"
     wait_for(lambda: pauses.held_reason(db, destination=DEST) is None, 5, "the pause to end")
-    claimed = transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=row, destination=DEST, lease_seconds=30)
     assert claimed is not None and claimed.id == row
 
 

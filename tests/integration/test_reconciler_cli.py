@@ -18,7 +18,7 @@ from helpers import elapse
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.alerts import load_alert_hook, log_alert
 from outbox.exceptions import ConfigError
 from outbox.settings import libpq_url
@@ -75,12 +75,12 @@ def state_of(services: Any, row_id: int) -> tuple[str, str | None]:
 def test_reconcile_once_resolves_alerts_prints_counts_and_exits_0(clean, engine, provider, tmp_path):
     unknown_id, failed_id = write_rows(engine, 2)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
-        claimed = transitions.claim(db, row_id=unknown_id, destination=DEST, lease_seconds=30)
+        claimed = store.delivery.claim(db, row_id=unknown_id, destination=DEST, lease_seconds=30)
         assert claimed is not None
-        transitions.record(db, row_id=unknown_id, token=claimed.token, state="unknown", outcome="unknown")
-        claimed = transitions.claim(db, row_id=failed_id, destination=DEST, lease_seconds=30)
+        store.delivery.record(db, row_id=unknown_id, token=claimed.token, state="unknown", outcome="unknown")
+        claimed = store.delivery.claim(db, row_id=failed_id, destination=DEST, lease_seconds=30)
         assert claimed is not None
-        assert transitions.record(
+        assert store.delivery.record(
             db, row_id=failed_id, token=claimed.token, state="failed", outcome="failed", error="card declined"
         )
     ref = charge_at_provider(provider, "order:0:charge")
@@ -180,7 +180,7 @@ def test_reconcile_loop_resolves_rows_and_stops_cleanly_on_sigterm(clean, engine
     (row_id,) = write_rows(engine, 1)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
         # The worker charged, then died before recording: its lease has run out.
-        assert transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
+        assert store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
         elapse(db, 31, [row_id])
     ref = charge_at_provider(provider, "order:0:charge")
     log = tmp_path / "reconcile.log"

@@ -20,7 +20,7 @@ import pytest
 import redis
 from helpers import elapse, free_port, ids_by_state, published_row_ids, relay_once, sql, wait_for
 
-from outbox import transitions, transport
+from outbox import store, transport
 from outbox.relay import Relay
 from outbox.relay.relay import PUBLISH_RETRY_SECONDS
 from outbox.settings import libpq_url
@@ -229,7 +229,7 @@ def test_written_to_published_is_observed_at_each_rows_first_claim(clean, redis_
     elapse(clean, 100, [lost])
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         at = sql(clean, "SELECT dispatched_at FROM outbox_message WHERE id = %s", (lost,))[0][0]
-        assert transitions.requeue(conn, [(lost, at)]) == 1
+        assert store.recovery.requeue(conn, [(lost, at)]) == 1
     assert relay_once(clean) == 1
     before = _published_latency(DEST)
     assert set(deliver({DEST: note}, database_url=clean.database_url).values()) == {"sent"}

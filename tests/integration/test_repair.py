@@ -17,7 +17,7 @@ from helpers import elapse, lookup_on, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import chains, ops, transitions
+from outbox import chains, ops, store
 from outbox.cli import main
 from outbox.consumer import Executor, RunResult
 from outbox.handlers import registry
@@ -103,7 +103,7 @@ def test_an_unknown_step_whose_charge_did_not_happen_is_re_run_once(clean, engin
     charge_id = write_charge(engine)
     # The worker died after its claim, before its call: the lease runs out, the row is unknown.
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        assert transitions.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
+        assert store.delivery.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
         elapse(conn, 6, [charge_id])
         assert expire_leases(conn, registry()) == 1
     assert steps(clean)["charge"]["state"] == "unknown"
@@ -236,7 +236,7 @@ def _claimed_then_failed_by_hand(clean: Any, engine: Any, charge_id: int) -> Non
     it only with --force and a reason (the operator's decision), and then as on any ambiguous
     failure: the provider first."""
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        assert transitions.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
+        assert store.delivery.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
         elapse(conn, 6, [charge_id])
         assert expire_leases(conn, registry()) == 1
     with engine.begin() as conn:
@@ -543,10 +543,10 @@ def test_the_acting_statements_keep_an_operator_decision_made_after_the_plan(
     lookup_on(invoice_chain(provider, idempotent=True, max_attempts=1), provider)
     charge_id = write_charge(engine)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
-        claimed = transitions.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
+        claimed = store.delivery.claim(conn, row_id=charge_id, destination="payments.charge", lease_seconds=5)
         assert claimed is not None
         assert (
-            transitions.record(
+            store.delivery.record(
                 conn,
                 row_id=charge_id,
                 token=claimed.token,

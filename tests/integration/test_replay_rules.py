@@ -13,7 +13,7 @@ from helpers import elapse, lookup_on
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import ops, transitions
+from outbox import ops, store
 from outbox.cli import main
 from outbox.handlers import Handler
 from outbox.reconciler.jobs.expire_leases import expire_leases
@@ -73,10 +73,10 @@ def charges(provider: Any, key: str) -> int:
     return int(provider.stats()["effects"].get(f"{key}:charge", 0))
 
 
-def make_unknown(db: psycopg.Connection[Any], row_id: int) -> transitions.Claimed:
-    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+def make_unknown(db: psycopg.Connection[Any], row_id: int) -> store.delivery.Claimed:
+    claimed = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert transitions.record(
+    assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
     )
     elapse(db, 1, [row_id])  # its first lookup is due
@@ -85,9 +85,9 @@ def make_unknown(db: psycopg.Connection[Any], row_id: int) -> transitions.Claime
 
 def make_failed(db: psycopg.Connection[Any], row_id: int) -> None:
     """A certain failure through the claim and the record: the provider said no (402)."""
-    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert transitions.record(
+    assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="failed", outcome="failed", error="HTTP 402"
     )
 
@@ -139,7 +139,7 @@ def test_runbook_resolve_failed_then_replay_destination_refuses_and_the_provider
 
 def test_a_confirmed_call_on_a_failed_row_refuses_replay(clean, engine, db, capsys):
     row_id = write(engine, "order:1")
-    old = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    old = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert old is not None
     # Its lease runs out, the reconciler expires it, and an operator settles it as not sent.
     elapse(db, 31, [row_id])
@@ -147,7 +147,7 @@ def test_a_confirmed_call_on_a_failed_row_refuses_replay(clean, engine, db, caps
     assert cli(clean, capsys, "resolve", str(row_id), "--not-sent")[0] == 0
     make_failed(db, row_id)  # a newer claim failed for certain...
     # ...and the old worker's call was confirmed after all (a late, superseded recording).
-    assert not transitions.record(
+    assert not store.delivery.record(
         db, row_id=row_id, token=old.token, state="sent", outcome="sent", ref="ch_1"
     )
     code, _, err = cli(clean, capsys, "replay", str(row_id))
@@ -203,9 +203,9 @@ def test_force_needs_one_named_row_and_a_reason_and_is_recorded(clean, engine, d
     assert get(db, other)["state"] == "failed"
 
     # The forced row's next call is an accepted risk on record, not an audit finding.
-    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert transitions.record(
+    assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_2"
     )
     code, out, _ = cli(clean, capsys, "audit", "--json")
@@ -310,7 +310,7 @@ def test_not_found_past_key_ttl_parks_for_a_human_and_alerts(clean, engine, db, 
     make_unknown(db, row_id)
     # The first call is older than the provider's key lifetime (database clock).
     elapse(db, 3601, [row_id])
-    assert transitions.mark_alerted(db, row_id=row_id, state="unknown")
+    assert store.recovery.mark_alerted(db, row_id=row_id, state="unknown")
 
     assert resolve_unknown(db, {DEST: handler}) == {"past_key_ttl": 1}
     parked = get(db, row_id)
@@ -385,9 +385,9 @@ def test_audit_finds_a_call_after_an_unsettled_ambiguous_one(clean, engine, db, 
             (recalled,),
         )
     for r in (settled, recalled):
-        claimed = transitions.claim(db, row_id=r, destination=DEST, lease_seconds=30)
+        claimed = store.delivery.claim(db, row_id=r, destination=DEST, lease_seconds=30)
         assert claimed is not None
-        assert transitions.record(
+        assert store.delivery.record(
             db, row_id=r, token=claimed.token, state="sent", outcome="sent", ref=f"ch_{r}"
         )
 

@@ -17,7 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import chains, features, transitions
+from outbox import chains, features, store
 from outbox.exceptions import ConfigError, FeatureNotEnabled, FeatureRefused
 from outbox.heartbeat import Heartbeat
 from outbox.migrate import FLOOR_TABLE, schema_status, upgrade
@@ -64,9 +64,9 @@ def state(db: psycopg.Connection[Any], row_id: int) -> str:
 
 def fail(db: psycopg.Connection[Any], row_id: int, history: list[dict[str, Any]] | None = None) -> None:
     """A row failed for certain, as the worker leaves it (claimed, recorded failed)."""
-    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert transitions.record(
+    assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="failed", outcome="failed", error="declined"
     )
     if history:
@@ -126,7 +126,7 @@ def test_a_failed_head_holds_its_key_against_older_claims_too(clean, engine, db)
     assert db.execute(OLD_CLAIM, (behind,)).fetchall() == []
     # An operator's skip lets it go (this code's statement); then the older claim moves it.
     with engine.begin() as conn:
-        assert transitions.skip_head(
+        assert store.operator.skip_head(
             conn,
             row_id=head,
             history={"by": "op", "action": "skip", "reason": "r", "to_state": "failed", "extra": "{}"},
@@ -162,12 +162,12 @@ def test_an_older_replay_of_a_row_out_of_its_keys_line_moves_nothing(clean, engi
     behind = write(engine, "order:2", ordering_key="customer:7")
     fail(db, head)
     with engine.begin() as conn:
-        transitions.skip_head(
+        store.operator.skip_head(
             conn,
             row_id=head,
             history={"by": "op", "action": "skip", "reason": "r", "to_state": "failed", "extra": "{}"},
         )
-    claimed = transitions.claim(db, row_id=behind, destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=behind, destination=DEST, lease_seconds=30)
     assert claimed is not None
     # Replayed now, the head would go after the row behind it.
     assert db.execute(OLD_REPLAY, (head,)).fetchall() == []
@@ -221,7 +221,7 @@ def test_a_row_an_older_release_settled_sent_is_followed_once(clean, engine, db)
 
 def claim_and_plan(db: psycopg.Connection[Any], row: int) -> tuple[Any, chains.Plan]:
     """This code's claim of ``row`` and the then plan its worker records with ``ch_1``."""
-    claimed = transitions.claim(db, row_id=row, destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=row, destination=DEST, lease_seconds=30)
     assert claimed is not None
     stored = db.execute(
         "SELECT id, key, step, destination, payload, attempts, deadline, payload_version FROM outbox_message"
@@ -239,7 +239,7 @@ def test_this_codes_settlements_leave_no_mark(clean, engine, db) -> None:
     declare_chain()
     row = write(engine, "order:1")
     claimed, plan = claim_and_plan(db, row)
-    done = transitions.record_outcome(
+    done = store.delivery.record_outcome(
         db, row_id=row, token=claimed.token, state="sent", outcome="sent", ref="ch_1", follow=plan
     )
     assert done.state == "sent"
@@ -390,7 +390,7 @@ def test_a_chain_step_with_a_version_is_written_and_waits_at_its_claim_until_ena
 
     row = write(engine, "order:1")
     claimed, plan = claim_and_plan(db, row)
-    done = transitions.record_outcome(
+    done = store.delivery.record_outcome(
         db, row_id=row, token=claimed.token, state="sent", outcome="sent", ref="ch_1", follow=plan
     )
     assert done.state == "sent" and done.followed == 1
@@ -398,11 +398,11 @@ def test_a_chain_step_with_a_version_is_written_and_waits_at_its_claim_until_ena
         "SELECT id FROM outbox_message WHERE step = 'ship' AND payload_version = 2"
     ).fetchone()
     # No claim of it, this code's or an older one's, while the feature is off.
-    assert transitions.claim(db, row_id=step, destination="warehouse.ship", lease_seconds=30) is None
+    assert store.delivery.claim(db, row_id=step, destination="warehouse.ship", lease_seconds=30) is None
     assert db.execute(OLD_CLAIM, (step,)).fetchall() == []
     assert state(db, step) == "pending"
     features.enable(engine, "payload_versions", by="ops", settle_seconds=0)
-    assert transitions.claim(db, row_id=step, destination="warehouse.ship", lease_seconds=30) is not None
+    assert store.delivery.claim(db, row_id=step, destination="warehouse.ship", lease_seconds=30) is not None
 
 
 def test_an_older_process_is_seen_by_its_connection_before_it_beats(gate_off, engine, db) -> None:

@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.db import make_engine
 from outbox.settings import libpq_url
 
@@ -381,15 +381,15 @@ def written_in_state(url: str, engine: Engine, state: str) -> int:
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         if state == "pending":
             return row_id
-        assert [r[0] for r in transitions.dispatch_due(conn, limit=1)] == [row_id]
+        assert [r[0] for r in store.relay.dispatch_due(conn, limit=1)] == [row_id]
         if state == "dispatched":
             return row_id
-        claimed = transitions.claim(conn, row_id=row_id, destination=DESTINATION, lease_seconds=60)
+        claimed = store.delivery.claim(conn, row_id=row_id, destination=DESTINATION, lease_seconds=60)
         assert claimed is not None
         if state == "in_flight":
             return row_id
         outcome = {"sent": {"ref": "ch_1"}, "failed": {"error": "card declined"}}.get(state, {})
-        assert transitions.record(
+        assert store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state=state, outcome=state, **outcome
         )
     return row_id

@@ -40,7 +40,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import ops, outcomes, pauses, transitions
+from outbox import ops, outcomes, pauses, store
 from outbox import transport as outbox_transport
 from outbox.consumer import Executor
 from outbox.exceptions import ConfigError
@@ -97,7 +97,9 @@ CLOCK_MODULES = (
     "outbox.policy",
     "outbox.settlement",
     "outbox.reconciler.jobs.redispatch",
-    "outbox.transitions",
+    "outbox.store.delivery",
+    "outbox.store.recovery",
+    "outbox.store.operator",
 )
 
 
@@ -548,7 +550,7 @@ SET state = 'pending', attempts = 0, available_at = now(), dispatched_at = NULL,
     history = history || jsonb_build_array(jsonb_build_object(
         'at', now(), 'by', '{OPERATOR}-old', 'action', 'replay', 'from', state, 'to', 'pending'))
 WHERE m.id = %(id)s AND m.state = 'failed'
-  AND NOT EXISTS ({transitions.BLOCKING_ATTEMPT_SQL})
+  AND NOT EXISTS ({store.operator.BLOCKING_ATTEMPT_SQL})
   AND NOT {outcomes.operator_failed_unknown_sql("m")}
 RETURNING m.id
 """

@@ -58,7 +58,7 @@ def test_the_contracts_hold_on_the_package_as_it_is(graph) -> None:
     ("importer", "imported"),
     [
         ("outbox.handlers", "outbox.breaker"),  # a rule reaching up into a destination's SQL
-        ("outbox.transitions", "outbox.consumer"),  # the store reaching up into a service
+        ("outbox.store.delivery", "outbox.consumer"),  # the store reaching up into a service
         ("outbox.ops.repair", "outbox.cli.render"),  # data reaching up into its rendering
         ("outbox.settlement", "outbox.reconciler.jobs.resolve_unknown"),  # the library into a job
         ("outbox.metrics", "outbox.ops.ordering"),  # observability into the operator's faces
@@ -72,6 +72,11 @@ def test_an_import_pointing_up_breaks_the_layers(graph, importer: str, imported:
 def test_a_module_in_no_layer_breaks_the_layers(graph) -> None:
     graph.add_module("outbox.somewhere_new")
     assert not contract("layers").check(graph, verbose=False).kept
+
+
+def test_a_store_module_importing_another_callers_breaks_the_store_contract(graph) -> None:
+    graph.add_import(importer="outbox.store.operator", imported="outbox.store.recovery")
+    assert not contract("store").check(graph, verbose=False).kept
 
 
 def test_a_job_importing_the_scheduler_breaks_the_reconciler_contract(graph) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox import transitions
+from outbox import store
 from outbox.db import Statement
 
 
@@ -23,8 +23,8 @@ def test_a_statement_it_cannot_convert_exactly_is_refused(sql: str) -> None:
 def test_the_claims_are_converted_whole() -> None:
     # The statements are longer than psycopg's 4,096-character parse cache: the reason for this.
     for statement, source in (
-        (transitions._CLAIM_STATEMENT, transitions._CLAIM),
-        (transitions._CLAIM_IDEMPOTENT_STATEMENT, transitions._CLAIM_IDEMPOTENT),
+        (store.delivery._CLAIM_STATEMENT, store.delivery._CLAIM),
+        (store.delivery._CLAIM_IDEMPOTENT_STATEMENT, store.delivery._CLAIM_IDEMPOTENT),
     ):
         assert len(source) > 4096
         assert "%(" not in statement.sql

@@ -11,7 +11,7 @@ from helpers import elapse, lookup_on
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.handlers import Handler
 
 DEST = "payments.charge"
@@ -81,11 +81,11 @@ def fence_outcomes(db: psycopg.Connection[Any], row_id: int) -> list[str | None]
     return [r[0] for r in rows.fetchall()]
 
 
-def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DEST) -> transitions.Claimed:
+def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DEST) -> store.delivery.Claimed:
     """Claim the row and record an ambiguous outcome, as a consumer whose read timed out does."""
-    claimed = transitions.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
     assert claimed is not None
-    assert transitions.record(
+    assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
     )
     return claimed
@@ -100,8 +100,8 @@ def settle(
     db: psycopg.Connection[Any], row_id: int, state: str, *, ref: str | None = None, error: str | None = None
 ) -> None:
     """Claim the row and record a certain outcome (``sent`` or ``failed``), as a consumer does."""
-    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=LEASE_SECONDS)
+    claimed = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=LEASE_SECONDS)
     assert claimed is not None
-    assert transitions.record(
+    assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state=state, outcome=state, ref=ref, error=error
     )

@@ -9,7 +9,7 @@ import psycopg
 from helpers import elapse, relay_once
 
 import outbox
-from outbox import transitions
+from outbox import store
 from outbox.reconciler.jobs.expire_leases import LEASE_EXPIRED_ERROR, expire_leases
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS, libpq_url
@@ -29,7 +29,7 @@ from .support import (
 
 def test_expire_leases_moves_only_expired_rows_and_closes_their_fence(clean, engine, db):
     ids = write_rows(engine, 3)
-    claims = {i: transitions.claim(db, row_id=i, destination=DEST, lease_seconds=30) for i in ids}
+    claims = {i: store.delivery.claim(db, row_id=i, destination=DEST, lease_seconds=30) for i in ids}
     expire_lease_now(db, ids[0])
     expire_lease_now(db, ids[1])
 
@@ -54,7 +54,7 @@ def test_expire_leases_moves_only_expired_rows_and_closes_their_fence(clean, eng
 def test_expire_leases_inside_a_callers_transaction_commits_with_it(clean, engine, services):
     (row_id,) = write_rows(engine, 1)
     with psycopg.connect(libpq_url(services.database_url)) as conn:
-        assert transitions.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30) is not None
+        assert store.delivery.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30) is not None
         expire_lease_now(conn, row_id)
         conn.commit()
         assert expire_leases(conn) == 1
@@ -69,13 +69,13 @@ def test_late_record_by_the_expired_claim_still_settles_the_row(clean, engine, d
     calls: list[int] = []
     declare_charge(provider, lookup_calls=calls)
     (row_id,) = write_rows(engine, 1)
-    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
     expire_lease_now(db, row_id)
     assert expire_leases(db) == 1
 
     # The worker was only slow: its answer arrives after the expiry, under the same claim.
-    assert transitions.record(
+    assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_late"
     )
     r = get(db, row_id)
@@ -89,7 +89,7 @@ def test_late_record_by_the_expired_claim_still_settles_the_row(clean, engine, d
 def test_late_record_after_a_newer_claim_changes_nothing_on_the_row(clean, engine, db, provider):
     handler = declare_charge(provider, max_attempts=3)
     (row_id,) = write_rows(engine, 1)
-    first = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    first = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert first is not None
     expire_lease_now(db, row_id)
     assert expire_leases(db) == 1
@@ -99,10 +99,10 @@ def test_late_record_after_a_newer_claim_changes_nothing_on_the_row(clean, engin
     assert resolve_unknown(db, {DEST: handler}) == {"pending": 1}
     elapse(db, handler.backoff_seconds(1), [row_id])  # its first backoff
     assert relay_once(clean) == 1
-    second = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    second = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert second is not None and second.attempt == 2
 
-    moved = transitions.record(
+    moved = store.delivery.record(
         db, row_id=row_id, token=first.token, state="sent", outcome="sent", ref="ch_stale"
     )
     assert moved is None  # a newer claim owns the row
@@ -110,7 +110,9 @@ def test_late_record_after_a_newer_claim_changes_nothing_on_the_row(clean, engin
     assert (r["state"], r["claim_token"], r["provider_ref"]) == ("in_flight", second.token, None)
     assert fence_outcomes(db, row_id) == ["superseded:sent", None]
 
-    assert transitions.record(db, row_id=row_id, token=second.token, state="sent", outcome="sent", ref="ch_2")
+    assert store.delivery.record(
+        db, row_id=row_id, token=second.token, state="sent", outcome="sent", ref="ch_2"
+    )
     assert get(db, row_id)["provider_ref"] == "ch_2"
 
 
@@ -126,7 +128,7 @@ def test_late_record_during_the_lookup_wins_and_the_reconciler_backs_off(clean, 
     def find(d: outbox.Delivery) -> outbox.Confirmed | None:
         # While the provider is being asked, the worker's own late answer is recorded.
         with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as other:
-            transitions.record(
+            store.delivery.record(
                 other, row_id=d.id, token=claimed.token, state="sent", outcome="sent", ref="ch_w"
             )
         return None

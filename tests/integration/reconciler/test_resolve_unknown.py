@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from helpers import elapse
 
-from outbox import transitions
+from outbox import store
 from outbox.consumer import RunResult
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 from outbox.settings import libpq_url
@@ -39,9 +39,9 @@ def test_resolve_unknown_settles_found_not_found_and_exhausted_rows(clean, engin
     elapse(db, TIME_LIMIT, [ids[0]])
     # Row 1: timed out before the provider processed it. Row 2: the same, on its last attempt.
     make_unknown(db, ids[1])
-    retried = transitions.claim(db, row_id=ids[2], destination=DEST, lease_seconds=30)
+    retried = store.delivery.claim(db, row_id=ids[2], destination=DEST, lease_seconds=30)
     assert retried is not None  # its first attempt got a 503, retried at once
-    assert transitions.record(
+    assert store.delivery.record(
         db, row_id=ids[2], token=retried.token, state="pending", outcome="retry", delay_seconds=0
     )
     make_unknown(db, ids[2])

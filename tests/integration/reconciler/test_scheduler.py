@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 from helpers import elapse, relay_once
 
-from outbox import transitions
+from outbox import store
 from outbox.reconciler import Job, scheduler
 from outbox.reconciler.scheduler import JOB_LOCK_IDS, LOCK_CLASS
 from outbox.settings import libpq_url
@@ -36,7 +36,7 @@ JOBS = [job for job in JOB_LOCK_IDS if job != "database_metrics"]
 
 def test_a_job_whose_lock_is_held_elsewhere_is_skipped(clean, engine, db, reconcilers):
     (row_id,) = write_rows(engine, 1)
-    assert transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
+    assert store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
     expire_lease_now(db, row_id)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as other:
         other.execute("SELECT pg_advisory_lock(%s, %s)", (LOCK_CLASS, JOB_LOCK_IDS["expire_leases"]))
@@ -50,7 +50,7 @@ def test_two_reconcilers_at_once_act_once_per_job(clean, engine, db, provider, r
     # expire_leases: 4 claims whose lease expired (no charge at the provider).
     expired = write_rows(engine, 4)
     for row_id in expired:
-        assert transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
+        assert store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
         expire_lease_now(db, row_id)
     # resolve_unknown: 3 unknown rows the provider did charge.
     unknown = write_rows(engine, 3, start=4)
@@ -155,7 +155,7 @@ def test_run_once_takes_an_expired_claim_through_to_sent(clean, engine, db, prov
     declare_charge(provider)
     (row_id,) = write_rows(engine, 1)
     assert relay_once(clean) == 1
-    claimed = transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30)
     assert claimed is not None
     # The worker charged, then died before recording.
     charge_at_provider(provider, "order:0:charge")
@@ -215,7 +215,7 @@ def test_an_idle_reconciler_logs_at_debug_with_one_info_heartbeat_per_interval(
         # A run that moves a row logs at INFO as before.
         caplog.clear()
         (row_id,) = write_rows(engine, 1)
-        assert transitions.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
+        assert store.delivery.claim(db, row_id=row_id, destination=DEST, lease_seconds=30) is not None
         expire_lease_now(db, row_id)
         assert rec.run_job("expire_leases") == {"expired": 1}
         assert info_lines() == ["reconciler expire_leases: expired=1"]

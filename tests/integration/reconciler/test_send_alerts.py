@@ -6,7 +6,7 @@ import logging
 
 from helpers import elapse
 
-from outbox import transitions
+from outbox import store
 from outbox.alerts import MAX_REASON_CHARS, log_alert
 from outbox.reconciler import AlertRow
 from outbox.reconciler.jobs.send_alerts import send_alerts
@@ -26,7 +26,7 @@ def test_alerts_report_failed_and_long_unknown_rows_once(clean, engine, db, capl
     ids = write_rows(engine, 4)
     for row_id in (ids[0], ids[3]):
         settle(db, row_id, "failed", error="card declined")
-    assert transitions.mark_alerted(db, row_id=ids[3], state="failed")
+    assert store.recovery.mark_alerted(db, row_id=ids[3], state="failed")
     make_unknown(db, ids[1])
     make_unknown(db, ids[2])
     elapse(db, 7200, [ids[1]])
@@ -70,9 +70,9 @@ def test_an_alert_keeps_the_class_and_the_status_never_the_providers_text(clean,
     row's state, attempts and last HTTP status, and points at `outbox show` for the text."""
     ids = write_rows(engine, 2)
     echoed = 'declined: {"email": "alice@example.com", "name": "Alice Liddell", "amount_cents": 1000}'
-    claimed = transitions.claim(db, row_id=ids[0], destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=ids[0], destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert transitions.record(
+    assert store.delivery.record(
         db,
         row_id=ids[0],
         token=claimed.token,
@@ -81,9 +81,9 @@ def test_an_alert_keeps_the_class_and_the_status_never_the_providers_text(clean,
         error=echoed,
         http_status=422,
     )
-    claimed = transitions.claim(db, row_id=ids[1], destination=DEST, lease_seconds=30)
+    claimed = store.delivery.claim(db, row_id=ids[1], destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert transitions.record(
+    assert store.delivery.record(
         db,
         row_id=ids[1],
         token=claimed.token,

@@ -1,0 +1,73 @@
+"""The store: every statement that writes an ``outbox_*`` table, one guarded statement per move,
+in one module per caller.
+
+The product's safety rests on this: a row moves only if it is still where the mover saw it (its
+state, its claim token, its dispatch time or failure time), in ONE statement, so two movers
+acting at once cannot both win. To check that, a reviewer reads this package alone: nothing
+else in ``outbox`` writes ``outbox_message`` (tests/unit/test_store_home.py greps for it). The
+state table in :mod:`outbox.states` names the function behind each move.
+
+==============  =============================================================================
+module          its caller
+==============  =============================================================================
+application     the application: ``outbox.write``, ``outbox.cancel``, ``outbox.batch``
+relay           the relay (outbox.relay)
+delivery        the worker's delivery of one message (outbox.consumer)
+recovery        the reconciler's jobs (outbox.reconciler), and settlement (outbox.settlement)
+operator        the operator's commands and the dashboard (outbox.ops)
+sql             (what the statements share; no statement of its own)
+==============  =============================================================================
+
+==================================  ==============================  =============================
+statement                           move                            called by
+==================================  ==============================  =============================
+``application.insert``              (none) -> pending               ``outbox.write``
+``application.cancel_by_key``       pending/dispatched -> cancelled ``outbox.cancel``
+``application.insert_batch``        (a batch: ``outbox_batch``)     ``outbox.batch``
+``application.insert_member``       (none) -> pending, in a batch   ``outbox.write(batch=)``
+``recovery.finish_batch``           (a batch's then/catch row)      reconciler (batches)
+``recovery.strip_batches``          (a finished batch's payloads)   reconciler (purge)
+``recovery.drop_batches``           (a finished batch, at horizon)  reconciler (purge)
+``relay.dispatch_due``              pending -> dispatched           relay (a batch)
+``relay.undispatch``                dispatched -> pending           relay (Redis refused)
+``delivery.claim``                  pending/dispatched -> in_flight consumer
+``delivery.record``                 in_flight/unknown -> any        consumer (the call's outcome)
+``delivery.record_outcome``         (the same, with next steps)     consumer (outbox.chains)
+``delivery.release``                in_flight/unknown -> pending    consumer (no call was made)
+``delivery.fail_unhandled``         pending/dispatched -> failed    consumer (no handler)
+``recovery.expire_leases``          in_flight -> unknown            reconciler
+``recovery.settle_unknown``         unknown -> sent/pending/failed  reconciler (a lookup)
+``recovery.defer_unknown``          unknown (asked again later)     reconciler
+``recovery.park_unknown``           unknown (waits for a human)     reconciler
+``recovery.park_past_key_ttl``      unknown (waits for a human)     reconciler
+``recovery.requeue``                dispatched -> pending           reconciler (message lost)
+``recovery.fail_past_deadline``     pending/dispatched -> failed    reconciler (held back; ->
+                                                                    unknown if it may have charged)
+``recovery.write_next_steps``       (a sent row's next steps)       reconciler, ``outbox repair``
+``recovery.clear_uncomputed``       (a sent row needs none)         reconciler
+``operator.repair_found``           failed -> sent                  ``outbox repair`` (a lookup)
+``operator.note_history``           (history only)                  ``outbox repair``
+``recovery.purge``                  sent/cancelled -> key ledger    reconciler
+``recovery.mark_alerted``           failed/unknown (alerted once)   reconciler
+``operator.replay_planned``         failed -> pending               ``outbox replay``
+``operator.replay_forced``          failed -> pending               ``outbox replay --force``
+``operator.resolve_sent``           unknown -> sent                 ``outbox resolve --sent``
+``operator.resolve_not_sent``       unknown -> pending              ``outbox resolve --not-sent``
+``operator.resolve_failed``         unknown -> failed               ``outbox resolve --failed``
+``operator.skip_head``              failed (its ordering key goes)  ``outbox skip``
+``operator.cancel_rows``            pending/dispatched -> cancelled ``outbox cancel``
+``testing.clock.elapse``            (instants only)                 tests: time passes
+==================================  ==============================  =============================
+
+Connections: the application's moves take the caller's SQLAlchemy ``Session``/``Connection``
+(the caller owns the transaction: nothing here commits), as do the operator's; the relay's,
+the consumer's and the reconciler's take psycopg connections, in autocommit mode unless said.
+
+One clock: every instant these statements compare is computed in SQL from the database's clock.
+Python passes intervals (a lease, a backoff, a wait before the first lookup), never a timestamp
+of its own; only the application's own ``available_at``/``deadline`` come from outside.
+"""
+
+from . import application, delivery, operator, recovery, relay, sql
+
+__all__ = ["application", "delivery", "operator", "recovery", "relay", "sql"]

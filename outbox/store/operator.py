@@ -1,0 +1,333 @@
+"""The operator's statements, in the caller's transaction: replay, resolve, skip, cancel, and
+``outbox repair``'s moves; each appends to the row's history."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from .. import chains, ordering, outcomes
+from .sql import cached_text, follow_sql, for_sqlalchemy, problem_sql, stored
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
+
+# `outbox repair` (outbox.ops.repair) of a row failed with an ambiguous history (a call that may
+# have taken effect: failed past its deadline out of unknown, or by an operator's resolve --failed)
+# whose provider, asked through the lookup, has the call: failed -> sent with its reference, and
+# its then steps written by the same statement. Guarded by the failure the operator's plan read
+# (completed_at is set anew at every failure), refused when the row's compensation was written (a
+# charge that both happened and was undone is for a human to untangle), and refused when an
+# operator failed it (resolve --failed: "refunded by hand") unless this repair overrules that by
+# name, with --force and a reason (%(overrule)s; %(extra)s then says so in the history).
+_REPAIR_FOUND = f"""
+WITH moved AS (
+    UPDATE outbox_message m
+    SET state = 'sent', provider_ref = %(ref)s, response = COALESCE(CAST(%(response)s AS jsonb), response),
+        chains_known_at = clock_timestamp(),
+        last_error = NULL, completed_at = now(), alerted_at = NULL, unknown_since = NULL,
+        lease_expires_at = NULL,
+        chain_problem = {problem_sql("m", "'sent'")},
+        history = history || jsonb_build_array(jsonb_build_object(
+            'at', now(), 'by', CAST(%(by)s AS text), 'action', 'repair', 'reason', CAST(%(reason)s AS text),
+            'from', 'failed', 'to', 'sent', 'result', 'found', 'provider_ref', CAST(%(ref)s AS text))
+            || CAST(%(extra)s AS jsonb))
+    WHERE m.id = %(id)s AND m.state = 'failed' AND m.completed_at IS NOT DISTINCT FROM %(version)s
+      AND NOT {chains.COMPENSATED_SQL}
+      AND (CAST(%(overrule)s AS boolean) OR NOT {outcomes.operator_failed_unknown_sql("m")})
+    RETURNING m.id, m.key, m.state, m.trace_context
+){follow_sql("moved")}
+SELECT (SELECT count(*) FROM followed) FROM moved
+"""
+
+
+# A line of a row's history for an action whose own statement wrote none of its own (a lookup
+# asked by `outbox repair`, the next steps it wrote): who asked and why.
+_NOTE_HISTORY = """
+UPDATE outbox_message
+SET history = history || jsonb_build_array(jsonb_build_object(
+    'at', now(), 'by', CAST(%(by)s AS text), 'action', CAST(%(action)s AS text),
+    'reason', CAST(%(reason)s AS text)) || CAST(%(extra)s AS jsonb))
+WHERE id = %(id)s
+"""
+
+
+def repair_found(
+    conn: psycopg.Connection[Any],
+    *,
+    row_id: int,
+    version: datetime | None,
+    ref: str | None,
+    response: dict[str, Any] | None,
+    follow: chains.Plan,
+    by: str,
+    reason: str | None,
+    overrule: bool = False,
+    extra: Mapping[str, Any] | None = None,
+) -> int | None:
+    """``failed`` -> ``sent`` for a row whose lookup found the call (``outbox repair``), with
+    ``follow``'s ``then`` steps: how many were written, or None when the row did not move (it
+    changed since ``version``, its failure time, its compensation exists, or an operator failed
+    it and ``overrule`` is false). ``extra``: more of the history entry (forced, overrode)."""
+    params = {
+        **stored(ref=ref, response=response, error=None, deadline_error=None),
+        "id": row_id,
+        "version": version,
+        "follow": follow.param,
+        "chain_problem": follow.problem,
+        "by": by,
+        "reason": reason,
+        "overrule": overrule,
+        "extra": json.dumps(dict(extra or {})),
+    }
+    row = conn.execute(_REPAIR_FOUND, params).fetchone()
+    return int(row[0]) if row is not None else None
+
+
+def note_history(
+    conn: psycopg.Connection[Any], *, row_id: int, by: str, action: str, reason: str | None, extra: str
+) -> None:
+    """Append ``{at, by, action, reason, **extra}`` (``extra``: a JSON object) to the row's history."""
+    conn.execute(_NOTE_HISTORY, {"id": row_id, "by": by, "action": action, "reason": reason, "extra": extra})
+
+
+# `from` is the state the row had (SET expressions read the old row), `at` the database clock.
+HISTORY_ENTRY = """
+history = history || jsonb_build_array(jsonb_build_object(
+    'at', now(), 'by', CAST(:by AS text), 'action', CAST(:action AS text),
+    'reason', CAST(:reason AS text), 'from', state, 'to', CAST(:to_state AS text)) || CAST(:extra AS jsonb))
+"""
+
+
+# claim_token and provider_ref stay: they are the evidence of the earlier attempts. The replayed
+# row goes through the normal claim, which is what rules out a call for a row already sent.
+_REPLAY_SET = (
+    """
+SET state = 'pending', attempts = 0, available_at = now(),
+    dispatched_at = NULL, completed_at = NULL, alerted_at = NULL,
+    unknown_since = NULL, lease_expires_at = NULL,
+    -- Back in its ordering key's line: a new failure blocks again unless its next claim's
+    -- handler, or an operator, says otherwise (attack on issue 15, A2).
+    order_skipped_at = NULL, skip_when_failed = false,
+"""
+    + HISTORY_ENTRY
+)
+
+
+# The replay rules (outbox.outcomes): a fence row that may have taken effect, or an operator's
+# `resolve --failed` out of unknown, refuses the replay unless the row is forced by name.
+BLOCKING_ATTEMPT_SQL = (
+    f"SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql('a')}"
+)
+
+
+REPLAYABLE_SQL = (
+    f"NOT EXISTS ({BLOCKING_ATTEMPT_SQL}) AND NOT {outcomes.operator_failed_unknown_sql('m')}"
+    # Its compensation ran (or will): replaying the step would undo the undo.
+    f" AND NOT {chains.COMPENSATED_SQL}"
+    # It let its ordering key go on without it: replayed, it would break the order.
+    f" AND NOT {ordering.out_of_line_sql('m')}"
+)
+
+
+# Acts on exactly the previewed rows: each one only if it is still failed with the failure the
+# preview saw (completed_at is set anew at every failure), and only if the rules still allow it.
+_REPLAY_PLANNED = f"""
+UPDATE outbox_message m {_REPLAY_SET}
+FROM unnest(CAST(:ids AS bigint[]), CAST(:versions AS timestamptz[])) AS p(id, failed_at)
+WHERE m.id = p.id AND m.state = 'failed' AND m.completed_at IS NOT DISTINCT FROM p.failed_at
+  AND {REPLAYABLE_SQL}
+RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
+"""
+
+
+# One row, named by the operator with a reason: the fence rows the preview showed are marked as
+# forced over in the same statement. A blocker the operator did not see refuses the whole thing,
+# and so does an operator's resolve --failed unless the caller overrules it (:overrule: a forced
+# replay, a forced repair; not a repair's re-run on a lookup's "not found").
+_REPLAY_FORCED = f"""
+WITH moved AS (
+    UPDATE outbox_message m {_REPLAY_SET}
+    WHERE m.id = :id AND m.state = 'failed'
+      AND m.completed_at IS NOT DISTINCT FROM CAST(:version AS timestamptz)
+      AND NOT EXISTS ({BLOCKING_ATTEMPT_SQL} AND a.id <> ALL(CAST(:seen AS bigint[])))
+      AND (CAST(:overrule AS boolean) OR NOT {outcomes.operator_failed_unknown_sql("m")})
+    RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
+), forced AS (
+    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_FORCED}', settled_at = now()
+    FROM moved WHERE a.message_id = moved.id AND a.id = ANY(CAST(:seen AS bigint[]))
+)
+SELECT id, past_deadline FROM moved
+"""
+
+
+# The row's then steps (outbox.chains) are written by the same statement.
+_RESOLVE_SENT = f"""
+WITH moved AS (
+    UPDATE outbox_message
+    SET state = 'sent', provider_ref = :ref, completed_at = now(), last_error = NULL,
+        response = CAST(:response AS jsonb), chains_known_at = clock_timestamp(),
+        unknown_since = NULL, lease_expires_at = NULL, alerted_at = NULL,
+        chain_problem = {for_sqlalchemy(problem_sql("outbox_message", "'sent'"))},
+    {HISTORY_ENTRY}
+    WHERE id = :id AND state = 'unknown'
+    RETURNING id, key, state, trace_context
+){for_sqlalchemy(follow_sql("moved"))}
+SELECT id, (SELECT count(*) FROM followed) FROM moved
+"""
+
+
+# attempts stay: the earlier call is known not to have taken effect, but it counted. The row's
+# ambiguous fence rows are marked settled in the same statement (what lets a later replay through);
+# a call the provider confirmed is not "not sent", whatever anyone says, so it refuses.
+_RESOLVE_NOT_SENT = f"""
+WITH moved AS (
+    UPDATE outbox_message m
+    SET state = 'pending', available_at = now(), dispatched_at = NULL, completed_at = NULL,
+        unknown_since = NULL, lease_expires_at = NULL,
+    {HISTORY_ENTRY}
+    WHERE m.id = :id AND m.state = 'unknown'
+      AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id
+                      AND {outcomes.is_confirmed_sql("a")}
+                      AND a.settled IS DISTINCT FROM '{outcomes.OPERATOR_FORCED}')
+    RETURNING m.id
+), settled AS (
+    UPDATE outbox_attempt a SET settled = '{outcomes.OPERATOR_NOT_SENT}', settled_at = now()
+    FROM moved WHERE a.message_id = moved.id AND {outcomes.unsettled_ambiguous_sql("a")}
+)
+SELECT id FROM moved
+"""
+
+
+_RESOLVE_FAILED = (
+    """
+UPDATE outbox_message
+SET state = 'failed', last_error = :error, completed_at = now(),
+    unknown_since = NULL, lease_expires_at = NULL,
+"""
+    + HISTORY_ENTRY
+    + " WHERE id = :id AND state = 'unknown' RETURNING id"
+)
+
+
+# An operator lets an ordering key go past its failed head (the AFTER UPDATE trigger wakes the
+# relay). A failed row only: an unknown or in_flight head may have charged, and is never skipped.
+_SKIP_HEAD = (
+    """
+UPDATE outbox_message
+SET order_skipped_at = now(),
+"""
+    + HISTORY_ENTRY
+    + """ WHERE id = :id AND state = 'failed' AND ordering_key IS NOT NULL
+        AND order_skipped_at IS NULL AND NOT skip_when_failed RETURNING id"""
+)
+
+
+# The operator's guard is wider than outbox.cancel's (:func:`cancel_by_key`: only a row no
+# consumer ever claimed): a pending or dispatched row whose every call is known not to have taken effect
+# (a safe outcome, or an ambiguous call settled). Without it a row re-pending after a failover,
+# or one of a retired destination with an earlier 503, could be stopped by nothing and would be
+# called again. A call that may have taken effect still refuses: cancelling would hide a charge.
+CANCELLABLE_SQL = f"""state IN ('pending', 'dispatched')
+    AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id
+                    AND NOT {outcomes.known_not_taken_effect_sql("a")})"""
+
+
+_CANCEL_ROWS = (
+    """
+UPDATE outbox_message
+SET state = 'cancelled', completed_at = now(), claim_token = NULL, last_error = :error,
+"""
+    + HISTORY_ENTRY
+    + f" WHERE id = ANY(:ids) AND {CANCELLABLE_SQL} RETURNING id"
+)
+
+
+def replay_planned(
+    connection: Connection,
+    *,
+    ids: Sequence[int],
+    versions: Sequence[datetime | None],
+    history: Mapping[str, Any],
+) -> list[Any]:
+    """``failed`` -> ``pending`` (attempts reset) for each of ``ids`` still failed with the
+    failure its preview saw (``versions``: its ``completed_at`` then) and still replayable under
+    the rules; returns ``(id, past_deadline)`` per row moved. ``history``: the entry's
+    ``action``, ``to_state``, ``by``, ``reason``, ``extra`` (JSON text)."""
+    params = {**history, "ids": list(ids), "versions": list(versions)}
+    return list(connection.execute(cached_text(_REPLAY_PLANNED), params))
+
+
+def replay_forced(
+    connection: Connection,
+    *,
+    row_id: int,
+    version: datetime | None,
+    seen: Sequence[int],
+    history: Mapping[str, Any],
+    overrule: bool = True,
+) -> Any | None:
+    """``failed`` -> ``pending`` for one row the rules refuse, named with a reason: only if no
+    blocking fence row other than ``seen`` (the ones the operator was shown) exists; those are
+    marked ``operator_forced``. ``overrule``: also over an operator's ``resolve --failed``.
+    ``(id, past_deadline)``, or None when it did not move."""
+    params = {**history, "id": row_id, "version": version, "seen": list(seen), "overrule": overrule}
+    return connection.execute(cached_text(_REPLAY_FORCED), params).first()
+
+
+def resolve_sent(
+    connection: Connection,
+    *,
+    row_id: int,
+    ref: str,
+    history: Mapping[str, Any],
+    follow: chains.Plan = chains.NOTHING,
+    response: str | None = None,
+) -> int | None:
+    """``unknown`` -> ``sent`` with the provider's reference an operator found (and ``response``,
+    the summary as stored: :func:`outbox.sanitize.encode_response`'s text), and ``follow``'s
+    ``then`` steps written; how many were, or None when the row did not move."""
+    params = {
+        **history,
+        "id": row_id,
+        "ref": ref,
+        "response": response,
+        "follow": follow.param,
+        "chain_problem": follow.problem,
+    }
+    row = connection.execute(cached_text(_RESOLVE_SENT), params).first()
+    return int(row[1]) if row is not None else None
+
+
+def resolve_not_sent(connection: Connection, *, row_id: int, history: Mapping[str, Any]) -> bool:
+    """``unknown`` -> ``pending``, its ambiguous fence rows settled; refused (False) when a fence
+    row holds a call the provider confirmed."""
+    params = {**history, "id": row_id}
+    return connection.execute(cached_text(_RESOLVE_NOT_SENT), params).first() is not None
+
+
+def resolve_failed(connection: Connection, *, row_id: int, error: str, history: Mapping[str, Any]) -> bool:
+    """``unknown`` -> ``failed`` with the operator's reason (a later replay needs ``--force``)."""
+    params = {**history, "id": row_id, "error": error}
+    return connection.execute(cached_text(_RESOLVE_FAILED), params).first() is not None
+
+
+def skip_head(connection: Connection, *, row_id: int, history: Mapping[str, Any]) -> bool:
+    """A ``failed`` row of an ordering key stops holding the rows behind it (outbox.ordering); it
+    stays failed. False when it did not move (not failed, no ordering key, or skipped already)."""
+    params = {**history, "id": row_id}
+    return connection.execute(cached_text(_SKIP_HEAD), params).first() is not None
+
+
+def cancel_rows(
+    connection: Connection, *, ids: Sequence[int], error: str | None, history: Mapping[str, Any]
+) -> set[int]:
+    """``pending``/``dispatched`` -> ``cancelled`` for each of ``ids`` none of whose calls may have
+    taken effect (:data:`CANCELLABLE_SQL`); the ids that moved."""
+    params = {**history, "error": error, "ids": list(ids)}
+    return {int(r[0]) for r in connection.execute(cached_text(_CANCEL_ROWS), params)}
