@@ -58,10 +58,9 @@ from typing import Any
 import psycopg
 from sqlalchemy import Connection, text
 
-from . import sanitize
+from . import sanitize, store
 from .handlers import Breaker
 from .policy import Verdict
-from .settings import DESTINATION_EPISODE_GAP_SECONDS
 
 # Claims of the row that made a call (or may have): its attempts plus the probes refunded.
 _CALLS = """
@@ -77,88 +76,6 @@ def refunds_so_far(conn: psycopg.Connection[Any], *, row_id: int, attempts: int)
     return max(0, int(row[0]) - attempts) if row else 0
 
 
-# A "not processed" outcome while closed: counted, and the breaker opens at the threshold. One
-# statement, so that two workers counting at once cannot both miss the threshold.
-_WINDOW_OPEN = "d.breaker_window_at > now() - %(window)s * interval '1 second'"
-_NEW_COUNT = f"(CASE WHEN {_WINDOW_OPEN} THEN d.breaker_failures + 1 ELSE 1 END)"
-_TRIPS_AT_ONE = "1 >= %(threshold)s"
-# A trip that follows a close by less than the gap continues that episode (one alert for a
-# flapping provider).
-_EPISODE_GAP = f"interval '{DESTINATION_EPISODE_GAP_SECONDS} seconds'"
-_COUNT = f"""
-INSERT INTO outbox_destination AS d (destination, breaker_failures, breaker_window_at, breaker_opened_at,
-                                     breaker_open_until, breaker_open_seconds, breaker_reason,
-                                     breaker_trips, breaker_since)
-VALUES (%(destination)s, 1, now(),
-        CASE WHEN {_TRIPS_AT_ONE} THEN now() END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN now() + %(open)s * interval '1 second' END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN CAST(%(open)s AS float8) END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN %(reason)s END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN 1 ELSE 0 END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN now() END)
-ON CONFLICT (destination) DO UPDATE
-SET breaker_failures = {_NEW_COUNT},
-    breaker_window_at = CASE WHEN {_WINDOW_OPEN} THEN d.breaker_window_at ELSE now() END,
-    breaker_opened_at = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN now() END,
-    breaker_open_until = CASE WHEN {_NEW_COUNT} >= %(threshold)s
-                              THEN now() + %(open)s * interval '1 second' END,
-    breaker_open_seconds = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN %(open)s END,
-    breaker_probes = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN 0 ELSE d.breaker_probes END,
-    breaker_probe_token = NULL,
-    breaker_probe_until = NULL,
-    breaker_reason = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN %(reason)s ELSE d.breaker_reason END,
-    breaker_trips = d.breaker_trips + CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN 1 ELSE 0 END,
-    breaker_since = CASE WHEN {_NEW_COUNT} < %(threshold)s THEN d.breaker_since
-                         WHEN d.breaker_closed_at > now() - {_EPISODE_GAP} AND d.breaker_since IS NOT NULL
-                         THEN d.breaker_since ELSE now() END
-WHERE d.breaker_opened_at IS NULL
-RETURNING breaker_opened_at IS NOT NULL AS tripped, breaker_failures
-"""
-
-_RESET = """
-UPDATE outbox_destination
-SET breaker_failures = 0, breaker_window_at = NULL
-WHERE destination = %(destination)s AND breaker_opened_at IS NULL AND breaker_failures > 0
-"""
-
-# The probe's outcome, only while this claim still holds the probe: closed, or open again for
-# `%(factor)s` times as long as before (at most `%(max)s`).
-_SETTLE_PROBE = """
-UPDATE outbox_destination
-SET breaker_opened_at = CASE WHEN %(close)s THEN NULL ELSE breaker_opened_at END,
-    breaker_open_until = CASE WHEN %(close)s THEN NULL
-        ELSE now() + LEAST(breaker_open_seconds * %(factor)s, %(max)s) * interval '1 second' END,
-    breaker_open_seconds = CASE WHEN %(close)s THEN NULL
-        ELSE LEAST(breaker_open_seconds * %(factor)s, %(max)s) END,
-    breaker_closed_at = CASE WHEN %(close)s THEN now() ELSE breaker_closed_at END,
-    breaker_failures = 0,
-    breaker_window_at = NULL,
-    breaker_reason = CASE WHEN %(close)s THEN breaker_reason ELSE %(reason)s END,
-    breaker_probe_token = NULL,
-    breaker_probe_until = NULL
-WHERE destination = %(destination)s AND breaker_probe_token = %(token)s AND breaker_opened_at IS NOT NULL
-RETURNING breaker_opened_at IS NULL AS closed, breaker_open_seconds
-"""
-
-# Closed by hand (`outbox resume`, or a deploy without a breaker): that also ends the episode
-# (breaker_since), so a trip right after it is a new one, alerted again.
-_CLOSE_SET = """
-SET breaker_opened_at = NULL, breaker_open_until = NULL, breaker_open_seconds = NULL,
-    breaker_probe_token = NULL, breaker_probe_until = NULL, breaker_failures = 0,
-    breaker_window_at = NULL, breaker_closed_at = now(), breaker_since = NULL
-"""
-_CLOSE = f"""
-UPDATE outbox_destination {_CLOSE_SET}
-WHERE destination = %(destination)s AND breaker_opened_at IS NOT NULL
-RETURNING destination
-"""
-#: For ``outbox resume`` (SQLAlchemy): closes the breaker too.
-CLOSE_SQL = text(
-    f"UPDATE outbox_destination {_CLOSE_SET} WHERE destination = :destination "
-    "AND breaker_opened_at IS NOT NULL RETURNING breaker_opened_at"
-)
-
-
 def _reason(text_: str) -> str:
     return sanitize.clean_text(text_, max_chars=500)
 
@@ -167,8 +84,8 @@ def count_not_processed(
     conn: psycopg.Connection[Any], destination: str, breaker: Breaker, *, reason: str
 ) -> bool:
     """Count a "not processed" outcome of a closed breaker; True when it tripped the breaker."""
-    row = conn.execute(
-        _COUNT,
+    row = store.delivery.count_breaker_failure(
+        conn,
         {
             "destination": destination,
             "threshold": breaker.failures,
@@ -176,13 +93,13 @@ def count_not_processed(
             "open": float(breaker.open_seconds),
             "reason": _reason(reason),
         },
-    ).fetchone()
+    )
     return bool(row and row[0])
 
 
 def reset(conn: psycopg.Connection[Any], destination: str) -> None:
     """A processed outcome: the consecutive count starts again."""
-    conn.execute(_RESET, {"destination": destination})
+    store.delivery.reset_breaker(conn, destination)
 
 
 @dataclass(frozen=True)
@@ -203,8 +120,8 @@ def settle_probe(
 ) -> ProbeResult | None:
     """The probe's verdict; None when this claim no longer holds the probe (its lease ended and
     another claim took it, or an operator closed the breaker)."""
-    row = conn.execute(
-        _SETTLE_PROBE,
+    row = store.delivery.settle_breaker_probe(
+        conn,
         {
             "destination": destination,
             "token": token,
@@ -213,25 +130,18 @@ def settle_probe(
             "max": float(breaker.max_open_seconds),
             "reason": _reason(reason),
         },
-    ).fetchone()
+    )
     return ProbeResult(bool(row[0]), row[1]) if row else None
-
-
-_FREE_PROBE = """
-UPDATE outbox_destination
-SET breaker_probe_token = NULL, breaker_probe_until = NULL
-WHERE destination = %(destination)s AND breaker_probe_token = %(token)s
-"""
 
 
 def free_probe(conn: psycopg.Connection[Any], destination: str, *, token: uuid.UUID) -> None:
     """The probe made no call (its row failed before it: deadline passed): the next claim probes."""
-    conn.execute(_FREE_PROBE, {"destination": destination, "token": token})
+    store.delivery.free_breaker_probe(conn, destination, token=token)
 
 
 def close(conn: psycopg.Connection[Any], destination: str) -> bool:
     """Close an open breaker: its handler no longer declares one (a deploy turned it off)."""
-    return conn.execute(_CLOSE, {"destination": destination}).fetchone() is not None
+    return store.delivery.close_breaker(conn, destination)
 
 
 @dataclass(frozen=True)

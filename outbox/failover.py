@@ -30,6 +30,7 @@ from typing import Any
 
 import psycopg
 
+from . import store
 from .db import connect_raw
 from .sanitize import clean_text
 
@@ -97,41 +98,6 @@ def read_identity(conn: psycopg.Connection[Any]) -> tuple[Identity, list[str]]:
     return Identity(str(sysid) if sysid is not None else None, timeline), problems
 
 
-# The first process records the identity; a value that was unreadable before and is readable now
-# is filled in. The row is written only then, not at every check.
-_RECORD = """
-WITH ins AS (
-    INSERT INTO outbox_db_identity AS i (id, system_identifier, timeline, recorded_by, note)
-    VALUES (1, %(sysid)s, %(timeline)s, %(by)s, 'first recorded')
-    ON CONFLICT (id) DO UPDATE
-    SET system_identifier = COALESCE(i.system_identifier, EXCLUDED.system_identifier),
-        timeline = COALESCE(i.timeline, EXCLUDED.timeline)
-    WHERE (i.system_identifier IS NULL AND EXCLUDED.system_identifier IS NOT NULL)
-       OR (i.timeline IS NULL AND EXCLUDED.timeline IS NOT NULL)
-    RETURNING system_identifier, timeline
-)
-SELECT system_identifier, timeline FROM ins
-UNION ALL
-SELECT system_identifier, timeline FROM outbox_db_identity
-WHERE id = 1 AND NOT EXISTS (SELECT 1 FROM ins)
-"""
-
-_MISMATCH_SEEN = """
-UPDATE outbox_db_identity
-SET mismatch_seen_at = COALESCE(mismatch_seen_at, now()), mismatch = %(mismatch)s
-WHERE id = 1 AND mismatch IS DISTINCT FROM %(mismatch)s
-"""
-
-_ACCEPT = """
-INSERT INTO outbox_db_identity AS i (id, system_identifier, timeline, recorded_by, note)
-VALUES (1, %(sysid)s, %(timeline)s, %(by)s, %(note)s)
-ON CONFLICT (id) DO UPDATE
-SET system_identifier = EXCLUDED.system_identifier, timeline = EXCLUDED.timeline,
-    recorded_at = now(), recorded_by = EXCLUDED.recorded_by, note = EXCLUDED.note,
-    mismatch_seen_at = NULL, mismatch = NULL
-RETURNING recorded_at
-"""
-
 _SHOW = """
 SELECT system_identifier, timeline, recorded_at, recorded_by, note, mismatch_seen_at, mismatch
 FROM outbox_db_identity WHERE id = 1
@@ -168,13 +134,13 @@ def check(conn: psycopg.Connection[Any], *, process: str) -> Verdict:
             unavailable=True,
         )
     params = {"sysid": current.system_identifier, "timeline": current.timeline, "by": process}
-    row = conn.execute(_RECORD, params).fetchone()
+    row = store.processes.record_identity(conn, params)
     if row is None:
         # Another process recorded the row first, on an empty table (the relay, a worker and the
         # reconciler starting together): our INSERT waited for its commit and conflicted, but the
         # statement's snapshot predates that commit, so its SELECT saw no row. A new statement
         # sees it.
-        row = conn.execute(_RECORD, params).fetchone()
+        row = store.processes.record_identity(conn, params)
     if row is None:
         raise psycopg.OperationalError("the database identity row could not be read or recorded")
     recorded = Identity(row[0], row[1])
@@ -183,7 +149,7 @@ def check(conn: psycopg.Connection[Any], *, process: str) -> Verdict:
         partial = f" ({'; '.join(problems)})" if problems else ""
         return Verdict(True, current, recorded, f"database identity unchanged: {current.describe()}{partial}")
     mismatch = "; ".join(changes)
-    conn.execute(_MISMATCH_SEEN, {"mismatch": mismatch})
+    store.processes.note_identity_mismatch(conn, mismatch)
     return Verdict(
         False,
         current,
@@ -202,9 +168,8 @@ def accept(conn: psycopg.Connection[Any], *, reason: str, by: str) -> tuple[Iden
     previous_row = conn.execute(_SHOW).fetchone()
     previous = Identity(previous_row[0], previous_row[1]) if previous_row else None
     current, _ = read_identity(conn)
-    conn.execute(
-        _ACCEPT,
-        {"sysid": current.system_identifier, "timeline": current.timeline, "by": by, "note": reason},
+    store.operator.accept_identity(
+        conn, {"sysid": current.system_identifier, "timeline": current.timeline, "by": by, "note": reason}
     )
     return current, previous
 

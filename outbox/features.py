@@ -36,6 +36,7 @@ from typing import Any
 import sqlalchemy.exc
 from sqlalchemy import Connection, Engine, text
 
+from . import store
 from .exceptions import ConfigError, FeatureNotEnabled, FeatureRefused
 
 # outbox.write imports this module for :func:`refusal`: the heartbeat's and the migrations'
@@ -211,13 +212,9 @@ def enable(
         if blocking:
             _lower_floor(conn, feature)
         else:
-            row = conn.execute(
-                text(
-                    "INSERT INTO outbox_feature (name, needs_code, enabled_by, reason) "
-                    "VALUES (:n, :needs, :by, :reason) RETURNING enabled_at, enabled_by, reason"
-                ),
-                {"n": name, "needs": feature.needs_code, "by": by, "reason": reason},
-            ).one()
+            row = store.operator.enable_feature(
+                conn, name=name, needs_code=feature.needs_code, by=by, reason=reason
+            )
     if blocking:
         raise FeatureRefused(name, blocking)
     return FeatureState(feature, row.enabled_at, row.enabled_by, row.reason, ())
@@ -231,21 +228,11 @@ def _enabled(conn: Connection, feature: Feature) -> FeatureState | None:
 
 
 def _raise_floor(conn: Connection, feature: Feature) -> None:
-    from .migrate import FLOOR_TABLE
-
-    conn.execute(
-        text(
-            f"INSERT INTO {FLOOR_TABLE} (migration, needs_code) VALUES (:m, :c) "
-            "ON CONFLICT (migration) DO UPDATE SET needs_code = excluded.needs_code"
-        ),
-        {"m": f"feature:{feature.name}", "c": feature.needs_code},
-    )
+    store.operator.set_floor(conn, f"feature:{feature.name}", needs_code=feature.needs_code)
 
 
 def _lower_floor(conn: Connection, feature: Feature) -> None:
-    from .migrate import FLOOR_TABLE
-
-    conn.execute(text(f"DELETE FROM {FLOOR_TABLE} WHERE migration = :m"), {"m": f"feature:{feature.name}"})
+    store.operator.drop_floor(conn, f"feature:{feature.name}")
 
 
 @contextlib.contextmanager

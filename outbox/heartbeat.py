@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 
+from . import store
 from .db import connect_raw
 from .logs import first_line
 from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
@@ -44,23 +45,6 @@ LIVE = (
     "stopped_at IS NULL AND last_seen_at > now() - "
     f"(interval_seconds * {LIVE_INTERVALS} + {LIVE_SLACK_SECONDS}) * interval '1 second'"
 )
-
-_BEAT = """
-INSERT INTO outbox_process AS p
-    (id, kind, hostname, pid, queues, interval_seconds, started_at, last_seen_at, process_clock,
-     schema_oldest, schema_newest)
-VALUES (%(id)s, %(kind)s, %(hostname)s, %(pid)s, %(queues)s, %(interval)s,
-        clock_timestamp(), clock_timestamp(), %(clock)s, %(schema_oldest)s, %(schema_newest)s)
-ON CONFLICT (id) DO UPDATE
-SET last_seen_at = clock_timestamp(), process_clock = EXCLUDED.process_clock,
-    queues = EXCLUDED.queues, interval_seconds = EXCLUDED.interval_seconds, stopped_at = NULL
-"""
-
-_STOP = """
-UPDATE outbox_process
-SET stopped_at = clock_timestamp(), last_seen_at = clock_timestamp(), process_clock = %(clock)s
-WHERE id = %(id)s
-"""
 
 # Rows waiting (pending or dispatched) per destination that no live worker serves. `since` is
 # when a worker serving it was last heard from, else when its oldest waiting row was written.
@@ -195,8 +179,8 @@ class Heartbeat:
 
     def beat(self) -> None:
         """One beat; raises psycopg errors (the thread logs them)."""
-        self._connection().execute(
-            _BEAT,
+        store.processes.beat(
+            self._connection(),
             {
                 "id": self.id,
                 "kind": self.kind,
@@ -243,7 +227,7 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(10)
         try:
-            self._connection().execute(_STOP, {"id": self.id, "clock": self.clock()})
+            store.processes.stopped(self._connection(), process_id=self.id, clock=self.clock())
         except psycopg.Error as exc:
             logger.warning(
                 "cannot mark the process stopped (%s); it goes stale instead",

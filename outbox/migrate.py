@@ -17,7 +17,7 @@ from sqlalchemy import Connection, Engine, text
 
 from .exceptions import NotMigrated
 from .logs import first_line
-from .schema import VERSION_TABLE
+from .schema import FLOOR_TABLE, VERSION_TABLE
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,6 @@ def current_revision(connection: Connection) -> str | None:
 #: 0022 the heartbeat's schema range and ``outbox_feature`` (outbox.features), which every
 #: process's beat writes and ``write`` relies on to refuse a feature an older process would break.
 SCHEMA_OLDEST = "0022"
-
-#: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``): the
-#: oldest code, named by the newest revision it knows, that may still run on the database.
-FLOOR_TABLE = "outbox_schema_floor"
 
 #: Advisory lock serialising concurrent migrations: held for the session by :func:`upgrade`, for
 #: the transaction by env.py (which also serves a plain ``alembic`` run).

@@ -27,23 +27,11 @@ from typing import Any
 import psycopg
 from sqlalchemy import Connection, text
 
-from . import sanitize
-from .breaker import CLOSE_SQL
+from . import sanitize, store
 from .exceptions import ConfigError
-from .settings import DESTINATION_EPISODE_GAP_SECONDS
 
 #: A pause's reason is kept whole up to this length.
 REASON_CHARS = 2000
-
-# The episode's start: kept while paused, or after a pause that ran out by itself less than
-# DESTINATION_EPISODE_GAP_SECONDS ago, so that a chain of short Retry-After holds is one episode,
-# alerted once (attack on issue 13, F3); resume sets resumed_at to the end it gives, which ends
-# the episode.
-_EPISODE_START = (
-    f"CASE WHEN d.paused_until > now() OR (d.paused_until > now() - interval "
-    f"'{DESTINATION_EPISODE_GAP_SECONDS} seconds' AND d.resumed_at IS DISTINCT FROM d.paused_until) "
-    "THEN d.paused_at ELSE now() END"
-)
 
 # Why a claim of the destination's rows was refused, if it was held back at all.
 _HELD_REASON = """
@@ -56,34 +44,6 @@ SELECT CASE
 END
 FROM outbox_destination WHERE destination = %(destination)s
 """
-
-_PAUSE = text(
-    f"""
-    INSERT INTO outbox_destination AS d (destination, paused_until, paused_at, paused_by, pause_reason)
-    VALUES (:destination,
-            COALESCE(CAST(:until AS timestamptz),
-                     now() + CAST(:seconds AS float8) * interval '1 second',
-                     'infinity'),
-            now(), :by, :reason)
-    ON CONFLICT (destination) DO UPDATE
-    SET paused_until = EXCLUDED.paused_until,
-        -- A pause of a paused destination changes its end and reason, not when it began.
-        paused_at = {_EPISODE_START},
-        paused_by = EXCLUDED.paused_by,
-        pause_reason = EXCLUDED.pause_reason
-    RETURNING destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by,
-              pause_reason
-    """
-)
-
-_RESUME = text(
-    """
-    UPDATE outbox_destination
-    SET paused_until = now(), resumed_at = now(), resumed_by = :by
-    WHERE destination = :destination AND paused_until > now()
-    RETURNING destination, paused_at, paused_by, pause_reason
-    """
-)
 
 _PAUSED = text(
     """
@@ -159,7 +119,7 @@ def pause(
         "by": by,
         "reason": reason_text,
     }
-    return _pause(connection.execute(_PAUSE, params).one())
+    return _pause(store.operator.pause_destination(connection, params))
 
 
 @dataclass(frozen=True)
@@ -173,11 +133,10 @@ class Resumed:
 def resume(connection: Connection, destination: str, *, by: str) -> Resumed:
     """End the pause of ``destination`` and close its breaker (outbox.breaker), whichever holds
     it back. The caller commits."""
-    row = connection.execute(_RESUME, {"destination": destination, "by": by}).first()
+    row, closed = store.operator.resume_destination(connection, destination, by=by)
     ended = None
     if row is not None:
         ended = Pause(row.destination, None, row.paused_at, row.paused_by, row.pause_reason)
-    closed = connection.execute(CLOSE_SQL, {"destination": destination}).first() is not None
     return Resumed(ended, closed)
 
 
@@ -208,21 +167,6 @@ def known_destinations(connection: Connection) -> set[str]:
     return {r[0] for r in connection.execute(_KNOWN).all()}
 
 
-# A worker's pause: only ever lengthens one (an operator's longer or indefinite pause, and its
-# reason, stay as they are).
-_HOLD = f"""
-INSERT INTO outbox_destination AS d (destination, paused_until, paused_at, paused_by, pause_reason)
-VALUES (%(destination)s, now() + %(seconds)s * interval '1 second', now(), %(by)s, %(reason)s)
-ON CONFLICT (destination) DO UPDATE
-SET paused_until = EXCLUDED.paused_until,
-    paused_at = {_EPISODE_START},
-    paused_by = EXCLUDED.paused_by,
-    pause_reason = EXCLUDED.pause_reason
-WHERE d.paused_until IS NULL OR d.paused_until < EXCLUDED.paused_until
-RETURNING destination
-"""
-
-
 def hold(conn: psycopg.Connection[Any], destination: str, *, seconds: float, by: str, reason: str) -> bool:
     """Pause ``destination`` for ``seconds`` from the database's now, unless it is paused longer
     already: a provider's ``Retry-After`` for every request (``retry_after_scope="destination"``).
@@ -233,4 +177,4 @@ def hold(conn: psycopg.Connection[Any], destination: str, *, seconds: float, by:
         "by": by,
         "reason": sanitize.clean_text(reason, max_chars=REASON_CHARS),
     }
-    return conn.execute(_HOLD, params).fetchone() is not None
+    return store.delivery.hold_destination(conn, params)

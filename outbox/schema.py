@@ -36,6 +36,10 @@ NOTIFY_CHANNEL = "outbox_message"
 #: Alembic keeps its revision in a table of its own so that it never collides with the
 #: application's own Alembic history in the same database.
 VERSION_TABLE = "outbox_alembic_version"
+#: Written by "contract" migrations (``outbox.migrations.helpers.require_code_from``) and by
+#: ``outbox features enable``: the oldest code, named by the newest revision it knows, that may
+#: still run on the database.
+FLOOR_TABLE = "outbox_schema_floor"
 
 metadata = MetaData()
 

@@ -31,7 +31,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .. import pauses, sanitize, states
+from .. import pauses, sanitize, states, store
 from ..exceptions import ConfigError, NotFound, OutboxError
 from ..handlers import Handler
 from ..ops import actions
@@ -877,17 +877,6 @@ def _no_nul(values: Any) -> None:
 
 
 _SESSION_ENDED = text("SELECT EXISTS (SELECT 1 FROM outbox_dashboard_session_end WHERE sid = :sid)")
-_END_SESSION = text(
-    """
-WITH gone AS (
-    -- A day past its expiry on the database's clock: the cookie's expiry is read on the app
-    -- host's, and a host clock behind must not bring a signed-out cookie back to life.
-    DELETE FROM outbox_dashboard_session_end WHERE expires_at < now() - interval '1 day'
-)
-INSERT INTO outbox_dashboard_session_end (sid, expires_at)
-VALUES (:sid, to_timestamp(:exp)) ON CONFLICT (sid) DO NOTHING
-"""
-)
 
 
 def _session_ended(conn: Any, sid: str) -> bool:
@@ -895,7 +884,7 @@ def _session_ended(conn: Any, sid: str) -> bool:
 
 
 def _end_session(conn: Any, sid: str, exp: float) -> None:
-    conn.execute(_END_SESSION, {"sid": sid, "exp": exp})
+    store.operator.end_dashboard_session(conn, sid=sid, expires_at_epoch=exp)
 
 
 class Stale(OutboxError):

@@ -14,7 +14,8 @@ application     the application: ``outbox.write``, ``outbox.cancel``, ``outbox.b
 relay           the relay (outbox.relay)
 delivery        the worker's delivery of one message (outbox.consumer)
 recovery        the reconciler's jobs (outbox.reconciler), and settlement (outbox.settlement)
-operator        the operator's commands and the dashboard (outbox.ops)
+operator        the operator's commands and the dashboard (outbox.ops, outbox.features, failover)
+processes       every process, about itself: its heartbeat, the database identity it checks
 sql             (what the statements share; no statement of its own)
 ==============  =============================================================================
 
@@ -59,6 +60,38 @@ statement                           move                            called by
 ``testing.clock.elapse``            (instants only)                 tests: time passes
 ==================================  ==============================  =============================
 
+The other tables: destinations, the key ledger, processes, features. Each is one statement too,
+guarded where two writers may meet (a breaker's count and its probe, an episode marked once).
+
+======================================  ==================================  ================================
+statement                               writes                              called by
+======================================  ==================================  ================================
+``delivery.count_breaker_failure``      ``outbox_destination`` (a breaker)  consumer (outbox.breaker)
+``delivery.reset_breaker``              ``outbox_destination`` (a breaker)  consumer (outbox.breaker)
+``delivery.settle_breaker_probe``       ``outbox_destination`` (a breaker)  consumer (outbox.breaker)
+``delivery.free_breaker_probe``         ``outbox_destination`` (a breaker)  consumer (outbox.breaker)
+``delivery.close_breaker``              ``outbox_destination`` (a breaker)  consumer (outbox.breaker)
+``delivery.hold_destination``           ``outbox_destination`` (a pause)    consumer (outbox.pauses)
+``operator.pause_destination``          ``outbox_destination`` (a pause)    ``outbox pause``
+``operator.resume_destination``         ``outbox_destination``              ``outbox resume``
+``recovery.mark_destination_alerted``   ``outbox_destination`` (alerted)    reconciler (held)
+``recovery.clear_destination_alert``    ``outbox_destination`` (alerted)    reconciler (held)
+``recovery.drop_ledger``                ``outbox_key_ledger``               reconciler (purge)
+``recovery.count_no_consumer_episode``  ``outbox_no_consumer``              reconciler (no_consumer)
+``recovery.end_no_consumer_episodes``   ``outbox_no_consumer``              reconciler (no_consumer)
+``recovery.mark_no_consumer_alerted``   ``outbox_no_consumer``              reconciler (no_consumer)
+``recovery.purge_heartbeats``           ``outbox_process``                  reconciler (no_consumer)
+``processes.beat``                      ``outbox_process``                  every process (outbox.heartbeat)
+``processes.stopped``                   ``outbox_process``                  every process (outbox.heartbeat)
+``processes.record_identity``           ``outbox_db_identity``              every process (outbox.failover)
+``processes.note_identity_mismatch``    ``outbox_db_identity``              every process (outbox.failover)
+``operator.accept_identity``            ``outbox_db_identity``              ``outbox failover --accept``
+``operator.enable_feature``             ``outbox_feature``                  ``outbox features enable``
+``operator.set_floor``                  ``outbox_schema_floor``             ``outbox features enable``
+``operator.drop_floor``                 ``outbox_schema_floor``             ``outbox features enable``
+``operator.end_dashboard_session``      ``outbox_dashboard_session_end``    the dashboard's sign-out
+======================================  ==================================  ================================
+
 Connections: the application's moves take the caller's SQLAlchemy ``Session``/``Connection``
 (the caller owns the transaction: nothing here commits), as do the operator's; the relay's,
 the consumer's and the reconciler's take psycopg connections, in autocommit mode unless said.
@@ -68,6 +101,6 @@ Python passes intervals (a lease, a backoff, a wait before the first lookup), ne
 of its own; only the application's own ``available_at``/``deadline`` come from outside.
 """
 
-from . import application, delivery, operator, recovery, relay, sql
+from . import application, delivery, operator, processes, recovery, relay, sql
 
-__all__ = ["application", "delivery", "operator", "recovery", "relay", "sql"]
+__all__ = ["application", "delivery", "operator", "processes", "recovery", "relay", "sql"]

@@ -7,6 +7,7 @@ The path the worker runs today; issue 32 rebuilds the delivery path here, in its
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -15,8 +16,11 @@ import psycopg
 
 from .. import chains, db, ordering, outcomes, sanitize
 from ..schema import NOTIFY_CHANNEL
+from ..settings import DESTINATION_EPISODE_GAP_SECONDS
 from .sql import (
+    BREAKER_CLOSE_SET,
     DUE_SQL,
+    EPISODE_START_SQL,
     NEW_STATE_SQL,
     PAST_DEADLINE_SQL,
     Recorded,
@@ -510,3 +514,132 @@ def fail_unhandled(conn: psycopg.Connection[Any], *, row_id: int, error: str) ->
     """``pending``/``dispatched`` -> ``failed``: no handler in this deploy knows its destination."""
     params = {"id": row_id, "error": sanitize.clean_text(error)}
     return conn.execute(_FAIL_UNHANDLED, params).fetchone() is not None
+
+
+# == the destination (outbox_destination): the breaker's count and probe, a Retry-After hold ======
+
+# A "not processed" outcome while closed: counted, and the breaker opens at the threshold. One
+# statement, so that two workers counting at once cannot both miss the threshold.
+_WINDOW_OPEN = "d.breaker_window_at > now() - %(window)s * interval '1 second'"
+_NEW_COUNT = f"(CASE WHEN {_WINDOW_OPEN} THEN d.breaker_failures + 1 ELSE 1 END)"
+_TRIPS_AT_ONE = "1 >= %(threshold)s"
+# A trip that follows a close by less than the gap continues that episode (one alert for a
+# flapping provider).
+_EPISODE_GAP = f"interval '{DESTINATION_EPISODE_GAP_SECONDS} seconds'"
+_COUNT = f"""
+INSERT INTO outbox_destination AS d (destination, breaker_failures, breaker_window_at, breaker_opened_at,
+                                     breaker_open_until, breaker_open_seconds, breaker_reason,
+                                     breaker_trips, breaker_since)
+VALUES (%(destination)s, 1, now(),
+        CASE WHEN {_TRIPS_AT_ONE} THEN now() END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN now() + %(open)s * interval '1 second' END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN CAST(%(open)s AS float8) END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN %(reason)s END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN 1 ELSE 0 END,
+        CASE WHEN {_TRIPS_AT_ONE} THEN now() END)
+ON CONFLICT (destination) DO UPDATE
+SET breaker_failures = {_NEW_COUNT},
+    breaker_window_at = CASE WHEN {_WINDOW_OPEN} THEN d.breaker_window_at ELSE now() END,
+    breaker_opened_at = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN now() END,
+    breaker_open_until = CASE WHEN {_NEW_COUNT} >= %(threshold)s
+                              THEN now() + %(open)s * interval '1 second' END,
+    breaker_open_seconds = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN %(open)s END,
+    breaker_probes = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN 0 ELSE d.breaker_probes END,
+    breaker_probe_token = NULL,
+    breaker_probe_until = NULL,
+    breaker_reason = CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN %(reason)s ELSE d.breaker_reason END,
+    breaker_trips = d.breaker_trips + CASE WHEN {_NEW_COUNT} >= %(threshold)s THEN 1 ELSE 0 END,
+    breaker_since = CASE WHEN {_NEW_COUNT} < %(threshold)s THEN d.breaker_since
+                         WHEN d.breaker_closed_at > now() - {_EPISODE_GAP} AND d.breaker_since IS NOT NULL
+                         THEN d.breaker_since ELSE now() END
+WHERE d.breaker_opened_at IS NULL
+RETURNING breaker_opened_at IS NOT NULL AS tripped, breaker_failures
+"""
+
+_RESET = """
+UPDATE outbox_destination
+SET breaker_failures = 0, breaker_window_at = NULL
+WHERE destination = %(destination)s AND breaker_opened_at IS NULL AND breaker_failures > 0
+"""
+
+
+def count_breaker_failure(conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> Any:
+    """A "not processed" outcome of a closed breaker (outbox.breaker.count_not_processed): the
+    row ``(tripped, failures)``, or None while the breaker is open."""
+    return conn.execute(_COUNT, params).fetchone()
+
+
+def reset_breaker(conn: psycopg.Connection[Any], destination: str) -> None:
+    """A processed outcome: the consecutive count starts again."""
+    conn.execute(_RESET, {"destination": destination})
+
+
+# The probe's outcome, only while this claim still holds the probe: closed, or open again for
+# `%(factor)s` times as long as before (at most `%(max)s`).
+_SETTLE_PROBE = """
+UPDATE outbox_destination
+SET breaker_opened_at = CASE WHEN %(close)s THEN NULL ELSE breaker_opened_at END,
+    breaker_open_until = CASE WHEN %(close)s THEN NULL
+        ELSE now() + LEAST(breaker_open_seconds * %(factor)s, %(max)s) * interval '1 second' END,
+    breaker_open_seconds = CASE WHEN %(close)s THEN NULL
+        ELSE LEAST(breaker_open_seconds * %(factor)s, %(max)s) END,
+    breaker_closed_at = CASE WHEN %(close)s THEN now() ELSE breaker_closed_at END,
+    breaker_failures = 0,
+    breaker_window_at = NULL,
+    breaker_reason = CASE WHEN %(close)s THEN breaker_reason ELSE %(reason)s END,
+    breaker_probe_token = NULL,
+    breaker_probe_until = NULL
+WHERE destination = %(destination)s AND breaker_probe_token = %(token)s AND breaker_opened_at IS NOT NULL
+RETURNING breaker_opened_at IS NULL AS closed, breaker_open_seconds
+"""
+
+
+def settle_breaker_probe(conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> Any:
+    """The probe's verdict (outbox.breaker.settle_probe): the row ``(closed, open_seconds)``, or
+    None when this claim no longer holds the probe."""
+    return conn.execute(_SETTLE_PROBE, params).fetchone()
+
+
+_FREE_PROBE = """
+UPDATE outbox_destination
+SET breaker_probe_token = NULL, breaker_probe_until = NULL
+WHERE destination = %(destination)s AND breaker_probe_token = %(token)s
+"""
+
+
+def free_breaker_probe(conn: psycopg.Connection[Any], destination: str, *, token: uuid.UUID) -> None:
+    """The probe made no call: the next claim probes."""
+    conn.execute(_FREE_PROBE, {"destination": destination, "token": token})
+
+
+_CLOSE = f"""
+UPDATE outbox_destination {BREAKER_CLOSE_SET}
+WHERE destination = %(destination)s AND breaker_opened_at IS NOT NULL
+RETURNING destination
+"""
+
+
+def close_breaker(conn: psycopg.Connection[Any], destination: str) -> bool:
+    """Close an open breaker whose handler no longer declares one; True when it was open."""
+    return conn.execute(_CLOSE, {"destination": destination}).fetchone() is not None
+
+
+# A worker's pause: only ever lengthens one (an operator's longer or indefinite pause, and its
+# reason, stay as they are).
+_HOLD = f"""
+INSERT INTO outbox_destination AS d (destination, paused_until, paused_at, paused_by, pause_reason)
+VALUES (%(destination)s, now() + %(seconds)s * interval '1 second', now(), %(by)s, %(reason)s)
+ON CONFLICT (destination) DO UPDATE
+SET paused_until = EXCLUDED.paused_until,
+    paused_at = {EPISODE_START_SQL},
+    paused_by = EXCLUDED.paused_by,
+    pause_reason = EXCLUDED.pause_reason
+WHERE d.paused_until IS NULL OR d.paused_until < EXCLUDED.paused_until
+RETURNING destination
+"""
+
+
+def hold_destination(conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> bool:
+    """A worker's pause for a provider's Retry-After (outbox.pauses.hold): True when it set or
+    lengthened the pause."""
+    return conn.execute(_HOLD, params).fetchone() is not None

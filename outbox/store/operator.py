@@ -9,9 +9,19 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from sqlalchemy import text
 
 from .. import chains, ordering, outcomes
-from .sql import cached_text, follow_sql, for_sqlalchemy, problem_sql, stored
+from ..schema import FLOOR_TABLE
+from .sql import (
+    BREAKER_CLOSE_SET,
+    EPISODE_START_SQL,
+    cached_text,
+    follow_sql,
+    for_sqlalchemy,
+    problem_sql,
+    stored,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -331,3 +341,123 @@ def cancel_rows(
     taken effect (:data:`CANCELLABLE_SQL`); the ids that moved."""
     params = {**history, "error": error, "ids": list(ids)}
     return {int(r[0]) for r in connection.execute(cached_text(_CANCEL_ROWS), params)}
+
+
+# == destinations (outbox_destination): pause and resume ===========================================
+
+_PAUSE = text(
+    f"""
+    INSERT INTO outbox_destination AS d (destination, paused_until, paused_at, paused_by, pause_reason)
+    VALUES (:destination,
+            COALESCE(CAST(:until AS timestamptz),
+                     now() + CAST(:seconds AS float8) * interval '1 second',
+                     'infinity'),
+            now(), :by, :reason)
+    ON CONFLICT (destination) DO UPDATE
+    SET paused_until = EXCLUDED.paused_until,
+        -- A pause of a paused destination changes its end and reason, not when it began.
+        paused_at = {EPISODE_START_SQL},
+        paused_by = EXCLUDED.paused_by,
+        pause_reason = EXCLUDED.pause_reason
+    RETURNING destination, NULLIF(paused_until, 'infinity') AS paused_until, paused_at, paused_by,
+              pause_reason
+    """
+)
+
+_RESUME = text(
+    """
+    UPDATE outbox_destination
+    SET paused_until = now(), resumed_at = now(), resumed_by = :by
+    WHERE destination = :destination AND paused_until > now()
+    RETURNING destination, paused_at, paused_by, pause_reason
+    """
+)
+
+
+# `outbox resume` closes the breaker too.
+_CLOSE_BREAKER = text(
+    f"UPDATE outbox_destination {BREAKER_CLOSE_SET} WHERE destination = :destination "
+    "AND breaker_opened_at IS NOT NULL RETURNING breaker_opened_at"
+)
+
+
+def pause_destination(connection: Connection, params: Mapping[str, Any]) -> Any:
+    """``outbox pause`` (outbox.pauses.pause): the destination's row as paused."""
+    return connection.execute(_PAUSE, params).one()
+
+
+def resume_destination(connection: Connection, destination: str, *, by: str) -> tuple[Any, bool]:
+    """``outbox resume`` (outbox.pauses.resume): the pause it ended (None: not paused), and
+    whether it closed an open breaker."""
+    row = connection.execute(_RESUME, {"destination": destination, "by": by}).first()
+    closed = connection.execute(_CLOSE_BREAKER, {"destination": destination}).first() is not None
+    return row, closed
+
+
+# == the database identity (outbox_db_identity): `outbox failover --accept` ========================
+
+_ACCEPT = """
+INSERT INTO outbox_db_identity AS i (id, system_identifier, timeline, recorded_by, note)
+VALUES (1, %(sysid)s, %(timeline)s, %(by)s, %(note)s)
+ON CONFLICT (id) DO UPDATE
+SET system_identifier = EXCLUDED.system_identifier, timeline = EXCLUDED.timeline,
+    recorded_at = now(), recorded_by = EXCLUDED.recorded_by, note = EXCLUDED.note,
+    mismatch_seen_at = NULL, mismatch = NULL
+RETURNING recorded_at
+"""
+
+
+def accept_identity(conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> None:
+    """``outbox failover --accept``: the server's identity is the one to run on from now."""
+    conn.execute(_ACCEPT, params)
+
+
+# == features (outbox_feature) and the floor they raise: `outbox features enable` =================
+
+
+def enable_feature(connection: Connection, *, name: str, needs_code: str, by: str, reason: str | None) -> Any:
+    """The feature's row (outbox.features.enable, under its table lock): ``(enabled_at,
+    enabled_by, reason)``."""
+    return connection.execute(
+        text(
+            "INSERT INTO outbox_feature (name, needs_code, enabled_by, reason) "
+            "VALUES (:n, :needs, :by, :reason) RETURNING enabled_at, enabled_by, reason"
+        ),
+        {"n": name, "needs": needs_code, "by": by, "reason": reason},
+    ).one()
+
+
+def set_floor(connection: Connection, migration: str, *, needs_code: str) -> None:
+    """A floor (``outbox_schema_floor``): processes of code older than ``needs_code`` refuse to
+    start (outbox.migrate)."""
+    connection.execute(
+        text(
+            f"INSERT INTO {FLOOR_TABLE} (migration, needs_code) VALUES (:m, :c) "
+            "ON CONFLICT (migration) DO UPDATE SET needs_code = excluded.needs_code"
+        ),
+        {"m": migration, "c": needs_code},
+    )
+
+
+def drop_floor(connection: Connection, migration: str) -> None:
+    connection.execute(text(f"DELETE FROM {FLOOR_TABLE} WHERE migration = :m"), {"m": migration})
+
+
+# == the dashboard's signed-out sessions (outbox_dashboard_session_end) ===========================
+
+_END_DASHBOARD_SESSION = text(
+    """
+WITH gone AS (
+    -- A day past its expiry on the database's clock: the cookie's expiry is read on the app
+    -- host's, and a host clock behind must not bring a signed-out cookie back to life.
+    DELETE FROM outbox_dashboard_session_end WHERE expires_at < now() - interval '1 day'
+)
+INSERT INTO outbox_dashboard_session_end (sid, expires_at)
+VALUES (:sid, to_timestamp(:exp)) ON CONFLICT (sid) DO NOTHING
+"""
+)
+
+
+def end_dashboard_session(connection: Any, *, sid: str, expires_at_epoch: float) -> None:
+    """A dashboard session signed out: its cookie is refused until it would have expired."""
+    connection.execute(_END_DASHBOARD_SESSION, {"sid": sid, "exp": expires_at_epoch})

@@ -659,3 +659,130 @@ def purge(conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int
 def mark_alerted(conn: psycopg.Connection[Any], *, row_id: int, state: str) -> bool:
     """A ``failed`` or ``unknown`` row was reported: not again until it changes."""
     return conn.execute(_MARK_ALERTED, {"id": row_id, "state": state}).fetchone() is not None
+
+
+# == destinations (outbox_destination): a held destination's alert, once per episode ==============
+
+# Marked only while it is still the episode that was read (a new pause or trip since has its
+# own start, and its own alert).
+_MARK_DESTINATION = {
+    "paused": """
+        UPDATE outbox_destination SET pause_alerted_at = now()
+        WHERE destination = %(d)s AND paused_at = %(since)s AND paused_until > now()
+        RETURNING destination""",
+    "breaker_open": """
+        UPDATE outbox_destination SET breaker_alerted_at = now()
+        WHERE destination = %(d)s AND COALESCE(breaker_since, breaker_opened_at) = %(since)s
+          AND breaker_opened_at IS NOT NULL
+        RETURNING destination""",
+}
+_CLEAR_DESTINATION = {
+    "paused": """
+        UPDATE outbox_destination SET pause_alerted_at = NULL
+        WHERE destination = %(d)s AND pause_alerted_at IS NOT NULL
+          AND NOT COALESCE(paused_until > now(), false)
+          -- Resumed, or run out longer ago than a new hold would still continue it.
+          AND (resumed_at = paused_until OR paused_until <= now() - %(gap)s * interval '1 second')
+        RETURNING destination""",
+    "breaker_open": """
+        UPDATE outbox_destination SET breaker_alerted_at = NULL
+        WHERE destination = %(d)s AND breaker_alerted_at IS NOT NULL AND breaker_opened_at IS NULL
+          AND (breaker_closed_at IS NULL OR breaker_closed_at <= now() - %(gap)s * interval '1 second')
+        RETURNING destination""",
+}
+
+
+def mark_destination_alerted(
+    conn: psycopg.Connection[Any], kind: str, destination: str, *, since: Any
+) -> bool:
+    """The ``kind`` episode (``paused``, ``breaker_open``) of ``destination`` that began at
+    ``since`` is alerted: False when another episode has begun since (it has its own alert)."""
+    return conn.execute(_MARK_DESTINATION[kind], {"d": destination, "since": since}).fetchone() is not None
+
+
+def clear_destination_alert(
+    conn: psycopg.Connection[Any], kind: str, destination: str, *, gap_seconds: float
+) -> bool:
+    """The ``kind`` episode of ``destination`` is over (resumed, closed, or run out more than
+    ``gap_seconds`` ago): its mark goes, so that the next episode is alerted. True when it went."""
+    return (
+        conn.execute(_CLEAR_DESTINATION[kind], {"d": destination, "gap": gap_seconds}).fetchone() is not None
+    )
+
+
+# == the key ledger (outbox_key_ledger): entries past the horizon ==================================
+
+# Batches along the completed_at index: each is a short transaction, and the drop keeps pace with
+# the purge (the job runs both) without one long DELETE holding locks or bloating at once.
+# A batch member's entry stays while its batch does (a batch is held past the horizon by its
+# then/catch row, e.g. one failed and waiting for a human): outbox.batch answers a retry of its
+# transaction with the old batch, whose members must then answer with their old rows.
+_DROP_LEDGER = """
+DELETE FROM outbox_key_ledger
+WHERE (key, step) IN (
+    SELECT l.key, l.step FROM outbox_key_ledger l
+    WHERE l.completed_at < now() - %(horizon)s * interval '1 second'
+      AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = l.batch_id)
+    ORDER BY l.completed_at
+    LIMIT %(limit)s
+)
+AND completed_at < now() - %(horizon)s * interval '1 second'
+AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = outbox_key_ledger.batch_id)
+"""
+
+
+def drop_ledger(conn: psycopg.Connection[Any], *, horizon_seconds: float, limit: int) -> int:
+    """Drop up to ``limit`` key-ledger entries older than ``horizon_seconds`` (never a batch
+    member's while its batch is kept): how many. After that, the key is new to ``write``."""
+    return conn.execute(_DROP_LEDGER, {"horizon": horizon_seconds, "limit": limit}).rowcount
+
+
+# == destinations without a consumer (outbox_no_consumer), and old heartbeats (outbox_process) ===
+
+# One episode row per destination without a consumer: inserted at the first cycle, counted up at
+# each next one; `since` is kept from the first cycle.
+_EPISODE = """
+INSERT INTO outbox_no_consumer AS e (destination, since, cycles, rows_waiting)
+VALUES (%(destination)s, %(since)s, 1, %(rows)s)
+ON CONFLICT (destination) DO UPDATE
+SET cycles = e.cycles + 1, rows_waiting = EXCLUDED.rows_waiting
+RETURNING cycles, alerted_at
+"""
+
+# A consumer appeared, or nothing waits any more: the episode is over, the next one alerts again.
+_END_EPISODES = """
+DELETE FROM outbox_no_consumer WHERE destination <> ALL(%(destinations)s) RETURNING destination
+"""
+
+_MARK_EPISODE_ALERTED = """
+UPDATE outbox_no_consumer SET alerted_at = now()
+WHERE destination = %(destination)s AND alerted_at IS NULL
+RETURNING destination
+"""
+
+_PURGE_HEARTBEATS = """
+DELETE FROM outbox_process WHERE last_seen_at < now() - %(retention)s * interval '1 second'
+"""
+
+
+def count_no_consumer_episode(
+    conn: psycopg.Connection[Any], destination: str, *, since: Any, rows_waiting: int
+) -> Any:
+    """One more cycle of ``destination``'s episode without a consumer: ``(cycles, alerted_at)``."""
+    params = {"destination": destination, "since": since, "rows": rows_waiting}
+    return conn.execute(_EPISODE, params).fetchone()
+
+
+def end_no_consumer_episodes(conn: psycopg.Connection[Any], *, keep: Sequence[str]) -> list[str]:
+    """End every episode but those of ``keep``: the destinations whose episode ended."""
+    return [r[0] for r in conn.execute(_END_EPISODES, {"destinations": list(keep)}).fetchall()]
+
+
+def mark_no_consumer_alerted(conn: psycopg.Connection[Any], destination: str) -> bool:
+    """The episode is alerted (once): False when another reconciler did it first."""
+    return conn.execute(_MARK_EPISODE_ALERTED, {"destination": destination}).fetchone() is not None
+
+
+def purge_heartbeats(conn: psycopg.Connection[Any], *, retention_seconds: float) -> int:
+    """Drop the heartbeats of processes not heard from for ``retention_seconds``: how many."""
+    return conn.execute(_PURGE_HEARTBEATS, {"retention": retention_seconds}).rowcount

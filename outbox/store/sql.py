@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import text
 
 from .. import chains, outcomes, sanitize
+from ..settings import DESTINATION_EPISODE_GAP_SECONDS
 
 
 @functools.cache
@@ -121,3 +122,25 @@ def for_sqlalchemy(sql: str) -> str:
     """psycopg's ``%(name)s`` placeholders as SQLAlchemy's ``:name``: the chain fragments
     (outbox.chains) serve both drivers."""
     return re.sub(r"%\((\w+)\)s", r":\1", sql)
+
+
+# == destinations (outbox_destination): pauses and the breaker ===================================
+
+# The episode's start: kept while paused, or after a pause that ran out by itself less than
+# DESTINATION_EPISODE_GAP_SECONDS ago, so that a chain of short Retry-After holds is one episode,
+# alerted once (attack on issue 13, F3); resume sets resumed_at to the end it gives, which ends
+# the episode.
+EPISODE_START_SQL = (
+    f"CASE WHEN d.paused_until > now() OR (d.paused_until > now() - interval "
+    f"'{DESTINATION_EPISODE_GAP_SECONDS} seconds' AND d.resumed_at IS DISTINCT FROM d.paused_until) "
+    "THEN d.paused_at ELSE now() END"
+)
+
+
+# Closed by hand (`outbox resume`, or a deploy without a breaker): that also ends the episode
+# (breaker_since), so a trip right after it is a new one, alerted again.
+BREAKER_CLOSE_SET = """
+SET breaker_opened_at = NULL, breaker_open_until = NULL, breaker_open_seconds = NULL,
+    breaker_probe_token = NULL, breaker_probe_until = NULL, breaker_failures = 0,
+    breaker_window_at = NULL, breaker_closed_at = now(), breaker_since = NULL
+"""

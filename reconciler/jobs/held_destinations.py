@@ -64,34 +64,6 @@ LEFT JOIN LATERAL (
 ) w ON true
 """
 
-# Marked only while it is still the episode that was read (a new pause or trip since has its
-# own start, and its own alert).
-_MARK = {
-    "paused": """
-        UPDATE outbox_destination SET pause_alerted_at = now()
-        WHERE destination = %(d)s AND paused_at = %(since)s AND paused_until > now()
-        RETURNING destination""",
-    "breaker_open": """
-        UPDATE outbox_destination SET breaker_alerted_at = now()
-        WHERE destination = %(d)s AND COALESCE(breaker_since, breaker_opened_at) = %(since)s
-          AND breaker_opened_at IS NOT NULL
-        RETURNING destination""",
-}
-_CLEAR = {
-    "paused": """
-        UPDATE outbox_destination SET pause_alerted_at = NULL
-        WHERE destination = %(d)s AND pause_alerted_at IS NOT NULL
-          AND NOT COALESCE(paused_until > now(), false)
-          -- Resumed, or run out longer ago than a new hold would still continue it.
-          AND (resumed_at = paused_until OR paused_until <= now() - %(gap)s * interval '1 second')
-        RETURNING destination""",
-    "breaker_open": """
-        UPDATE outbox_destination SET breaker_alerted_at = NULL
-        WHERE destination = %(d)s AND breaker_alerted_at IS NOT NULL AND breaker_opened_at IS NULL
-          AND (breaker_closed_at IS NULL OR breaker_closed_at <= now() - %(gap)s * interval '1 second')
-        RETURNING destination""",
-}
-
 
 @dataclass(frozen=True)
 class _Episode:
@@ -182,11 +154,8 @@ def held_destinations(
     for row in rows:
         for episode in _episodes(row):
             if not episode.on:
-                if (
-                    episode.alerted_at is not None
-                    and conn.execute(
-                        _CLEAR[episode.kind], {"d": row.destination, "gap": float(episode_gap_seconds)}
-                    ).fetchone()
+                if episode.alerted_at is not None and store.recovery.clear_destination_alert(
+                    conn, episode.kind, row.destination, gap_seconds=float(episode_gap_seconds)
                 ):
                     counts["ended"] += 1
                     logger.warning(
@@ -225,7 +194,7 @@ def _alert(conn: psycopg.Connection[Any], hook: AlertHook, destination: str, epi
     )
     if not alerts.send(hook, alert, about=f"destination {destination}", extra={"destination": destination}):
         return "hook_errors"
-    marked = conn.execute(_MARK[episode.kind], {"d": destination, "since": episode.since}).fetchone()
+    marked = store.recovery.mark_destination_alerted(conn, episode.kind, destination, since=episode.since)
     return "alerts" if marked else "raced"
 
 

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from outbox import alerts, heartbeat, settings
+from outbox import alerts, heartbeat, settings, store
 from outbox.alerts import AlertHook, AlertRow, log_alert
 from outbox.db import require_autocommit
 
@@ -17,34 +17,9 @@ from ._common import nonzero
 
 logger = logging.getLogger(__name__)
 
-# One episode row per destination without a consumer: inserted at the first cycle, counted up at
-# each next one; `since` is kept from the first cycle.
-_EPISODE = """
-INSERT INTO outbox_no_consumer AS e (destination, since, cycles, rows_waiting)
-VALUES (%(destination)s, %(since)s, 1, %(rows)s)
-ON CONFLICT (destination) DO UPDATE
-SET cycles = e.cycles + 1, rows_waiting = EXCLUDED.rows_waiting
-RETURNING cycles, alerted_at
-"""
-
-# A consumer appeared, or nothing waits any more: the episode is over, the next one alerts again.
-_END_EPISODES = """
-DELETE FROM outbox_no_consumer WHERE destination <> ALL(%(destinations)s) RETURNING destination
-"""
-
-_MARK_EPISODE_ALERTED = """
-UPDATE outbox_no_consumer SET alerted_at = now()
-WHERE destination = %(destination)s AND alerted_at IS NULL
-RETURNING destination
-"""
-
 _FIRST_ROW = (
     "SELECT key, step, state, EXTRACT(EPOCH FROM now() - created_at) FROM outbox_message WHERE id = %s"
 )
-
-_PURGE_HEARTBEATS = """
-DELETE FROM outbox_process WHERE last_seen_at < now() - %(retention)s * interval '1 second'
-"""
 
 
 def no_consumer(
@@ -65,11 +40,11 @@ def no_consumer(
     """
     require_autocommit(conn, "no_consumer")
     counts: Counter[str] = Counter()
-    counts["heartbeats_purged"] = conn.execute(
-        _PURGE_HEARTBEATS, {"retention": heartbeat.HEARTBEAT_RETENTION_SECONDS}
-    ).rowcount
+    counts["heartbeats_purged"] = store.recovery.purge_heartbeats(
+        conn, retention_seconds=heartbeat.HEARTBEAT_RETENTION_SECONDS
+    )
     found = heartbeat.no_consumer(conn.execute(heartbeat.NO_CONSUMER_SQL).fetchall())
-    for ended in conn.execute(_END_EPISODES, {"destinations": [f.destination for f in found]}).fetchall():
+    for ended in store.recovery.end_no_consumer_episodes(conn, keep=[f.destination for f in found]):
         counts["ended"] += 1
         logger.info(
             "destination %s has a consumer again, or nothing waits for one",
@@ -78,9 +53,9 @@ def no_consumer(
         )
     for gap in found:
         counts["no_consumer"] += 1
-        row = conn.execute(
-            _EPISODE, {"destination": gap.destination, "since": gap.since, "rows": gap.rows_waiting}
-        ).fetchone()
+        row = store.recovery.count_no_consumer_episode(
+            conn, gap.destination, since=gap.since, rows_waiting=gap.rows_waiting
+        )
         if row is None or row[0] < cycles_before_alert or row[1] is not None:
             continue
         first = conn.execute(_FIRST_ROW, (gap.first_id,)).fetchone()
@@ -101,7 +76,7 @@ def no_consumer(
         ):
             counts["hook_errors"] += 1
             continue
-        if conn.execute(_MARK_EPISODE_ALERTED, {"destination": gap.destination}).fetchone() is not None:
+        if store.recovery.mark_no_consumer_alerted(conn, gap.destination):
             counts["alerts"] += 1
     return nonzero(counts)
 

@@ -24,24 +24,6 @@ DEFAULT_PURGE_MAX_BATCHES = 20
 PURGE_SKIPPED_NO_PRIVILEGE = "skipped_no_stats_privilege"
 
 
-# Batches along the completed_at index: each is a short transaction, and the drop keeps pace with
-# the purge (the job runs both) without one long DELETE holding locks or bloating at once.
-# A batch member's entry stays while its batch does (a batch is held past the horizon by its
-# then/catch row, e.g. one failed and waiting for a human): outbox.batch answers a retry of its
-# transaction with the old batch, whose members must then answer with their old rows.
-_DROP_LEDGER = """
-DELETE FROM outbox_key_ledger
-WHERE (key, step) IN (
-    SELECT l.key, l.step FROM outbox_key_ledger l
-    WHERE l.completed_at < now() - %(horizon)s * interval '1 second'
-      AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = l.batch_id)
-    ORDER BY l.completed_at
-    LIMIT %(limit)s
-)
-AND completed_at < now() - %(horizon)s * interval '1 second'
-AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = outbox_key_ledger.batch_id)
-"""
-
 #: Ledger entries dropped per statement (narrow rows: a larger batch than the purge's).
 LEDGER_DROP_BATCH = 5000
 #: Finished batches (``outbox.batch``) thinned or dropped per statement: as many as rows purged.
@@ -114,11 +96,12 @@ def purge(
     if ledger_horizon_seconds is not None:
         # Never shorter than the retention: an entry must outlive the row it stands for.
         horizon = max(float(ledger_horizon_seconds), float(retention_seconds))
-        drop = {"horizon": horizon, "limit": LEDGER_DROP_BATCH}
 
         def drop_ledger() -> int:
             dropped, _ = _batches(
-                lambda: conn.execute(_DROP_LEDGER, drop).rowcount, max_batches, LEDGER_DROP_BATCH
+                lambda: store.recovery.drop_ledger(conn, horizon_seconds=horizon, limit=LEDGER_DROP_BATCH),
+                max_batches,
+                LEDGER_DROP_BATCH,
             )
             return dropped
 

@@ -1,7 +1,6 @@
 """Every statement that writes an ``outbox_*`` table lives in the store (``outbox/store/``): a
 reviewer checks the guarded statements in one place. A write anywhere else in the product fails
-here, with where it is, unless it is tooling exempt by name or a writer still listed in
-``NOT_YET_IN_THE_STORE`` (each is moved in its turn; the list must shrink, never grow)."""
+here, with where it is, unless it is tooling exempt by name."""
 
 from __future__ import annotations
 
@@ -24,18 +23,6 @@ HOME = ROOT / "outbox" / "store"
 TOOLING = {
     ROOT / "outbox" / "testing" / "clock.py": {"outbox_message", "outbox_attempt"},
     ROOT / "outbox" / "testing" / "databases.py": {"outbox_message"},
-}
-#: Writers of other tables that are still beside their concern, by file and table.
-NOT_YET_IN_THE_STORE = {
-    "outbox/breaker.py": {"outbox_destination"},
-    "outbox/pauses.py": {"outbox_destination"},
-    "reconciler/jobs/held_destinations.py": {"outbox_destination"},
-    "outbox/heartbeat.py": {"outbox_process"},
-    "reconciler/jobs/no_consumer.py": {"outbox_process", "outbox_no_consumer"},
-    "outbox/failover.py": {"outbox_db_identity"},
-    "outbox/features.py": {"outbox_feature", "{FLOOR_TABLE}"},
-    "reconciler/jobs/purge.py": {"outbox_key_ledger"},
-    "outbox/dashboard/app.py": {"outbox_dashboard_session_end"},
 }
 #: The tables of the rows and their moves: none of them is written outside the store, ever.
 ROW_TABLES = {"outbox_message", "outbox_attempt", "outbox_batch"}
@@ -74,28 +61,36 @@ def test_only_the_store_writes_the_outbox_tables() -> None:
     for path in sources:
         if HOME in path.parents:
             continue
-        allowed = TOOLING.get(path, set()) | NOT_YET_IN_THE_STORE.get(str(path.relative_to(ROOT)), set())
+        allowed = TOOLING.get(path, set())
         for line, table in writes_in(path):
-            if table not in {t.lower() for t in allowed}:
+            if table not in allowed:
                 elsewhere.append(f"{path.relative_to(ROOT)}:{line}: writes {table}")
     assert elsewhere == [], "writes outside outbox/store/:\n" + "\n".join(elsewhere)
-    in_store = [w for p in sorted(HOME.glob("*.py")) for w in writes_in(p)]
-    assert len(in_store) >= 30 and {t for _, t in in_store} >= ROW_TABLES
-
-
-def test_the_list_of_writers_not_yet_moved_only_shrinks() -> None:
-    # A file listed that no longer writes its table must leave the list: the exemption would
-    # otherwise let a new write back in.
-    for name, tables in NOT_YET_IN_THE_STORE.items():
-        written = {t for _, t in writes_in(ROOT / name)}
-        assert {t.lower() for t in tables} <= written, (name, tables, written)
-        assert not (written & ROW_TABLES), name
+    in_store = {t for p in sorted(HOME.glob("*.py")) for _, t in writes_in(p)}
+    # Every table the product writes, each from the store.
+    assert in_store >= ROW_TABLES | {
+        "outbox_key_ledger",
+        "outbox_destination",
+        "outbox_process",
+        "outbox_no_consumer",
+        "outbox_db_identity",
+        "outbox_feature",
+        "{floor_table}",
+        "outbox_dashboard_session_end",
+    }
 
 
 def moves() -> dict[str, str]:
     """Every public function of the store's modules that moves something: name -> module."""
     found: dict[str, str] = {}
-    for module in (store.application, store.relay, store.delivery, store.recovery, store.operator):
+    for module in (
+        store.application,
+        store.relay,
+        store.delivery,
+        store.recovery,
+        store.operator,
+        store.processes,
+    ):
         for name, value in vars(module).items():
             if (
                 not name.startswith("_")
@@ -111,23 +106,30 @@ def moves() -> dict[str, str]:
 ASYNC_TWINS = {"insert_async", "cancel_by_key_async", "insert_batch_async", "insert_member_async"}
 
 
+def store_tables() -> tuple[dict[str, str], dict[str, str]]:
+    """The store's two tables (its docstring): the moves of the rows, the writes of the others."""
+    doc = store.__doc__ or ""
+    split = doc.index("The other tables:")
+    pattern = r"``(application|relay|delivery|recovery|operator|processes)\.([a-z_]+)``"
+    rows, others = (
+        {name: module for module, name in re.findall(pattern, part)} for part in (doc[:split], doc[split:])
+    )
+    return rows, others
+
+
 def test_every_move_is_named_in_the_state_table() -> None:
-    # The state table (outbox.states) names the function behind each move: each name is a
-    # function of the store, and each move there is named in the table.
+    # The state table (outbox.states) names the function behind each move of a row: each name is
+    # a function of the store, and each such move of the store is named there.
     named = set(re.findall(r"``([a-z_]+)``", states.__doc__ or "")) - set(states.ALL)
     named -= {"available_at", "provider_ref", "outbox_message"}
     found = moves()
     assert {name for name in named if name not in found} == set()
+    rows, _ = store_tables()
+    assert set(rows) == named
+
+
+def test_the_stores_tables_list_each_statement_in_its_module() -> None:
+    rows, others = store_tables()
+    assert not set(rows) & set(others)
     # Async twins share their sync move's statement.
-    assert set(found) - ASYNC_TWINS == named
-
-
-def test_the_stores_table_lists_each_move_in_its_module() -> None:
-    listed = dict(
-        (name, module)
-        for module, name in re.findall(
-            r"``(application|relay|delivery|recovery|operator)\.([a-z_]+)``", store.__doc__ or ""
-        )
-    )
-    listed.pop("elapse", None)
-    assert listed == {name: module for name, module in moves().items() if name not in ASYNC_TWINS}
+    assert {**rows, **others} == {name: module for name, module in moves().items() if name not in ASYNC_TWINS}
