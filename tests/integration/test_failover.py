@@ -187,7 +187,7 @@ def test_processes_recording_the_identity_at_once_both_start(clean: Any) -> None
     with psycopg.connect(url) as first, psycopg.connect(url, autocommit=True) as second:
         identity, _ = failover.read_identity(first)
         params = {"sysid": identity.system_identifier, "timeline": identity.timeline, "by": "first"}
-        assert first.execute(failover._RECORD, params).fetchone() is not None  # not committed yet
+        assert store.processes.record_identity(first, params) is not None  # not committed yet
         verdicts: list[Any] = []
         errors: list[BaseException] = []
 
