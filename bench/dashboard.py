@@ -2,7 +2,7 @@
 ``outbox_message``.
 
 A database of its own is filled with ``--rows`` rows shaped like a day of production: 96% sent
-(completed over the last 24 hours, one confirmed fence row each, a provider reference), 1.5%
+(completed over the last 24 hours, one confirmed attempt row each, a provider reference), 1.5%
 failed with an error text, 0.5% unknown, 1% pending, 1% cancelled, over five destinations, a
 tenth of them on ordering keys, a thousand batches; then ANALYZE. ``outbox dashboard`` is served
 by uvicorn as a real process, and each page is requested ``--requests`` times (after one warm-up

@@ -698,7 +698,7 @@ def run_outbox(
         stop_process(workers, 60)
     result.redis_calls = {k: v - redis0.get(k, 0) for k, v in redis1.items() if v - redis0.get(k, 0)}
     if attempts != args.n:
-        result.checks.append(f"{attempts} fence rows for {args.n} rows")
+        result.checks.append(f"{attempts} attempt rows for {args.n} rows")
     phase.finish(relay_ready)
     return result
 

@@ -7,7 +7,7 @@
     ``--repeat`` readings, and the plan of the per-state query (it must read the partial
     indexes, not the table). Target: <= 100 ms at 1,000,000 rows.
 (b) What the counters add to the hot paths, per call, in this process: one relay batch's
-    counters (``count_relay_batch`` for one destination) and one delivery's (the outcome and
+    counters (``count_relay_group`` for one destination) and one delivery's (the outcome and
     answer counters and the two histograms).
 
 Uses the machine's PostgreSQL when it answers on 127.0.0.1:5432, else an embedded one; a database
@@ -113,7 +113,7 @@ def main() -> int:
         finally:
             drop_database(admin_url, DATABASE)
 
-    relay = timeit.repeat(lambda: metrics.count_relay_batch({"dest.0": 1000}, {}), number=10_000, repeat=5)
+    relay = timeit.repeat(lambda: metrics.count_relay_group({"dest.0": 1000}, {}), number=10_000, repeat=5)
     print(f"(b) relay batch counters: {min(relay) / 10_000 * 1e6:.2f} µs per batch")
 
     def delivery() -> None:

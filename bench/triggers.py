@@ -70,7 +70,7 @@ def cycle(conn: Any, ids: list[int]) -> float:
     for row_id in ids:
         claimed = store.delivery.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
         assert claimed is not None, row_id
-        done = store.delivery.record_outcome(
+        done = store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref=f"ch_{row_id}"
         )
         assert done.state == "sent", done

@@ -18,8 +18,6 @@ command start without SQLAlchemy, Dramatiq or httpx until something needs them.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -42,7 +40,7 @@ if TYPE_CHECKING:
     )
     from .handlers import Breaker, Confirmed, Delivery, Handler, handler
     from .middleware import worker_middleware
-    from .write import Written, cancel, cancel_async, write, write_async
+    from .writing import Written, cancel, cancel_async, write, write_async
 
 __all__ = [
     "AmbiguousError",
@@ -97,7 +95,7 @@ _HOME = {
         "exceptions",
     ),
     **dict.fromkeys(("Breaker", "Confirmed", "Delivery", "Handler", "handler"), "handlers"),
-    **dict.fromkeys(("Written", "cancel", "cancel_async", "write", "write_async"), "write"),
+    **dict.fromkeys(("Written", "cancel", "cancel_async", "write", "write_async"), "writing"),
     "worker_middleware": "middleware",
     "Next": "chains",
     **dict.fromkeys(("Batch", "batch", "batch_async"), "batches"),
@@ -126,16 +124,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    # Importing the submodule outbox.write makes the import system bind it as `outbox.write`,
-    # hiding the function of that name (an eager `from .write import write` used to rebind it
-    # afterwards). The public name is the function: the binding is dropped, __getattr__ answers.
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _HOME and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

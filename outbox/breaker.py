@@ -41,7 +41,7 @@ failures recorded while a success was under way (claimed when the count was 0) s
 after it; ``window_seconds`` bounds how long.
 
 The thresholds are declared with the handler (``outbox.handlers.Breaker``) and what one call
-says about the provider is a rule (``outbox.policy.verdict``); this module holds the statements
+says about the provider is a rule (``outbox.policy.health``); this module holds the statements
 only: the worker calls :func:`count_not_processed`, :func:`reset`, :func:`settle_probe`
 and :func:`close` after its record; the claim (``outbox.store.delivery``) reads and reserves;
 ``outbox resume`` closes (``outbox.pauses``); ``status``, ``doctor`` and the metrics read
@@ -60,7 +60,7 @@ from sqlalchemy import Connection, text
 
 from . import sanitize, store
 from .handlers import Breaker
-from .policy import Verdict
+from .policy import Health
 
 # Claims of the row that made a call (or may have): its attempts plus the probes refunded.
 _CALLS = """
@@ -115,18 +115,19 @@ def settle_probe(
     breaker: Breaker,
     *,
     token: uuid.UUID,
-    verdict: Verdict,
+    health: Health,
     reason: str,
 ) -> ProbeResult | None:
-    """The probe's verdict; None when this claim no longer holds the probe (its lease ended and
-    another claim took it, or an operator closed the breaker)."""
+    """Settle the probe by what its call said of the provider's ``health``; None when this claim
+    no longer holds the probe (its lease ended and another claim took it, or an operator closed
+    the breaker)."""
     row = store.delivery.settle_breaker_probe(
         conn,
         {
             "destination": destination,
             "token": token,
-            "close": verdict is Verdict.PROCESSED,
-            "factor": 2.0 if verdict is Verdict.NOT_PROCESSED else 1.0,
+            "close": health is Health.PROCESSED,
+            "factor": 2.0 if health is Health.NOT_PROCESSED else 1.0,
             "max": float(breaker.max_open_seconds),
             "reason": _reason(reason),
         },

@@ -84,7 +84,7 @@ class Plan:
         return Plan(self.rows + other.rows, "; ".join(problems) or None)
 
 
-NOTHING = Plan()
+NO_NEXT_STEPS = Plan()
 
 #: ``chain_problem`` of a row settled ``sent`` by hand without the handler module (``outbox
 #: resolve --sent`` without ``--module``): its next steps were not computed. The reconciler's
@@ -106,7 +106,7 @@ def _plan(
     try:
         steps = fn(*args)
         if steps is None:
-            return NOTHING
+            return NO_NEXT_STEPS
         if isinstance(steps, Next):
             steps = [steps]
         if not isinstance(steps, Sequence) or isinstance(steps, str | bytes):
@@ -178,7 +178,7 @@ def then_plan(handler: Handler, delivery: Delivery, confirmed: Confirmed) -> Pla
     as stored (:func:`as_stored`, or the stored row's own values)."""
     fn = handler.then_fn
     if fn is None:
-        return NOTHING
+        return NO_NEXT_STEPS
     return _plan(THEN, fn, delivery.key, delivery.step, (delivery, confirmed))
 
 
@@ -186,7 +186,7 @@ def failure_plan(handler: Handler, delivery: Delivery, error: str | None) -> Pla
     """What failing ``delivery``'s row for a certain reason writes after it (compensation)."""
     fn = handler.on_failure_fn
     if fn is None:
-        return NOTHING
+        return NO_NEXT_STEPS
     return _plan(ON_FAILURE, fn, delivery.key, delivery.step, (delivery, error or ""))
 
 
@@ -210,7 +210,7 @@ def then_plan_for_row(handler: Handler, row: Mapping[str, Any], confirmed: Confi
     a worker: an operator's ``resolve --sent``, ``outbox repair``. The function is pure: its
     delivery's client is closed unused."""
     if handler.then_fn is None:
-        return NOTHING
+        return NO_NEXT_STEPS
     # Here, not at the top: outbox.write imports this module (through the store), and an
     # application's writer has no use for httpx.
     from .handlers import Deliveries

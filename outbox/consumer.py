@@ -1,4 +1,4 @@
-"""One delivery run (:class:`Executor`): claim → call → record. The broker ack comes after, in
+"""One delivery run (:class:`Deliverer`): claim → call → record. The broker ack comes after, in
 the worker.
 
 A call starts only with ``time_limit`` plus a margin of lease left, measured on this process's
@@ -54,13 +54,13 @@ RELEASE_ALERT_THRESHOLD = 3
 LOST_CLAIM_RECOVERY_SECONDS = 60.0
 
 
-class RunResult(enum.StrEnum):
+class DeliveryResult(enum.StrEnum):
     EMPTY = "empty"  # nothing to claim: a duplicate or stale message
     SENT = "sent"
     PENDING = "pending"  # retry scheduled
     FAILED = "failed"
     UNKNOWN = "unknown"
-    SUPERSEDED = "superseded"  # a newer claim owns the row; our recording only went to the fence
+    SUPERSEDED = "superseded"  # a newer claim owns the row; our recording only went to its attempt row
     UNHANDLED = "unhandled"
     RELEASED = "released"  # claimed, then given back without a call
     HALTED = "halted"  # not claimed: the database is on another history (outbox.failover)
@@ -174,7 +174,7 @@ class _CallThread:
             self.deliveries.close()
 
 
-class Executor:
+class Deliverer:
     """Runs deliveries for the handlers of one deploy; one instance is shared by all threads.
     (Not ``Consumer``: Dramatiq has its own, which fetches the messages this one is given.)
 
@@ -285,14 +285,14 @@ class Executor:
 
     # -- the run -------------------------------------------------------------------------------
 
-    def deliver(self, row_id: int, destination: str) -> RunResult:
+    def deliver(self, row_id: int, destination: str) -> DeliveryResult:
         observed = self._local.observed = metrics.Observed()
         result = self._deliver(row_id, destination)
         # Counted once the outcome is recorded, and never raising: see metrics.never_raises.
         metrics.count_delivery(destination, result.value, observed)
         return result
 
-    def _deliver(self, row_id: int, destination: str) -> RunResult:
+    def _deliver(self, row_id: int, destination: str) -> DeliveryResult:
         if self._halted():
             # Nothing claimed, nothing written: the row stays `dispatched`, and the reconciler
             # re-queues it once an operator accepted the new database history.
@@ -301,7 +301,7 @@ class Executor:
                 row_id,
                 extra={"outbox_id": row_id, "destination": destination, "outbox_run": "halted"},
             )
-            return RunResult.HALTED
+            return DeliveryResult.HALTED
         handler = self.handlers.get(destination)
         if handler is None:
             reason = f"no handler for destination {destination!r} in this deploy"
@@ -312,7 +312,7 @@ class Executor:
                 reason,
                 extra={"outbox_id": row_id, "destination": destination},
             )
-            return RunResult.UNHANDLED
+            return DeliveryResult.UNHANDLED
         conn = self._conn("claim_conn")
         backend = self._local.claim_backend
         token = uuid.uuid4()
@@ -344,7 +344,7 @@ class Executor:
                 claimed.error,
                 extra={"outbox_id": row_id, "destination": destination, "outbox_run": "unknown"},
             )
-            return RunResult.UNKNOWN
+            return DeliveryResult.UNKNOWN
         if claimed is None:
             held_back = pauses.held_reason(conn, destination=destination)
             if held_back is not None:
@@ -357,13 +357,13 @@ class Executor:
                     held_back,
                     extra={"outbox_id": row_id, "destination": destination, "outbox_run": "paused"},
                 )
-                return RunResult.PAUSED
+                return DeliveryResult.PAUSED
             logger.info(
                 "outbox row %s: nothing to claim (already claimed, settled or not due)",
                 row_id,
                 extra={"outbox_id": row_id, "destination": destination, "outbox_run": "empty"},
             )
-            return RunResult.EMPTY
+            return DeliveryResult.EMPTY
         failpoint("after_claim")
 
         claimed_at = time.monotonic()
@@ -448,7 +448,7 @@ class Executor:
             observed.call_seconds = time.monotonic() - claimed_at
         failpoint("after_call")
 
-        health = policy.verdict(
+        health = policy.health(
             called=observed.called,
             outcome=decision.outcome.value,
             not_processed=decision.not_processed,
@@ -456,7 +456,7 @@ class Executor:
         )
         # A probe that found the provider still down is not counted against its row: the row
         # only carried the breaker's question (outbox.breaker); up to max_attempts times a row.
-        refund = claimed.probe and handler.breaker is not None and health is policy.Verdict.NOT_PROCESSED
+        refund = claimed.probe and handler.breaker is not None and health is policy.Health.NOT_PROCESSED
         if refund:
             refund = self._refundable(handler, claimed)
         if refund:
@@ -492,11 +492,11 @@ class Executor:
         if decision.retry_after_seconds and handler.retry_after_scope == "destination":
             self._hold(handler, decision)
         self._breaker(handler, claimed, health, decision, called=observed.called)
-        result = RunResult(state) if state is not None else RunResult.SUPERSEDED
+        result = DeliveryResult(state) if state is not None else DeliveryResult.SUPERSEDED
         # The record fails a retry that would fall past the deadline (decided on the database's clock).
         past_deadline = state == "failed" and nxt.state == "pending"
         error = policy.deadline_error(claimed.deadline, nxt.error) if past_deadline else nxt.error
-        log = logger.info if result in (RunResult.SENT, RunResult.PENDING) else logger.warning
+        log = logger.info if result in (DeliveryResult.SENT, DeliveryResult.PENDING) else logger.warning
         log(
             "outbox %s:%s -> %s (attempt %s)%s",
             claimed.key,
@@ -525,15 +525,15 @@ class Executor:
         fail for its deadline (the record decides, on the database's clock)."""
         if decision.outcome is Outcome.SENT:
             if handler.then_fn is None or not decision.ref:
-                return chains.NOTHING
+                return chains.NO_NEXT_STEPS
             # As the record stores it: the same answer a lookup or an operator's path gives.
             confirmed = chains.as_stored(Confirmed(decision.ref, decision.response))
             return chains.then_plan(handler, self._delivery(handler, claimed), confirmed)
         if handler.on_failure_fn is None or decision.outcome is Outcome.UNKNOWN:
-            return chains.NOTHING
+            return chains.NO_NEXT_STEPS
         if nxt.state == "failed" or (nxt.state == "pending" and claimed.deadline is not None):
             return chains.failure_plan(handler, self._delivery(handler, claimed, strict=False), nxt.error)
-        return chains.NOTHING
+        return chains.NO_NEXT_STEPS
 
     def _delivery(
         self, handler: Handler, claimed: store.delivery.Claimed, *, strict: bool = True
@@ -603,7 +603,7 @@ class Executor:
         self,
         handler: Handler,
         claimed: store.delivery.Claimed,
-        health: policy.Verdict,
+        health: policy.Health,
         decision: Decision,
         *,
         called: bool,
@@ -624,7 +624,7 @@ class Executor:
                 breaker.free_probe(conn, destination, token=claimed.token)
             elif claimed.probe and handler.breaker is not None:
                 settled = breaker.settle_probe(
-                    conn, destination, handler.breaker, token=claimed.token, verdict=health, reason=reason
+                    conn, destination, handler.breaker, token=claimed.token, health=health, reason=reason
                 )
                 if settled is not None and settled.closed:
                     logger.warning(
@@ -639,10 +639,10 @@ class Executor:
                         destination,
                         settled.open_seconds or 0.0,
                         claimed.id,
-                        "was not processed" if health is policy.Verdict.NOT_PROCESSED else "proved nothing",
+                        "was not processed" if health is policy.Health.NOT_PROCESSED else "proved nothing",
                         extra={**extra, "outbox_run": "breaker_open"},
                     )
-            elif handler.breaker is not None and health is policy.Verdict.NOT_PROCESSED:
+            elif handler.breaker is not None and health is policy.Health.NOT_PROCESSED:
                 if breaker.count_not_processed(conn, destination, handler.breaker, reason=reason):
                     logger.error(
                         "breaker of %s tripped after %s consecutive calls not processed within %g s "
@@ -654,7 +654,7 @@ class Executor:
                         handler.breaker.open_seconds,
                         extra={**extra, "outbox_run": "breaker_tripped"},
                     )
-            elif health is policy.Verdict.PROCESSED and claimed.breaker_failures > 0:
+            elif health is policy.Health.PROCESSED and claimed.breaker_failures > 0:
                 breaker.reset(conn, destination)
         except psycopg.Error as exc:
             self._drop("record_conn")
@@ -695,7 +695,9 @@ class Executor:
                 extra={"destination": handler.destination, "outbox_run": "held"},
             )
 
-    def _leave_for_newer(self, handler: Handler, claimed: store.delivery.Claimed, reason: str) -> RunResult:
+    def _leave_for_newer(
+        self, handler: Handler, claimed: store.delivery.Claimed, reason: str
+    ) -> DeliveryResult:
         """A payload newer than this worker's handler (new writers deployed before the workers):
         released, no attempt spent, due again in a while for a newer worker."""
         released = store.delivery.release(
@@ -706,7 +708,7 @@ class Executor:
             retry_after_seconds=payloads.NEWER_PAYLOAD_RETRY_SECONDS,
         )
         if released is None:
-            return RunResult.EMPTY
+            return DeliveryResult.EMPTY
         late = released.waited_seconds >= payloads.NEWER_PAYLOAD_ALERT_AFTER_SECONDS
         (logger.error if late else logger.info)(
             "outbox %s:%s released for a newer worker%s: %s",
@@ -725,9 +727,9 @@ class Executor:
                 "payload_version": claimed.payload_version,
             },
         )
-        return RunResult.RELEASED
+        return DeliveryResult.RELEASED
 
-    def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> RunResult:
+    def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> DeliveryResult:
         released = store.delivery.release(self._conn("claim_conn"), row_id=row_id, token=token, reason=reason)
         if released is None:
             logger.warning(
@@ -736,7 +738,7 @@ class Executor:
                 reason,
                 extra={"outbox_id": row_id, "destination": handler.destination, "outbox_run": "released"},
             )
-            return RunResult.EMPTY
+            return DeliveryResult.EMPTY
         extra = {
             "outbox_id": row_id,
             "key": released.key,
@@ -757,11 +759,11 @@ class Executor:
             )
         else:
             logger.warning("outbox %s:%s %s", released.key, released.step, reason, extra=extra)
-        return RunResult.RELEASED
+        return DeliveryResult.RELEASED
 
     def _recover_lost_claim(
         self, handler: Handler, row_id: int, token: uuid.UUID, backend: tuple[int, Any]
-    ) -> RunResult:
+    ) -> DeliveryResult:
         """The claim's connection broke before its reply: the claim may have committed.
 
         End the old backend first (once it is gone it can no longer commit), then ask whether
@@ -794,12 +796,12 @@ class Executor:
                         "claim_token": str(token),
                     },
                 )
-                return RunResult.EMPTY
+                return DeliveryResult.EMPTY
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
         reason = "released without a call: the reply to the claim was lost (connection error)"
         result = self._release(handler, row_id, token, reason)
-        if result is RunResult.EMPTY:
+        if result is DeliveryResult.EMPTY:
             logger.info(
                 "outbox row %s: the claim whose reply was lost did not commit",
                 row_id,
@@ -815,17 +817,17 @@ class Executor:
         deadline_error: str | None,
         *,
         refund: bool = False,
-        follow: chains.Plan = chains.NOTHING,
+        follow: chains.Plan = chains.NO_NEXT_STEPS,
     ) -> store.sql.Recorded:
         # A failed record is not a lost outcome (the lease and the lookup recover it), but a
         # short database blip should not cost a lookup: try a few times within the lease.
-        # An ambiguous call stays "unknown" on its fence row even when the row fails (an
+        # An ambiguous call stays "unknown" on its attempt row even when the row fails (an
         # idempotent destination out of attempts): a later replay must see it (outbox.outcomes).
         ambiguous = decision.outcome is Outcome.UNKNOWN
         outcome = decision.outcome.value if nxt.state != "failed" or ambiguous else "failed"
         for attempt in range(3):
             try:
-                return store.delivery.record_outcome(
+                return store.delivery.record(
                     self._conn("record_conn"),
                     row_id=claimed.id,
                     token=claimed.token,

@@ -1,7 +1,7 @@
 """Failover detection: a process that finds itself on another database history stops acting.
 
 A failover to an asynchronous standby, or a point-in-time restore, can lose committed claims:
-the provider was called, the fence row that says so is gone, and the row is `pending` or
+the provider was called, the attempt row that says so is gone, and the row is `pending` or
 `dispatched` again — relaying and claiming it would charge twice. PostgreSQL names its history
 by the cluster's *system identifier* (changes when the cluster is re-created or restored from a
 logical dump) and the *timeline* (changes at every promotion and at the end of every

@@ -228,7 +228,7 @@ def count_reconciler_job(job: str, counts: Mapping[str, int]) -> None:
 
 
 @never_raises
-def count_relay_batch(published: Mapping[str, int], refused: Mapping[str, int]) -> None:
+def count_relay_group(published: Mapping[str, int], refused: Mapping[str, int]) -> None:
     RELAY_BATCHES.labels(result="published").inc()
     for destination, n in published.items():
         RELAY_ROWS_PUBLISHED.labels(destination=destination).inc(n)

@@ -7,7 +7,7 @@ Declare it in the handler module the worker loads, beside the handlers::
 
 The worker builds its broker with its own middleware first, then these, in the order given. What
 would break the guarantee or the metrics is refused with the reason (:data:`REFUSED`): retries
-live in the database, the call's time limit is the executor's, and the metrics are outbox's own.
+live in the database, the call's time limit is the deliverer's, and the metrics are outbox's own.
 A middleware that raises before the message runs leaves the row ``dispatched``: the reconciler
 publishes it again (the database, not the broker, says what is left to do).
 """
@@ -26,7 +26,7 @@ REFUSED: dict[tuple[str, str], str] = {
         "Retries would redeliver a message whose row outbox already settled or rescheduled"
     ),
     ("dramatiq.middleware.time_limit", "TimeLimit"): (
-        "the executor bounds each call by the handler's time_limit; Dramatiq's TimeLimit raises "
+        "the deliverer bounds each call by the handler's time_limit; Dramatiq's TimeLimit raises "
         "into the worker thread at an arbitrary point, which could land inside a claim or a record"
     ),
     ("dramatiq.middleware.prometheus", "Prometheus"): (

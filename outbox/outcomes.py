@@ -1,4 +1,4 @@
-"""What a fence row's outcome says about the provider, and when an ambiguous call counts as
+"""What an attempt row's outcome says about the provider, and when an ambiguous call counts as
 settled (issue 9, classes 4 and 10).
 
 Every claim leaves one ``outbox_attempt`` row. Its ``outcome`` falls in one of three kinds:
@@ -70,7 +70,7 @@ def is_ambiguous_sql(alias: str) -> str:
 
 
 def blocks_replay_sql(alias: str) -> str:
-    """True for a fence row that forbids a replay without ``--force``: a confirmed call not
+    """True for an attempt row that forbids a replay without ``--force``: a confirmed call not
     forced over, or an ambiguous call neither settled nor forced over."""
     return (
         f"(({is_confirmed_sql(alias)} AND {alias}.settled IS DISTINCT FROM '{OPERATOR_FORCED}')"

@@ -302,7 +302,7 @@ def retry_or_fail(
     return Move("pending", max(handler.backoff_seconds(attempt), at_least or 0.0), error)
 
 
-class Verdict(enum.StrEnum):
+class Health(enum.StrEnum):
     """What one call says about the provider's health."""
 
     PROCESSED = "processed"  # it answered: sent, or a refusal
@@ -310,19 +310,19 @@ class Verdict(enum.StrEnum):
     NEITHER = "neither"  # ambiguous, a handler's own retry, no call made: proves nothing
 
 
-def verdict(*, called: bool, outcome: str, not_processed: bool, http_status: int | None) -> Verdict:
+def health(*, called: bool, outcome: str, not_processed: bool, http_status: int | None) -> Health:
     """What a delivery says about the provider: ``outcome`` is the decision's (sent, retry,
     failed, unknown), ``called`` whether a call was made at all, ``http_status`` the provider's
     last answer during it. A refusal counts as processed only with an answer behind it: a
     handler that refuses a row by itself, before any request, proves nothing about the
     provider (attack on part 3, F2)."""
     if not called:
-        return Verdict.NEITHER
+        return Health.NEITHER
     if not_processed:
-        return Verdict.NOT_PROCESSED
+        return Health.NOT_PROCESSED
     if outcome == "sent" or (outcome == "failed" and http_status is not None):
-        return Verdict.PROCESSED
-    return Verdict.NEITHER
+        return Health.PROCESSED
+    return Health.NEITHER
 
 
 def deadline_error(deadline: datetime | None, error: str | None) -> str | None:

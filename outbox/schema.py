@@ -150,7 +150,7 @@ outbox_attempt = Table(
 Index("outbox_attempt_message_idx", outbox_attempt.c.message_id)
 
 # -- 0002_lease (issue 9 classes 1, 2, 8) ---------------------------------------------------------
-# Claims given back without a call (outcome `released` on their fence row): not attempts, but a
+# Claims given back without a call (outcome `released` on their attempt row): not attempts, but a
 # row released again and again is held by something an operator must find.
 outbox_message.append_column(
     Column("releases", Integer, nullable=False, server_default=text("0")),
@@ -168,11 +168,11 @@ outbox_key_ledger = Table(
     # The purged row's id: `write` answers `created=False` with it, `KeyConflict` names it.
     Column("message_id", BigInteger, nullable=False),
     Column("completed_at", DateTime(timezone=True), nullable=False),
-    # Fence rows (claims) the row had, and how many of them the provider confirmed.
+    # Attempt rows (claims) the row had, and how many of them the provider confirmed.
     Column("attempts", Integer, nullable=False),
     Column("confirmed", Integer, nullable=False),
     # An attempt ended unknown / lease_expired (or never recorded), or an operator resolved it
-    # out of `unknown`: the provider may hold an effect the fence rows do not prove.
+    # out of `unknown`: the provider may hold an effect the attempt rows do not prove.
     Column("ambiguous", Boolean, nullable=False),
     Column("key", Text, nullable=False),
     Column("step", Text, nullable=False),

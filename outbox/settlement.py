@@ -79,7 +79,7 @@ def _settle_not_found(
     settled: str,
 ) -> str | None:
     """The call certainly did not take effect (or repeating it is harmless): retry or give up,
-    marking the row's ambiguous fence rows ``settled`` in the same statement.
+    marking the row's ambiguous attempt rows ``settled`` in the same statement.
 
     Only while every call that may have taken effect is younger than ``handler.key_ttl``
     (database clock): past it, "not found" may mean the provider forgot the call, and a retry

@@ -44,9 +44,9 @@ state           meaning                             moved out by (``outbox.store
 ==============  ==================================  =================================================
 
 Rows are created ``pending`` by ``insert`` (``outbox.write``), and by the statement that settles
-another row of the same key (:mod:`outbox.chains`): ``record_outcome`` (the consumer's
+another row of the same key (:mod:`outbox.chains`): ``record`` (the consumer's
 ``record`` with the next steps), ``settle_unknown`` and ``resolve_sent`` write the settled row's
-"then" steps when it moves to ``sent`` (``record_outcome`` its "on_failure" steps when it
+"then" steps when it moves to ``sent`` (``record`` its "on_failure" steps when it
 fails for a certain reason); ``write_next_steps`` writes a ``sent`` row's missing ones later
 (``clear_uncomputed`` takes the mark off rows that need none),
 ``repair_found`` a failed row's when its lookup finds the call. A batch's members are created

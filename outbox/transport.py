@@ -120,7 +120,7 @@ def publish_rows(client: redis.Redis, namespace: str, rows: Iterable[tuple[int, 
     about 2 µs per row, network and Redis included. The bytes stored are exactly those of
     :func:`encode_message` (the tests compare them).
     """
-    published = publish_batch(client, namespace, rows)
+    published = publish_group(client, namespace, rows)
     if published.failed:
         raise next(iter(published.failed.values()))
     return published.count
@@ -128,14 +128,14 @@ def publish_rows(client: redis.Redis, namespace: str, rows: Iterable[tuple[int, 
 
 @dataclass
 class Published:
-    """What :func:`publish_batch` did: messages enqueued, and the destinations whose commands
+    """What :func:`publish_group` did: messages enqueued, and the destinations whose commands
     Redis refused (with its error), none of whose messages stay in Redis."""
 
     count: int = 0
     failed: dict[str, redis.ResponseError] = field(default_factory=dict)
 
 
-def publish_batch(
+def publish_group(
     client: redis.Redis, namespace: str, rows: Iterable[tuple[int, str, datetime]]
 ) -> Published:
     """:func:`publish_rows`, destination by destination: a destination whose key Redis refuses

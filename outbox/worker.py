@@ -1,4 +1,4 @@
-"""``outbox worker``: a Dramatiq worker whose one actor runs :class:`~outbox.consumer.Executor`.
+"""``outbox worker``: a Dramatiq worker whose one actor runs :class:`~outbox.consumer.Deliverer`.
 
 One queue per destination, so a slow provider does not block the others. Dramatiq's retries are
 off: retries live in the row (`pending` + `available_at`). The ack happens when the actor
@@ -23,7 +23,7 @@ from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import CurrentMessage, Middleware
 
 from . import middleware
-from .consumer import Executor
+from .consumer import Deliverer
 from .exceptions import ConfigError
 from .failover import FailoverGuard
 from .handlers import Handler, close_http_clients
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]) -> RedisBroker:
-    # No Dramatiq TimeLimit: the executor gives each call a total deadline of its own
+    # No Dramatiq TimeLimit: the deliverer gives each call a total deadline of its own
     # time_limit, and an exception raised into a worker thread at an arbitrary point could land
     # inside a claim or a release, leaving a claim nobody knows about.
     broker = Broker(url=redis_url, namespace=namespace, middleware=[CurrentMessage()])
@@ -47,16 +47,16 @@ def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]
 
 class _WarmThreads(Middleware):
     """Each worker thread opens its connections and starts its call thread as it boots, before
-    it takes a message (outbox.consumer.Executor.warm_thread)."""
+    it takes a message (outbox.consumer.Deliverer.warm_thread)."""
 
-    def __init__(self, executor: Executor) -> None:
-        self.executor = executor
+    def __init__(self, deliverer: Deliverer) -> None:
+        self.deliverer = deliverer
 
     def after_worker_thread_boot(self, broker: Any, thread: Any) -> None:
-        self.executor.warm_thread()
+        self.deliverer.warm_thread()
 
 
-def declare(broker: RedisBroker, executor: Executor, destinations: Sequence[str]) -> None:
+def declare(broker: RedisBroker, deliverer: Deliverer, destinations: Sequence[str]) -> None:
     def outbox_deliver(*args: Any) -> None:
         message = CurrentMessage.get_current_message()
         queue = message.queue_name if message is not None else None
@@ -69,7 +69,7 @@ def declare(broker: RedisBroker, executor: Executor, destinations: Sequence[str]
                 extra={"queue": queue},
             )
             return
-        executor.deliver(args[0], queue)
+        deliverer.deliver(args[0], queue)
 
     dramatiq.actor(actor_name=ACTOR_NAME, queue_name=destinations[0], broker=broker)(outbox_deliver)
     for destination in destinations:
@@ -97,9 +97,9 @@ def run_worker(
         raise ConfigError(f"--queues names destinations with no handler: {', '.join(unknown)}")
     broker = build_broker(redis_url, namespace, handlers)
     guard = FailoverGuard(database_url, process="worker").start()
-    executor = Executor(database_url, handlers, failover_guard=guard)
-    declare(broker, executor, destinations)
-    broker.add_middleware(_WarmThreads(executor))
+    deliverer = Deliverer(database_url, handlers, failover_guard=guard)
+    declare(broker, deliverer, destinations)
+    broker.add_middleware(_WarmThreads(deliverer))
     # What Dramatiq's own CLI does once per process.
     broker.emit_after("process_boot")
     worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=threads)
@@ -123,7 +123,7 @@ def run_worker(
         broker.close()
         # Dramatiq's RedisBroker.close() leaves its pool's sockets for the garbage collector.
         broker.client.connection_pool.disconnect()
-        executor.close()
+        deliverer.close()
         guard.stop()
         close_http_clients()
     return 0

@@ -1,5 +1,5 @@
 """The relay sidecar: publishes committed `pending` outbox rows to Dramatiq on Redis."""
 
-from outbox.relay.relay import BatchResult, Relay
+from outbox.relay.relay import GroupResult, Relay
 
-__all__ = ["BatchResult", "Relay"]
+__all__ = ["GroupResult", "Relay"]

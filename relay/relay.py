@@ -1,4 +1,4 @@
-"""Take due `pending` rows in batches, publish them in one Redis pipeline, mark them `dispatched`.
+"""Take due `pending` rows in groups, publish them in one Redis pipeline, mark them `dispatched`.
 
 The relay *takes* rows (:func:`outbox.store.relay.dispatch_due`); only a consumer *claims* one.
 
@@ -39,10 +39,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds before the rows of a destination Redis refused are tried again.
 PUBLISH_RETRY_SECONDS = 10.0
-#: One ERROR line per refused destination per this many seconds, however many batches fail.
+#: One ERROR line per refused destination per this many seconds, however many groups fail.
 PUBLISH_ERROR_LOG_SECONDS = 60.0
 
-#: Under a stream of small batches, one INFO line per this many seconds sums them up (each batch
+#: Under a stream of small groups, one INFO line per this many seconds sums them up (each group
 #: is a DEBUG line): a line per one-row take cost the relay about 7% of its CPU at 300 rows/s.
 PUBLISH_LOG_SECONDS = 10.0
 
@@ -51,7 +51,7 @@ _STOP_CHECK_SECONDS = 0.25
 
 
 @dataclass
-class BatchResult:
+class GroupResult:
     published: int = 0
     by_destination: Counter[str] = field(default_factory=Counter)
     #: Rows left `pending` because Redis refused their destination's commands, by destination.
@@ -91,8 +91,8 @@ class _RefusalLog:
 
 
 class _PublishLog:
-    """The INFO lines of what a relay published: a batch after a quiet spell (nothing published
-    for ``every_seconds``) is logged at once; the batches that follow it within the window are
+    """The INFO lines of what a relay published: a group after a quiet spell (nothing published
+    for ``every_seconds``) is logged at once; the groups that follow it within the window are
     summed into one line when the window ends, or when the relay stops (``flush``)."""
 
     def __init__(self, every_seconds: float = PUBLISH_LOG_SECONDS) -> None:
@@ -102,7 +102,7 @@ class _PublishLog:
         self._batches = 0
         self._by_destination: Counter[str] = Counter()
 
-    def published(self, result: BatchResult) -> None:
+    def published(self, result: GroupResult) -> None:
         now = time.monotonic()
         if now - self._since >= self.every_seconds:
             self.flush()
@@ -189,7 +189,7 @@ class Relay:
         self.gather_seconds = max(0.0, gather_seconds)
         #: time.monotonic() when the last take began; the gathering window counts from it.
         self._last_take = float("-inf")
-        #: Connections that drain a backlog together (see `drain`); 1 = strictly one batch at a time.
+        #: Connections that drain a backlog together (see `drain`); 1 = strictly one group at a time.
         self.parallel = max(1, parallel)
         self._conn: psycopg.Connection[Any] | None = None
         self._listen: psycopg.Connection[Any] | None = None
@@ -197,7 +197,7 @@ class Relay:
         self._helpers: list[Relay] = []
         self._refusals = _RefusalLog()
         self._log = _PublishLog()
-        #: Beaten by the loop (each batch, each wait slice): ``/healthz`` (outbox.probes).
+        #: Beaten by the loop (each group, each wait slice): ``/healthz`` (outbox.probes).
         self.liveness: Liveness | None = None
 
     # -- connections ---------------------------------------------------------------------------
@@ -207,7 +207,7 @@ class Relay:
         if self._conn is None or self._conn.closed:
             self._conn = connect_raw(self.database_url)
             if self.failover_guard is not None:
-                # A new connection may be to a new server: check before the first batch on it.
+                # A new connection may be to a new server: check before the first group on it.
                 self.failover_guard.check_now()
         return self._conn
 
@@ -230,11 +230,11 @@ class Relay:
             self._redis.close()
             self._redis = None
 
-    # -- one batch -----------------------------------------------------------------------------
+    # -- one group -----------------------------------------------------------------------------
 
-    def run_once(self) -> BatchResult:
-        """Take, publish and commit one batch (pending -> dispatched); returns what was published."""
-        result = BatchResult()
+    def run_once(self) -> GroupResult:
+        """Take, publish and commit one group (pending -> dispatched); returns what was published."""
+        result = GroupResult()
         if self.liveness is not None:
             self.liveness.beat()
         self._last_take = time.monotonic()
@@ -249,7 +249,7 @@ class Relay:
                 rows = store.relay.dispatch_due(conn, limit=self.batch_size)
                 # Inside the transaction: if the publish raises, the move rolls back and the
                 # rows stay pending.
-                published = transport.publish_batch(self.redis, self.namespace, rows)
+                published = transport.publish_group(self.redis, self.namespace, rows)
                 for destination, error in published.failed.items():
                     # Only the refused destinations' rows: the others were published and are
                     # marked dispatched by this same commit.
@@ -275,28 +275,28 @@ class Relay:
         for destination, error in published.failed.items():
             self._refusals.report(destination, result.refused[destination], error)
         if rows:
-            metrics.count_relay_batch(result.by_destination, result.refused)
+            metrics.count_relay_group(result.by_destination, result.refused)
         return result
 
     def drain(self, stop: threading.Event | None = None) -> int:
-        """Publish batches while they come back full; returns how many rows went out.
+        """Publish groups while they come back full; returns how many rows went out.
 
-        When the first batch comes back full there is a backlog, and ``parallel`` connections
+        When the first group comes back full there is a backlog, and ``parallel`` connections
         (this relay and helpers with connections of their own, in threads) drain it together:
-        a batch spends most of its time waiting on PostgreSQL, and another connection's Python and
+        a group spends most of its time waiting on PostgreSQL, and another connection's Python and
         Redis work fits in that wait. On the 2-core bench machine, 100,000 rows went out at
         27,000-34,000 rows/s with one connection and 53,000-58,000 with two (bench/README.md).
-        SKIP LOCKED keeps their batches disjoint. A wake-up for a few rows stays one batch on
+        SKIP LOCKED keeps their groups disjoint. A wake-up for a few rows stays one group on
         this thread, so latency is not affected.
         """
-        published, claimed = self._publish_batch()
+        published, claimed = self._publish_group()
         if claimed < self.batch_size or (stop is not None and stop.is_set()):
             return published
         if self.parallel == 1:
             return published + self._drain_alone(stop)
         return published + self._drain_together(stop)
 
-    def _publish_batch(self) -> tuple[int, int]:
+    def _publish_group(self) -> tuple[int, int]:
         """(rows published, rows claimed): a full claim means more may be due, even when some
         of its rows were refused."""
         result = self.run_once()
@@ -309,7 +309,7 @@ class Relay:
     def _drain_alone(self, stop: threading.Event | None) -> int:
         total = 0
         while True:
-            published, claimed = self._publish_batch()
+            published, claimed = self._publish_group()
             total += published
             if claimed < self.batch_size or (stop is not None and stop.is_set()):
                 return total

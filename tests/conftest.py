@@ -7,7 +7,7 @@ The database, its emptying and the provider simulator are the users' pytest plug
 delivery needs no broker).
 
 Shared by the integration tests: ``db`` (an autocommit psycopg connection) and ``consumer`` (makes
-``Executor``s on the registry, closed after the test)."""
+``Deliverer``s on the registry, closed after the test)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from outbox.transport import delete_namespace  # noqa: E402
 pytest_plugins = ["outbox.testing.pytest_plugin"]
 
 if TYPE_CHECKING:
-    from outbox.consumer import Executor
+    from outbox.consumer import Deliverer
 
 NAMESPACE = "outboxtest"
 
@@ -154,15 +154,15 @@ def db(clean: Services) -> Iterator[psycopg.Connection[Any]]:
 
 
 @pytest.fixture
-def consumer(clean: Services) -> Iterator[Callable[..., Executor]]:
-    """Makes an ``Executor`` on the registered handlers (on ``database_url``, default the test
+def consumer(clean: Services) -> Iterator[Callable[..., Deliverer]]:
+    """Makes an ``Deliverer`` on the registered handlers (on ``database_url``, default the test
     database); every one made is closed after the test, with the handlers' HTTP clients."""
-    from outbox.consumer import Executor
+    from outbox.consumer import Deliverer
 
-    made: list[Executor] = []
+    made: list[Deliverer] = []
 
-    def make(database_url: str | None = None) -> Executor:
-        made.append(Executor(database_url or clean.database_url, registry()))
+    def make(database_url: str | None = None) -> Deliverer:
+        made.append(Deliverer(database_url or clean.database_url, registry()))
         return made[-1]
 
     yield make

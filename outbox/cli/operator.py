@@ -128,7 +128,7 @@ def show_arguments(p: argparse.ArgumentParser) -> None:
         reads as a row id: give its step.
 
         One outbox row, by id (outbox show 42) or by business key and step
-        (outbox show order:42 charge): every column, every attempt (the fence rows, in claim
+        (outbox show order:42 charge): every column, every attempt (the attempt rows, in claim
         order: #, attempt, claim token, started/finished, outcome, HTTP status, error) and the
         operator history. A replay resets the attempt number, so # counts every claim of the row
         (#1, #2, ...) and a line "-- replay by WHO at T, failed -> pending: REASON" marks where
@@ -287,7 +287,7 @@ def replay_arguments(p: argparse.ArgumentParser) -> None:
         with NOTIFY.
 
         Replay rules: a failed row is also refused, with the reason, when a call for it may have
-        taken effect, i.e. one of its attempts (fence rows) ended
+        taken effect, i.e. one of its attempts (attempt rows) ended
           - confirmed by the provider (sent, superseded:sent), or
           - ambiguous (unknown, lease_expired, superseded:unknown, no outcome recorded, any
             outcome other than retry/failed/released) and was not settled since, by the
@@ -521,7 +521,7 @@ def cancel_arguments(p: argparse.ArgumentParser) -> None:
         `outbox status` and `outbox doctor` say "no consumer for D since T, K rows waiting"), or
         a row the provider already has after a failover lost its claim (see the runbook, "After
         a failover"). Only pending or dispatched rows move, and only when none of their calls
-        may have taken effect: never claimed, or every attempt (fence row) ended safe (retry,
+        may have taken effect: never claimed, or every attempt (attempt row) ended safe (retry,
         failed, released) or was settled (a lookup's "not found", resolve --not-sent). A row
         with a call the provider confirmed, or an ambiguous call nobody settled (unknown,
         lease_expired, no outcome; one only forced over with replay --force) is refused: it may
@@ -680,7 +680,7 @@ def audit_arguments(p: argparse.ArgumentParser) -> None:
     _describe(
         p,
         """
-        Prove there was no double call. Per destination: messages by state, attempts (fence
+        Prove there was no double call. Per destination: messages by state, attempts (attempt
         rows, one per claim) against confirmed calls and sent rows, keys claimed more than once
         (retries, with examples), rows not yet terminal. Violations:
 

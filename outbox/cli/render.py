@@ -110,7 +110,7 @@ def render_row(detail: RowDetail) -> str:
         lines.append(f"{'payload'.ljust(width)}  {json.dumps(detail.payload, ensure_ascii=False)}")
     lines += [
         "",
-        f"attempts ({len(detail.attempts)} fence rows, in claim order; # counts every claim, "
+        f"attempts ({len(detail.attempts)} attempt rows, in claim order; # counts every claim, "
         "attempt restarts at each replay):",
     ]
     if detail.attempts:
@@ -146,7 +146,7 @@ def render_row(detail: RowDetail) -> str:
 
 
 def _marks(history: Sequence[dict[str, Any]], after: int) -> list[str]:
-    """The history entries between fence row #after and the next one, as marker lines."""
+    """The history entries between attempt row #after and the next one, as marker lines."""
     marks = []
     for h in history:
         if h.get("after_attempt") != after:
@@ -159,7 +159,7 @@ def _marks(history: Sequence[dict[str, Any]], after: int) -> list[str]:
 
 
 def _parsed(value: Any) -> Any:
-    # The history's timestamps are JSON strings: shown like the fence rows' datetimes.
+    # The history's timestamps are JSON strings: shown like the attempt rows' datetimes.
     try:
         return datetime.fromisoformat(str(value))
     except ValueError:
@@ -322,7 +322,7 @@ def render_audit(report: AuditReport) -> str:
     if multi:
         # Retries after a certain failure are normal; this list is where to look first when
         # a customer reports two charges.
-        lines.append(f"keys claimed more than once: {multi} (retries; each claim is one fence row)")
+        lines.append(f"keys claimed more than once: {multi} (retries; each claim is one attempt row)")
         for e in report.multi_claimed_examples:
             lines.append(f"  #{e.id} {e.key} {e.step} [{e.destination}] {e.claims} claims, now {e.state}")
     else:

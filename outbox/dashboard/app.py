@@ -712,7 +712,7 @@ class Dashboard:
                 result = await self._write(act)
             except OutboxError as exc:
                 raise Refused(409, str(exc)) from exc
-            outcome = bulk.Outcome("resolve", done=[(row_id, result.message)])
+            outcome = bulk.BulkResult("resolve", done=[(row_id, result.message)])
             return self._page(request, "applied.html", access, session, outcome=outcome)
 
         return await self._run(request, True, body)
@@ -727,7 +727,7 @@ class Dashboard:
                 result = await self._write(actions.skip, row_id, by=self._by(access), reason=reason)
             except OutboxError as exc:
                 raise Refused(409, str(exc)) from exc
-            outcome = bulk.Outcome("skip", done=[(row_id, result.message)])
+            outcome = bulk.BulkResult("skip", done=[(row_id, result.message)])
             return self._page(request, "applied.html", access, session, outcome=outcome)
 
         return await self._run(request, True, body)
@@ -753,7 +753,7 @@ class Dashboard:
             p = await self._write(
                 pauses.pause, destination, by=self._by(access), reason=reason, for_seconds=seconds
             )
-            outcome = bulk.Outcome("pause", done=[(0, p.describe())])
+            outcome = bulk.BulkResult("pause", done=[(0, p.describe())])
             return self._page(request, "applied.html", access, session, outcome=outcome)
 
         return await self._run(request, True, body)
@@ -765,7 +765,7 @@ class Dashboard:
             said = (
                 f"{destination} resumed" if r.pause or r.breaker_closed else f"{destination} was not paused"
             )
-            outcome = bulk.Outcome("resume", done=[(0, said)])
+            outcome = bulk.BulkResult("resume", done=[(0, said)])
             return self._page(request, "applied.html", access, session, outcome=outcome)
 
         return await self._run(request, True, body)
@@ -815,7 +815,7 @@ class Dashboard:
                 by=self._by(access),
                 reason=reason,
             )
-            outcome = bulk.Outcome(
+            outcome = bulk.BulkResult(
                 "repair",
                 done=[(r.row_id or 0, f"{r.key}: {r.message}") for r in results if r.done],
                 refused=[(r.row_id or 0, f"{r.key}: {r.message}") for r in results if not r.done],

@@ -48,7 +48,7 @@ class Preview:
 
 
 @dataclass
-class Outcome:
+class BulkResult:
     action: str
     done: list[tuple[int, str]] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
@@ -126,18 +126,18 @@ def apply(
     fingerprint: str,
     by: str,
     reason: str,
-) -> Outcome:
+) -> BulkResult:
     """Act on the rows a preview of ``ids`` named, if they are still what it saw."""
     if not reason or not reason.strip():
         raise ConfigError("a reason is required: it is kept in each row's history")
     now = preview(connection, action, ids)
     if now.fingerprint != fingerprint:
-        return Outcome(
+        return BulkResult(
             action,
             stale="the rows changed since the preview (one moved, failed again or was settled): "
             "nothing was done; preview again",
         )
-    out = Outcome(action, refused=list(now.refused))
+    out = BulkResult(action, refused=list(now.refused))
     chosen = [int(r["id"]) for r in now.to_act]
     if not chosen:
         return out

@@ -1,7 +1,7 @@
 """What a page shows of a row's texts: its history as lines, whatever shape each entry has, and
 which error texts a reader without payload rights is not shown.
 
-An error text (``last_error``, a fence row's ``error``, a ``chain_problem``) is the provider's or
+An error text (``last_error``, an attempt row's ``error``, a ``chain_problem``) is the provider's or
 the application's words, and these often echo the request: a card number, an address. A reader
 without payload rights sees that there is one and the classification around it (the state, the
 attempt's outcome, its HTTP status), never the text.
@@ -102,7 +102,7 @@ def withhold_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def withhold_attempt(attempt: dict[str, Any]) -> dict[str, Any]:
-    """A fence row without its error text; its outcome and HTTP status stay."""
+    """An attempt row without its error text; its outcome and HTTP status stay."""
     return {**attempt, "error": _hide(attempt.get("error"))}
 
 

@@ -170,7 +170,7 @@ class ReplayCandidate:
     past_deadline: bool
     #: Why the replay rules refuse it (empty: replayable).
     refusals: list[str]
-    #: Ids of the fence rows behind the refusals: what a --force replay marks as forced over.
+    #: Ids of the attempt rows behind the refusals: what a --force replay marks as forced over.
     blockers: list[int]
 
     @property
@@ -269,7 +269,7 @@ def plan_replay(
 ) -> ReplayPlan:
     """Preview a replay of ``ids``, or of every ``failed`` row of ``destination``; changes nothing.
 
-    The replay rules (:mod:`outbox.outcomes`): a row whose fence rows hold a confirmed call, or an
+    The replay rules (:mod:`outbox.outcomes`): a row whose attempt rows hold a confirmed call, or an
     ambiguous one that no lookup's "not found" and no ``resolve --not-sent`` settled, or that an
     operator failed out of ``unknown``, is refused, unless ``force``, which names exactly one row.
     Raises :class:`NotFound` for a destination no row names (a typo must not read as "nothing to
@@ -301,7 +301,7 @@ def execute_replay(
     """Replay exactly the rows of ``plan.to_replay``: each is one guarded move that re-checks the
     rules and the failure the preview saw, so a row that changed since is left alone and said so.
     A forced replay needs a ``reason`` and is recorded as such (``forced``, what it overrode) in
-    the row's history, and its fence rows are marked ``operator_forced``."""
+    the row's history, and its attempt rows are marked ``operator_forced``."""
     actor = by or default_actor()
     results: dict[int, ActionResult] = {r.id: ActionResult(r.id, False, r.refusal()) for r in plan.refused}
     results.update({i: ActionResult(i, False, f"no outbox row with id {i}") for i in plan.missing})
@@ -388,8 +388,8 @@ def resolve(
     response: Mapping[str, Any] | None = None,
 ) -> ActionResult:
     """Settle an ``unknown`` row by hand, exactly one of: the provider has it (``sent_ref``), it
-    certainly has not (``not_sent``: back to pending, attempts kept, its ambiguous fence rows
-    marked settled, which is what lets a later replay through; refused when a fence row holds a
+    certainly has not (``not_sent``: back to pending, attempts kept, its ambiguous attempt rows
+    marked settled, which is what lets a later replay through; refused when an attempt row holds a
     call the provider confirmed), or give up (``failed_reason``: a later replay is refused unless
     forced). Raises :class:`InvalidTransition` (or :class:`NotFound`) and changes
     nothing when the row is not ``unknown``.
@@ -474,7 +474,7 @@ def _then_plan(
     row = connection.execute(_ROW_FOR_PLAN, {"id": row_id}).mappings().first()
     handler = handlers.get(row["destination"]) if row is not None else None
     if row is None or handler is None:
-        return chains.NOTHING
+        return chains.NO_NEXT_STEPS
     return chains.then_plan_for_row(handler, dict(row), confirmed)
 
 
@@ -544,7 +544,7 @@ def _why_not_cancellable(state: str | None, row_id: int) -> str:
         return f"no outbox row with id {row_id}"
     if state in ("pending", "dispatched"):
         return (
-            f"row {row_id} is {state} but a call for it may have taken effect (a fence row is "
+            f"row {row_id} is {state} but a call for it may have taken effect (an attempt row is "
             "confirmed, or ambiguous and not settled): see outbox show "
             f"{row_id}, and ask the provider"
         )
@@ -562,7 +562,7 @@ def cancel_rows(
     max_id: int | None = None,
 ) -> CancelPlan:
     """Cancel ``pending`` or ``dispatched`` rows none of whose calls may have taken effect (never
-    claimed, or every fence row safe or settled; wider than :func:`outbox.cancel`, which only
+    claimed, or every attempt row safe or settled; wider than :func:`outbox.cancel`, which only
     takes never-claimed rows), by id or every such row of ``destination`` (with ids no higher
     than ``max_id`` when given). With ``apply=False`` nothing changes: the plan says what would
     be cancelled and what is refused (by id: what the dashboard's bulk cancel previews).

@@ -1,6 +1,6 @@
 """``outbox audit``: the table an operator reads to prove there was no double call.
 
-It compares, per destination, the fence rows (one per claim, so one per possible provider call)
+It compares, per destination, the attempt rows (one per claim, so one per possible provider call)
 with the confirmed sends, and lists what must never happen:
 
 * a ``sent`` row without the provider's reference (nothing to reconcile the charge with);
@@ -13,7 +13,7 @@ with the confirmed sends, and lists what must never happen:
 
 "Confirmed" counts ``superseded:sent`` too: a late worker whose row had been taken over still
 got a confirmation from the provider, so that call took effect even though it lost the race to
-record it. A fence row whose outcome is ``released`` (a claim given back without a call) is not
+record it. An attempt row whose outcome is ``released`` (a claim given back without a call) is not
 an attempt and is not counted. Rows purged after retention take their attempts with them (``ON
 DELETE CASCADE``), but the purge leaves each key in the key ledger with its counts (claims,
 confirmed claims, ambiguous history, final state, reference): the audit counts those purged keys
@@ -215,9 +215,9 @@ class LedgerAudit:
 class DestinationAudit:
     destination: str
     states: dict[str, int] = field(default_factory=lambda: dict.fromkeys(states.ALL, 0))
-    #: Fence rows: one per claim, i.e. one per call that may have reached the provider.
+    #: Attempt rows: one per claim, i.e. one per call that may have reached the provider.
     attempts: int = 0
-    #: Fence rows whose outcome says the provider confirmed the call.
+    #: Attempt rows whose outcome says the provider confirmed the call.
     confirmed_calls: int = 0
     claimed_more_than_once: int = 0
     sent_without_ref: int = 0

@@ -154,7 +154,7 @@ def _load_payload(raw: str) -> Any:
     return json.loads(raw, parse_int=_int_or_placeholder)
 
 
-# Claim order: a replay resets `attempts`, so the fence rows of two runs both say "attempt 1";
+# Claim order: a replay resets `attempts`, so the attempt rows of two runs both say "attempt 1";
 # `number` counts every claim of the row, the way an operator tells them apart.
 _ATTEMPTS = text(
     """
@@ -173,8 +173,8 @@ def _at(entry: dict[str, Any]) -> datetime | None:
 
 
 def _place_history(attempts: list[dict[str, Any]], history: list[dict[str, Any]]) -> None:
-    """Give each fence row its run (1 + the replays before it) and each history entry
-    ``after_attempt``: the number of the last fence row claimed before it (0: before any)."""
+    """Give each attempt row its run (1 + the replays before it) and each history entry
+    ``after_attempt``: the number of the last attempt row claimed before it (0: before any)."""
     for entry in history:
         at = _at(entry)
         # An entry at the very instant of a claim came first: the replay is what made it due.
@@ -188,11 +188,11 @@ def _place_history(attempts: list[dict[str, Any]], history: list[dict[str, Any]]
 @dataclass
 class RowDetail:
     row: dict[str, Any]
-    #: The fence rows in claim order: ``number`` counts every claim of the row (#1, #2, ...),
+    #: The attempt rows in claim order: ``number`` counts every claim of the row (#1, #2, ...),
     #: ``attempt`` restarts at 1 after each replay, ``run`` counts the replays (1: the first run).
     attempts: list[dict[str, Any]]
     #: The operator's (and the lookup's) actions, each with ``after_attempt``: the ``number`` of
-    #: the last fence row claimed before it (0: before any claim).
+    #: the last attempt row claimed before it (0: before any claim).
     history: list[dict[str, Any]]
     #: Only when asked for (`--payload`).
     payload: dict[str, Any] | None = None
@@ -233,7 +233,7 @@ def show(
     step: str | None = None,
     payload: bool = False,
 ) -> RowDetail | LedgerDetail:
-    """One row by id (or by ``key`` and ``step``) with its fence rows and history; by key, a
+    """One row by id (or by ``key`` and ``step``) with its attempt rows and history; by key, a
     purged row's key-ledger entry (:class:`LedgerDetail`).
 
     Raises :class:`NotFound` when there is no such row.
@@ -263,7 +263,7 @@ def show(
 # -- show KEY: every step of a business key, with its milestones -----------------------------------
 
 # Written, (last) published, first claimed, confirmed: from the rows' own timestamps and their
-# fence rows; a step whose row was purged comes from the key ledger (its final state and ref).
+# attempt rows; a step whose row was purged comes from the key ledger (its final state and ref).
 _KEY_STEPS = text(
     f"""
 SELECT m.id, m.step, m.destination, m.state, m.attempts, m.created_at AS written,

@@ -204,7 +204,7 @@ class RepairItem:
     state: str | None = None
     #: The failure the plan saw (a failed row's ``completed_at``): the acting statement's guard.
     failed_at: datetime | None = None
-    #: The fence rows behind an ambiguous failure: forced over when the lookup finds no record.
+    #: The attempt rows behind an ambiguous failure: forced over when the lookup finds no record.
     blockers: tuple[int, ...] = ()
     refusals: tuple[str, ...] = ()
     #: Planned only because of --force: over a certain failure, or over an operator's decision.

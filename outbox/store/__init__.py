@@ -32,8 +32,7 @@ statement                           move                            called by
 ``relay.dispatch_due``              pending -> dispatched           relay (a batch)
 ``relay.undispatch``                dispatched -> pending           relay (Redis refused)
 ``delivery.claim``                  pending/dispatched -> in_flight consumer
-``delivery.record``                 in_flight/unknown -> any        consumer (the call's outcome)
-``delivery.record_outcome``         (the same, with next steps)     consumer (outbox.chains)
+``delivery.record``                 in_flight/unknown -> any        consumer (the outcome, next steps)
 ``delivery.release``                in_flight/unknown -> pending    consumer (no call was made)
 ``delivery.fail_unhandled``         pending/dispatched -> failed    consumer (no handler)
 ``recovery.expire_leases``          in_flight -> unknown            reconciler

@@ -47,7 +47,7 @@ async def insert_async(target: AsyncSession | AsyncConnection, params: Mapping[s
 
 def cancel_by_key(target: Session | Connection, *, key: str, step: str) -> bool:
     """``pending``/``dispatched`` -> ``cancelled``, only for a row no consumer ever claimed (no
-    fence row): once a call was attempted it may have taken effect."""
+    attempt row): once a call was attempted it may have taken effect."""
     return target.execute(cached_text(_CANCEL_BY_KEY), {"key": key, "step": step}).first() is not None
 
 

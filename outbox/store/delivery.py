@@ -208,7 +208,7 @@ WITH moved AS (
     -- failed while this claim's call was still on its way, as long as no newer claim owns it:
     -- the provider's confirmation beats the lookup's earlier "not found". Not an operator's
     -- resolve --failed ("refunded by hand"): only another operator overrules that (a forced
-    -- repair or replay); the fence row keeps the answer (superseded:sent, which the audit shows).
+    -- repair or replay); the attempt row keeps the answer (superseded:sent, which the audit shows).
     WHERE id = %(id)s AND claim_token = %(token)s
       AND (state IN ('in_flight', 'unknown')
            OR (%(state)s = 'sent' AND state IN ('pending', 'dispatched'))
@@ -218,7 +218,7 @@ WITH moved AS (
 ){follow_cte}
 UPDATE outbox_attempt
 SET finished_at = now(),
-    -- An ambiguous call keeps "unknown" on its fence row even when the row fails (an idempotent
+    -- An ambiguous call keeps "unknown" on its attempt row even when the row fails (an idempotent
     -- destination out of attempts or past its deadline): a later replay must see it
     -- (outbox.outcomes).
     outcome = COALESCE((SELECT CASE WHEN state = 'failed' AND %(outcome)s <> 'unknown' THEN 'failed'
@@ -248,7 +248,7 @@ _RECORD_FOLLOW = _record_sql(follow=True)
 
 # The claim is given back without a call: the row is due again at once (the relay re-publishes
 # it; a NOTIFY wakes it) or after ``%(delay)s`` seconds (a payload newer than this worker's
-# handler: outbox.payloads), the claim is not counted as an attempt, and the fence row says
+# handler: outbox.payloads), the claim is not counted as an attempt, and the attempt row says
 # `released`. From `unknown`
 # too: the reconciler may have expired the lease meanwhile, but this claim knows no call was
 # made, which is better evidence than any lookup.
@@ -358,7 +358,7 @@ def claim(
     key_ttl: float | None = None,
     skip_when_failed: bool = False,
 ) -> Claimed | Aged | None:
-    """Move the row to `in_flight` under a new claim token and insert its fence row.
+    """Move the row to `in_flight` under a new claim token and insert its attempt row.
 
     None when the row is not claimable (already claimed, settled, cancelled, not yet due, not
     for this destination, its destination is paused, or an earlier row of its ordering key holds
@@ -416,19 +416,11 @@ def claim(
     )
 
 
-def record(conn: psycopg.Connection[Any], **kwargs: Any) -> str | None:
-    """:func:`record_outcome`'s state: the state the row moved to, or None when a newer claim
-    owns it."""
-    return record_outcome(conn, **kwargs).state
-
-
 _RECORD_STATEMENT = db.Statement(_RECORD)
-
-
 _RECORD_FOLLOW_STATEMENT = db.Statement(_RECORD_FOLLOW)
 
 
-def record_outcome(
+def record(
     conn: psycopg.Connection[Any],
     *,
     row_id: int,
@@ -442,7 +434,7 @@ def record_outcome(
     delay_seconds: float | None = None,
     deadline_error: str | None = None,
     refund_attempt: bool = False,
-    follow: chains.Plan = chains.NOTHING,
+    follow: chains.Plan = chains.NO_NEXT_STEPS,
 ) -> Recorded:
     """Record a claim's outcome, and write the next steps of ``follow`` (outbox.chains) in the
     same statement: its ``then`` steps if the row moves to ``sent``, its ``on_failure`` steps if
@@ -595,7 +587,7 @@ RETURNING breaker_opened_at IS NULL AS closed, breaker_open_seconds
 
 
 def settle_breaker_probe(conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> Any:
-    """The probe's verdict (outbox.breaker.settle_probe): the row ``(closed, open_seconds)``, or
+    """The probe's outcome (outbox.breaker.settle_probe): the row ``(closed, open_seconds)``, or
     None when this claim no longer holds the probe."""
     return conn.execute(_SETTLE_PROBE, params).fetchone()
 

@@ -129,7 +129,7 @@ SET state = 'pending', attempts = 0, available_at = now(),
 )
 
 
-# The replay rules (outbox.outcomes): a fence row that may have taken effect, or an operator's
+# The replay rules (outbox.outcomes): an attempt row that may have taken effect, or an operator's
 # `resolve --failed` out of unknown, refuses the replay unless the row is forced by name.
 BLOCKING_ATTEMPT_SQL = (
     f"SELECT 1 FROM outbox_attempt a WHERE a.message_id = m.id AND {outcomes.blocks_replay_sql('a')}"
@@ -156,7 +156,7 @@ RETURNING m.id, m.deadline IS NOT NULL AND m.deadline <= now() AS past_deadline
 """
 
 
-# One row, named by the operator with a reason: the fence rows the preview showed are marked as
+# One row, named by the operator with a reason: the attempt rows the preview showed are marked as
 # forced over in the same statement. A blocker the operator did not see refuses the whole thing,
 # and so does an operator's resolve --failed unless the caller overrules it (:overrule: a forced
 # replay, a forced repair; not a repair's re-run on a lookup's "not found").
@@ -193,7 +193,7 @@ SELECT id, (SELECT count(*) FROM followed) FROM moved
 
 
 # attempts stay: the earlier call is known not to have taken effect, but it counted. The row's
-# ambiguous fence rows are marked settled in the same statement (what lets a later replay through);
+# ambiguous attempt rows are marked settled in the same statement (what lets a later replay through);
 # a call the provider confirmed is not "not sent", whatever anyone says, so it refuses.
 _RESOLVE_NOT_SENT = f"""
 WITH moved AS (
@@ -283,7 +283,7 @@ def replay_forced(
     overrule: bool = True,
 ) -> Any | None:
     """``failed`` -> ``pending`` for one row the rules refuse, named with a reason: only if no
-    blocking fence row other than ``seen`` (the ones the operator was shown) exists; those are
+    blocking attempt row other than ``seen`` (the ones the operator was shown) exists; those are
     marked ``operator_forced``. ``overrule``: also over an operator's ``resolve --failed``.
     ``(id, past_deadline)``, or None when it did not move."""
     params = {**history, "id": row_id, "version": version, "seen": list(seen), "overrule": overrule}
@@ -296,7 +296,7 @@ def resolve_sent(
     row_id: int,
     ref: str,
     history: Mapping[str, Any],
-    follow: chains.Plan = chains.NOTHING,
+    follow: chains.Plan = chains.NO_NEXT_STEPS,
     response: str | None = None,
 ) -> int | None:
     """``unknown`` -> ``sent`` with the provider's reference an operator found (and ``response``,
@@ -315,8 +315,8 @@ def resolve_sent(
 
 
 def resolve_not_sent(connection: Connection, *, row_id: int, history: Mapping[str, Any]) -> bool:
-    """``unknown`` -> ``pending``, its ambiguous fence rows settled; refused (False) when a fence
-    row holds a call the provider confirmed."""
+    """``unknown`` -> ``pending``, its ambiguous attempt rows settled; refused (False) when an
+    attempt row holds a call the provider confirmed."""
     params = {**history, "id": row_id}
     return connection.execute(cached_text(_RESOLVE_NOT_SENT), params).first() is not None
 

@@ -188,7 +188,7 @@ def drop_batches(conn: psycopg.Connection[Any], *, horizon_seconds: float, limit
 
 
 # The claim token is kept: a late recording by the same claim is better evidence than a lookup
-# and may still settle the row (see :func:`record`). The fence row is closed in the same statement,
+# and may still settle the row (see :func:`record`). The attempt row is closed in the same statement,
 # so an operator sees why the claim ended. The first lookup waits one time_limit of the row's
 # destination (on the database's clock): a call that overran its lease may still be landing at
 # the provider, and a lookup before it lands would find nothing and let the row be charged again.
@@ -244,7 +244,7 @@ RETURNING id
 # Resolution of an unknown row by a lookup: sent, pending (retry) or failed. The history entry
 # names what the reconciler saw, never the payload. A retry is due %(delay)s seconds from the
 # database's now, and fails the row instead when that falls on or after its deadline. A "not
-# found" (or an idempotent retry) marks the row's ambiguous fence rows in the same statement
+# found" (or an idempotent retry) marks the row's ambiguous attempt rows in the same statement
 # (outbox.outcomes), and only while every call that may have taken effect is younger than the
 # destination's key_ttl (database clock): past it, the provider may have forgotten the call, and
 # the row does not move.
@@ -335,7 +335,7 @@ RETURNING m.id
 
 
 # The row moves into the key ledger in the statement that deletes it: no moment exists where the
-# key is in neither table (the insert guard would let a new row for it through). Its fence rows
+# key is in neither table (the insert guard would let a new row for it through). Its attempt rows
 # are read here, in the statement's snapshot, before the cascade removes them.
 #
 # A transaction whose snapshot predates a row's insertion sees neither the row nor its ledger
@@ -449,11 +449,11 @@ def settle_unknown(
     deadline_error: str | None = None,
     settled: str | None = None,
     key_ttl: float | None = None,
-    follow: chains.Plan = chains.NOTHING,
+    follow: chains.Plan = chains.NO_NEXT_STEPS,
 ) -> str | None:
     """``unknown`` -> ``state`` (sent, pending or failed) after a lookup: the state the row moved
     to, or None when it had moved meanwhile (or, with ``key_ttl``, when a call that may have
-    taken effect is older than it). ``settled`` marks the row's ambiguous fence rows in the same
+    taken effect is older than it). ``settled`` marks the row's ambiguous attempt rows in the same
     statement (:mod:`outbox.outcomes`); ``follow``'s ``then`` steps are written with a ``sent``
     (never its ``on_failure`` steps: a failure out of unknown is not certain)."""
     params = {

@@ -10,7 +10,7 @@ import psycopg
 
 from ..store.sql import cached_text
 
-# Every instant of the rows (and of their fence rows) moves back together, as if `seconds` had
+# Every instant of the rows (and of their attempt rows) moves back together, as if `seconds` had
 # passed on the database's clock: what was due in less than that is due, a lease that had less
 # left has expired, a call older than key_ttl is so. Nothing else changes, so no state is
 # reached that the product could not reach itself.

@@ -46,6 +46,6 @@ _EMPTY = (
 
 
 def empty_database(database_url: str) -> None:
-    """Empty the outbox tables of a test database (every row, fence row and ledger key)."""
+    """Empty the outbox tables of a test database (every row, attempt row and ledger key)."""
     with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
         conn.execute(_EMPTY)

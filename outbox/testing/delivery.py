@@ -1,7 +1,7 @@
 """Deliver and reconcile in-process, through the real path: for the tests of users' own code.
 
 ``deliver`` runs each due row through the worker's own claim → call → record
-(:class:`outbox.consumer.Executor`, no broker); ``reconcile_once`` runs the reconciler's jobs
+(:class:`outbox.consumer.Deliverer`, no broker); ``reconcile_once`` runs the reconciler's jobs
 that need no broker (expire leases, resolve unknown rows through the lookups);
 ``crash_after_call`` makes the call and then dies before recording, as a worker killed between
 the provider's answer and its commit; ``pass_time`` makes time pass for the rows.
@@ -26,7 +26,7 @@ import psycopg
 from sqlalchemy import URL, Engine
 
 from .. import store
-from ..consumer import Executor, RunResult, delivery_for
+from ..consumer import Deliverer, DeliveryResult, delivery_for
 from ..exceptions import ConfigError
 from ..handlers import Deliveries, Handler, registry
 from ..settings import libpq_url
@@ -95,26 +95,26 @@ def _url(database_url: str | URL | Engine) -> str:
     return database_url
 
 
-def deliver(handlers: Handlers = None, *, database_url: Database) -> dict[int, RunResult]:
+def deliver(handlers: Handlers = None, *, database_url: Database) -> dict[int, DeliveryResult]:
     """Run every due row (``pending`` and due, or ``dispatched``) of the handlers' destinations
     through the worker's delivery, until none is due; each row's last outcome. A row whose retry
     is due later is left pending: make time pass (:func:`pass_time`) and call again."""
     table, url = _handlers(handlers), _url(database_url)
-    executor = Executor(url, table)
-    results: dict[int, RunResult] = {}
+    deliverer = Deliverer(url, table)
+    results: dict[int, DeliveryResult] = {}
     try:
         with psycopg.connect(libpq_url(url), autocommit=True) as conn:
             for _ in range(_MAX_ROUNDS):
                 due = conn.execute(_DUE, _due_params(table, None)).fetchall()
                 ran = 0
                 for row_id, destination in due:
-                    result = executor.deliver(int(row_id), str(destination))
+                    result = deliverer.deliver(int(row_id), str(destination))
                     results[int(row_id)] = result
-                    ran += result not in (RunResult.EMPTY, RunResult.PAUSED)
+                    ran += result not in (DeliveryResult.EMPTY, DeliveryResult.PAUSED)
                 if not ran:
                     break
     finally:
-        executor.close()
+        deliverer.close()
     return results
 
 
@@ -204,7 +204,7 @@ def recover(handlers: Handlers = None, *, database_url: Database, max_rounds: in
 
 def pass_time(seconds: float, *, database_url: Database, ids: list[int] | None = None) -> int:
     """Make ``seconds`` pass for the rows ``ids`` (all when None): leases expire, retries and
-    lookups fall due (:func:`outbox.clock.elapse`). How many rows."""
+    lookups fall due (:func:`outbox.testing.clock.elapse`). How many rows."""
     with psycopg.connect(libpq_url(_url(database_url)), autocommit=True) as conn:
         return clock.elapse(conn, seconds, ids=ids)
 

@@ -65,7 +65,7 @@ def write_uncomputed(
     for row in rows:
         handler = handlers.get(row["destination"])
         if row["followed_already"]:
-            plan = chains.NOTHING
+            plan = chains.NO_NEXT_STEPS
         elif handler is None:
             plan = chains.Plan(
                 (), f"no handler for destination {row['destination']} in {module}: its next steps are unknown"

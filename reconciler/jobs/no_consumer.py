@@ -48,8 +48,8 @@ def no_consumer(
         counts["ended"] += 1
         logger.info(
             "destination %s has a consumer again, or nothing waits for one",
-            ended[0],
-            extra={"destination": ended[0]},
+            ended,
+            extra={"destination": ended},
         )
     for gap in found:
         counts["no_consumer"] += 1

@@ -154,7 +154,7 @@ def test_an_operator_searches_reads_the_attempts_and_replays_through_the_preview
     page.click(f"a[href='/rows/{row}']")
     page.wait_for_selector("table.attempts")
     attempts = page.locator("table.attempts tbody tr")
-    # Every fence row is shown: one, unless a loaded machine made the first call outlive its time
+    # Every attempt row is shown: one, unless a loaded machine made the first call outlive its time
     # limit (unknown, looked up, not found, called again: the decline came on the second).
     stored = sql(clean, "SELECT count(*) FROM outbox_attempt WHERE message_id = %s", (row,))[0][0]
     assert stored >= 1 and attempts.count() == stored

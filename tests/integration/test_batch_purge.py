@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import store
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.logs import KeyValueFormatter
 from outbox.reconciler.jobs.batches import finish_batches
 from outbox.reconciler.jobs.purge import Purge, PurgeConfig, purge
@@ -58,9 +58,9 @@ def finished_batch(services: Any, engine: Any, db: Any, consumer: Any) -> tuple[
     """A batch of two members, both sent, finished `then`, its then row sent too."""
     b, ids = write_batch(engine, [100, 200])
     worker = consumer()
-    assert [worker.deliver(i, "crm.import") for i in ids] == [RunResult.SENT, RunResult.SENT]
+    assert [worker.deliver(i, "crm.import") for i in ids] == [DeliveryResult.SENT, DeliveryResult.SENT]
     assert finish_batches(db) == {"then": 1, "written": 1}
-    assert worker.deliver(rows(services)["report"]["id"], "mail.notify") is RunResult.SENT
+    assert worker.deliver(rows(services)["report"]["id"], "mail.notify") is DeliveryResult.SENT
     return b, ids
 
 
@@ -134,7 +134,10 @@ def test_an_open_batch_and_one_with_a_live_member_are_kept(clean, engine, db, ha
     write_batch(engine, [100], name="import:open")  # never delivered
     _, failed_ids = write_batch(engine, [-1, 100], name="import:failed")
     worker = consumer()
-    assert [worker.deliver(i, "crm.import") for i in failed_ids] == [RunResult.FAILED, RunResult.SENT]
+    assert [worker.deliver(i, "crm.import") for i in failed_ids] == [
+        DeliveryResult.FAILED,
+        DeliveryResult.SENT,
+    ]
     assert finish_batches(db) == {"catch": 1, "written": 1}
     # One being written while the purge runs: not finished, not even visible, and kept.
     with Session(engine) as s, s.begin():
@@ -156,7 +159,7 @@ def test_the_row_written_at_the_end_holds_the_name(clean, engine, db, handlers, 
     # The then row was never delivered (pending for 100 days): the batch keeps its name, since a
     # new batch of that name could never write that step.
     b, ids = write_batch(engine, [100])
-    assert consumer().deliver(ids[0], "crm.import") is RunResult.SENT
+    assert consumer().deliver(ids[0], "crm.import") is DeliveryResult.SENT
     assert finish_batches(db) == {"then": 1, "written": 1}
     pass_days(clean, 100)
     # The member's ledger entry is held by its batch (below).
@@ -173,7 +176,7 @@ def test_a_held_batch_keeps_its_members_answering(clean, engine, db, handlers, c
     # transaction" for members whose ledger entries went at their own horizon.
     b, ids = write_batch(engine, [100, 200])
     worker = consumer()
-    assert [worker.deliver(i, "crm.import") for i in ids] == [RunResult.SENT, RunResult.SENT]
+    assert [worker.deliver(i, "crm.import") for i in ids] == [DeliveryResult.SENT, DeliveryResult.SENT]
     assert finish_batches(db) == {"then": 1, "written": 1}
     sql(clean, "UPDATE outbox_message SET state = 'failed', completed_at = now() WHERE step = 'report'")
     pass_days(clean, 31)

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import ops, store
 from outbox.cli import main
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.handlers import registry
 from outbox.reconciler.jobs.batches import finish_batches
 from outbox.reconciler.jobs.purge import purge
@@ -81,10 +81,10 @@ def test_a_batch_whose_members_are_all_sent_writes_its_then_row_once(clean, engi
     assert b.created and b.name == NAME
     assert {r["batch_id"] for r in rows(clean).values()} == {b.id}
     worker = consumer()
-    assert worker.deliver(ids[0], "crm.import") is RunResult.SENT
+    assert worker.deliver(ids[0], "crm.import") is DeliveryResult.SENT
     assert finish_batches(db) == {}  # two members still open
     for row_id in ids[1:]:
-        assert worker.deliver(row_id, "crm.import") is RunResult.SENT
+        assert worker.deliver(row_id, "crm.import") is DeliveryResult.SENT
     assert finish_batches(db) == {"then": 1, "written": 1}
     assert finish_batches(db) == {}
     report = rows(clean)["report"]
@@ -101,9 +101,9 @@ def test_a_failed_member_writes_the_catch_row(clean, engine, db, handlers, consu
     _, ids = write_batch(engine, [100, -1, 300])  # the simulator declines -1
     worker = consumer()
     assert [worker.deliver(i, "crm.import") for i in ids] == [
-        RunResult.SENT,
-        RunResult.FAILED,
-        RunResult.SENT,
+        DeliveryResult.SENT,
+        DeliveryResult.FAILED,
+        DeliveryResult.SENT,
     ]
     assert finish_batches(db) == {"catch": 1, "written": 1}
     assert rows(clean)["alert"]["via"] == "batch_catch" and "report" not in rows(clean)
@@ -112,7 +112,7 @@ def test_a_failed_member_writes_the_catch_row(clean, engine, db, handlers, consu
 def test_an_unknown_member_holds_the_batch_open(clean, engine, db, handlers, consumer, provider):
     _, ids = write_batch(engine, [100])
     provider.configure(fault_next=["drop_after"])
-    assert consumer().deliver(ids[0], "crm.import") is RunResult.UNKNOWN
+    assert consumer().deliver(ids[0], "crm.import") is DeliveryResult.UNKNOWN
     assert finish_batches(db) == {}
     with engine.begin() as conn:
         assert ops.resolve(conn, ids[0], sent_ref="ch_1").done
@@ -123,7 +123,7 @@ def test_two_finishers_at_once_write_one_row(clean, engine, handlers, consumer):
     _, ids = write_batch(engine, [100, 200])
     worker = consumer()
     for row_id in ids:
-        assert worker.deliver(row_id, "crm.import") is RunResult.SENT
+        assert worker.deliver(row_id, "crm.import") is DeliveryResult.SENT
     [(batch_id,)] = sql(clean, "SELECT id FROM outbox_batch")
     results: list[Any] = []
     with psycopg.connect(libpq_url(clean.database_url)) as first:
@@ -146,7 +146,7 @@ def test_many_batches_finished_by_two_reconcilers_racing_get_one_row_each(clean,
     worker = consumer()
     for n in range(12):
         _, ids = write_batch(engine, [100], name=f"import:{n}")
-        assert worker.deliver(ids[0], "crm.import") is RunResult.SENT
+        assert worker.deliver(ids[0], "crm.import") is DeliveryResult.SENT
     counts: list[dict[str, int]] = []
     start = threading.Barrier(2)
 
@@ -193,8 +193,8 @@ def test_two_last_members_settling_at_once_still_finish_the_batch(clean, engine,
 def test_a_member_replayed_while_the_batch_finishes_is_read_as_it_is_now(clean, engine, handlers, consumer):
     _, ids = write_batch(engine, [100, -1])
     worker = consumer()
-    assert worker.deliver(ids[0], "crm.import") is RunResult.SENT
-    assert worker.deliver(ids[1], "crm.import") is RunResult.FAILED
+    assert worker.deliver(ids[0], "crm.import") is DeliveryResult.SENT
+    assert worker.deliver(ids[1], "crm.import") is DeliveryResult.FAILED
     [(batch_id,)] = sql(clean, "SELECT id FROM outbox_batch")
     results: list[Any] = []
     with engine.connect() as operator:
@@ -241,9 +241,9 @@ def test_an_open_batch_keeps_its_members_from_the_purge(
 ):
     _, ids = write_batch(engine, [100, 200])
     worker = consumer()
-    assert worker.deliver(ids[0], "crm.import") is RunResult.SENT
+    assert worker.deliver(ids[0], "crm.import") is DeliveryResult.SENT
     provider.configure(fault_next=["drop_after"])
-    assert worker.deliver(ids[1], "crm.import") is RunResult.UNKNOWN
+    assert worker.deliver(ids[1], "crm.import") is DeliveryResult.UNKNOWN
     elapse(clean, 30 * 86400)
     purge(db, retention_seconds=86400)
     assert set(rows(clean)) == {"chunk-0", "chunk-1"}
@@ -263,7 +263,7 @@ def test_batch_show_and_watch(clean, engine, db, handlers, consumer, capsys, mon
 
     b, ids = write_batch(engine, [100, -1, 300])
     worker = consumer()
-    assert worker.deliver(ids[0], "crm.import") is RunResult.SENT
+    assert worker.deliver(ids[0], "crm.import") is DeliveryResult.SENT
     code, out, err = cli(clean, capsys, "batch", "show", NAME)
     assert code == 0, err
     assert f"batch {NAME} (id {b.id})" in out and "then: report -> mail.notify" in out
@@ -312,7 +312,7 @@ def test_a_row_taking_the_then_step_after_the_batch_is_a_recorded_problem(
     _, ids = write_batch(engine, [100])
     with Session(engine) as s, s.begin():  # plain write of the step, after the batch committed
         outbox.write(s, key=NAME, step="report", destination="mail.notify", payload={"someone": "else"})
-    assert consumer().deliver(ids[0], "crm.import") is RunResult.SENT
+    assert consumer().deliver(ids[0], "crm.import") is DeliveryResult.SENT
     seen: list[Any] = []
     assert finish_batches(db, alert_hook=seen.append) == {"then": 1, "problems": 1, "alerts": 1}
     assert [(a.key, a.step, a.state) for a in seen] == [(NAME, "report", "batch_broken")]
@@ -392,13 +392,13 @@ def test_a_failed_member_nothing_compensates_stays_stalled(clean, engine, db, ha
         member = outbox.write(
             s, key=NAME, step="chunk-0", destination="crm.import", payload={"amount_cents": -1}, batch=b
         )
-    assert consumer().deliver(member.id, "crm.import") is RunResult.FAILED
+    assert consumer().deliver(member.id, "crm.import") is DeliveryResult.FAILED
     assert finish_batches(db) == {"catch": 1}
     code, out, _ = cli(clean, capsys, "chains", "--stalled", "--older-than", "0", "--json")
     assert code == 0
     assert [k["step"] for k in json.loads(out)["keys"]] == ["chunk-0"]
     _, ids = write_batch(engine, [-1], name="import:8")
-    assert consumer().deliver(ids[0], "crm.import") is RunResult.FAILED
+    assert consumer().deliver(ids[0], "crm.import") is DeliveryResult.FAILED
     assert finish_batches(db) == {"catch": 1, "written": 1}
     _code, out, _ = cli(clean, capsys, "chains", "--stalled", "--older-than", "0", "--json")
     assert {k["key"]: k["step"] for k in json.loads(out)["keys"]} == {NAME: "chunk-0", "import:8": "alert"}

@@ -2,7 +2,7 @@
 trip it, its rows then wait without a claim and without spending attempts, one probe goes
 through when it half-opens, and the probe's outcome closes or re-opens it. Real PostgreSQL,
 Redis and the provider simulator on 127.0.0.1, whose counters are the evidence; deliveries go
-through the worker's own Executor, one at a time, so each transition is seen."""
+through the worker's own Deliverer, one at a time, so each transition is seen."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from sqlalchemy import text
 import outbox
 from outbox import breaker, metrics, store
 from outbox.cli import main
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import Deliverer, DeliveryResult
 from outbox.exceptions import ConfigError
 from outbox.handlers import registry
 from outbox.reconciler.jobs.redispatch import redispatch
@@ -81,20 +81,20 @@ def attempts(db: Any) -> dict[int, int]:
 
 
 class _LazyExecutor:
-    """The worker's Executor, made at the first delivery: after the test declared its handler."""
+    """The worker's Deliverer, made at the first delivery: after the test declared its handler."""
 
     def __init__(self, database_url: str) -> None:
         self.database_url = database_url
-        self.made: Executor | None = None
+        self.made: Deliverer | None = None
 
-    def deliver(self, row_id: int, destination: str) -> RunResult:
+    def deliver(self, row_id: int, destination: str) -> DeliveryResult:
         if self.made is None:
-            self.made = Executor(self.database_url, registry())
+            self.made = Deliverer(self.database_url, registry())
         return self.made.deliver(row_id, destination)
 
 
 @pytest.fixture
-def executor(clean: Any) -> Any:
+def deliverer(clean: Any) -> Any:
     lazy = _LazyExecutor(clean.database_url)
     yield lazy
     if lazy.made is not None:
@@ -107,13 +107,13 @@ def test_consecutive_not_processed_outcomes_trip_it_and_later_rows_wait_without_
     charge_handler(provider)
     rows = write_rows(engine, 6)
     provider.unavailable()
-    executor = Executor(clean.database_url, registry())
+    deliverer = Deliverer(clean.database_url, registry())
     try:
-        results = [executor.deliver(r, DEST) for r in rows]
+        results = [deliverer.deliver(r, DEST) for r in rows]
     finally:
-        executor.close()
-    assert results[:3] == [RunResult.PENDING] * 3
-    assert results[3:] == [RunResult.PAUSED] * 3, results
+        deliverer.close()
+    assert results[:3] == [DeliveryResult.PENDING] * 3
+    assert results[3:] == [DeliveryResult.PAUSED] * 3, results
     assert provider.stats()["requests"] == 3, "no call once tripped"
     spent = attempts(db)
     assert [spent[r] for r in rows] == [1, 1, 1, 0, 0, 0]
@@ -128,55 +128,57 @@ def test_consecutive_not_processed_outcomes_trip_it_and_later_rows_wait_without_
 
 
 @pytest.mark.parametrize("fault", ["drop_after", "fail_after", "decline"])
-def test_ambiguous_and_processed_outcomes_never_count(clean, engine, db, provider, executor, fault):
+def test_ambiguous_and_processed_outcomes_never_count(clean, engine, db, provider, deliverer, fault):
     """A dropped connection or a 500 after the request (ambiguous) is not "not processed", and a
     refusal (402) is processed: none of them trips the breaker, however many."""
     charge_handler(provider)
     rows = write_rows(engine, 5)
     provider.configure(**{f"{fault}_rate": 1.0})
     for r in rows:
-        assert executor.deliver(r, DEST) in (RunResult.UNKNOWN, RunResult.FAILED)
+        assert deliverer.deliver(r, DEST) in (DeliveryResult.UNKNOWN, DeliveryResult.FAILED)
     assert provider.stats()["requests"] == 5
     assert row_of(db).get("breaker_opened_at") is None
     assert row_of(db).get("breaker_failures", 0) == 0
 
 
-def test_a_processed_outcome_starts_the_count_again(clean, engine, db, provider, executor):
+def test_a_processed_outcome_starts_the_count_again(clean, engine, db, provider, deliverer):
     charge_handler(provider)
     rows = write_rows(engine, 5)
     provider.unavailable(times=2)
-    assert [executor.deliver(r, DEST) for r in rows[:3]] == [RunResult.PENDING] * 2 + [RunResult.SENT]
+    assert [deliverer.deliver(r, DEST) for r in rows[:3]] == [DeliveryResult.PENDING] * 2 + [
+        DeliveryResult.SENT
+    ]
     assert row_of(db)["breaker_failures"] == 0, "the success reset the count"
     provider.unavailable(times=2)
-    assert [executor.deliver(r, DEST) for r in rows[3:]] == [RunResult.PENDING] * 2
+    assert [deliverer.deliver(r, DEST) for r in rows[3:]] == [DeliveryResult.PENDING] * 2
     assert row_of(db)["breaker_failures"] == 2 and row_of(db)["breaker_opened_at"] is None
 
 
-def test_failures_older_than_the_window_start_the_count_again(clean, engine, db, provider, executor):
+def test_failures_older_than_the_window_start_the_count_again(clean, engine, db, provider, deliverer):
     charge_handler(provider)
     rows = write_rows(engine, 4)
     provider.unavailable()
     for r in rows[:2]:
-        assert executor.deliver(r, DEST) is RunResult.PENDING
+        assert deliverer.deliver(r, DEST) is DeliveryResult.PENDING
     db.execute("UPDATE outbox_destination SET breaker_window_at = breaker_window_at - interval '61 seconds'")
-    assert executor.deliver(rows[2], DEST) is RunResult.PENDING
+    assert deliverer.deliver(rows[2], DEST) is DeliveryResult.PENDING
     assert row_of(db)["breaker_failures"] == 1 and row_of(db)["breaker_opened_at"] is None
-    assert executor.deliver(rows[3], DEST) is RunResult.PENDING
+    assert deliverer.deliver(rows[3], DEST) is DeliveryResult.PENDING
     assert row_of(db)["breaker_failures"] == 2
 
 
 def test_the_probe_reopens_for_twice_as_long_without_spending_an_attempt_then_closes_it(
-    clean, engine, db, provider, executor
+    clean, engine, db, provider, deliverer
 ):
     charge_handler(provider)
     rows = write_rows(engine, 6)
     provider.unavailable()
     for r in rows[:3]:
-        executor.deliver(r, DEST)
-    assert executor.deliver(rows[3], DEST) is RunResult.PAUSED
+        deliverer.deliver(r, DEST)
+    assert deliverer.deliver(rows[3], DEST) is DeliveryResult.PAUSED
 
     half_open(db)
-    assert executor.deliver(rows[3], DEST) is RunResult.PENDING  # the probe: still down
+    assert deliverer.deliver(rows[3], DEST) is DeliveryResult.PENDING  # the probe: still down
     probe = get(db, rows[3])
     assert probe["attempts"] == 0, "a probe that found the provider down is not an attempt"
     assert "not counted as an attempt" in probe["last_error"]
@@ -185,37 +187,37 @@ def test_the_probe_reopens_for_twice_as_long_without_spending_an_attempt_then_cl
     state = row_of(db)
     assert state["breaker_open_seconds"] == 4.0 and state["breaker_probe_token"] is None
     assert state["breaker_probes"] == 1
-    assert executor.deliver(rows[4], DEST) is RunResult.PAUSED, "open again"
+    assert deliverer.deliver(rows[4], DEST) is DeliveryResult.PAUSED, "open again"
 
     for expected in (8.0, 8.0):  # doubled, up to max_open_seconds
         half_open(db)
-        assert executor.deliver(rows[4], DEST) is RunResult.PENDING
+        assert deliverer.deliver(rows[4], DEST) is DeliveryResult.PENDING
         assert row_of(db)["breaker_open_seconds"] == expected
     assert get(db, rows[4])["attempts"] == 0
 
     provider.healthy()
     half_open(db)
-    assert executor.deliver(rows[5], DEST) is RunResult.SENT  # the probe gets through
+    assert deliverer.deliver(rows[5], DEST) is DeliveryResult.SENT  # the probe gets through
     state = row_of(db)
     assert state["breaker_opened_at"] is None and state["breaker_closed_at"] is not None
     assert state["breaker_failures"] == 0
     db.execute("UPDATE outbox_message SET available_at = now() WHERE state = 'pending'")
     for r in rows[:5]:
-        assert executor.deliver(r, DEST) is RunResult.SENT
+        assert deliverer.deliver(r, DEST) is DeliveryResult.SENT
     assert provider.stats()["double_charged"] == [] and provider.charges() == 6
     assert max(attempts(db).values()) <= 2
 
 
-def test_an_ambiguous_probe_reopens_for_as_long_as_before(clean, engine, db, provider, executor):
+def test_an_ambiguous_probe_reopens_for_as_long_as_before(clean, engine, db, provider, deliverer):
     charge_handler(provider)
     rows = write_rows(engine, 4)
     provider.unavailable()
     for r in rows[:3]:
-        executor.deliver(r, DEST)
+        deliverer.deliver(r, DEST)
     provider.healthy()
     provider.drop_after_charge(times=1)
     half_open(db)
-    assert executor.deliver(rows[3], DEST) is RunResult.UNKNOWN
+    assert deliverer.deliver(rows[3], DEST) is DeliveryResult.UNKNOWN
     state = row_of(db)
     assert state["breaker_opened_at"] is not None and state["breaker_open_seconds"] == 2.0
     assert state["breaker_probe_token"] is None
@@ -293,13 +295,13 @@ def test_a_released_probe_frees_the_probe_at_once(clean, engine, db, provider):
     assert second is not None and second.probe
 
 
-def test_without_a_breaker_every_row_spends_its_attempts(clean, engine, db, provider, executor):
+def test_without_a_breaker_every_row_spends_its_attempts(clean, engine, db, provider, deliverer):
     charge_handler(provider, breaker_=None, max_attempts=2)
     rows = write_rows(engine, 6)
     provider.unavailable()
     for _ in range(2):
         for r in rows:
-            executor.deliver(r, DEST)
+            deliverer.deliver(r, DEST)
         db.execute("UPDATE outbox_message SET available_at = now() WHERE state = 'pending'")
     assert {get(db, r)["state"] for r in rows} == {"failed"}
     assert provider.stats()["requests"] == 12
@@ -313,9 +315,9 @@ def test_the_reconciler_leaves_an_open_breakers_rows_alone_requeues_one_probe_th
     rows = write_rows(engine, 10)
     open_breaker(engine, for_seconds=3600)
     assert relay_once(clean) == 10
-    executor = Executor(clean.database_url, registry())
+    deliverer = Deliverer(clean.database_url, registry())
     try:
-        assert {executor.deliver(r, DEST) for r in rows} == {RunResult.PAUSED}
+        assert {deliverer.deliver(r, DEST) for r in rows} == {DeliveryResult.PAUSED}
         redis_client.delete(f"{clean.namespace}:{DEST}", f"{clean.namespace}:{DEST}.msgs")  # as if acked
         db.execute("UPDATE outbox_message SET dispatched_at = dispatched_at - interval '1 hour'")
         kwargs: dict[str, Any] = dict(namespace=clean.namespace, redispatch_after_seconds=300)
@@ -325,14 +327,14 @@ def test_the_reconciler_leaves_an_open_breakers_rows_alone_requeues_one_probe_th
         assert redispatch(db, redis_client, registry(), **kwargs) == {"probe": 1}
         [probe_row] = [r for r in rows if get(db, r)["state"] == "pending"]
         assert probe_row == rows[0], "the oldest waits longest"
-        assert executor.deliver(probe_row, DEST) is RunResult.SENT
+        assert deliverer.deliver(probe_row, DEST) is DeliveryResult.SENT
         assert row_of(db)["breaker_opened_at"] is None
 
         assert redispatch(db, redis_client, registry(), **kwargs) == {"missing": 9}
         for r in rows[1:]:
-            assert executor.deliver(r, DEST) is RunResult.SENT
+            assert deliverer.deliver(r, DEST) is DeliveryResult.SENT
     finally:
-        executor.close()
+        deliverer.close()
     assert provider.charges() == 10 and provider.stats()["requests"] == 10
 
 
@@ -391,7 +393,7 @@ def test_a_bad_breaker_is_refused_at_declaration(kwargs, message):
 
 
 def test_a_row_carries_at_most_max_attempts_uncounted_probes_then_fails(
-    clean, engine, db, provider, executor
+    clean, engine, db, provider, deliverer
 ):
     """(attack on part 3, F1) A provider that never takes the request again: the row that
     tripped the breaker is its only probe. Its first max_attempts probes are not counted; the
@@ -402,7 +404,11 @@ def test_a_row_carries_at_most_max_attempts_uncounted_probes_then_fails(
     for _ in range(40):
         if get(db, row)["state"] not in ("pending", "dispatched"):
             break
-        assert executor.deliver(row, DEST) in (RunResult.PENDING, RunResult.PAUSED, RunResult.FAILED)
+        assert deliverer.deliver(row, DEST) in (
+            DeliveryResult.PENDING,
+            DeliveryResult.PAUSED,
+            DeliveryResult.FAILED,
+        )
         half_open(db)
     moved = get(db, row)
     assert moved["state"] == "failed" and "gave up after 4 attempts" in moved["last_error"], moved
@@ -411,7 +417,7 @@ def test_a_row_carries_at_most_max_attempts_uncounted_probes_then_fails(
 
 
 def test_a_probe_refused_by_the_handler_itself_does_not_close_the_breaker(
-    clean, engine, db, provider, executor
+    clean, engine, db, provider, deliverer
 ):
     """(attack on part 3, F2) A handler that refuses a row before any request proves nothing
     about the provider: the breaker stays open, the waiting rows are not called."""
@@ -429,9 +435,9 @@ def test_a_probe_refused_by_the_handler_itself_does_not_close_the_breaker(
     rows = write_rows(engine, 3)  # rows[0] is refused locally
     open_breaker(engine)
     provider.unavailable()
-    assert executor.deliver(rows[0], DEST) is RunResult.FAILED
+    assert deliverer.deliver(rows[0], DEST) is DeliveryResult.FAILED
     assert row_of(db)["breaker_opened_at"] is not None, "no answer, no verdict"
-    assert [executor.deliver(r, DEST) for r in rows[1:]] == [RunResult.PAUSED] * 2
+    assert [deliverer.deliver(r, DEST) for r in rows[1:]] == [DeliveryResult.PAUSED] * 2
     assert provider.stats()["requests"] == 0
 
 

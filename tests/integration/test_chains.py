@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import chains, ops
 from outbox.alerts import AlertRow
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.handlers import registry
 from outbox.reconciler.jobs.chains import write_uncomputed
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
@@ -81,7 +81,7 @@ def test_each_confirmed_step_writes_the_next_in_its_record(clean, engine, provid
     invoice_chain(provider)
     charge_id = write_charge(engine)
     worker = consumer()
-    assert worker.deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert worker.deliver(charge_id, "payments.charge") is DeliveryResult.SENT
     rows = steps(clean)
     assert set(rows) == {"charge", "export"}
     export = rows["export"]
@@ -91,12 +91,12 @@ def test_each_confirmed_step_writes_the_next_in_its_record(clean, engine, provid
     assert export["payload"] == {"invoice": 7, "charge": rows["charge"]["provider_ref"]}
     assert rows["charge"]["chain_problem"] is None
     # A second delivery of the charge's message claims nothing and writes nothing.
-    assert worker.deliver(charge_id, "payments.charge") is RunResult.EMPTY
+    assert worker.deliver(charge_id, "payments.charge") is DeliveryResult.EMPTY
     assert set(steps(clean)) == {"charge", "export"}
 
-    assert worker.deliver(export["id"], "accounting.export") is RunResult.SENT
+    assert worker.deliver(export["id"], "accounting.export") is DeliveryResult.SENT
     notify = steps(clean)["notify"]
-    assert worker.deliver(notify["id"], "mail.notify") is RunResult.SENT
+    assert worker.deliver(notify["id"], "mail.notify") is DeliveryResult.SENT
     rows = steps(clean)
     assert [rows[s]["state"] for s in ("charge", "export", "notify")] == ["sent", "sent", "sent"]
     assert provider.stats()["effects"] == {f"{KEY}:charge": 1, f"{KEY}:export": 1, f"{KEY}:notify": 1}
@@ -106,7 +106,7 @@ def test_a_retry_writes_nothing_until_the_step_is_confirmed(clean, engine, provi
     invoice_chain(provider)
     charge_id = write_charge(engine)
     provider.configure(fault_next=["fail_before"])
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.PENDING
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.PENDING
     assert set(steps(clean)) == {"charge"}
 
 
@@ -118,7 +118,7 @@ def test_a_then_that_raises_never_keeps_the_step_from_sent(clean, engine, provid
         raise KeyError("invoice_number")
 
     charge_id = write_charge(engine)
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.SENT
     rows = steps(clean)
     assert set(rows) == {"charge"} and rows["charge"]["state"] == "sent"
     assert "raised KeyError" in rows["charge"]["chain_problem"]
@@ -145,7 +145,7 @@ def test_a_then_that_returns_nonsense_is_a_chain_problem(clean, engine, provider
     charge = declare(provider, "payments.charge")
     charge.then(lambda d, c: returned)
     charge_id = write_charge(engine)
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.SENT
     rows = steps(clean)
     assert set(rows) == {"charge"} and why in rows["charge"]["chain_problem"]
 
@@ -156,7 +156,7 @@ def test_an_existing_step_is_a_no_op_or_a_flagged_conflict(clean, engine, provid
     with Session(engine) as s, s.begin():
         # Someone wrote the export already, by hand, with another payload.
         outbox.write(s, key=KEY, step="export", destination="accounting.export", payload={"invoice": 7})
-    assert consumer().deliver(first, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(first, "payments.charge") is DeliveryResult.SENT
     rows = steps(clean)
     assert rows["charge"]["state"] == "sent"
     assert rows["charge"]["chain_problem"] == "step export exists already with another payload"
@@ -171,7 +171,7 @@ def test_an_identical_existing_step_is_no_problem(clean, engine, provider, consu
     charge_id = write_charge(engine)
     with Session(engine) as s, s.begin():
         outbox.write(s, key=KEY, step="export", destination="accounting.export", payload={"invoice": 7})
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.SENT
     assert steps(clean)["charge"]["chain_problem"] is None
 
 
@@ -179,7 +179,7 @@ def test_the_lookup_that_finds_the_charge_writes_the_next_step(clean, engine, pr
     charge = lookup_on(invoice_chain(provider), provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
     assert set(steps(clean)) == {"charge"}
     clients = LookupClients()
     try:
@@ -199,7 +199,7 @@ def test_resolve_sent_with_the_module_writes_the_next_step(clean, engine, provid
     invoice_chain(provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
     with engine.begin() as conn:
         done = ops.resolve(
             conn, charge_id, sent_ref="ch_by_hand", reason="seen at the bank", handlers=registry()
@@ -216,7 +216,7 @@ def test_resolve_sent_without_the_module_leaves_the_steps_to_the_reconciler(
     invoice_chain(provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
     with engine.begin() as conn:
         done = ops.resolve(conn, charge_id, sent_ref="ch_by_hand")
     assert "its @then steps, if any, are written by the reconciler" in done.message
@@ -237,7 +237,7 @@ def test_a_reconciler_without_the_destination_reports_the_missing_steps(clean, e
     invoice_chain(provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
     with engine.begin() as conn:
         ops.resolve(conn, charge_id, sent_ref="ch_by_hand")
     seen: list[AlertRow] = []
@@ -264,7 +264,7 @@ def compensated_charge(provider: Any, **options: Any) -> outbox.Handler:
 def test_a_certain_failure_writes_its_compensation(clean, engine, provider, consumer):
     compensated_charge(provider)
     charge_id = write_charge(engine, {"invoice": 7, "amount_cents": -1})  # the simulator declines
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.FAILED
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.FAILED
     rows = steps(clean)
     mail = rows["declined-mail"]
     assert mail["via"] == "on_failure" and mail["parent_id"] == charge_id and mail["state"] == "pending"
@@ -283,7 +283,7 @@ def test_a_retry_that_will_come_gets_no_compensation(clean, engine, provider, co
     compensated_charge(provider)
     provider.configure(fault_next=["fail_before"])
     charge_id = write_charge(engine)
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.PENDING
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.PENDING
     assert set(steps(clean)) == {"charge"}
 
 
@@ -294,14 +294,14 @@ def test_no_compensation_when_an_earlier_call_may_have_charged(clean, engine, pr
     provider.configure(fault_next=["drop_after"])
     charge_id = write_charge(engine)
     worker = consumer()
-    assert worker.deliver(charge_id, "payments.charge") is RunResult.PENDING
+    assert worker.deliver(charge_id, "payments.charge") is DeliveryResult.PENDING
     sql(
         clean,
         "UPDATE outbox_message SET available_at = now(), payload = %s WHERE id = %s",
         ('{"invoice": 7, "amount_cents": -1}', charge_id),
     )
     provider.configure(dedupe=False)
-    assert worker.deliver(charge_id, "payments.charge") is RunResult.FAILED
+    assert worker.deliver(charge_id, "payments.charge") is DeliveryResult.FAILED
     assert set(steps(clean)) == {"charge"}
 
 
@@ -309,7 +309,7 @@ def test_no_compensation_for_a_row_failed_out_of_unknown(clean, engine, provider
     compensated_charge(provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert consumer().deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
     with engine.begin() as conn:
         assert ops.resolve(conn, charge_id, failed_reason="the bank says maybe").done
     assert set(steps(clean)) == {"charge"}

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import ops, store, transport
 from outbox.cli.render import render
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import Deliverer, DeliveryResult
 from outbox.handlers import registry
 from outbox.reconciler.jobs.expire_leases import expire_leases
 from outbox.settings import libpq_url
@@ -73,10 +73,10 @@ def attempts(services, row_id: int) -> list[tuple]:
 
 @pytest.fixture
 def consumer(clean):
-    consumers: list[Executor] = []
+    consumers: list[Deliverer] = []
 
-    def make() -> Executor:
-        c = Executor(clean.database_url, registry())
+    def make() -> Deliverer:
+        c = Deliverer(clean.database_url, registry())
         consumers.append(c)
         return c
 
@@ -90,13 +90,13 @@ def test_confirmed_call_is_sent_and_second_run_is_empty(clean, engine, provider,
     charge_handler(provider)
     (row_id,) = write_rows(engine)
     c = consumer()
-    assert c.deliver(row_id, "payments.charge") is RunResult.SENT
+    assert c.deliver(row_id, "payments.charge") is DeliveryResult.SENT
     r = row(clean, row_id)
     assert r["state"] == "sent" and r["provider_ref"].startswith("ch_")
     assert r["response"]["id"] == r["provider_ref"] and r["completed_at"] is not None
     assert r["attempts"] == 1 and r["lease_expires_at"] is None
     # The duplicate delivery of the same message: nothing claimed, nothing charged.
-    assert c.deliver(row_id, "payments.charge") is RunResult.EMPTY
+    assert c.deliver(row_id, "payments.charge") is DeliveryResult.EMPTY
     assert provider.stats()["effects"] == {"order:0:charge": 1}
     assert attempts(clean, row_id) == [(1, "sent", None, None)]
 
@@ -107,14 +107,14 @@ def test_not_processed_retries_with_backoff_then_fails(clean, engine, provider, 
     provider.configure(fail_before_rate=1.0)
     c = consumer()
     before = datetime.now(UTC)
-    assert c.deliver(row_id, "payments.charge") is RunResult.PENDING
+    assert c.deliver(row_id, "payments.charge") is DeliveryResult.PENDING
     r = row(clean, row_id)
     assert r["state"] == "pending" and r["attempts"] == 1 and "503" in r["last_error"]
     assert r["available_at"] >= before + timedelta(seconds=0.9)
     # Not due yet: a stale message finds nothing to claim.
-    assert c.deliver(row_id, "payments.charge") is RunResult.EMPTY
+    assert c.deliver(row_id, "payments.charge") is DeliveryResult.EMPTY
     elapse(clean, 1, [row_id])  # its first backoff
-    assert c.deliver(row_id, "payments.charge") is RunResult.FAILED
+    assert c.deliver(row_id, "payments.charge") is DeliveryResult.FAILED
     r = row(clean, row_id)
     assert r["state"] == "failed" and "gave up after 2 attempts" in r["last_error"]
     assert provider.stats()["charges"] == 0
@@ -133,7 +133,7 @@ def test_ambiguous_answers_wait_in_unknown(clean, engine, provider, consumer, fa
     charge_handler(provider, time_limit=1)
     provider.configure(fault_keys={"order:0:charge": fault}, hang_seconds=3)
     (row_id,) = write_rows(engine)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.UNKNOWN
     r = row(clean, row_id)
     assert r["state"] == "unknown" and reason in r["last_error"]
     assert r["unknown_since"] is not None and r["provider_ref"] is None
@@ -145,9 +145,9 @@ def test_idempotent_destination_retries_ambiguous_answers(clean, engine, provide
     charge_handler(provider, idempotent=True)
     (row_id,) = write_rows(engine)
     c = consumer()
-    assert c.deliver(row_id, "payments.charge") is RunResult.PENDING
+    assert c.deliver(row_id, "payments.charge") is DeliveryResult.PENDING
     elapse(clean, 1, [row_id])  # its first backoff
-    assert c.deliver(row_id, "payments.charge") is RunResult.SENT
+    assert c.deliver(row_id, "payments.charge") is DeliveryResult.SENT
     stats = provider.stats()
     assert stats["effects"] == {"order:0:charge": 1} and stats["deduplicated"] == 1
 
@@ -155,10 +155,10 @@ def test_idempotent_destination_retries_ambiguous_answers(clean, engine, provide
 def test_permanent_error_fails_with_reason(clean, engine, provider, consumer):
     charge_handler(provider)
     (row_id,) = write_rows(engine, payload={"amount_cents": -1})
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.FAILED
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.FAILED
     r = row(clean, row_id)
     # The handler's PermanentError does not say which status it saw: the one the provider
-    # answered through d.http is kept, on the fence row and in the reason.
+    # answered through d.http is kept, on the attempt row and in the reason.
     assert r["state"] == "failed" and r["last_error"] == "card declined (HTTP 402)"
     assert attempts(clean, row_id) == [(1, "failed", 402, "card declined (HTTP 402)")]
     assert provider.stats()["charges"] == 0 and provider.stats()["declined"] == 1
@@ -181,7 +181,7 @@ def test_permanent_error_raised_from_a_status_error_keeps_its_status(clean, engi
         return outbox.Confirmed(ref=r.json()["id"])
 
     (row_id,) = write_rows(engine, payload={"amount_cents": -1})
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.FAILED
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.FAILED
     assert attempts(clean, row_id) == [(1, "failed", 402, "refused (HTTP 402)")]
 
 
@@ -194,7 +194,7 @@ def test_permanent_error_without_a_4xx_answer_has_no_status(clean, engine, provi
         raise outbox.PermanentError("currency not supported")
 
     (row_id,) = write_rows(engine)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.FAILED
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.FAILED
     assert attempts(clean, row_id) == [(1, "failed", None, "currency not supported")]
 
 
@@ -204,7 +204,7 @@ def test_a_status_seen_in_one_call_is_not_kept_by_the_next(clean, engine, provid
     charge_handler(provider)
     declined, plain = write_rows(engine, 2, payload={"amount_cents": -1})
     c = consumer()
-    assert c.deliver(declined, "payments.charge") is RunResult.FAILED
+    assert c.deliver(declined, "payments.charge") is DeliveryResult.FAILED
     outbox.handlers.clear_registry()
 
     @outbox.handler("payments.charge", time_limit=2, backoff=(1, 5))
@@ -212,7 +212,7 @@ def test_a_status_seen_in_one_call_is_not_kept_by_the_next(clean, engine, provid
         raise outbox.PermanentError("refused before calling")
 
     c.handlers["payments.charge"] = refuse
-    assert c.deliver(plain, "payments.charge") is RunResult.FAILED
+    assert c.deliver(plain, "payments.charge") is DeliveryResult.FAILED
     assert attempts(clean, plain) == [(1, "failed", None, "refused before calling")]
 
 
@@ -222,7 +222,7 @@ def test_connect_error_is_retried(clean, engine, consumer):
 
     charge_handler(Nowhere)
     (row_id,) = write_rows(engine)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.PENDING
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.PENDING
     assert "did not reach the provider" in row(clean, row_id)["last_error"]
 
 
@@ -242,7 +242,7 @@ def test_handler_bugs_end_in_unknown_with_reason(clean, engine, consumer, body, 
         return None if body == "none" else {"id": "ch_1"}
 
     (row_id,) = write_rows(engine)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.UNKNOWN
     r = row(clean, row_id)
     assert r["state"] == "unknown" and expected in r["last_error"]
 
@@ -251,7 +251,7 @@ def test_deadline_passed_fails_without_calling(clean, engine, provider, consumer
     charge_handler(provider)
     (row_id,) = write_rows(engine, deadline=datetime.now(UTC) + timedelta(milliseconds=50))
     time.sleep(0.1)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.FAILED
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.FAILED
     assert row(clean, row_id)["last_error"] == "deadline passed before the call"
     assert provider.stats()["requests"] == 0
 
@@ -259,7 +259,7 @@ def test_deadline_passed_fails_without_calling(clean, engine, provider, consumer
 def test_message_for_unknown_destination_fails(clean, engine, provider, consumer):
     charge_handler(provider)
     (row_id,) = write_rows(engine, destination="mail.send")
-    assert consumer().deliver(row_id, "mail.send") is RunResult.UNHANDLED
+    assert consumer().deliver(row_id, "mail.send") is DeliveryResult.UNHANDLED
     r = row(clean, row_id)
     assert r["state"] == "failed" and "no handler for destination 'mail.send'" in r["last_error"]
 
@@ -272,7 +272,7 @@ def test_message_on_wrong_queue_claims_nothing(clean, engine, provider, consumer
         raise AssertionError("called for a row of another destination")
 
     (row_id,) = write_rows(engine)
-    assert consumer().deliver(row_id, "mail.send") is RunResult.EMPTY
+    assert consumer().deliver(row_id, "mail.send") is DeliveryResult.EMPTY
     assert row(clean, row_id)["state"] == "pending"
 
 
@@ -293,7 +293,7 @@ def test_late_record_after_takeover_changes_nothing(clean, engine, provider):
         before = row(clean, row_id)
         moved = store.delivery.record(
             conn, row_id=row_id, token=first.token, state="sent", outcome="sent", ref="ch_late"
-        )
+        ).state
         assert moved is None  # a newer claim owns the row
         assert row(clean, row_id) == before
         outcomes = conn.execute(
@@ -308,7 +308,7 @@ def test_concurrent_duplicate_deliveries_call_once(clean, engine, provider, cons
     charge_handler(provider)
     (row_id,) = write_rows(engine)
     c = consumer()
-    results: list[RunResult] = []
+    results: list[DeliveryResult] = []
     threads = [
         threading.Thread(target=lambda: results.append(c.deliver(row_id, "payments.charge")))
         for _ in range(4)
@@ -317,7 +317,7 @@ def test_concurrent_duplicate_deliveries_call_once(clean, engine, provider, cons
         t.start()
     for t in threads:
         t.join(10)
-    assert sorted(results) == sorted([RunResult.SENT] + [RunResult.EMPTY] * 3)
+    assert sorted(results) == sorted([DeliveryResult.SENT] + [DeliveryResult.EMPTY] * 3)
     assert provider.stats()["effects"] == {"order:0:charge": 1}
 
 
@@ -388,10 +388,10 @@ def test_classify_override_cannot_claim_sent_and_bad_answers_fall_back(clean, en
             )
     c = consumer()
     # "sent" is not a classification (only a Confirmed carries a reference): default applies.
-    assert c.deliver(rows[0], "payments.charge") is RunResult.UNKNOWN
+    assert c.deliver(rows[0], "payments.charge") is DeliveryResult.UNKNOWN
     # A classifier that raises: default applies too.
-    assert c.deliver(rows[1], "payments.charge") is RunResult.UNKNOWN
-    assert c.deliver(rows[2], "payments.charge") is RunResult.PENDING
+    assert c.deliver(rows[1], "payments.charge") is DeliveryResult.UNKNOWN
+    assert c.deliver(rows[2], "payments.charge") is DeliveryResult.PENDING
 
 
 def test_unstorable_response_still_records_sent(clean, engine, consumer):
@@ -400,7 +400,7 @@ def test_unstorable_response_still_records_sent(clean, engine, consumer):
         return outbox.Confirmed(ref="ch_9", response={"at": datetime(2026, 1, 2, tzinfo=UTC)})
 
     (row_id,) = write_rows(engine)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.SENT
     r = row(clean, row_id)
     # Stored by outbox.sanitize's rules: a datetime becomes its ISO 8601 text.
     assert r["provider_ref"] == "ch_9" and r["response"] == {"at": "2026-01-02T00:00:00+00:00"}
@@ -434,7 +434,7 @@ def test_cancel_only_before_any_claim(clean, engine, provider, consumer):
     charge_handler(provider, max_attempts=3)
     provider.configure(fail_before_rate=1.0)
     (row_id,) = write_rows(engine)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.PENDING
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.PENDING
     with Session(engine) as s, s.begin():
         assert outbox.cancel(s, key="order:0", step="charge") is False
     assert row(clean, row_id)["state"] == "pending"

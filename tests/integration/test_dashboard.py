@@ -18,7 +18,7 @@ from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 
 import outbox
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.dashboard import Access, create_app, hash_password
 from outbox.dashboard.security import parse_users
 from outbox.exceptions import ConfigError
@@ -226,7 +226,7 @@ def test_search_by_id_key_idempotency_key_reference_and_prefix(
     sent = write(engine, "order:42")
     other = write(engine, "order:43")
     relay_once(clean)
-    assert consumer().deliver(sent, DEST) is RunResult.SENT
+    assert consumer().deliver(sent, DEST) is DeliveryResult.SENT
     ref = sql(clean, "SELECT provider_ref FROM outbox_message WHERE id = %s", (sent,))[0][0]
     client = login(app, "rita")
 
@@ -284,9 +284,9 @@ def _failed_rows(engine: Any, clean: Any, provider: Any, consumer: Any) -> tuple
     ambiguous = write(engine, "order:101")
     relay_once(clean)
     provider.configure(fault_next=["decline"])
-    assert consumer().deliver(declined, DEST) is RunResult.FAILED
+    assert consumer().deliver(declined, DEST) is DeliveryResult.FAILED
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(ambiguous, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(ambiguous, DEST) is DeliveryResult.UNKNOWN
     with engine.begin() as c:
         outbox.ops.actions.resolve(c, ambiguous, failed_reason="support gave up", by="test")
     return declined, ambiguous
@@ -330,7 +330,7 @@ def test_a_confirmation_after_the_rows_changed_does_nothing(
         outbox.ops.actions.replay(c, [declined], by="cli", reason="meanwhile")
     relay_once(clean)
     provider.configure(fault_next=["decline"])
-    assert consumer().deliver(declined, DEST) is RunResult.FAILED
+    assert consumer().deliver(declined, DEST) is DeliveryResult.FAILED
     done = client.post(
         "/apply",
         data={
@@ -370,13 +370,13 @@ def test_an_action_needs_a_reason(
 def test_bulk_cancel_refuses_a_row_whose_call_may_have_taken_effect(
     app: Starlette, engine: Any, clean: Any, provider: Any, consumer: Any
 ) -> None:
-    # Idempotent: an ambiguous answer is retried, so the row is pending again with a fence row
+    # Idempotent: an ambiguous answer is retried, so the row is pending again with an attempt row
     # whose call may have taken effect.
     declare(provider, idempotent=True, max_attempts=3, backoff=(600,))
     touched = write(engine, "order:201")
     relay_once(clean)
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(touched, DEST) is RunResult.PENDING
+    assert consumer().deliver(touched, DEST) is DeliveryResult.PENDING
     fresh = write(engine, "order:200")
     client = login(app, "olga")
     token = _csrf(client.get("/").text)
@@ -400,7 +400,7 @@ def test_resolve_one_row_sent_and_bulk_resolve_failed(
     relay_once(clean)
     for row in (a, b, c):
         provider.drop_after_charge(times=1)
-        assert consumer().deliver(row, DEST) is RunResult.UNKNOWN
+        assert consumer().deliver(row, DEST) is DeliveryResult.UNKNOWN
     client = login(app, "olga")
     page = client.get(f"/rows/{a}").text
     token = _csrf(page)
@@ -451,7 +451,7 @@ def test_overview_counts_and_the_last_hour(
     rows = [write(engine, f"order:6{i:02d}") for i in range(5)]
     relay_once(clean)
     for row in rows[:3]:
-        assert consumer().deliver(row, DEST) is RunResult.SENT
+        assert consumer().deliver(row, DEST) is DeliveryResult.SENT
     page = login(app, "rita").get("/").text
     assert DEST in page
     assert re.search(r"state=sent&amp;destination=billing.charge\">3</a>", page), page
@@ -522,7 +522,7 @@ def test_skip_a_failed_head_of_an_ordering_key(
         ).id
     relay_once(clean)
     provider.configure(fault_next=["decline"])
-    assert consumer().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
     client = login(app, "olga")
     page = client.get(f"/rows/{head}").text
     assert "Skip: let customer:1 go on without it" in page
@@ -535,7 +535,7 @@ def test_skip_a_failed_head_of_an_ordering_key(
     )
     assert r.status_code == 200 and "skipped" in r.text
     assert relay_once(clean) == 1
-    assert consumer().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is DeliveryResult.SENT
     # A reader cannot.
     reader = login(app, "rita")
     assert (

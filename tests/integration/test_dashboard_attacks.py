@@ -20,7 +20,7 @@ from starlette.routing import Mount
 from starlette.testclient import TestClient
 
 import outbox
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.dashboard import Access, create_app, hash_password
 
 DEST = "billing.charge"
@@ -109,7 +109,7 @@ def _unknown_row(engine: Any, clean: Any, provider: Any, consumer: Any, key: str
     row = write(engine, key)
     relay_once(clean)
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(row, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(row, DEST) is DeliveryResult.UNKNOWN
     return row
 
 
@@ -588,9 +588,9 @@ def _failed_rows(engine: Any, clean: Any, provider: Any, consumer: Any) -> tuple
     ambiguous = write(engine, "order:101")
     relay_once(clean)
     provider.configure(fault_next=["decline"])
-    assert consumer().deliver(declined, DEST) is RunResult.FAILED
+    assert consumer().deliver(declined, DEST) is DeliveryResult.FAILED
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(ambiguous, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(ambiguous, DEST) is DeliveryResult.UNKNOWN
     with engine.begin() as c:
         outbox.ops.actions.resolve(c, ambiguous, failed_reason="support gave up", by="test")
     return declined, ambiguous
@@ -713,7 +713,7 @@ def test_resolve_not_sent_from_a_stale_page_does_not_settle_a_newer_ambiguous_ca
         outbox.ops.actions.resolve(c, row, not_sent=True, by="cli", reason="provider has nothing")
     relay_once(clean)
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(row, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(row, DEST) is DeliveryResult.UNKNOWN
     # The first operator now confirms what they saw on the old page.
     r = client.post(
         f"/rows/{row}/resolve", data={**hidden, "how": "not-sent", "reason": "provider has nothing"}
@@ -735,7 +735,7 @@ def test_a_row_moved_between_preview_and_confirm_stops_the_cancel(
     # Published, claimed, ambiguous; retried: pending again, with a call that may have charged.
     relay_once(clean)
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(row, DEST) is RunResult.PENDING
+    assert consumer().deliver(row, DEST) is DeliveryResult.PENDING
     r = client.post("/apply", data={**form, "reason": "customer left"})
     assert r.status_code in (200, 400)
     assert row in ids_by_state(clean)["pending"]

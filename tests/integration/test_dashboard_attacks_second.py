@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 import outbox
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.dashboard import create_app, hash_password
 
 DEST = "billing.charge"
@@ -108,7 +108,7 @@ def _unknown_row(engine: Any, clean: Any, provider: Any, consumer: Any, key: str
     row = write(engine, key)
     relay_once(clean)
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(row, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(row, DEST) is DeliveryResult.UNKNOWN
     return row
 
 
@@ -363,7 +363,7 @@ def test_a_reader_does_not_see_the_payload_echoed_in_the_response(
 
     row = write(engine, "order:900", {"amount_cents": 500, "note": "PRIVATE-NOTE-1 for jane@example.com"})
     relay_once(clean)
-    assert consumer().deliver(row, DEST) is RunResult.SENT
+    assert consumer().deliver(row, DEST) is DeliveryResult.SENT
     reader = login(app, "rita").get(f"/rows/{row}")
     assert reader.status_code == 200 and "payload is hidden" in reader.text
     assert "PRIVATE-NOTE-1" not in reader.text
@@ -441,7 +441,7 @@ def _declined_row(engine: Any, clean: Any, provider: Any, consumer: Any, key: st
     row = write(engine, key)
     relay_once(clean)
     provider.configure(fault_next=["decline"])
-    assert consumer().deliver(row, DEST) is RunResult.FAILED
+    assert consumer().deliver(row, DEST) is DeliveryResult.FAILED
     return row
 
 

@@ -23,7 +23,7 @@ from starlette.testclient import TestClient
 
 import outbox
 from outbox import chains, store
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.dashboard import Access, create_app
 from outbox.dashboard.security import SECURITY_HEADERS
 from outbox.ops import actions
@@ -85,7 +85,9 @@ def claim_and_record(clean: Any, row: int, state: str, outcome: str, **kw: Any) 
     with connect(clean) as db:
         claimed = store.delivery.claim(db, row_id=row, destination=DEST, lease_seconds=30)
         assert claimed is not None
-        assert store.delivery.record(db, row_id=row, token=claimed.token, state=state, outcome=outcome, **kw)
+        assert store.delivery.record(
+            db, row_id=row, token=claimed.token, state=state, outcome=outcome, **kw
+        ).state
 
 
 def history(clean: Any, row: int) -> list[dict[str, Any]]:
@@ -113,7 +115,7 @@ def _lookup(clean: Any, engine: Any, provider: Any, consumer: Any, *, found: boo
     if found:
         relay_once(clean)
         provider.drop_after_charge(times=1)
-        assert consumer().deliver(row, DEST) is RunResult.UNKNOWN
+        assert consumer().deliver(row, DEST) is DeliveryResult.UNKNOWN
     else:
         claim_and_record(clean, row, "unknown", "unknown", error="ReadTimeout")
     with connect(clean) as db:

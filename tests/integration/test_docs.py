@@ -59,7 +59,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
 from outbox import cli, policy, settings, states
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import Deliverer, DeliveryResult
 from outbox.handlers import Deliveries, Delivery, Handler, close_http_clients
 from outbox.settings import async_database_url, libpq_url
 
@@ -469,7 +469,7 @@ class Shop:
         self.services = services
         self.engine = engine
         self.provider = provider
-        self._consumers: list[Executor] = []
+        self._consumers: list[Deliverer] = []
         #: The deliveries lookups get, as the reconciler builds them.
         self._lookups = Deliveries(send_bound=False)
 
@@ -483,8 +483,8 @@ class Shop:
                 s, key=key, step=step, destination=destination, payload=payload, validate=True
             ).id
 
-    def deliver(self, handler: Handler, row_id: int) -> RunResult:
-        consumer = Executor(self.services.database_url, {handler.destination: handler})
+    def deliver(self, handler: Handler, row_id: int) -> DeliveryResult:
+        consumer = Deliverer(self.services.database_url, {handler.destination: handler})
         self._consumers.append(consumer)
         return consumer.deliver(row_id, handler.destination)
 
@@ -540,10 +540,10 @@ def charge_scenario(shop: Shop, charge: Handler, key: str) -> str:
         "payments.charge",
         {"amount_cents": 1250, "currency": "EUR", "email": "ada@example.com"},
     )
-    assert shop.deliver(charge, row_id) is RunResult.SENT
+    assert shop.deliver(charge, row_id) is DeliveryResult.SENT
     ref = shop.row(row_id)["provider_ref"]
     assert ref and ref.startswith("ch_")
-    assert shop.deliver(charge, row_id) is RunResult.EMPTY, "a second delivery must be an empty run"
+    assert shop.deliver(charge, row_id) is DeliveryResult.EMPTY, "a second delivery must be an empty run"
     if charge.lookup_fn is not None:
         found = charge.lookup_fn(shop.delivery(charge, row_id))
         assert isinstance(found, outbox.Confirmed) and found.ref == ref
@@ -598,7 +598,7 @@ class _ReadmeOrder(_ReadmeBase):
 def check_readme(run: PageRun, shop: Shop) -> None:
     assert shop.rows() == [("order:1", "charge", "payments.charge", "pending")]
     charge = run.handler("payments.charge")
-    assert shop.deliver(charge, 1) is RunResult.SENT
+    assert shop.deliver(charge, 1) is DeliveryResult.SENT
     assert shop.row(1)["provider_ref"].startswith("ch_")
 
 
@@ -618,7 +618,7 @@ def check_quickstart(run: PageRun, shop: Shop) -> None:
         relay.close()
     assert shop.rows() == [("order:1", "charge", "payments.charge", "dispatched")]
     charge = run.handler("payments.charge")
-    assert shop.deliver(charge, 1) is RunResult.SENT
+    assert shop.deliver(charge, 1) is DeliveryResult.SENT
     ref = shop.row(1)["provider_ref"]
     found = charge.lookup_fn(shop.delivery(charge, 1)) if charge.lookup_fn else None
     assert found is not None and found.ref == ref
@@ -660,7 +660,7 @@ def check_handlers(run: PageRun, shop: Shop) -> None:
     charge = run.handler("payments.charge", 0)
     charge_scenario(shop, charge, "order:7")
     declined = shop.write("order:8", "charge", "payments.charge", {"amount_cents": -1, "currency": "EUR"})
-    assert shop.deliver(charge, declined) is RunResult.FAILED
+    assert shop.deliver(charge, declined) is DeliveryResult.FAILED
     assert "card declined" in shop.row(declined)["last_error"]
 
     # classify=: a throttled 400 is retried, another 400 fails, a 503 keeps the default (retry).
@@ -681,7 +681,7 @@ def check_handlers(run: PageRun, shop: Shop) -> None:
     # RetryableError: an unreachable SMTP server means nothing was sent; the row is retried.
     receipt = run.handler("mail.receipt")
     row_id = shop.write("order:9", "receipt", "mail.receipt", {"to": "ada@example.com", "text": "Thank you"})
-    assert shop.deliver(receipt, row_id) is RunResult.PENDING
+    assert shop.deliver(receipt, row_id) is DeliveryResult.PENDING
     assert "SMTP server unreachable" in shop.row(row_id)["last_error"]
 
     # Chaining: recording the charge sent writes the receipt step in the same statement.
@@ -692,7 +692,7 @@ def check_handlers(run: PageRun, shop: Shop) -> None:
     declined = shop.write(
         "order:11", "charge", "payments.charge", {"amount_cents": -1, "email": "bo@example.com"}
     )
-    assert shop.deliver(chained, declined) is RunResult.FAILED
+    assert shop.deliver(chained, declined) is DeliveryResult.FAILED
     assert shop.rows("key = %s", ("order:11",)) == [
         ("order:11", "charge", "payments.charge", "failed"),
         ("order:11", "declined-mail", "mail.receipt", "pending"),
@@ -712,15 +712,15 @@ def check_chains(run: PageRun, shop: Shop) -> None:
 
     # The chain: each confirmed step writes the next in its record; every step is called once.
     issue, export, notify = (run.handler(d) for d in ("billing.issue", "accounting.post", "mail.notify"))
-    assert shop.deliver(issue, shop.rows_id("invoice:7", "issue")) is RunResult.SENT
+    assert shop.deliver(issue, shop.rows_id("invoice:7", "issue")) is DeliveryResult.SENT
     export_id = shop.rows_id("invoice:7", "export")
     assert shop.row(export_id)["via"] == "then"
     assert (
         shop.row(export_id)["payload"]["number"]
         == shop.row(shop.rows_id("invoice:7", "issue"))["provider_ref"]
     )
-    assert shop.deliver(export, export_id) is RunResult.SENT
-    assert shop.deliver(notify, shop.rows_id("invoice:7", "notify")) is RunResult.SENT
+    assert shop.deliver(export, export_id) is DeliveryResult.SENT
+    assert shop.deliver(notify, shop.rows_id("invoice:7", "notify")) is DeliveryResult.SENT
     assert shop.rows("key = %s", ("invoice:7",)) == [
         ("invoice:7", step, destination, "sent")
         for step, destination in (
@@ -733,12 +733,12 @@ def check_chains(run: PageRun, shop: Shop) -> None:
     assert [effects.get(f"invoice:7:{s}") for s in ("issue", "export", "notify")] == [1, 1, 1]
     # A refused invoice writes its compensation instead.
     refused = shop.write("invoice:8", "issue", "billing.issue", {"invoice": 8, "amount_cents": -1})
-    assert shop.deliver(issue, refused) is RunResult.FAILED
+    assert shop.deliver(issue, refused) is DeliveryResult.FAILED
     assert [r[1] for r in shop.rows("key = %s", ("invoice:8",))] == ["issue", "issue-failed"]
     # The batch: its then row once every chunk is sent.
     chunk = run.handler("crm.import")
     for n in range(3):
-        assert shop.deliver(chunk, shop.rows_id("import:2026-12-01", f"chunk-{n}")) is RunResult.SENT
+        assert shop.deliver(chunk, shop.rows_id("import:2026-12-01", f"chunk-{n}")) is DeliveryResult.SENT
     with psycopg.connect(libpq_url(shop.services.database_url), autocommit=True) as conn:
         assert finish_batches(conn) == {"then": 1, "written": 1}
     report = shop.row(shop.rows_id("import:2026-12-01", "report"))
@@ -751,8 +751,8 @@ def check_payloads(run: PageRun, shop: Shop) -> None:
     # Written before release 2's handler was imported: version 1; after: version 2.
     assert (shop.row(old)["payload_version"], shop.row(new)["payload_version"]) == (1, 2)
     assert shop.row(old)["payload"] == {"amount": 12}
-    assert shop.deliver(charge, old) is RunResult.SENT
-    assert shop.deliver(charge, new) is RunResult.SENT
+    assert shop.deliver(charge, old) is DeliveryResult.SENT
+    assert shop.deliver(charge, new) is DeliveryResult.SENT
     assert shop.provider.stats()["effects"] == {"order:41:charge": 1, "order:42:charge": 1}
     assert run.namespace["amount_in_cents"]({"amount": 12}) == {"amount_cents": 1200}
     with pytest.raises(outbox.InvalidMessage, match="amount_cents"):
@@ -765,9 +765,9 @@ def check_ordering(run: PageRun, shop: Shop) -> None:
     second = shop.rows_id("customer:7:change:2", "crm")
     assert shop.row(second)["ordering_key"] == "customer:7"
     # The second change is not claimed while the first is not settled, then it is.
-    assert shop.deliver(update, second) is RunResult.EMPTY
-    assert shop.deliver(update, first) is RunResult.SENT
-    assert shop.deliver(update, second) is RunResult.SENT
+    assert shop.deliver(update, second) is DeliveryResult.EMPTY
+    assert shop.deliver(update, first) is DeliveryResult.SENT
+    assert shop.deliver(update, second) is DeliveryResult.SENT
     assert list(shop.provider.stats()["effects"]) == ["customer:7:change:1:crm", "customer:7:change:2:crm"]
     assert run.handler("crm.tag").on_failed_head == "skip"
 

@@ -18,7 +18,7 @@ from psycopg import pq
 
 import outbox
 from outbox import store, transport
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import Deliverer, DeliveryResult
 from outbox.handlers import registry
 from outbox.relay import Relay
 from outbox.relay import relay as relay_module
@@ -168,19 +168,19 @@ def test_a_failed_publish_rolls_the_take_back_and_the_connection_stays_usable(
         (DEST,),
     )
     relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
-    real = transport.publish_batch
+    real = transport.publish_group
     try:
 
         def refuse(*args: Any, **kwargs: Any) -> Any:
             raise redis.ConnectionError("attack: Redis went away mid-publish")
 
-        monkeypatch.setattr(transport, "publish_batch", refuse)
+        monkeypatch.setattr(transport, "publish_group", refuse)
         with pytest.raises(redis.ConnectionError):
             relay.run_once()
         assert ids_by_state(clean) == {"pending": {1, 2, 3, 4, 5}}
         # Not left idle in transaction holding the rows' locks.
         assert relay._conn is not None and relay._conn.info.transaction_status == pq.TransactionStatus.IDLE
-        monkeypatch.setattr(transport, "publish_batch", real)
+        monkeypatch.setattr(transport, "publish_group", real)
         assert relay.run_once().published == 5
         assert relay._conn.info.transaction_status == pq.TransactionStatus.IDLE
         assert ids_by_state(clean) == {"dispatched": {1, 2, 3, 4, 5}}
@@ -200,7 +200,7 @@ def test_a_connection_killed_between_publish_and_commit_leaves_rows_pending(
         (DEST,),
     )
     relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
-    real = transport.publish_batch
+    real = transport.publish_group
     try:
 
         def publish_then_kill(client: Any, namespace: str, rows: Any) -> Any:
@@ -214,12 +214,12 @@ def test_a_connection_killed_between_publish_and_commit_leaves_rows_pending(
             )
             return out
 
-        monkeypatch.setattr(transport, "publish_batch", publish_then_kill)
+        monkeypatch.setattr(transport, "publish_group", publish_then_kill)
         with pytest.raises(psycopg.OperationalError):
             relay.run_once()
         assert ids_by_state(clean) == {"pending": {1, 2, 3}}
         assert relay._conn is None
-        monkeypatch.setattr(transport, "publish_batch", real)
+        monkeypatch.setattr(transport, "publish_group", real)
         assert relay.run_once().published == 3
         assert ids_by_state(clean) == {"dispatched": {1, 2, 3}}
     finally:
@@ -278,12 +278,12 @@ def test_the_cached_cursor_survives_a_cancelled_claim_and_a_refused_record(clean
         return outbox.Confirmed(ref=f"ch_{d.id}", response={"ok": True, "id": d.id})
 
     ids = _write(engine, 12)
-    executor = Executor(clean.database_url, registry())
+    deliverer = Deliverer(clean.database_url, registry())
     try:
         for row_id in ids[:6]:  # past psycopg's prepare threshold
-            assert executor.deliver(row_id, DEST) is RunResult.SENT
-        claim_conn = executor._local.claim_conn
-        record_conn = executor._local.record_conn
+            assert deliverer.deliver(row_id, DEST) is DeliveryResult.SENT
+        claim_conn = deliverer._local.claim_conn
+        record_conn = deliverer._local.record_conn
         # A record the database refuses once (DataError), retried on the same cursor.
         db.execute(
             """
@@ -301,7 +301,7 @@ def test_the_cached_cursor_survives_a_cancelled_claim_and_a_refused_record(clean
             "FOR EACH ROW EXECUTE FUNCTION outbox_zz17_refuse()"
         )
         try:
-            assert executor.deliver(ids[6], DEST) is RunResult.SENT
+            assert deliverer.deliver(ids[6], DEST) is DeliveryResult.SENT
         finally:
             db.execute("DROP TRIGGER outbox_zz17_refuse ON outbox_message")
             db.execute("DROP FUNCTION outbox_zz17_refuse()")
@@ -311,14 +311,14 @@ def test_the_cached_cursor_survives_a_cancelled_claim_and_a_refused_record(clean
             locker.execute("SELECT 1 FROM outbox_message WHERE id = %s FOR UPDATE", (ids[7],))
             claim_conn.execute("SET statement_timeout = 300")
             with pytest.raises(psycopg.errors.QueryCanceled):
-                executor.deliver(ids[7], DEST)
+                deliverer.deliver(ids[7], DEST)
         finally:
             locker.rollback()
             locker.close()
         assert sql(clean, "SELECT state FROM outbox_message WHERE id = %s", (ids[7],)) == [("pending",)]
         for row_id in ids[7:]:
-            assert executor.deliver(row_id, DEST) is RunResult.SENT
-        assert executor._local.record_conn is record_conn
+            assert deliverer.deliver(row_id, DEST) is DeliveryResult.SENT
+        assert deliverer._local.record_conn is record_conn
         rows = sql(clean, "SELECT id, state, provider_ref FROM outbox_message ORDER BY id")
         assert all(state == "sent" and ref == f"ch_{i}" for i, state, ref in rows), rows
         attempts = sql(
@@ -326,7 +326,7 @@ def test_the_cached_cursor_survives_a_cancelled_claim_and_a_refused_record(clean
         )
         assert attempts == [], attempts
     finally:
-        executor.close()
+        deliverer.close()
 
 
 def test_a_statement_on_two_connections_never_mixes_their_cursors(clean, engine) -> None:
@@ -407,17 +407,17 @@ def test_an_abandoned_call_is_unknown_and_the_next_call_runs_on_a_new_thread(cle
         return outbox.Confirmed(ref=f"ch_{d.id}")
 
     ids = _write(engine, 3)
-    executor = Executor(clean.database_url, registry())
+    deliverer = Deliverer(clean.database_url, registry())
     try:
         started = time.monotonic()
-        assert executor.deliver(ids[0], DEST) is RunResult.UNKNOWN
+        assert deliverer.deliver(ids[0], DEST) is DeliveryResult.UNKNOWN
         assert time.monotonic() - started < 4
         release.set()
-        assert executor.deliver(ids[1], DEST) is RunResult.SENT
-        assert executor.deliver(ids[2], DEST) is RunResult.SENT
+        assert deliverer.deliver(ids[1], DEST) is DeliveryResult.SENT
+        assert deliverer.deliver(ids[2], DEST) is DeliveryResult.SENT
         assert calls == ids
     finally:
-        executor.close()
+        deliverer.close()
 
 
 def test_a_warmed_connection_the_server_ended_costs_no_call_and_loses_no_row(clean, engine) -> None:
@@ -434,34 +434,34 @@ def test_a_warmed_connection_the_server_ended_costs_no_call_and_loses_no_row(cle
         return outbox.Confirmed(ref=f"ch_{d.id}")
 
     ids = _write(engine, 2)
-    executor = Executor(clean.database_url, registry())
+    deliverer = Deliverer(clean.database_url, registry())
     results: list[Any] = []
     states: list[dict[int, str]] = []
 
     def run() -> None:
-        executor.warm_thread()
-        sql(clean, "SELECT pg_terminate_backend(%s)", (executor._local.claim_conn.info.backend_pid,))
+        deliverer.warm_thread()
+        sql(clean, "SELECT pg_terminate_backend(%s)", (deliverer._local.claim_conn.info.backend_pid,))
         time.sleep(0.2)
-        results.append(executor.deliver(ids[0], DEST))
+        results.append(deliverer.deliver(ids[0], DEST))
         states.append(dict(sql(clean, "SELECT id, state FROM outbox_message")))
-        results.append(executor.deliver(ids[1], DEST))
-        results.append(executor.deliver(ids[0], DEST))  # the re-queued message
+        results.append(deliverer.deliver(ids[1], DEST))
+        results.append(deliverer.deliver(ids[0], DEST))  # the re-queued message
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join(60)
     try:
-        assert results[0] in (RunResult.SENT, RunResult.EMPTY), results
-        if results[0] is RunResult.EMPTY:
+        assert results[0] in (DeliveryResult.SENT, DeliveryResult.EMPTY), results
+        if results[0] is DeliveryResult.EMPTY:
             assert states[0][ids[0]] == "pending", states
         assert results[1:] == [
-            RunResult.SENT,
-            RunResult.SENT if results[0] is RunResult.EMPTY else RunResult.EMPTY,
+            DeliveryResult.SENT,
+            DeliveryResult.SENT if results[0] is DeliveryResult.EMPTY else DeliveryResult.EMPTY,
         ]
         assert sorted(calls) == sorted(ids), calls
         assert dict(sql(clean, "SELECT id, state FROM outbox_message")) == {i: "sent" for i in ids}
     finally:
-        executor.close()
+        deliverer.close()
 
 
 # == the whole path with every change at once =======================================================

@@ -18,7 +18,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from outbox import Delivery, store
-from outbox.consumer import Executor, delivery_for
+from outbox.consumer import Deliverer, delivery_for
 from outbox.handlers import Deliveries, Handler, close_http_clients, registry
 from outbox.relay import Relay
 from outbox.settings import libpq_url
@@ -162,7 +162,7 @@ def run_pipeline(services, chain: Chain, rounds: int = 10) -> None:
     relay = Relay(
         database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace
     )
-    consumer = Executor(services.database_url, chain.handlers)
+    consumer = Deliverer(services.database_url, chain.handlers)
     try:
         for _ in range(rounds):
             relay.drain()
@@ -181,7 +181,7 @@ def run_pipeline(services, chain: Chain, rounds: int = 10) -> None:
 
 
 def chain_rows(services, key: str) -> list[tuple[str, str, int, int]]:
-    """(step, state, attempts, fence rows) in the order the steps were written."""
+    """(step, state, attempts, attempt rows) in the order the steps were written."""
     with psycopg.connect(libpq_url(services.database_url)) as conn:
         return conn.execute(
             """

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import cli, failover, store, transport
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import Deliverer, DeliveryResult
 from outbox.failover import FailoverGuard
 from outbox.handlers import close_http_clients, registry
 from outbox.reconciler import Reconciler
@@ -89,10 +89,10 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
         clean, "SELECT mismatch IS NOT NULL, mismatch_seen_at IS NOT NULL FROM outbox_db_identity"
     ) == [(True, True)]
 
-    # The worker claims nothing: no fence row, no call, the row stays as it was.
-    consumer = Executor(clean.database_url, registry(), failover_guard=guard)
+    # The worker claims nothing: no attempt row, no call, the row stays as it was.
+    consumer = Deliverer(clean.database_url, registry(), failover_guard=guard)
     try:
-        assert consumer.deliver(ids[0], DEST) is RunResult.HALTED
+        assert consumer.deliver(ids[0], DEST) is DeliveryResult.HALTED
     finally:
         consumer.close()
         close_http_clients()
@@ -137,9 +137,9 @@ def test_a_changed_identity_stops_relay_worker_and_reconciler_until_accepted(
     assert cli.main(["failover", "--database-url", clean.database_url]) == 0
     assert sql(clean, "SELECT note, mismatch FROM outbox_db_identity") == [("checked", None)]
     assert relay_once(clean) == 1  # the pending row goes out again
-    consumer = Executor(clean.database_url, registry(), failover_guard=guard)
+    consumer = Deliverer(clean.database_url, registry(), failover_guard=guard)
     try:
-        assert consumer.deliver(ids[2], DEST) is RunResult.SENT
+        assert consumer.deliver(ids[2], DEST) is DeliveryResult.SENT
     finally:
         consumer.close()
         close_http_clients()
@@ -166,9 +166,9 @@ def test_a_new_connection_is_checked_before_its_first_claim_or_batch(
     # Dispatched by a relay that had not noticed yet.
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:
         assert [r[0] for r in store.relay.dispatch_due(db, limit=1)] == [ids[0]]
-    consumer = Executor(clean.database_url, registry(), failover_guard=guard)
+    consumer = Deliverer(clean.database_url, registry(), failover_guard=guard)
     try:
-        assert consumer.deliver(ids[0], DEST) is RunResult.HALTED
+        assert consumer.deliver(ids[0], DEST) is DeliveryResult.HALTED
     finally:
         consumer.close()
         close_http_clients()

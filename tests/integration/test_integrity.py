@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import store
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.handlers import registry
 from outbox.reconciler import AlertRow
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
@@ -79,7 +79,9 @@ def row(db: psycopg.Connection[Any], row_id: int) -> dict[str, Any]:
 def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DEST) -> None:
     claimed = store.delivery.claim(db, row_id=row_id, destination=destination, lease_seconds=30)
     assert claimed is not None
-    assert store.delivery.record(db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown")
+    assert store.delivery.record(
+        db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown"
+    ).state
     elapse(db, 1, [row_id])  # its first lookup is due
 
 
@@ -93,7 +95,7 @@ def test_a_confirmed_answer_full_of_poison_is_recorded_sent(
     declare_poisoned(provider)
     row_id = write(engine, "order:1")
 
-    assert consumer().deliver(row_id, DEST) is RunResult.SENT
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.SENT
 
     r = row(db, row_id)
     assert r["state"] == "sent" and r["provider_ref"] == "ch_1"
@@ -190,7 +192,7 @@ def test_error_text_with_a_card_number_is_masked_in_the_row_the_fence_and_the_lo
 
     row_id = write(engine, "order:9")
     with caplog.at_level(logging.INFO):
-        assert consumer().deliver(row_id, DEST) is RunResult.FAILED
+        assert consumer().deliver(row_id, DEST) is DeliveryResult.FAILED
 
     r = row(db, row_id)
     assert r["last_error"] == "card [card ****4242] declined"
@@ -321,7 +323,7 @@ def test_a_summary_the_database_still_refuses_is_dropped_not_the_charge(
         "FOR EACH ROW EXECUTE FUNCTION outbox_test_refuse()"
     )
     try:
-        assert consumer().deliver(row_id, DEST) is RunResult.SENT
+        assert consumer().deliver(row_id, DEST) is DeliveryResult.SENT
     finally:
         db.execute("DROP TRIGGER outbox_test_refuse ON outbox_message")
         db.execute("DROP FUNCTION outbox_test_refuse()")

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import consumer as consumer_module
 from outbox import ops, policy, settlement, store
-from outbox.consumer import RELEASE_ALERT_THRESHOLD, RunResult
+from outbox.consumer import RELEASE_ALERT_THRESHOLD, DeliveryResult
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.ops import audit
 from outbox.reconciler import Reconciler
@@ -180,7 +180,7 @@ def test_a_claim_that_waited_too_long_on_a_lock_is_released_without_a_call(
         wait_until_waiting_on_a_lock(clean)
         time.sleep(1.5)
     thread.join(10)
-    assert out.get("result") is RunResult.RELEASED, out
+    assert out.get("result") is DeliveryResult.RELEASED, out
     assert provider.stats()["requests"] == 0
     r = row(clean, row_id)
     assert (r["state"], r["attempts"], r["releases"]) == ("pending", 0, 1)
@@ -189,7 +189,7 @@ def test_a_claim_that_waited_too_long_on_a_lock_is_released_without_a_call(
     assert fence_rows(clean, row_id) == [(1, "released")]
 
     # Due again at once; the next claim is attempt 1 again, and the call is made once.
-    assert c.deliver(row_id, DEST) is RunResult.SENT
+    assert c.deliver(row_id, DEST) is DeliveryResult.SENT
     assert fence_rows(clean, row_id) == [(1, "released"), (1, "sent")]
     assert provider.stats()["effects"] == {"order:0:charge": 1}
     # The released claim made no call: the audit counts one attempt, no key claimed twice.
@@ -231,7 +231,7 @@ def test_a_slow_commit_of_the_claim_releases_it_and_repeated_releases_alert(
     c = consumer()
     with caplog.at_level(logging.WARNING, logger="outbox.consumer"):
         for n in range(1, RELEASE_ALERT_THRESHOLD + 1):
-            assert c.deliver(row_id, DEST) is RunResult.RELEASED
+            assert c.deliver(row_id, DEST) is DeliveryResult.RELEASED
             assert (row(clean, row_id)["releases"], row(clean, row_id)["attempts"]) == (n, 0)
     assert provider.stats()["requests"] == 0
     levels = [r.levelno for r in caplog.records if getattr(r, "outbox_run", None) == "released"]
@@ -320,10 +320,10 @@ def test_a_call_past_its_time_limit_is_recorded_at_the_limit_and_its_late_answer
     r = row(clean, row_id)
     assert "time limit" in r["last_error"] and r["lease_expires_at"] is None
     if idempotent:
-        assert result is RunResult.PENDING and r["state"] == "pending"
+        assert result is DeliveryResult.PENDING and r["state"] == "pending"
         assert 58 <= seconds_from_now(r, "available_at") <= 61
     else:
-        assert result is RunResult.UNKNOWN and r["state"] == "unknown"
+        assert result is DeliveryResult.UNKNOWN and r["state"] == "unknown"
         # The abandoned request may still land: the first lookup waits one time_limit.
         assert 0 < seconds_from_now(r, "available_at") <= 1.5
     # The abandoned call never gets to record its (late) answer.
@@ -334,7 +334,7 @@ def test_a_call_past_its_time_limit_is_recorded_at_the_limit_and_its_late_answer
     # The thread that runs the calls was replaced: the next delivery runs normally.
     c.handlers[DEST] = dataclasses.replace(charge, fn=lambda d: outbox.Confirmed(ref="ch_next"))
     (other,) = write_rows(engine, prefix="next")
-    assert c.deliver(other, DEST) is RunResult.SENT
+    assert c.deliver(other, DEST) is DeliveryResult.SENT
 
 
 # -- class 1: an expired lease waits one time_limit before its first lookup -------------------------
@@ -405,11 +405,11 @@ def test_a_worker_whose_clock_is_off_computes_every_instant_on_the_database_cloc
         }
     )
     c = consumer()
-    assert c.deliver(ambiguous, DEST) is RunResult.UNKNOWN
-    assert c.deliver(refused, DEST) is RunResult.PENDING
+    assert c.deliver(ambiguous, DEST) is DeliveryResult.UNKNOWN
+    assert c.deliver(refused, DEST) is DeliveryResult.PENDING
     # Its deadline is 30 minutes away on the database's clock, whatever this process thinks.
-    assert c.deliver(due_soon, DEST) is RunResult.SENT
-    assert c.deliver(refused_due_soon, DEST) is RunResult.PENDING
+    assert c.deliver(due_soon, DEST) is DeliveryResult.SENT
+    assert c.deliver(refused_due_soon, DEST) is DeliveryResult.PENDING
 
     # The first lookup waits one time_limit; the retry waits its backoff: both from the
     # database's now.
@@ -426,7 +426,7 @@ def test_a_retry_past_the_deadline_fails_on_the_database_clock(
     # 30 s left on the database's clock: a 60 s backoff would fall past it.
     (row_id,) = write_rows(engine, deadline=db_now(clean) + timedelta(seconds=30))
     provider.configure(fail_before_rate=1.0)
-    assert consumer().deliver(row_id, DEST) is RunResult.FAILED
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.FAILED
     r = row(clean, row_id)
     assert r["state"] == "failed" and r["last_error"].startswith("deadline ")
     assert fence_rows(clean, row_id) == [(1, "failed")]
@@ -448,7 +448,7 @@ def test_a_reconciler_whose_clock_is_off_computes_every_instant_on_the_database_
             if row_id != expired:
                 assert store.delivery.record(
                     conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="x"
-                )
+                ).state
         # The lookups find nothing at the provider: both rows are retried after their backoff.
         assert resolve_unknown(conn, {DEST: handler}) == {"pending": 2}
         for row_id in (not_found, not_found_near_deadline):
@@ -587,7 +587,7 @@ def test_a_lost_reply_to_a_committed_claim_releases_the_row_and_it_is_delivered_
     assert relay_once(clean) == 1
     pg_proxy.arm("after_commit")
     c = consumer(pg_proxy.url)
-    assert c.deliver(row_id, DEST) is RunResult.RELEASED
+    assert c.deliver(row_id, DEST) is DeliveryResult.RELEASED
     assert pg_proxy.fired.is_set()
     assert provider.stats()["requests"] == 0
     r = row(clean, row_id)
@@ -598,7 +598,7 @@ def test_a_lost_reply_to_a_committed_claim_releases_the_row_and_it_is_delivered_
 
     # Re-published by the relay and delivered: one charge.
     assert relay_once(clean) == 1
-    assert c.deliver(row_id, DEST) is RunResult.SENT
+    assert c.deliver(row_id, DEST) is DeliveryResult.SENT
     assert provider.stats()["effects"] == {"order:0:charge": 1}
     assert row(clean, row_id)["state"] == "sent"
 
@@ -621,7 +621,7 @@ def test_a_claim_cut_off_while_it_waited_can_no_longer_commit(clean, engine, pro
     assert provider.stats()["requests"] == 0
     # The worker made sure the backend that ran its claim was gone before it answered; the row
     # waits for the reconciler's re-dispatch (its message was taken).
-    assert out.get("result") is RunResult.EMPTY, out
+    assert out.get("result") is DeliveryResult.EMPTY, out
 
 
 # -- a pause between the start check and the call (attacker A2) ------------------------------------
@@ -650,7 +650,7 @@ def test_a_worker_paused_after_its_start_check_makes_no_call(clean, engine, prov
     monkeypatch.setattr(consumer_module, "delivery_for", pausing_delivery_for)
     (row_id,) = write_rows(engine)
     a, b = consumer(), consumer()
-    results: dict[str, RunResult] = {}
+    results: dict[str, DeliveryResult] = {}
     worker_a = threading.Thread(
         target=lambda: results.setdefault("a", a.deliver(row_id, DEST)), name="worker-A"
     )
@@ -662,10 +662,10 @@ def test_a_worker_paused_after_its_start_check_makes_no_call(clean, engine, prov
         time.sleep(1.2)  # the first lookup waits one time_limit; the provider has nothing
         assert _reconcile_once(clean)[1] == {"pending": 1}
         time.sleep(0.7)
-        assert b.deliver(row_id, DEST) is RunResult.SENT
+        assert b.deliver(row_id, DEST) is DeliveryResult.SENT
     finally:
         worker_a.join(15)
-    assert results["a"] in (RunResult.EMPTY, RunResult.RELEASED)
+    assert results["a"] in (DeliveryResult.EMPTY, DeliveryResult.RELEASED)
     stats = provider.stats()
     assert stats["charges"] == 1 and stats["double_charged"] == []
     assert row(clean, row_id)["state"] == "sent"
@@ -707,7 +707,7 @@ def test_a_confirmed_answer_settles_a_row_the_lookup_sent_back_under_the_same_cl
         assert resolve_unknown(conn, registry()) == {"pending": 1}
         state = store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_late"
-        )
+        ).state
     assert state == "sent"
     found = row(clean, row_id)
     assert (found["state"], found["provider_ref"]) == ("sent", "ch_late")

@@ -38,8 +38,8 @@ def write_committed(engine: Engine, key: str, payload: dict[str, Any] | None = N
 def make_sent(
     services: Any, row_id: int, *, days_ago: float = 8, outcomes: tuple[str, ...] = ("sent",)
 ) -> None:
-    """Settle a row `sent` long enough ago to be purged, with one fence row per outcome."""
-    # A state built directly, not through claims: whatever fence rows the ledger must summarise,
+    """Settle a row `sent` long enough ago to be purged, with one attempt row per outcome."""
+    # A state built directly, not through claims: whatever attempt rows the ledger must summarise,
     # some of which (a failed call on a sent row) the product cannot reach.
     for n, outcome in enumerate(outcomes, 1):
         sql(
@@ -213,7 +213,7 @@ def test_ledger_entry_records_the_history(clean, engine) -> None:
     # Younger than the retention: still a live row, not in the ledger.
     assert ledger(clean, "order:10") is None
     assert live_rows(clean, "order:10") == [(young.id, "sent")]
-    # The fence rows went with their rows; the ledger carries their count.
+    # The attempt rows went with their rows; the ledger carries their count.
     assert sql(clean, "SELECT count(*) FROM outbox_attempt")[0][0] == 1
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 import outbox
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.logs import MAX_PROVIDER_TEXT_CHARS
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 
@@ -31,7 +31,7 @@ def test_the_outcome_line_of_a_delivery_carries_a_capped_provider_text(clean, en
 
     (row_id,) = write_rows(engine, 1)
     with caplog.at_level(logging.INFO, logger="outbox"):
-        assert consumer().deliver(row_id, DEST) is RunResult.FAILED
+        assert consumer().deliver(row_id, DEST) is DeliveryResult.FAILED
     [line] = [r for r in caplog.records if r.getMessage().startswith("outbox order:0:charge -> failed")]
     assert line.levelno == logging.WARNING
     said = provider_text_of(line, "outbox order:0:charge -> failed (attempt 1): ")

@@ -19,7 +19,7 @@ from outbox.settings import libpq_url
 
 DEST = "payments.charge"
 
-# (outcome, settled) of the one fence row of each row, and whether the operator may cancel it.
+# (outcome, settled) of the one attempt row of each row, and whether the operator may cancel it.
 CASES = [
     ("retry", None, True),
     ("failed", None, True),
@@ -38,7 +38,7 @@ CASES = [
 
 
 def _rows(engine: Any, destination: str = DEST) -> list[int]:
-    """One pending row per case, each claimed once before (its fence row as in CASES): built
+    """One pending row per case, each claimed once before (its attempt row as in CASES): built
     directly, since some cases (an outcome a newer release adds) the product cannot reach."""
     ids = []
     with Session(engine) as s, s.begin():

@@ -1,6 +1,6 @@
 """An operator's ``resolve --failed`` stands against a worker's late answer: the claim whose lease
 the reconciler expired comes back confirmed after the operator gave the step up ("refunded by
-hand"), and neither moves the row to ``sent`` nor writes its next steps; only its fence row says
+hand"), and neither moves the row to ``sent`` nor writes its next steps; only its attempt row says
 what the provider answered. Real PostgreSQL."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_a_late_confirmation_leaves_an_operators_failed_step_failed_and_unchaine
             ref="ch_late",
             response='{"id": "ch_late"}',
             follow=plan,
-        )
+        ).state
         assert moved is None
         rows = conn.execute(
             "SELECT step, state, provider_ref, last_error FROM outbox_message ORDER BY id"

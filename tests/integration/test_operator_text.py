@@ -60,11 +60,13 @@ def test_replay_and_resolve_reasons_are_masked(clean: Any, engine: Any, db: Any)
     assert declined is not None
     assert store.delivery.record(
         db, row_id=failed, token=declined.token, state="failed", outcome="failed", error="card declined"
-    )
+    ).state
     unknown = write(engine, "order:3")
     claimed = store.delivery.claim(db, row_id=unknown, destination=DEST, lease_seconds=30)
     assert claimed is not None
-    assert store.delivery.record(db, row_id=unknown, token=claimed.token, state="unknown", outcome="unknown")
+    assert store.delivery.record(
+        db, row_id=unknown, token=claimed.token, state="unknown", outcome="unknown"
+    ).state
     with engine.begin() as conn:
         assert ops.replay(conn, [failed], by="test", reason=SAID)[0].done
         ops.resolve(conn, unknown, sent_ref="ch_1", by="test", reason=SAID)

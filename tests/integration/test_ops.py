@@ -60,7 +60,7 @@ def make_failed(services, row_id: int, error: str = "card declined", *, ref: str
         claimed = claim(conn, row_id)
         moved = store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="failed", outcome="failed", error=error, ref=ref
-        )
+        ).state
         assert moved == "failed"
         assert store.recovery.mark_alerted(conn, row_id=row_id, state="failed")
 
@@ -74,7 +74,7 @@ def make_unknown(services, row_id: int, *, dispatched: bool = False) -> uuid.UUI
         claimed = claim(conn, row_id)
         moved = store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
-        )
+        ).state
         assert moved == "unknown"
         return claimed.token
 
@@ -84,7 +84,7 @@ def make_sent(services, row_id: int, ref: str = "ch_1") -> None:
         claimed = claim(conn, row_id)
         moved = store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref=ref
-        )
+        ).state
         assert moved == "sent"
 
 
@@ -350,7 +350,7 @@ def test_replayed_row_goes_through_the_claim_and_a_sent_row_never_comes_back(cle
         assert claimed is not None and claimed.attempt == 1
         assert store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_9"
-        )
+        ).state
         # A second delivery of the same message claims nothing.
         assert (
             store.delivery.claim(conn, row_id=row_id, destination="payments.charge", lease_seconds=60) is None
@@ -360,7 +360,7 @@ def test_replayed_row_goes_through_the_claim_and_a_sent_row_never_comes_back(cle
     code, _, err = run(clean, capsys, "replay", str(row_id))
     assert code == 1 and f"row {row_id} is sent, only failed rows can be replayed" in err
     assert snapshot(clean, row_id) == before
-    # One fence row per claim: the failed run's and the replayed one's; the refused claim added none.
+    # One attempt row per claim: the failed run's and the replayed one's; the refused claim added none.
     assert sql(clean, "SELECT count(*) FROM outbox_attempt WHERE message_id = %s", (row_id,)) == [(2,)]
 
 

@@ -56,12 +56,12 @@ def settle(services, row_id: int, state: str, *outcomes: str, ref: str | None = 
                 ref=ref if outcome == "sent" else None,
                 error=errors.get(outcome),
                 delay_seconds=0 if outcome == "retry" else None,
-            )
+            ).state
             assert moved == ("pending" if outcome == "retry" else state)
 
 
 def forge(services, row_id: int, state: str, *outcomes: str, ref: str | None = None) -> None:
-    """Put the row in ``state`` with one fence row per outcome, written directly: evidence the
+    """Put the row in ``state`` with one attempt row per outcome, written directly: evidence the
     guarded moves cannot produce (a double call, a confirmed call on an unsent row, an empty
     reference) and the audit must still find."""
     for attempt, outcome in enumerate(outcomes, start=1):
@@ -105,7 +105,7 @@ def test_counts_attempts_against_confirmed_sends(clean, engine, capsys):
     settle(clean, failed, "failed", "retry", "retry", "failed")
     settle(clean, retried, "pending", "retry")
     settle(clean, unknown, "unknown", "unknown")
-    assert pending  # never claimed: no fence row
+    assert pending  # never claimed: no attempt row
 
     code, data = run_audit(clean, capsys)
     assert code == 0, data["violations"]
@@ -158,11 +158,11 @@ def test_a_late_confirmation_that_lost_the_race_still_counts(clean, engine, caps
         newer = claim(conn, row_id)
         assert store.delivery.record(
             conn, row_id=row_id, token=newer.token, state="sent", outcome="sent", ref="ch_1"
-        )
+        ).state
         # The old worker's call was confirmed after all: a late, superseded recording.
         assert not store.delivery.record(
             conn, row_id=row_id, token=old.token, state="sent", outcome="sent", ref="ch_0"
-        )
+        ).state
     capsys.readouterr()
     code, data = run_audit(clean, capsys)
     assert code == 1

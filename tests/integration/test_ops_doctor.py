@@ -78,7 +78,7 @@ def settle(conn: psycopg.Connection[Any], row_id: int, state: str) -> None:
     error = "card declined" if state == "failed" else "ReadTimeout"
     moved = store.delivery.record(
         conn, row_id=row_id, token=claimed.token, state=state, outcome=state, error=error
-    )
+    ).state
     assert moved == state
 
 

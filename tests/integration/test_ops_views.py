@@ -1,4 +1,4 @@
-"""What the operator looks at, as a new user found it: ``show`` telling a replayed row's fence rows
+"""What the operator looks at, as a new user found it: ``show`` telling a replayed row's attempt rows
 apart, ``status --watch``, and ``list`` by state, destination and key prefix (``failed`` and
 ``unknown`` its shortcuts). Run through ``outbox.cli.main`` against real PostgreSQL."""
 
@@ -44,7 +44,7 @@ def fail_once(services, row_id: int, *, status: int, error: str) -> None:
             outcome="failed",
             error=error,
             http_status=status,
-        )
+        ).state
         assert moved == "failed"
 
 
@@ -61,7 +61,7 @@ def test_show_key_lists_every_step_with_its_milestones_and_where_it_stopped(clea
         assert claimed is not None
         moved = store.delivery.record(
             conn, row_id=first, token=claimed.token, state="sent", outcome="sent", ref="inv_1"
-        )
+        ).state
         assert moved == "sent"
     second = write(engine, "invoice:7", step="export")
     fail_once(clean, second, status=422, error="accounting refused: unknown ledger account")
@@ -120,7 +120,7 @@ def test_show_tells_apart_the_fence_rows_of_a_replayed_row(clean, engine, capsys
     data = json.loads(out)
     # The replay reset `attempts`: both runs' claims are attempt 1; `number` tells them apart.
     assert [(a["number"], a["run"], a["attempt"]) for a in data["attempts"]] == [(1, 1, 1), (2, 2, 1)]
-    # The HTTP status of a permanent error is kept on its fence row.
+    # The HTTP status of a permanent error is kept on its attempt row.
     assert [(a["outcome"], a["http_status"]) for a in data["attempts"]] == [("failed", 402), ("failed", 422)]
     [replayed] = data["history"]
     assert (replayed["action"], replayed["by"], replayed["after_attempt"]) == ("replay", "ana", 1)

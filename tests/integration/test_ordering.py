@@ -15,7 +15,7 @@ from helpers import elapse, ids_by_state, lookup_on, relay_once, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.handlers import registry
 from outbox.reconciler.jobs.expire_leases import expire_leases
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
@@ -67,12 +67,12 @@ def test_only_the_head_of_a_key_is_published_and_the_next_after_it_settles(clean
     # One head per ordering key; rows without one are not held back.
     assert dispatched(clean) == {a[0], b, free}
     worker = consumer()
-    assert worker.deliver(a[0], DEST) is RunResult.SENT
+    assert worker.deliver(a[0], DEST) is DeliveryResult.SENT
     relay_once(clean)
     assert a[1] in dispatched(clean) and a[2] not in dispatched(clean)
-    assert worker.deliver(a[1], DEST) is RunResult.SENT
+    assert worker.deliver(a[1], DEST) is DeliveryResult.SENT
     relay_once(clean)
-    assert worker.deliver(a[2], DEST) is RunResult.SENT
+    assert worker.deliver(a[2], DEST) is DeliveryResult.SENT
     charged = [k for k in provider.stats()["effects"] if k.startswith("customer:7")]
     assert charged == [f"customer:7:{n}:update" for n in range(3)], "not in write order"
 
@@ -89,7 +89,7 @@ def test_a_row_behind_its_head_is_not_claimed_even_when_its_message_arrives(
         "UPDATE outbox_message SET state = 'dispatched', dispatched_at = now() WHERE id = %s",
         (behind,),
     )
-    assert consumer().deliver(behind, DEST) is RunResult.EMPTY
+    assert consumer().deliver(behind, DEST) is DeliveryResult.EMPTY
     assert provider.stats()["effects"] == {}
     assert ids_by_state(clean) == {"pending": {head}, "dispatched": {behind}}
 
@@ -100,7 +100,7 @@ def test_a_failed_head_blocks_its_key_by_default(clean, engine, provider, consum
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert consumer().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
     assert relay_once(clean) == 0
     assert ids_by_state(clean) == {"failed": {head}, "pending": {behind}}
 
@@ -111,9 +111,9 @@ def test_a_failed_head_is_skipped_when_its_handler_says_so(clean, engine, provid
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert consumer().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
     assert relay_once(clean) == 1
-    assert consumer().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is DeliveryResult.SENT
 
 
 def test_an_unknown_head_blocks_until_the_reconciler_settles_it(clean, engine, provider, consumer, db):
@@ -122,7 +122,7 @@ def test_an_unknown_head_blocks_until_the_reconciler_settles_it(clean, engine, p
     behind = write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
     provider.drop_after_charge()
-    assert consumer().deliver(head, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(head, DEST) is DeliveryResult.UNKNOWN
     provider.healthy()
     # Unknown always blocks, whatever on_failed_head says: the charge may have happened.
     assert relay_once(clean) == 0
@@ -134,7 +134,7 @@ def test_an_unknown_head_blocks_until_the_reconciler_settles_it(clean, engine, p
         clients.close()
     assert ids_by_state(clean)["sent"] == {head}
     assert relay_once(clean) == 1
-    assert consumer().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is DeliveryResult.SENT
     assert provider.stats()["effects"] == {"customer:7:0:update": 1, "customer:7:1:update": 1}
 
 
@@ -208,7 +208,7 @@ def test_a_settled_head_wakes_a_running_relay_at_once(clean, engine, provider, c
         while head not in dispatched(clean) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)  # the relay is now asleep on its 30 s poll
-        assert consumer().deliver(head, DEST) is RunResult.SENT
+        assert consumer().deliver(head, DEST) is DeliveryResult.SENT
         settled = time.monotonic()
         while behind not in dispatched(clean) and time.monotonic() < settled + 10:
             time.sleep(0.02)
@@ -259,7 +259,7 @@ def failed_head(clean: Any, engine: Any, provider: Any, consumer: Any) -> tuple[
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert consumer().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
     return head, behind
 
 
@@ -311,7 +311,7 @@ def test_skip_lets_the_key_go_and_a_later_replay_needs_force(clean, engine, prov
     done = run_cli(clean, "skip", str(head), "--reason", "the customer fixed it by hand", "--by", "ops")
     assert done.returncode == 0, done.stderr
     assert relay_once(clean) == 1
-    assert consumer().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is DeliveryResult.SENT
     assert run_cli(clean, "ordering").stdout.startswith("no ordering key is blocked")
     history = sql(clean, "SELECT state, history FROM outbox_message WHERE id = %s", (head,))[0]
     assert history[0] == "failed" and history[1][-1]["action"] == "skip" and history[1][-1]["by"] == "ops"
@@ -332,7 +332,7 @@ def test_an_unknown_head_is_never_skipped(clean, engine, provider, consumer):
     write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
     provider.drop_after_charge()
-    assert consumer().deliver(head, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(head, DEST) is DeliveryResult.UNKNOWN
     refused = run_cli(clean, "skip", str(head), "--reason", "hurry")
     assert refused.returncode == 1 and "may have taken effect" in refused.stderr
     assert relay_once(clean) == 0
@@ -345,6 +345,6 @@ def test_replaying_a_failed_head_before_anything_behind_it_went_keeps_the_order(
     replay = run_cli(clean, "replay", str(head), "--yes")
     assert replay.returncode == 0, replay.stdout + replay.stderr
     relay_once(clean)
-    assert consumer().deliver(head, DEST) is RunResult.SENT
+    assert consumer().deliver(head, DEST) is DeliveryResult.SENT
     relay_once(clean)
-    assert consumer().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is DeliveryResult.SENT

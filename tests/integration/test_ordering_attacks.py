@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import pauses, store
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.handlers import registry
 from outbox.ops import actions
 from outbox.reconciler.jobs.purge import purge
@@ -61,7 +61,7 @@ def failed_head(clean: Any, engine: Any, provider: Any, consumer: Any, **options
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert consumer().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
     return head, behind
 
 
@@ -100,7 +100,7 @@ def test_a_replayed_head_that_fails_again_blocks_its_key_again(clean, engine, pr
         assert r.done, r.message
     assert relay_once(clean) == 1  # the head only
     provider.configure(fault_next=["decline"])
-    assert consumer().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
     # A new failure of a "block" head: its key waits for an operator again.
     assert relay_once(clean) == 0, "the key went on past a new failure nobody skipped"
 
@@ -124,7 +124,7 @@ def test_a_head_failed_past_its_deadline_is_skipped_when_its_handler_says_so(
     with engine.begin() as c:
         pauses.resume(c, DEST, by="ops")
     assert relay_once(clean) == 1, "the key stays blocked behind a failed head its handler skips"
-    assert consumer().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is DeliveryResult.SENT
 
 
 # -- A4: a purged successor no longer makes a replay of the skipped head need --force --------------
@@ -137,7 +137,7 @@ def test_replaying_a_skipped_head_after_its_successor_was_purged_still_needs_for
     with engine.begin() as c:
         assert actions.skip(c, head, by="ops", reason="go on").done
     assert relay_once(clean) == 1
-    assert consumer().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is DeliveryResult.SENT
     with engine.begin() as c:
         [before] = actions.replay(c, [head], by="ops", reason="r")
     assert not before.done and "went on without it" in before.message
@@ -229,9 +229,9 @@ def test_a_successor_whose_claim_was_refused_is_requeued_not_lost(
         [r] = actions.replay(c, [head], by="ops", reason="fixed", force=True)
         assert r.done, r.message
     worker = consumer()
-    assert worker.deliver(behind, DEST) is RunResult.EMPTY
+    assert worker.deliver(behind, DEST) is DeliveryResult.EMPTY
     assert relay_once(clean) == 1  # the head
-    assert worker.deliver(head, DEST) is RunResult.SENT
+    assert worker.deliver(head, DEST) is DeliveryResult.SENT
     assert ids_by_state(clean)["dispatched"] == {behind}
     # The reconciler finds its message gone and re-queues it.
     from outbox.reconciler.jobs.redispatch import redispatch
@@ -240,4 +240,4 @@ def test_a_successor_whose_claim_was_refused_is_requeued_not_lost(
     counts = redispatch(db, redis_client, registry(), namespace=clean.namespace, redispatch_after_seconds=300)
     assert sum(counts.values()) >= 1, counts
     assert relay_once(clean) == 1
-    assert worker.deliver(behind, DEST) is RunResult.SENT
+    assert worker.deliver(behind, DEST) is DeliveryResult.SENT

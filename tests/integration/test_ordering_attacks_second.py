@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import pauses, store
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import Deliverer, DeliveryResult
 from outbox.handlers import registry
 from outbox.ops import actions
 from outbox.ops.ordering import blocked_keys, blocked_summary
@@ -73,7 +73,7 @@ def failed_head(clean: Any, engine: Any, provider: Any, consumer: Any, **options
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert consumer().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
     return head, behind
 
 
@@ -87,7 +87,7 @@ def test_repair_of_a_skipped_failed_head_needs_force_like_replay(clean, engine, 
     behind = write(engine, "customer:7:1", "customer:7")
     provider.configure(fault_next=["decline"])
     relay_once(clean)
-    assert consumer().deliver(head, DEST) is RunResult.FAILED
+    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
     if how == "operator_skip":
         with engine.begin() as c:
             assert actions.skip(c, head, by="ops", reason="go on").done
@@ -166,7 +166,7 @@ def _stress(
         except BaseException as exc:
             errors.append(exc)
 
-    def worker_loop(e: Executor, seed: int) -> None:
+    def worker_loop(e: Deliverer, seed: int) -> None:
         rng = random.Random(seed)
         try:
             with psycopg.connect(
@@ -268,8 +268,8 @@ def _stress(
         {k: v for k, v in provider.stats().items() if k != "effects"},
     )
     assert not overlaps, f"two rows of one key in flight together: {overlaps[:5]}"
-    # The fence rows say the same after the fact: no claim of a row of a key began before the
-    # previous claim of another row of that key ended. (A fence row's started_at is taken after
+    # The attempt rows say the same after the fact: no claim of a row of a key began before the
+    # previous claim of another row of that key ended. (An attempt row's started_at is taken after
     # the claim's snapshot: with now(), the statement's arrival, a claim planned while the
     # previous row's record committed showed a start 0.6 ms before that record's end.)
     crossed = sql(
@@ -342,7 +342,7 @@ def test_an_unknown_head_failed_by_an_operator_is_not_skipped_by_its_handler(
     write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(head, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(head, DEST) is DeliveryResult.UNKNOWN
     with engine.begin() as c:
         r = actions.resolve(c, head, failed_reason="gave up on it", by="ops")
     print(r)
@@ -363,7 +363,7 @@ def test_a_head_waiting_for_a_newer_worker_shows_its_key_blocked(clean, engine, 
     head = write(engine, "customer:7:0", "customer:7", payload_version=2)
     behind = write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
-    assert consumer().deliver(head, DEST) is RunResult.RELEASED
+    assert consumer().deliver(head, DEST) is DeliveryResult.RELEASED
     elapse(db, 3600, [head])  # an hour of releases: the deploy is stuck half-way
     sql(
         clean, "UPDATE outbox_message SET available_at = now() + interval '30 seconds' WHERE id = %s", (head,)
@@ -385,7 +385,7 @@ def test_a_paused_head_of_another_destination_shows_its_key_blocked(clean, engin
     with engine.begin() as c:
         pauses.pause(c, "crm.tag", by="ops", reason="provider outage")
     relay_once(clean)
-    assert consumer().deliver(head, "crm.tag") is not RunResult.SENT
+    assert consumer().deliver(head, "crm.tag") is not DeliveryResult.SENT
     elapse(db, 3600, [head, behind])
     relay_once(clean)
     assert behind not in ids_by_state(clean).get("dispatched", set())  # the key waits: held
@@ -404,13 +404,13 @@ def test_a_head_written_for_later_holds_its_key_in_commit_order(clean, engine, p
     other = write(engine, "customer:8:0", "customer:8")
     assert relay_once(clean) == 1
     assert ids_by_state(clean)["dispatched"] == {other}
-    assert consumer().deliver(behind, DEST) is RunResult.EMPTY
+    assert consumer().deliver(behind, DEST) is DeliveryResult.EMPTY
     print("listed", listed(engine))
     elapse(db, 3700, [head])
     assert relay_once(clean) == 1
-    assert consumer().deliver(head, DEST) is RunResult.SENT
+    assert consumer().deliver(head, DEST) is DeliveryResult.SENT
     assert relay_once(clean) == 1
-    assert consumer().deliver(behind, DEST) is RunResult.SENT
+    assert consumer().deliver(behind, DEST) is DeliveryResult.SENT
 
 
 def test_a_head_waiting_for_its_retry_is_listed_with_a_since_in_the_past(
@@ -421,7 +421,7 @@ def test_a_head_waiting_for_its_retry_is_listed_with_a_since_in_the_past(
     write(engine, "customer:7:1", "customer:7")
     relay_once(clean)
     provider.unavailable(times=1)
-    assert consumer().deliver(head, DEST) is RunResult.PENDING
+    assert consumer().deliver(head, DEST) is DeliveryResult.PENDING
     with engine.connect() as c:
         report = blocked_keys(c)
         summary = blocked_summary(c)
@@ -449,9 +449,9 @@ def test_replaying_a_blocking_head_after_a_row_behind_it_was_cancelled(clean, en
     # The key never went on without the head (the only row that moved was cancelled, never ran).
     assert r.done, r.message
     relay_once(clean)
-    assert consumer().deliver(head, DEST) is RunResult.SENT
+    assert consumer().deliver(head, DEST) is DeliveryResult.SENT
     relay_once(clean)
-    assert consumer().deliver(third, DEST) is RunResult.SENT
+    assert consumer().deliver(third, DEST) is DeliveryResult.SENT
 
 
 def test_stress_with_hung_calls_and_killed_connections(clean, engine, provider, consumer, db):

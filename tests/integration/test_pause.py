@@ -15,7 +15,7 @@ from sqlalchemy import text
 
 from outbox import metrics, pauses, store
 from outbox.cli import main
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import Deliverer, DeliveryResult
 from outbox.handlers import registry
 from outbox.reconciler.jobs.redispatch import redispatch
 
@@ -66,10 +66,10 @@ def test_a_paused_destination_is_not_claimed_and_its_rows_keep_their_attempts(cl
     )
     assert pauses.held_reason(db, destination=DEST) == "is paused"
     assert pauses.held_reason(db, destination="mail.send") is None
-    executor = Executor(clean.database_url, {**registry(), "mail.send": other})
+    deliverer = Deliverer(clean.database_url, {**registry(), "mail.send": other})
     try:
-        assert executor.deliver(row, DEST) is RunResult.PAUSED
-        assert executor.deliver(mail, "mail.send") is RunResult.SENT  # another destination goes on
+        assert deliverer.deliver(row, DEST) is DeliveryResult.PAUSED
+        assert deliverer.deliver(mail, "mail.send") is DeliveryResult.SENT  # another destination goes on
         assert get(db, row)["attempts"] == 0 and get(db, row)["state"] == "pending"
         assert (
             db.execute("SELECT count(*) FROM outbox_attempt WHERE message_id = %s", (row,)).fetchone()[0] == 0
@@ -78,9 +78,9 @@ def test_a_paused_destination_is_not_claimed_and_its_rows_keep_their_attempts(cl
 
         assert resume(engine).pause is not None
         assert resume(engine).pause is None, "a second resume finds nothing paused"
-        assert executor.deliver(row, DEST) is RunResult.SENT
+        assert deliverer.deliver(row, DEST) is DeliveryResult.SENT
     finally:
-        executor.close()
+        deliverer.close()
     assert provider.charges("order:0:charge") == 1
 
 
@@ -214,13 +214,15 @@ def test_a_retry_past_key_ttl_goes_unknown_instead_of_charging_again(clean, engi
     table = {DEST: charge}
     [row] = write_rows(engine, 1)
     provider.drop_after_charge(times=1)
-    assert deliver(table, database_url=clean.database_url)[row] is RunResult.PENDING  # an idempotent retry
+    assert (
+        deliver(table, database_url=clean.database_url)[row] is DeliveryResult.PENDING
+    )  # an idempotent retry
     pause(engine)
     pass_time(charge.key_ttl + 3600, database_url=clean.database_url)  # the outage outlasts key_ttl
-    assert deliver(table, database_url=clean.database_url)[row] is RunResult.PAUSED
+    assert deliver(table, database_url=clean.database_url)[row] is DeliveryResult.PAUSED
     resume(engine)
 
-    assert deliver(table, database_url=clean.database_url)[row] is RunResult.UNKNOWN
+    assert deliver(table, database_url=clean.database_url)[row] is DeliveryResult.UNKNOWN
     moved = get(db, row)
     assert moved["state"] == "unknown" and "key_ttl" in moved["last_error"] and moved["attempts"] == 1
     assert provider.stats()["requests"] == 1, "no second call"

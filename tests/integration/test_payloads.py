@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.exceptions import InvalidMessage
 from outbox.settings import libpq_url
 
@@ -81,7 +81,7 @@ def test_rows_of_the_old_release_are_upgraded_and_delivered_by_the_new_one(clean
     assert row(clean, new)["payload_version"] == 2
     worker = consumer()
     for row_id in [*old, new]:
-        assert worker.deliver(row_id, DEST) is RunResult.SENT
+        assert worker.deliver(row_id, DEST) is DeliveryResult.SENT
     assert [p for p, _ in seen] == [
         {"amount_cents": 1200},
         {"amount_cents": 1300},
@@ -98,7 +98,7 @@ def test_an_invalid_payload_fails_without_a_call_and_is_never_retried(clean, eng
     seen: list[Any] = []
     declare(provider, seen, payload_model=ChargeV2)
     row_id = write(engine, "order:1", {"amount_cents": "twelve"}, payload_version=2)
-    assert consumer().deliver(row_id, DEST) is RunResult.FAILED
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.FAILED
     failed = row(clean, row_id)
     assert failed["state"] == "failed" and failed["attempts"] == 1
     assert "amount_cents" in failed["last_error"] and "no call was made" in failed["last_error"]
@@ -119,14 +119,14 @@ def test_an_invalid_payload_after_an_ambiguous_call_goes_unknown_not_failed(
     declare(provider, seen, idempotent=True)
     row_id = write(engine, "order:1", {"amount": 12})
     provider.configure(fault_next=["drop_after"])
-    assert consumer().deliver(row_id, DEST) is RunResult.PENDING  # idempotent: retried
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.PENDING  # idempotent: retried
     assert provider.stats()["effects"] == {"order:1:charge": 1}
     outbox.handlers.clear_registry()
     declare(provider, seen, idempotent=True, payload_model=ChargeV2)  # no upgrade: "amount" invalid
     with psycopg.connect(libpq_url(clean.database_url)) as conn:
         conn.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
         conn.commit()
-    assert consumer().deliver(row_id, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.UNKNOWN
     unknown = row(clean, row_id)
     assert unknown["state"] == "unknown" and "the lookup decides" in unknown["last_error"]
     assert provider.stats()["effects"] == {"order:1:charge": 1}
@@ -137,7 +137,7 @@ def test_a_payload_newer_than_the_worker_waits_for_a_newer_one(clean, engine, pr
     # The old worker knows version 1 only; new writers already write version 2.
     declare(provider, seen, payload_model=ChargeV1)
     row_id = write(engine, "order:1", {"amount_cents": 100}, payload_version=2)
-    assert consumer().deliver(row_id, DEST) is RunResult.RELEASED
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.RELEASED
     waiting = row(clean, row_id)
     assert waiting["state"] == "pending" and waiting["attempts"] == 0 and waiting["releases"] == 1
     assert 20 < waiting["due_in"] <= 30, "released for later, not for the same old worker at once"
@@ -149,7 +149,7 @@ def test_a_payload_newer_than_the_worker_waits_for_a_newer_one(clean, engine, pr
     with psycopg.connect(libpq_url(clean.database_url)) as conn:
         conn.execute("UPDATE outbox_message SET available_at = now() WHERE id = %s", (row_id,))
         conn.commit()
-    assert consumer().deliver(row_id, DEST) is RunResult.SENT
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.SENT
     assert provider.stats()["effects"] == {"order:1:charge": 1}
 
 
@@ -184,7 +184,7 @@ def test_a_next_step_gets_the_version_of_its_imported_handler(clean, engine, pro
         return [outbox.Next("receipt", "mail.receipt", {"amount_cents": 1})]
 
     row_id = write(engine, "order:1", {"amount": 1})
-    assert consumer().deliver(row_id, DEST) is RunResult.SENT
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.SENT
     with psycopg.connect(libpq_url(clean.database_url)) as conn:
         assert conn.execute(
             "SELECT payload_version FROM outbox_message WHERE step = 'receipt'"

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import handlers as _handlers
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.handlers import registry
 from outbox.ops.payload_check import check_payloads
 from outbox.reconciler.jobs.expire_leases import expire_leases
@@ -93,7 +93,7 @@ def test_holds_invalid_after_ambiguous_call_goes_unknown_and_the_lookup_settles_
     declare(provider, idempotent=True)
     row_id = write(engine, "order:1", {"amount_eur": 12})
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(row_id, DEST) is RunResult.PENDING
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.PENDING
     assert provider.charges("order:1:charge") == 1
 
     redeploy()
@@ -108,7 +108,7 @@ def test_holds_invalid_after_ambiguous_call_goes_unknown_and_the_lookup_settles_
         return [outbox.Next("tell_customer", "mail.notify", {"order": d.key})]
 
     elapse(clean, 3600, [row_id])
-    assert consumer().deliver(row_id, DEST) is RunResult.UNKNOWN  # held: not `failed`
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.UNKNOWN  # held: not `failed`
     assert provider.charges("order:1:charge") == 1
     assert sql(clean, "SELECT step FROM outbox_message WHERE parent_id = %s", (row_id,)) == []
 
@@ -133,9 +133,9 @@ def test_holds_deadline_branch_after_ambiguous_call_goes_unknown(clean, engine, 
 
     row_id = write(engine, "order:2", {"amount_eur": 12}, deadline=datetime.now(UTC) + timedelta(minutes=30))
     provider.drop_after_charge(times=1)
-    assert consumer().deliver(row_id, DEST) is RunResult.PENDING
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.PENDING
     elapse(clean, 3600, [row_id])
-    assert consumer().deliver(row_id, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.UNKNOWN
     assert row(clean, row_id)["state"] == "unknown"
 
 
@@ -154,7 +154,7 @@ def test_break_row_newer_than_a_handler_without_model_is_delivered(clean, engine
     assert row(clean, row_id)["payload_version"] == 2
     result = consumer().deliver(row_id, DEST)
     # Observed: SENT, provider.charges("order:3:charge") == 1, the v1 code saw the v2 payload.
-    assert (result, provider.charges(), seen) == (RunResult.RELEASED, 0, [])
+    assert (result, provider.charges(), seen) == (DeliveryResult.RELEASED, 0, [])
 
 
 def test_break_doctor_payloads_passes_with_rows_newer_than_a_handler_without_model(clean, engine, provider):
@@ -193,8 +193,8 @@ def test_break_default_version_depends_on_imports_unless_the_writer_says_it(
     assert [row(clean, i)["payload_version"] for i in (a, b, unsaid)] == [2, 2, 1]
 
     declare(provider, seen, payload_model=ChargeV2, upgrades={1: euros_to_cents})
-    assert consumer().deliver(a, DEST) is RunResult.SENT
-    assert consumer().deliver(b, DEST) is RunResult.SENT
+    assert consumer().deliver(a, DEST) is DeliveryResult.SENT
+    assert consumer().deliver(b, DEST) is DeliveryResult.SENT
     assert [p["amount_cents"] for p in seen] == [1200, 1200]
 
 
@@ -213,8 +213,8 @@ def test_holds_unknown_row_with_now_invalid_payload_is_looked_up(clean, engine, 
     healthy = write(engine, "order:13", {"amount_cents": 1300, "currency": "EUR"})
     provider.drop_after_charge()
     for row_id in stuck:
-        assert consumer().deliver(row_id, DEST) is RunResult.UNKNOWN
-    assert consumer().deliver(healthy, DEST) is RunResult.UNKNOWN
+        assert consumer().deliver(row_id, DEST) is DeliveryResult.UNKNOWN
+    assert consumer().deliver(healthy, DEST) is DeliveryResult.UNKNOWN
     provider.healthy()
     assert provider.charges() == 4
 
@@ -252,7 +252,7 @@ def test_break_non_object_payload_crashes_the_delivery_and_ends_unknown_forever(
     """A row written by plain SQL (the contract invites writers in any language) with a JSON
     array as payload. Expected: PayloadInvalid -> `failed`, no call (certain, actionable).
     Observed: `prepare` does dict(payload) outside its try, the TypeError escapes `deliver`, the
-    row stays `in_flight` with a fence row without outcome (an ambiguous "call" that never
+    row stays `in_flight` with an attempt row without outcome (an ambiguous "call" that never
     happened); the lease expires -> `unknown`; the lookup (strict=False still runs prepare)
     raises the same TypeError every run -> `unknown` forever, and a replay would need --force."""
     lookups: list[int] = []
@@ -280,7 +280,7 @@ def test_break_non_object_payload_crashes_the_delivery_and_ends_unknown_forever(
     r = row(clean, row_id)
     observed.update(final=r["state"], error=r["last_error"], lookups=lookups)
     assert provider.charges() == 0
-    assert (result, r["state"]) == (RunResult.FAILED, "failed"), observed
+    assert (result, r["state"]) == (DeliveryResult.FAILED, "failed"), observed
 
 
 def test_break_doctor_payloads_crashes_on_non_object_payload(clean, engine, provider):
@@ -303,7 +303,7 @@ def test_holds_too_new_row_released_no_attempt_spent(clean, engine, provider, co
     for _ in range(5):
         elapse(clean, 60, [row_id])
         sql(clean, "UPDATE outbox_message SET state='dispatched', dispatched_at=now() WHERE id=%s", (row_id,))
-        assert consumer().deliver(row_id, DEST) is RunResult.RELEASED
+        assert consumer().deliver(row_id, DEST) is DeliveryResult.RELEASED
     r = row(clean, row_id)
     assert (r["state"], r["attempts"], r["releases"]) == ("pending", 0, 5)
     assert provider.charges() == 0
@@ -313,7 +313,7 @@ def test_holds_upgrade_mutating_input_does_not_touch_stored_row(clean, engine, p
     seen: list[dict[str, Any]] = []
     declare(provider, seen, payload_model=ChargeV2, upgrades={1: v1_to_v2})  # v1_to_v2 pops
     row_id = write(engine, "order:31", {"amount_eur": 7}, payload_version=1)
-    assert consumer().deliver(row_id, DEST) is RunResult.SENT
+    assert consumer().deliver(row_id, DEST) is DeliveryResult.SENT
     assert row(clean, row_id)["payload"] == {"amount_eur": 7}
     assert seen == [{"amount_cents": 700, "currency": "EUR"}]
 
@@ -372,7 +372,7 @@ def test_older_reconciler_looks_up_too_new_unknown_rows(clean, engine, provider,
     old = write(engine, "order:53", {"amount_cents": 53, "currency": "EUR"}, payload_version=2)
     provider.drop_after_charge()
     for i in [*new, old]:
-        assert consumer().deliver(i, DEST) is RunResult.UNKNOWN
+        assert consumer().deliver(i, DEST) is DeliveryResult.UNKNOWN
     provider.healthy()
     redeploy()
     lookup_on(declare(provider, payload_model=ChargeV2, upgrades={1: v1_to_v2}), provider)

@@ -537,7 +537,7 @@ def test_ordering_holds_against_an_older_relay_and_worker(
         "WHERE message_id = ANY(:ids) ORDER BY message_id",
         ids=every,
     )
-    assert sorted(a.message_id for a in attempts) == sorted(every), "one fence row a row"
+    assert sorted(a.message_id for a in attempts) == sorted(every), "one attempt row a row"
     assert {a.outcome for a in attempts} == {"sent"}
     started = {a.message_id: a.started_at for a in attempts}
     completed = dict(
@@ -805,7 +805,7 @@ def test_a_late_answer_of_an_older_worker_leaves_an_operators_failure(
     assert code == 0, out
 
     # The provider answers; the older worker records its confirmation with its claim token (the
-    # fence row said lease_expired since the reconciler expired it).
+    # attempt row said lease_expired since the reconciler expired it).
     wait_for(
         lambda: (
             one(database, "SELECT outcome FROM outbox_attempt WHERE message_id = :i", i=row)

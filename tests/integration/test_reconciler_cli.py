@@ -82,7 +82,7 @@ def test_reconcile_once_resolves_alerts_prints_counts_and_exits_0(clean, engine,
         assert claimed is not None
         assert store.delivery.record(
             db, row_id=failed_id, token=claimed.token, state="failed", outcome="failed", error="card declined"
-        )
+        ).state
     ref = charge_at_provider(provider, "order:0:charge")
     (tmp_path / "reconcile_hook.py").write_text(HOOK_MODULE)
     alerts_file = tmp_path / "alerts.jsonl"

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import chains, ops, store
 from outbox.cli import main
-from outbox.consumer import Executor, RunResult
+from outbox.consumer import Deliverer, DeliveryResult
 from outbox.handlers import registry
 from outbox.ops.repair import execute_repair, plan_repair
 from outbox.reconciler.jobs.expire_leases import expire_leases
@@ -35,11 +35,11 @@ MODULE = __name__
 
 @pytest.fixture
 def deliver(clean: Any):
-    made: list[Executor] = []
+    made: list[Deliverer] = []
 
-    def run(row_id: int, destination: str) -> RunResult:
+    def run(row_id: int, destination: str) -> DeliveryResult:
         if not made:
-            made.append(Executor(clean.database_url, registry()))
+            made.append(Deliverer(clean.database_url, registry()))
         return made[0].deliver(row_id, destination)
 
     yield run
@@ -64,7 +64,7 @@ def test_an_unknown_step_whose_charge_happened_is_found_and_the_chain_goes_on(
     lookup_on(invoice_chain(provider), provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
 
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
     # Asked at once, a provider still executing the call would say "not found": repair waits as
@@ -91,7 +91,7 @@ def test_an_unknown_step_whose_charge_happened_is_found_and_the_chain_goes_on(
         clean, charge_id
     )[-1].items()
     # The chain goes on from there; the charge was made once.
-    assert deliver(rows["export"]["id"], "accounting.export") is RunResult.SENT
+    assert deliver(rows["export"]["id"], "accounting.export") is DeliveryResult.SENT
     assert provider.stats()["effects"] == {f"{KEY}:charge": 1, f"{KEY}:export": 1}
     # Repairing again finds nothing to do at the charge: the chain waits at notify.
     code, out, _ = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
@@ -115,7 +115,7 @@ def test_an_unknown_step_whose_charge_did_not_happen_is_re_run_once(clean, engin
     assert steps(clean)["charge"]["state"] == "pending"
     assert provider.stats()["effects"] == {}
     elapse(clean, 2, [charge_id])  # its retry's backoff
-    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.SENT
     assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
     assert set(steps(clean)) == {"charge", "export"}
 
@@ -123,7 +123,7 @@ def test_an_unknown_step_whose_charge_did_not_happen_is_re_run_once(clean, engin
 def test_a_step_failed_for_good_is_refused_without_force(clean, engine, provider, deliver, capsys):
     invoice_chain(provider)
     charge_id = write_charge(engine, {"invoice": 7, "amount_cents": -1})  # the simulator declines
-    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.FAILED
 
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
     assert code == 1
@@ -148,7 +148,7 @@ def test_a_step_failed_for_good_is_refused_without_force(clean, engine, provider
     assert "re-run (failed -> pending)" in out
     assert steps(clean)["charge"]["state"] == "pending"
     assert history(clean, charge_id)[-1]["action"] == "repair"
-    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.SENT
     assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
 
 
@@ -156,7 +156,7 @@ def test_a_confirmed_step_without_its_next_steps_gets_them(clean, engine, provid
     invoice_chain(provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
     with engine.begin() as conn:
         ops.resolve(conn, charge_id, sent_ref="ch_by_hand")  # no module: steps not computed
     assert steps(clean)["charge"]["chain_problem"] == chains.NOT_COMPUTED
@@ -179,7 +179,7 @@ def test_a_failed_step_with_an_ambiguous_history_asks_the_provider_first(
     lookup_on(invoice_chain(provider, idempotent=True, max_attempts=1), provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.FAILED
     elapse(clean, 60, [charge_id])
     # replay alone would refuse it: the call may have taken effect.
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
@@ -194,7 +194,7 @@ def test_without_a_lookup_an_ambiguous_failure_is_left_to_a_human(clean, engine,
     invoice_chain(provider)  # no lookup, not idempotent
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
     assert code == 1
     assert "neither a lookup nor idempotency" in out + err
@@ -204,7 +204,7 @@ def test_without_a_lookup_an_ambiguous_failure_is_left_to_a_human(clean, engine,
 def test_chains_stalled_lists_the_stopped_keys(clean, engine, provider, deliver, capsys):
     invoice_chain(provider)
     charge_id = write_charge(engine, {"invoice": 7, "amount_cents": -1})
-    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.FAILED
     with Session(engine) as s, s.begin():
         outbox.write(s, key="invoice:8", step="charge", destination="payments.charge", payload={"invoice": 8})
 
@@ -262,7 +262,7 @@ def test_an_ambiguous_failure_the_provider_has_no_record_of_is_re_run_once_no_ca
     assert code == 0, err
     assert "the provider has no record of it: re-run" in out
     assert history(clean, charge_id)[-1]["action"] == "repair"
-    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.SENT
     assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
 
 
@@ -303,7 +303,7 @@ def test_the_purge_keeps_a_sent_step_until_its_next_steps_are_written(
 ):
     broken = _then_broken_until_fixed(provider)
     charge_id = write_charge(engine)
-    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.SENT
     elapse(clean, 30 * 86400, [charge_id])
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         purge(conn, retention_seconds=7 * 86400)
@@ -317,7 +317,7 @@ def test_the_purge_keeps_a_sent_step_until_its_next_steps_are_written(
 def test_two_repairs_writing_the_same_next_steps_both_succeed(clean, engine, provider, deliver):
     broken = _then_broken_until_fixed(provider)
     charge_id = write_charge(engine)
-    assert deliver(charge_id, "payments.charge") is RunResult.SENT
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.SENT
     broken.update(on=False, slow=True)
     with engine.connect() as conn:
         plan = plan_repair(conn, [KEY], handlers=registry())
@@ -360,8 +360,8 @@ def test_two_repairs_at_once_re_run_an_ambiguous_failure_once(clean, engine, pro
     messages = sorted(r[0].message for r in results)
     assert sum("re-run (failed -> pending)" in m for m in messages) == 1, messages
     elapse(clean, 2, [charge_id])
-    assert deliver(charge_id, "payments.charge") is RunResult.SENT
-    assert deliver(charge_id, "payments.charge") is RunResult.EMPTY
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.SENT
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.EMPTY
     assert provider.stats()["effects"] == {f"{KEY}:charge": 1}
 
 
@@ -405,9 +405,9 @@ def test_a_compensated_step_is_handled_and_its_compensation_is_what_stalls(
         return [outbox.Next("release-stock", "payments.refund", {"amount_cents": -5})]  # declined too
 
     charge_id = write_charge(engine, {"invoice": 7, "amount_cents": -1})
-    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.FAILED
     release = steps(clean)["release-stock"]
-    assert deliver(release["id"], "payments.refund") is RunResult.FAILED
+    assert deliver(release["id"], "payments.refund") is DeliveryResult.FAILED
     elapse(clean, 3600)
     code, out, _ = cli(clean, capsys, "chains", "--stalled", "--json")
     assert [(k["key"], k["step"], k["chained"]) for k in json.loads(out)["keys"]] == [
@@ -452,7 +452,7 @@ def test_a_step_an_operator_failed_is_not_continued_without_force(clean, engine,
     lookup_on(invoice_chain(provider), provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})  # the charge happened
     charge_id = write_charge(engine)
-    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
     code, _, err = cli(
         clean, capsys, "resolve", str(charge_id), "--failed", "refunded by hand", "--by", "sam"
     )
@@ -530,7 +530,7 @@ def test_a_step_an_operator_failed_is_not_re_run_without_force(clean, engine, pr
         ('{"invoice": 7, "amount_cents": -1}', charge_id),
     )
     elapse(clean, 2, [charge_id])
-    assert deliver(charge_id, "payments.charge") is RunResult.FAILED
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.FAILED
     code, out, err = cli(clean, capsys, "replay", str(charge_id))
     assert code == 0 and "replayed: failed -> pending" in out, out + err
 
@@ -553,7 +553,7 @@ def test_the_acting_statements_keep_an_operator_decision_made_after_the_plan(
                 state="failed",
                 outcome="unknown",
                 error="ReadTimeout",
-            )
+            ).state
             == "failed"
         )
     elapse(clean, 120, [charge_id])
@@ -583,7 +583,7 @@ def test_the_dashboard_repair_keeps_an_operator_decision(clean, engine, provider
     lookup_on(invoice_chain(provider), provider)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
-    assert deliver(charge_id, "payments.charge") is RunResult.UNKNOWN
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
     with engine.begin() as conn:
         assert ops.resolve(conn, charge_id, failed_reason="refunded by hand", by="sam").done
     elapse(clean, 60, [charge_id])

@@ -78,7 +78,7 @@ def make_unknown(db: psycopg.Connection[Any], row_id: int) -> store.delivery.Cla
     assert claimed is not None
     assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
-    )
+    ).state
     elapse(db, 1, [row_id])  # its first lookup is due
     return claimed
 
@@ -89,7 +89,7 @@ def make_failed(db: psycopg.Connection[Any], row_id: int) -> None:
     assert claimed is not None
     assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="failed", outcome="failed", error="HTTP 402"
-    )
+    ).state
 
 
 # -- class 4: the runbook scenario ---------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_a_confirmed_call_on_a_failed_row_refuses_replay(clean, engine, db, caps
     # ...and the old worker's call was confirmed after all (a late, superseded recording).
     assert not store.delivery.record(
         db, row_id=row_id, token=old.token, state="sent", outcome="sent", ref="ch_1"
-    )
+    ).state
     code, _, err = cli(clean, capsys, "replay", str(row_id))
     assert code == 1 and "attempt 1 was confirmed by the provider (outcome superseded:sent)" in err
     assert get(db, row_id)["state"] == "failed"
@@ -207,7 +207,7 @@ def test_force_needs_one_named_row_and_a_reason_and_is_recorded(clean, engine, d
     assert claimed is not None
     assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_2"
-    )
+    ).state
     code, out, _ = cli(clean, capsys, "audit", "--json")
     data = json.loads(out)
     assert code == 0 and data["ok"] is True
@@ -389,7 +389,7 @@ def test_audit_finds_a_call_after_an_unsettled_ambiguous_one(clean, engine, db, 
         assert claimed is not None
         assert store.delivery.record(
             db, row_id=r, token=claimed.token, state="sent", outcome="sent", ref=f"ch_{r}"
-        )
+        ).state
 
     code, out, _ = cli(clean, capsys, "audit", "--json")
     data = json.loads(out)

@@ -70,7 +70,7 @@ def test_a_destination_wide_retry_after_pauses_the_destination_that_long(clean, 
     """retry_after_scope="destination": the provider's Retry-After holds every row back, not
     only the one that got it; an operator's longer pause is never shortened."""
     from outbox import pauses
-    from outbox.consumer import RunResult
+    from outbox.consumer import DeliveryResult
 
     @outbox.handler(DEST, time_limit=5, backoff=(2, 2), retry_after_scope="destination")
     def charge(d: outbox.Delivery) -> outbox.Confirmed:
@@ -82,7 +82,7 @@ def test_a_destination_wide_retry_after_pauses_the_destination_that_long(clean, 
     first, second = write_rows(engine, 2)
     provider.unavailable(times=1, retry_after="60")
     results = deliver({DEST: charge}, database_url=clean.database_url)
-    assert results == {first: RunResult.PENDING, second: RunResult.PAUSED}
+    assert results == {first: DeliveryResult.PENDING, second: DeliveryResult.PAUSED}
     assert provider.stats()["requests"] == 1, "the second row was not called"
     with engine.connect() as conn:
         [held] = pauses.paused(conn)

@@ -68,7 +68,7 @@ def fail(db: psycopg.Connection[Any], row_id: int, history: list[dict[str, Any]]
     assert claimed is not None
     assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="failed", outcome="failed", error="declined"
-    )
+    ).state
     if history:
         db.execute("UPDATE outbox_message SET history = %s WHERE id = %s", (json.dumps(history), row_id))
 
@@ -239,7 +239,7 @@ def test_this_codes_settlements_leave_no_mark(clean, engine, db) -> None:
     declare_chain()
     row = write(engine, "order:1")
     claimed, plan = claim_and_plan(db, row)
-    done = store.delivery.record_outcome(
+    done = store.delivery.record(
         db, row_id=row, token=claimed.token, state="sent", outcome="sent", ref="ch_1", follow=plan
     )
     assert done.state == "sent"
@@ -390,7 +390,7 @@ def test_a_chain_step_with_a_version_is_written_and_waits_at_its_claim_until_ena
 
     row = write(engine, "order:1")
     claimed, plan = claim_and_plan(db, row)
-    done = store.delivery.record_outcome(
+    done = store.delivery.record(
         db, row_id=row, token=claimed.token, state="sent", outcome="sent", ref="ch_1", follow=plan
     )
     assert done.state == "sent" and done.followed == 1

@@ -23,7 +23,7 @@ from starlette.testclient import TestClient
 import outbox
 from outbox import chains
 from outbox.cli import main
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.dashboard import create_app, hash_password
 from outbox.handlers import registry
 from outbox.reconciler.jobs.chains import write_uncomputed
@@ -119,7 +119,7 @@ def unknown_charge(services: Any, engine: Any, provider: Any, consumer: Any, key
     """A charge the provider made whose answer was lost: unknown, and no call of it still landing."""
     provider.configure(fault_keys={f"{key}:charge": "drop_after"})
     row_id = write_charge(engine, key)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.UNKNOWN
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.UNKNOWN
     elapse(services, 60, [row_id])
     return row_id
 
@@ -127,7 +127,7 @@ def unknown_charge(services: Any, engine: Any, provider: Any, consumer: Any, key
 def test_the_worker_gives_then_the_stored_response(clean, engine, provider, consumer):
     declare(provider)
     row_id = write_charge(engine)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.SENT
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.SENT
     response = assert_then_saw_the_stored_row(clean, row_id)
     assert_sanitised(response)
 
@@ -240,7 +240,7 @@ def test_repair_of_an_ambiguous_failure_gives_then_the_stored_response(
     declare(provider, idempotent=True, max_attempts=1)
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     row_id = write_charge(engine)
-    assert consumer().deliver(row_id, "payments.charge") is RunResult.FAILED
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.FAILED
     elapse(clean, 60, [row_id])
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--reason", "INC-3")
     assert code == 0 and "failed -> sent" in out, out + err

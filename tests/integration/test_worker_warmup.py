@@ -9,7 +9,7 @@ from typing import Any
 
 import outbox
 from outbox import handlers as handlers_module
-from outbox.consumer import Executor
+from outbox.consumer import Deliverer
 from outbox.handlers import Deliveries, registry
 
 
@@ -36,26 +36,26 @@ def in_thread(fn: Any) -> None:
 
 def test_a_warmed_thread_holds_its_connections_and_call_thread(clean) -> None:
     declare_handler()
-    executor = Executor(clean.database_url, registry())
+    deliverer = Deliverer(clean.database_url, registry())
     try:
-        in_thread(executor.warm_thread)
-        conns = list(executor._all)
+        in_thread(deliverer.warm_thread)
+        conns = list(deliverer._all)
         assert len(conns) == 2 and all(not c.closed for c in conns)
         assert all(c.execute("SELECT 1").fetchone() == (1,) for c in conns)
-        assert len(executor._callers) == 1
+        assert len(deliverer._callers) == 1
     finally:
-        executor.close()
+        deliverer.close()
     assert all(c.closed for c in conns)
 
 
 def test_warming_up_against_an_unreachable_database_does_not_raise(clean) -> None:
     declare_handler()
-    executor = Executor("postgresql://postgres@127.0.0.1:1/nothing", registry())
+    deliverer = Deliverer("postgresql://postgres@127.0.0.1:1/nothing", registry())
     try:
-        in_thread(executor.warm_thread)  # the first delivery meets, and reports, the failure
-        assert executor._all == []
+        in_thread(deliverer.warm_thread)  # the first delivery meets, and reports, the failure
+        assert deliverer._all == []
     finally:
-        executor.close()
+        deliverer.close()
 
 
 def test_every_provider_client_shares_one_tls_context() -> None:

@@ -391,7 +391,7 @@ def written_in_state(url: str, engine: Engine, state: str) -> int:
         outcome = {"sent": {"ref": "ch_1"}, "failed": {"error": "card declined"}}.get(state, {})
         assert store.delivery.record(
             conn, row_id=row_id, token=claimed.token, state=state, outcome=state, **outcome
-        )
+        ).state
     return row_id
 
 

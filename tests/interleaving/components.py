@@ -2,7 +2,7 @@
 
 Everything the harness knows about the product's API is in this module, so that a change of
 signature is adapted here and nowhere else. Each wrapper calls the real code path (the relay's
-``run_once``, the worker's Dramatiq actor and ``Executor``, the reconciler's ``run_job``, the
+``run_once``, the worker's Dramatiq actor and ``Deliverer``, the reconciler's ``run_job``, the
 operator commands of ``outbox.ops`` as the CLI calls them, ``outbox.write``/``outbox.cancel``).
 
 The harness only adds observation points around them:
@@ -42,7 +42,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import ops, outcomes, pauses, store
 from outbox import transport as outbox_transport
-from outbox.consumer import Executor
+from outbox.consumer import Deliverer
 from outbox.exceptions import ConfigError
 from outbox.handlers import Handler
 from outbox.reconciler import Reconciler
@@ -121,15 +121,17 @@ def install_hooks(monkeypatch: pytest.MonkeyPatch, world: Any) -> None:
         return WatchedConnection(real_connect(url, **options), world)
 
     monkeypatch.setattr(consumer_module, "connect_raw", connect, raising=False)
-    real_publish = outbox_transport.publish_rows
+    real_publish = outbox_transport.publish_group
 
-    def publish(*args: Any, **kwargs: Any) -> int:
-        count = real_publish(*args, **kwargs)
+    def publish(*args: Any, **kwargs: Any) -> Any:
+        published = real_publish(*args, **kwargs)
         # The relay between its Redis push and its COMMIT: the rows are locked, the messages out.
         checkpoint("relay_after_publish")
-        return count
+        return published
 
-    monkeypatch.setattr(outbox_transport, "publish_rows", publish)
+    # The relay's own call (publish_rows is not on its path): wrapping the wrong one left this
+    # checkpoint unreached.
+    monkeypatch.setattr(outbox_transport, "publish_group", publish)
 
 
 # -- the worker's connections --------------------------------------------------------------------
@@ -374,7 +376,7 @@ class WorkerProcess:
             # to their queue as soon as its heartbeat is older than heartbeat_timeout.
             maintenance_chance=1_000_000,
         )
-        self.consumer = Executor(_with_app_name(database_url, f"oxil-{self.name}"), handlers)
+        self.consumer = Deliverer(_with_app_name(database_url, f"oxil-{self.name}"), handlers)
         self.queues = sorted(handlers)
         self._declare_actor()
 
@@ -540,7 +542,7 @@ def operator_replay(engine: Engine, row_id: int, reason: str) -> list[Any]:
 
 
 #: `outbox replay ID` as the floor release (ffe982d, before chains and ordering) sends it: its own
-#: rules (no blocking fence row, no operator's resolve --failed), none of the later ones. Migration
+#: rules (no blocking attempt row, no operator's resolve --failed), none of the later ones. Migration
 #: 0022's trigger must refuse what those later rules refuse (a compensated step, a row out of its
 #: ordering key's line); the checker's ordering and chain promises catch it if it does not.
 OLD_RELEASE_REPLAY = f"""

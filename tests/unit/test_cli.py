@@ -57,6 +57,18 @@ def test_import_outbox_is_lazy_and_keeps_its_public_names():
     assert "public" in (outbox.__doc__ or "") and "__all__" in (outbox.__doc__ or "")
 
 
+def test_no_module_of_the_package_shadows_a_public_name():
+    # `import outbox.NAME` binds the submodule as outbox.NAME: a module named like a public
+    # function (write.py once was) would replace the function for every later reader.
+    import importlib
+    import pkgutil
+
+    modules = {info.name for info in pkgutil.iter_modules(outbox.__path__)}
+    assert modules & set(outbox.__all__) == set()
+    importlib.import_module("outbox.writing")
+    assert callable(outbox.write) and outbox.write.__module__ == "outbox.writing"
+
+
 def test_every_registered_command_builds_and_has_a_run_function():
     parser = cli.build_parser()
     [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

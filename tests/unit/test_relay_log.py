@@ -10,11 +10,11 @@ from collections import Counter
 
 import pytest
 
-from outbox.relay.relay import BatchResult, _PublishLog
+from outbox.relay.relay import GroupResult, _PublishLog
 
 
-def batch(rows: int, destination: str = "payments.charge") -> BatchResult:
-    return BatchResult(published=rows, by_destination=Counter({destination: rows}))
+def batch(rows: int, destination: str = "payments.charge") -> GroupResult:
+    return GroupResult(published=rows, by_destination=Counter({destination: rows}))
 
 
 def info_lines(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -22,7 +22,7 @@ import outbox
 from outbox.settings import DEFAULT_MAX_PAYLOAD_BYTES
 from outbox.validation import MAX_KEY_STEP_CHARS, encode_payload
 
-write_module = importlib.import_module("outbox.write")
+write_module = importlib.import_module("outbox.writing")
 
 KIB_256 = 256 * 1024
 

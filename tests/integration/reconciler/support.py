@@ -87,7 +87,7 @@ def make_unknown(db: psycopg.Connection[Any], row_id: int, destination: str = DE
     assert claimed is not None
     assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="unknown", outcome="unknown", error="ReadTimeout"
-    )
+    ).state
     return claimed
 
 
@@ -104,4 +104,4 @@ def settle(
     assert claimed is not None
     assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state=state, outcome=state, ref=ref, error=error
-    )
+    ).state

@@ -77,7 +77,7 @@ def test_late_record_by_the_expired_claim_still_settles_the_row(clean, engine, d
     # The worker was only slow: its answer arrives after the expiry, under the same claim.
     assert store.delivery.record(
         db, row_id=row_id, token=claimed.token, state="sent", outcome="sent", ref="ch_late"
-    )
+    ).state
     r = get(db, row_id)
     assert (r["state"], r["provider_ref"], r["unknown_since"]) == ("sent", "ch_late", None)
     assert fence_outcomes(db, row_id) == ["sent"]
@@ -104,7 +104,7 @@ def test_late_record_after_a_newer_claim_changes_nothing_on_the_row(clean, engin
 
     moved = store.delivery.record(
         db, row_id=row_id, token=first.token, state="sent", outcome="sent", ref="ch_stale"
-    )
+    ).state
     assert moved is None  # a newer claim owns the row
     r = get(db, row_id)
     assert (r["state"], r["claim_token"], r["provider_ref"]) == ("in_flight", second.token, None)
@@ -112,7 +112,7 @@ def test_late_record_after_a_newer_claim_changes_nothing_on_the_row(clean, engin
 
     assert store.delivery.record(
         db, row_id=row_id, token=second.token, state="sent", outcome="sent", ref="ch_2"
-    )
+    ).state
     assert get(db, row_id)["provider_ref"] == "ch_2"
 
 

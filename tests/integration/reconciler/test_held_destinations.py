@@ -170,12 +170,12 @@ def _idempotent_charge_held_past_its_deadline(engine: Any, db: Any, provider: An
 
     from helpers import elapse
 
-    from outbox.consumer import RunResult
+    from outbox.consumer import DeliveryResult
 
     handler = declare_charge(provider, idempotent=True)
     [row] = write_rows(engine, 1, deadline=datetime.now(UTC) + timedelta(hours=2))
     provider.configure(fault_next=["fail_after"])
-    assert consumer().deliver(row, DEST) is RunResult.PENDING
+    assert consumer().deliver(row, DEST) is DeliveryResult.PENDING
     assert provider.charges("order:0:charge") == 1
     pause(engine)
     elapse(db, 3 * 3600)
@@ -207,13 +207,13 @@ def test_a_claim_past_the_deadline_of_a_row_that_may_have_charged_sends_it_unkno
 ):
     """The same row claimed after the resume (the reconciler did not run meanwhile): no call,
     and not failed either: `unknown`, for the lookup."""
-    from outbox.consumer import RunResult
+    from outbox.consumer import DeliveryResult
 
     from .support import get
 
     _, row = _idempotent_charge_held_past_its_deadline(engine, db, provider, consumer)
     resume(engine)
-    assert consumer().deliver(row, DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(row, DEST) is DeliveryResult.UNKNOWN
     moved = get(db, row)
     assert moved["state"] == "unknown" and "deadline passed before the call" in moved["last_error"]
     assert provider.stats()["requests"] == 1, "no second call"

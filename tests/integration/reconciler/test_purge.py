@@ -43,6 +43,6 @@ def test_purge_deletes_old_terminal_rows_in_bounded_batches(clean, engine, db):
     assert purge(db, retention_seconds=3600) == {}
     left = db.execute("SELECT id, state FROM outbox_message ORDER BY id").fetchall()
     assert left == [(ids[1], "sent"), (ids[2], "failed"), (ids[3], "pending")]
-    # The purged row's fence row went with it; the kept rows' own claims remain.
+    # The purged row's attempt row went with it; the kept rows' own claims remain.
     fenced = db.execute("SELECT message_id FROM outbox_attempt ORDER BY message_id").fetchall()
     assert fenced == [(ids[1],), (ids[2],)]

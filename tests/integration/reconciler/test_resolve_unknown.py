@@ -9,7 +9,7 @@ import pytest
 from helpers import elapse
 
 from outbox import store
-from outbox.consumer import RunResult
+from outbox.consumer import DeliveryResult
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
 from outbox.settings import libpq_url
 
@@ -32,7 +32,7 @@ def test_resolve_unknown_settles_found_not_found_and_exhausted_rows(clean, engin
     ids += write_rows(engine, 1, start=3, deadline=datetime.now(UTC) + timedelta(seconds=5))
     # Row 0: the provider charged, then the connection dropped: a real ambiguous outcome.
     provider.configure(fault_keys={"order:0:charge": "drop_after"})
-    assert consumer().deliver(ids[0], DEST) is RunResult.UNKNOWN
+    assert consumer().deliver(ids[0], DEST) is DeliveryResult.UNKNOWN
     # Its first lookup waits one time_limit (the provider may still be executing the call);
     # pretend that time has passed.
     assert get(db, ids[0])["available_at"] > datetime.now(UTC)
@@ -43,7 +43,7 @@ def test_resolve_unknown_settles_found_not_found_and_exhausted_rows(clean, engin
     assert retried is not None  # its first attempt got a 503, retried at once
     assert store.delivery.record(
         db, row_id=ids[2], token=retried.token, state="pending", outcome="retry", delay_seconds=0
-    )
+    ).state
     make_unknown(db, ids[2])
     # Row 3: timed out, but its deadline is about to pass: no time for a retry.
     make_unknown(db, ids[3])

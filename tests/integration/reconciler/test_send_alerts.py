@@ -80,7 +80,7 @@ def test_an_alert_keeps_the_class_and_the_status_never_the_providers_text(clean,
         outcome="failed",
         error=echoed,
         http_status=422,
-    )
+    ).state
     claimed = store.delivery.claim(db, row_id=ids[1], destination=DEST, lease_seconds=30)
     assert claimed is not None
     assert store.delivery.record(
@@ -91,7 +91,7 @@ def test_an_alert_keeps_the_class_and_the_status_never_the_providers_text(clean,
         outcome="unknown",
         error=f"HTTP 502 from provider: upstream said {echoed}",
         http_status=502,
-    )
+    ).state
     elapse(db, 7200, [ids[1]])
 
     seen: list[AlertRow] = []

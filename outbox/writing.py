@@ -253,7 +253,7 @@ def write(
 def cancel(target: Session | Connection, *, key: str, step: str) -> bool:
     """Cancel ``(key, step)`` if no consumer holds it; True when this call cancelled it.
 
-    Only a row no consumer ever claimed (`pending` or `dispatched`, no fence row) can be
+    Only a row no consumer ever claimed (`pending` or `dispatched`, no attempt row) can be
     cancelled: once a call was attempted, it may have taken effect (an idempotent destination
     retries ambiguous calls), so cancelling it could hide a real charge. A purged key (in the
     ledger) is terminal: False.
