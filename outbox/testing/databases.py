@@ -39,13 +39,16 @@ def _drop(url: str, name: str) -> None:
 
 # A write of outbox_message outside outbox.store, and no state move: a test database
 # emptied between tests (tests/unit/test_store_home.py names this file).
+# The heartbeats go too: a worker a previous test killed still counts as live for a few
+# intervals, and would serve its destination's queue in the next test's eyes.
 _EMPTY = (
     "TRUNCATE outbox_message, outbox_attempt, outbox_key_ledger, outbox_destination, outbox_batch,"
-    " outbox_dashboard_session_end RESTART IDENTITY CASCADE"
+    " outbox_dashboard_session_end, outbox_process, outbox_no_consumer RESTART IDENTITY CASCADE"
 )
 
 
 def empty_database(database_url: str) -> None:
-    """Empty the outbox tables of a test database (every row, attempt row and ledger key)."""
+    """Empty the outbox tables of a test database (every row, attempt row and ledger key, and
+    the processes' heartbeats)."""
     with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
         conn.execute(_EMPTY)
