@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
+
 from outbox.migrations.helpers import create_index_concurrently
 
 revision = "0021"

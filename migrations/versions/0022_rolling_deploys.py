@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
+
 from outbox.migrations.helpers import forget_code_requirement, require_code_from
 
 revision = "0022"
