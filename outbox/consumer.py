@@ -12,6 +12,8 @@ Every outcome is logged as one structured line naming the row, never its payload
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import ctypes
 import enum
 import logging
@@ -24,9 +26,10 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import httpx
 import psycopg
 
-from . import breaker, chains, db, logs, metrics, outcomes, pauses, payloads, policy, store, tracing
+from . import aio, breaker, chains, db, logs, metrics, outcomes, pauses, payloads, policy, store, tracing
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -38,9 +41,11 @@ from .handlers import (
     idempotency_key,
     last_response_status,
     last_retry_after,
+    requests_begun,
     set_send_bound,
 )
 from .policy import Decision, Move, Outcome, decide_exception, decide_result, next_state
+from .settings import DEFAULT_ASYNC_POOL_SIZE
 from .validation import header_safe
 
 logger = logging.getLogger(__name__)
@@ -77,6 +82,15 @@ class _NotStarted(Exception):
     """The call thread reached a call after its start bound (the process was paused): no call."""
 
 
+class _NotCalled:
+    """A call that sent nothing and is no attempt: its claim is released with ``reason``."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
 class _Done:
     """``threading.Event``'s set, wait and is_set for one setter (the call thread) and one waiter
     (the worker thread), on a single lock: an Event is a Condition, a lock and a waiter lock per
@@ -102,7 +116,18 @@ class _Done:
 
 
 class _Call:
-    __slots__ = ("arg", "done", "end_by", "error", "fn", "http_status", "result", "retry_after", "start_by")
+    __slots__ = (
+        "arg",
+        "done",
+        "end_by",
+        "error",
+        "fn",
+        "http_status",
+        "requests",
+        "result",
+        "retry_after",
+        "start_by",
+    )
 
     def __init__(self, fn: Callable[[Any], Any], arg: Any, start_by: float, end_by: float) -> None:
         self.fn = fn
@@ -116,6 +141,8 @@ class _Call:
         self.http_status: int | None = None
         #: That answer's Retry-After in seconds (a 429 or 503), if it said one.
         self.retry_after: float | None = None
+        #: Requests ``d.http`` began during the call.
+        self.requests = 0
 
 
 class _CallThread:
@@ -164,6 +191,7 @@ class _CallThread:
                 finally:
                     call.http_status = last_response_status()
                     call.retry_after = last_retry_after()
+                    call.requests = requests_begun()
                     set_send_bound(None)
                 call.done.set()
         except _Abandoned:
@@ -172,6 +200,38 @@ class _CallThread:
             self.deliveries.close()
         except _Abandoned:
             self.deliveries.close()
+
+
+def _run_async(fn: Callable[[Any], Any], arg: Any, *, start_by: float, end_by: float) -> _Call | None:
+    """An ``async def`` handler's call, as a task on the process's event loop (outbox.aio); the
+    calling thread waits for it. The finished call, or None when it ran past ``end_by``: its task
+    is then cancelled, which stops it at its next ``await`` (a request not sent is not sent)."""
+    call = _Call(fn, arg, start_by, end_by)
+    future = aio.submit(_task(call))
+    try:
+        future.result(max(0.0, end_by - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        if future.cancel() or not future.done():
+            return None
+    return call
+
+
+async def _task(call: _Call) -> None:
+    if time.monotonic() > call.start_by:
+        call.error = _NotStarted()
+        return
+    # In this task's context: the send bound and the statuses are this call's alone.
+    set_send_bound(call.end_by)
+    try:
+        call.result = await call.fn(call.arg)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        call.error = exc
+    finally:
+        call.http_status = last_response_status()
+        call.retry_after = last_retry_after()
+        call.requests = requests_begun()
 
 
 class Deliverer:
@@ -189,8 +249,12 @@ class Deliverer:
         handlers: Mapping[str, Handler],
         *,
         failover_guard: FailoverGuard | None = None,
+        concurrency: int = DEFAULT_ASYNC_POOL_SIZE,
     ) -> None:
         self.database_url = database_url
+        #: The async handlers' clients, one per destination for the whole process (they belong
+        #: to its one event loop), each with a pool for every call that may run at once.
+        self.async_deliveries = Deliveries(pool_size=max(concurrency, DEFAULT_ASYNC_POOL_SIZE))
         #: Read before every claim (an attribute, no I/O); set by the worker.
         self.failover_guard = failover_guard
         self.handlers = dict(handlers)
@@ -274,6 +338,7 @@ class Deliverer:
             caller.stop()
         for conn in conns:
             conn.close()
+        self.async_deliveries.close()
 
     def _halted(self) -> bool:
         if self.failover_guard is None:
@@ -435,13 +500,8 @@ class Deliverer:
                 )
         else:
             called = self._call(handler, claimed, sent_at)
-            if called is None:
-                reason = (
-                    "released without a call: the worker reached the call after its start bound "
-                    f"(the process was paused or starved; {time.monotonic() - sent_at:.1f} s since "
-                    f"the claim was sent, lease {handler.lease_seconds:g} s)"
-                )
-                return self._release(handler, claimed.id, claimed.token, reason)
+            if isinstance(called, _NotCalled):
+                return self._release(handler, claimed.id, claimed.token, called.reason)
             decision = called
             observed.called = True
             observed.http_status = self._local.http_status
@@ -540,29 +600,34 @@ class Deliverer:
     ) -> Delivery:
         return delivery_for(claimed, handler, self._caller().deliveries, strict=strict)
 
-    def _call(self, handler: Handler, claimed: store.delivery.Claimed, sent_at: float) -> Decision | None:
-        """The call's decision, or None when it was not started: the start check passed, but a
-        pause since (SIGSTOP, a VM stall, a starved thread) took the process past the last
-        instant a call may start, so its lease may already be running out.
+    def _call(
+        self, handler: Handler, claimed: store.delivery.Claimed, sent_at: float
+    ) -> Decision | _NotCalled:
+        """The call's decision, or why it was not a call: the start check passed, but a pause
+        since (SIGSTOP, a VM stall, a starved thread) took the process past the last instant a
+        call may start, so its lease may already be running out; or its only request waited
+        for a connection of the client's pool past the pool timeout, so nothing was sent.
 
         Both bounds count from ``sent_at`` (when the claim was sent) on this process's monotonic
         clock, like the start check: the call starts no later than ``time_limit`` plus the start
         margin before the lease ends, and is given up (and ``d.http`` sends nothing more) at its
         deadline or half the start margin before the lease ends, whichever comes first."""
-        caller = self._caller()
-        delivery = delivery_for(claimed, handler, caller.deliveries)
+        asynchronous = handler.is_async
+        caller = None if asynchronous else self._caller()
+        deliveries = self.async_deliveries if caller is None else caller.deliveries
+        delivery = delivery_for(claimed, handler, deliveries, asynchronous=asynchronous)
         start_by = sent_at + handler.lease_seconds - handler.time_limit - handler.start_margin_seconds
         now = time.monotonic()
         if now > start_by:
-            return None
+            return self._not_started(handler, sent_at)
         end_by = min(
             now + handler.call_deadline_seconds,
             sent_at + handler.lease_seconds - handler.start_margin_seconds / 2,
         )
-        fn: Callable[[Any], Any] = handler
+        fn: Callable[[Any], Any] = handler.fn if asynchronous else handler
         if tracing.active():
             fn = tracing.in_span(
-                handler,
+                fn,
                 trace_context=claimed.trace_context,
                 destination=handler.destination,
                 row_id=claimed.id,
@@ -570,24 +635,43 @@ class Deliverer:
                 step=claimed.step,
                 attempt=claimed.attempt,
             )
-        call = caller.run(fn, delivery, start_by=start_by, end_by=end_by)
+        if caller is None:
+            call = _run_async(fn, delivery, start_by=start_by, end_by=end_by)
+        else:
+            call = caller.run(fn, delivery, start_by=start_by, end_by=end_by)
         # For the metrics only: the provider's last HTTP status in this call (None: no answer).
         self._local.http_status = call.http_status if call is not None else None
         if call is None:
             # Its late result, if any, is ignored: the outcome is recorded now, inside the lease.
-            self._forget_caller(caller)
+            if caller is not None:
+                self._forget_caller(caller)
             return Decision(
                 Outcome.UNKNOWN,
                 error=f"the handler hit its time limit ({handler.time_limit:g} s); the call was "
                 "abandoned and may have taken effect",
             )
         if isinstance(call.error, _NotStarted):
-            return None
+            return self._not_started(handler, sent_at)
+        if isinstance(call.error, httpx.PoolTimeout) and call.requests <= 1 and call.http_status is None:
+            # Its only request never left the pool: nothing reached the provider, and the wait
+            # was ours, not the provider's; no attempt, no breaker count.
+            return _NotCalled(
+                "released without a call: no connection of the provider client's pool came free "
+                f"within its pool timeout ({handler.timeouts().pool:g} s); no request was sent"
+            )
         if call.error is not None:
             return decide_exception(
                 handler, call.error, last_status=call.http_status, last_retry_after=call.retry_after
             )
         return decide_result(call.result)
+
+    @staticmethod
+    def _not_started(handler: Handler, sent_at: float) -> _NotCalled:
+        return _NotCalled(
+            "released without a call: the worker reached the call after its start bound "
+            f"(the process was paused or starved; {time.monotonic() - sent_at:.1f} s since "
+            f"the claim was sent, lease {handler.lease_seconds:g} s)"
+        )
 
     def _refundable(self, handler: Handler, claimed: store.delivery.Claimed) -> bool:
         try:
@@ -851,10 +935,16 @@ class Deliverer:
 
 
 def delivery_for(
-    claimed: store.delivery.Claimed, handler: Handler, deliveries: Deliveries, *, strict: bool = True
+    claimed: store.delivery.Claimed,
+    handler: Handler,
+    deliveries: Deliveries,
+    *,
+    strict: bool = True,
+    asynchronous: bool = False,
 ) -> Delivery:
     """What the handler sees of a claimed row; ``strict=False``: the payload as stored when it
-    does not fit the handler's model (an ``on_failure`` function of a row failed for that)."""
+    does not fit the handler's model (an ``on_failure`` function of a row failed for that);
+    ``asynchronous``: its ``http`` an AsyncClient, for an ``async def`` handler."""
     return deliveries.delivery(
         handler,
         id=claimed.id,
@@ -865,4 +955,5 @@ def delivery_for(
         deadline=claimed.deadline,
         payload_version=claimed.payload_version,
         strict=strict,
+        asynchronous=asynchronous,
     )

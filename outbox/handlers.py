@@ -7,6 +7,7 @@ payment at three in the morning.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import ssl
@@ -19,10 +20,11 @@ from typing import Any
 
 import httpx
 
-from . import payloads, provider_headers
+from . import aio, payloads, provider_headers
 from .exceptions import ConfigError, RetryableError
 from .ordering import ON_FAILED_HEAD
 from .settings import (
+    DEFAULT_ASYNC_POOL_SIZE,
     DEFAULT_BACKOFF_SECONDS,
     DEFAULT_KEY_TTL_SECONDS,
     DEFAULT_MAX_ATTEMPTS,
@@ -80,46 +82,83 @@ class Confirmed:
             raise TypeError(f"Confirmed.ref must be the provider's non-empty reference, got {self.ref!r}")
 
 
-#: Per thread, the current call's state: ``not_after``, the monotonic instant after which
-#: ``Delivery.http`` sends no request (set by the worker around each call: a process paused after
-#: its start check (SIGSTOP, a VM stall) must not send once its lease may have run out), and
-#: ``status``, the last HTTP status the provider answered during the call (kept on a permanent
-#: error, whose exception rarely carries it).
-_call_state = threading.local()
+class _CallState:
+    """The current call's state: ``not_after``, the monotonic instant after which
+    ``Delivery.http`` sends no request (set by the worker around each call: a process paused after
+    its start check (SIGSTOP, a VM stall) must not send once its lease may have run out);
+    ``status``, the last HTTP status the provider answered during the call (kept on a permanent
+    error, whose exception rarely carries it), and its ``retry_after``; ``requests``, how many
+    requests the call began (a pool timeout on the only one means nothing was sent)."""
+
+    __slots__ = ("not_after", "requests", "retry_after", "status")
+
+    def __init__(self, not_after: float | None) -> None:
+        self.not_after = not_after
+        self.status: int | None = None
+        self.retry_after: float | None = None
+        self.requests = 0
+
+
+#: A context variable, not a thread-local: the async calls of one thread (the event loop's) run
+#: as tasks, each in a context of its own. The value is a mutable object so that a task the
+#: handler starts (``asyncio.gather``) shares its call's state instead of a copy of it.
+_call_state: contextvars.ContextVar[_CallState | None] = contextvars.ContextVar("outbox_call", default=None)
 
 
 def set_send_bound(not_after: float | None) -> None:
-    _call_state.not_after = not_after
-    _call_state.status = None
-    _call_state.retry_after = None
+    """Start the current call's state (in this thread, or this task): no request is sent past
+    ``not_after`` (None: no bound)."""
+    _call_state.set(_CallState(not_after))
 
 
 def last_response_status() -> int | None:
-    """The status of the last answer ``Delivery.http`` received on this thread since the send
-    bound was last set (the current call), or None."""
-    return getattr(_call_state, "status", None)
+    """The status of the last answer ``Delivery.http`` received in the current call (since the
+    send bound was last set, in this thread or task), or None."""
+    state = _call_state.get()
+    return state.status if state is not None else None
 
 
 def last_retry_after() -> float | None:
     """Seconds the last 429 or 503 answer of the current call asked to wait (its
     ``Retry-After``), or None: for a handler that raises its own error on such an answer."""
-    return getattr(_call_state, "retry_after", None)
+    state = _call_state.get()
+    return state.retry_after if state is not None else None
+
+
+def requests_begun() -> int:
+    """How many requests ``Delivery.http`` began in the current call."""
+    state = _call_state.get()
+    return state.requests if state is not None else 0
 
 
 def _check_send_bound(request: httpx.Request) -> None:
-    not_after = getattr(_call_state, "not_after", None)
-    if not_after is not None and time.monotonic() > not_after:
+    state = _call_state.get()
+    if state is None:
+        return
+    if state.not_after is not None and time.monotonic() > state.not_after:
         raise RetryableError(
             "the request was not sent: the call ran out of lease before it could send "
             "(the worker was paused or starved)"
         )
+    state.requests += 1
 
 
 def _note_status(destination: str, response: httpx.Response) -> None:
     # An exception out of a response hook would be the handler's, and a certain "not processed"
     # would become unknown: the parser never raises, whatever the provider sent.
-    _call_state.status = response.status_code
-    _call_state.retry_after = provider_headers.retry_after_seconds(response, destination=destination)
+    state = _call_state.get()
+    if state is None:
+        return
+    state.status = response.status_code
+    state.retry_after = provider_headers.retry_after_seconds(response, destination=destination)
+
+
+async def _check_send_bound_async(request: httpx.Request) -> None:
+    _check_send_bound(request)
+
+
+async def _note_status_async(destination: str, response: httpx.Response) -> None:
+    _note_status(destination, response)
 
 
 _ssl_lock = threading.Lock()
@@ -139,7 +178,7 @@ def _ssl_context() -> ssl.SSLContext:
         return _ssl
 
 
-_all_clients: list[httpx.Client] = []
+_all_clients: list[httpx.Client | httpx.AsyncClient] = []
 _all_clients_lock = threading.Lock()
 
 
@@ -148,7 +187,19 @@ def close_http_clients() -> None:
     with _all_clients_lock:
         clients, _all_clients[:] = list(_all_clients), []
     for client in clients:
+        _close_client(client)
+
+
+def _close_client(client: httpx.Client | httpx.AsyncClient) -> None:
+    if isinstance(client, httpx.Client):
         client.close()
+        return
+    if client.is_closed:
+        return
+    try:
+        aio.run(client.aclose(), timeout_seconds=5.0)
+    except (RuntimeError, TimeoutError):
+        pass  # the loop is gone or stuck: its connections go with it
 
 
 def idempotency_key(key: str, step: str) -> str:
@@ -174,15 +225,16 @@ class Delivery:
     attempt: int
     idempotency_key: str
     deadline: datetime | None
-    #: A client whose timeouts add up to less than the handler's time_limit.
-    http: httpx.Client = field(repr=False, compare=False)
+    #: A client whose timeouts add up to less than the handler's time_limit: an
+    #: ``httpx.AsyncClient`` for an ``async def`` handler or lookup, an ``httpx.Client`` otherwise.
+    http: Any = field(repr=False, compare=False)
     #: The payload validated by the handler's ``payload_model`` (None without one); ``payload``
     #: is then the dict it was validated from, upgraded to the current version.
     model: Any = field(default=None, repr=False, compare=False)
 
 
 #: Lookups by destination (``@handler.lookup``): registered after the handler, which stays frozen.
-_lookups: dict[str, Callable[[Delivery], Confirmed | None]] = {}
+_lookups: dict[str, Callable[[Delivery], Any]] = {}
 #: Next steps by destination (``@handler.then``, ``@handler.on_failure``; outbox.chains).
 _thens: dict[str, Callable[[Delivery, Confirmed], Any]] = {}
 _on_failures: dict[str, Callable[[Delivery, str], Any]] = {}
@@ -216,15 +268,21 @@ class Handler:
     def __call__(self, delivery: Delivery) -> Any:
         return self.fn(delivery)
 
-    def lookup(self, fn: Callable[[Delivery], Confirmed | None]) -> Callable[[Delivery], Confirmed | None]:
+    @property
+    def is_async(self) -> bool:
+        """Whether the handler is an ``async def`` function: its calls run as tasks on the
+        process's event loop (outbox.aio) and its ``d.http`` is an ``httpx.AsyncClient``."""
+        return aio.is_async(self.fn)
+
+    def lookup(self, fn: Callable[[Delivery], Any]) -> Callable[[Delivery], Any]:
         """Register how to ask the provider whether an earlier call to this destination took
-        effect."""
+        effect: a function (or an ``async def`` one) returning ``Confirmed`` or None."""
         with _registry_lock:
             _lookups[self.destination] = fn
         return fn
 
     @property
-    def lookup_fn(self) -> Callable[[Delivery], Confirmed | None] | None:
+    def lookup_fn(self) -> Callable[[Delivery], Any] | None:
         return _lookups.get(self.destination)
 
     def then(self, fn: Callable[[Delivery, Confirmed], Any]) -> Callable[[Delivery, Confirmed], Any]:
@@ -232,6 +290,7 @@ class Handler:
         function of the delivery and the confirmed answer returning a list of ``outbox.Next``.
         Every path that settles a row of this destination ``sent`` writes them, in the statement
         that settles it (outbox.chains)."""
+        _refuse_async(fn, f"{self.destination}: @then")
         with _registry_lock:
             _thens[self.destination] = fn
         return fn
@@ -240,6 +299,7 @@ class Handler:
         """Register the compensation written when a row of this destination fails for a certain
         reason (never out of ``unknown``): a pure function of the delivery and the failure's
         reason returning a list of ``outbox.Next``."""
+        _refuse_async(fn, f"{self.destination}: @on_failure")
         with _registry_lock:
             _on_failures[self.destination] = fn
         return fn
@@ -314,6 +374,13 @@ class Handler:
         )
 
 
+def _refuse_async(fn: Any, what: str) -> None:
+    # Next steps are written in the statement that settles the row: a pure function of the
+    # delivery and the answer, nothing to await.
+    if aio.is_async(fn):
+        raise ConfigError(f"{what} must be a plain function (pure: it returns Next steps), not async def")
+
+
 def _delay(backoff: tuple[float, ...], attempt: int) -> float:
     # The last entry repeats for the attempts beyond the list.
     return backoff[min(attempt - 1, len(backoff) - 1)]
@@ -386,27 +453,48 @@ class Deliveries:
     these clients; :func:`close_http_clients` closes every one left open.
     """
 
-    def __init__(self, *, send_bound: bool = True) -> None:
+    def __init__(self, *, send_bound: bool = True, pool_size: int = DEFAULT_ASYNC_POOL_SIZE) -> None:
         #: Whether the clients refuse to send past the call's bound (:func:`set_send_bound`).
         self._send_bound = send_bound
-        self._clients: dict[str, tuple[Handler, httpx.Client]] = {}
+        #: Connections an async client keeps to its provider: at least the calls in flight that
+        #: may share it, so that no call waits for a pool slot.
+        self._pool_size = pool_size
+        self._clients: dict[tuple[str, bool], tuple[Handler, httpx.Client | httpx.AsyncClient]] = {}
         self._lock = threading.Lock()
 
-    def client(self, handler: Handler) -> httpx.Client:
+    def client(self, handler: Handler, *, asynchronous: bool = False) -> Any:
+        """The client of ``handler``'s destination: an ``httpx.AsyncClient`` (of the process's
+        event loop, outbox.aio) when ``asynchronous``, an ``httpx.Client`` otherwise."""
         with self._lock:
-            known = self._clients.get(handler.destination)
+            known = self._clients.get((handler.destination, asynchronous))
             if known is not None and known[0] is handler and not known[1].is_closed:
                 return known[1]
-            hooks: dict[str, list[Callable[..., Any]]] = (
-                {
-                    "request": [_check_send_bound],
-                    "response": [functools.partial(_note_status, handler.destination)],
-                }
-                if self._send_bound
-                else {}
-            )
-            client = httpx.Client(timeout=handler.timeouts(), event_hooks=hooks, verify=_ssl_context())
-            self._clients[handler.destination] = (handler, client)
+            client: httpx.Client | httpx.AsyncClient
+            if asynchronous:
+                hooks: dict[str, list[Callable[..., Any]]] = (
+                    {
+                        "request": [_check_send_bound_async],
+                        "response": [functools.partial(_note_status_async, handler.destination)],
+                    }
+                    if self._send_bound
+                    else {}
+                )
+                size = self._pool_size
+                limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+                client = httpx.AsyncClient(
+                    timeout=handler.timeouts(), event_hooks=hooks, verify=_ssl_context(), limits=limits
+                )
+            else:
+                hooks = (
+                    {
+                        "request": [_check_send_bound],
+                        "response": [functools.partial(_note_status, handler.destination)],
+                    }
+                    if self._send_bound
+                    else {}
+                )
+                client = httpx.Client(timeout=handler.timeouts(), event_hooks=hooks, verify=_ssl_context())
+            self._clients[(handler.destination, asynchronous)] = (handler, client)
         with _all_clients_lock:
             _all_clients.append(client)
         if known is not None:
@@ -426,11 +514,13 @@ class Deliveries:
         deadline: datetime | None,
         payload_version: int,
         strict: bool = True,
+        asynchronous: bool = False,
     ) -> Delivery:
         """The row as ``handler`` sees it: with a payload model or upgrades, its payload brought
         to the handler's version and validated (raises PayloadTooNew / PayloadInvalid; with
         ``strict=False`` such a payload is given as stored, without a model: what a lookup, which
-        names the call by its key, and an ``on_failure`` function of a row failed for it see)."""
+        names the call by its key, and an ``on_failure`` function of a row failed for it see).
+        ``asynchronous``: for an ``async def`` function, whose ``http`` is an AsyncClient."""
         model = None
         if handler.checks_payloads:
             try:
@@ -449,7 +539,7 @@ class Deliveries:
             attempt=attempt,
             idempotency_key=idempotency_key(key, step),
             deadline=deadline,
-            http=self.client(handler),
+            http=self.client(handler, asynchronous=asynchronous),
             model=model,
         )
 
@@ -460,10 +550,10 @@ class Deliveries:
             _close(client)
 
 
-def _close(client: httpx.Client) -> None:
+def _close(client: httpx.Client | httpx.AsyncClient) -> None:
     with _all_clients_lock:
         _all_clients[:] = [c for c in _all_clients if c is not client]
-    client.close()
+    _close_client(client)
 
 
 _registry: dict[str, Handler] = {}

@@ -42,6 +42,9 @@ DEFAULT_NO_CONSUMER_CYCLES = 3
 DESTINATION_EPISODE_GAP_SECONDS = 300
 DEFAULT_CLOCK_SKEW_WARN_SECONDS = 2.0
 DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS = 30.0
+#: Connections an async handler's client keeps to its provider at most, per process and
+#: destination, unless the worker runs more calls at once (httpx's own default is 100).
+DEFAULT_ASYNC_POOL_SIZE = 100
 
 # Handler declarations (``@outbox.handler``).
 DEFAULT_TIME_LIMIT_SECONDS = 30.0

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 
-from . import chains, logs, outcomes, policy, sanitize, store, tracing
+from . import aio, chains, logs, outcomes, policy, sanitize, store, tracing
 from .alerts import AlertHook, AlertRow, log_alert
 from .db import require_autocommit
 from .handlers import Confirmed, Deliveries, Delivery, Handler, idempotency_key
@@ -373,6 +373,8 @@ def ask_provider(
     is on): the delivery it got and its answer. Raises what the lookup raised, and TypeError for
     an answer that is neither ``Confirmed`` nor None. Hold no transaction open around it."""
     assert handler.lookup_fn is not None  # checked by the caller
+    lookup = handler.lookup_fn
+    asynchronous = aio.is_async(lookup)
     delivery = clients.delivery(
         handler,
         id=row_id,
@@ -385,8 +387,8 @@ def ask_provider(
         # A lookup names the call by its key: a payload the model now refuses (the row went
         # `unknown` for it) must not keep the provider from being asked.
         strict=False,
+        asynchronous=asynchronous,
     )
-    lookup = handler.lookup_fn
     if tracing.active():
         lookup = tracing.in_span(
             lookup,
@@ -398,7 +400,9 @@ def ask_provider(
             step=step,
             attempt=attempts,
         )
-    found = lookup(delivery)
+    # An async lookup runs on the process's event loop (outbox.aio), cancelled at the bound a
+    # call of its handler has; a sync one is bounded by its client's timeouts.
+    found = aio.call(lookup, delivery, timeout_seconds=handler.call_deadline_seconds)
     if found is not None and not isinstance(found, Confirmed):
         raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
     return delivery, found

@@ -15,6 +15,7 @@ SDK in the application (which imports it) turns tracing on; no setting of ours i
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import sys
@@ -88,7 +89,8 @@ def in_span(
     """``fn`` run in a span ``<operation> <destination>`` (``process``: the worker's call, kind
     CONSUMER; ``lookup``: the reconciler's, kind CLIENT), a child of the row's stored context (a
     new trace when the row has none, or a malformed one). Called where ``fn`` runs: the span is
-    current in that thread only.
+    current in that thread only; for an ``async def`` ``fn``, a coroutine function whose span is
+    current in the task that awaits it.
 
     Tracing never changes what the call does or what it returned: an error of OpenTelemetry's
     before the call runs it without a span, one after it (a span processor that raises on end)
@@ -98,7 +100,7 @@ def in_span(
 
     kind = trace.SpanKind.CONSUMER if operation == "process" else trace.SpanKind.CLIENT
 
-    def traced(arg: Any) -> Any:
+    def begin() -> tuple[Any, tuple[Any, Any]] | None:
         token = None
         try:
             # extract() keeps the stored baggage too: attached, the call sees it.
@@ -122,13 +124,35 @@ def in_span(
         except Exception:
             logger.debug("outbox row %s: no span for the call", row_id, exc_info=True)
             _detach(token)
+            return None
+        return span, (current, token)
+
+    if inspect.iscoroutinefunction(fn):
+        # Attached inside the task that runs the call: a task's context is its own.
+        async def traced_async(arg: Any) -> Any:
+            begun = begin()
+            if begun is None:
+                return await fn(arg)
+            try:
+                result = await fn(arg)
+            except BaseException as exc:
+                _end(begun[0], begun[1], exc, row_id)
+                raise
+            _end(begun[0], begun[1], None, row_id)
+            return result
+
+        return traced_async
+
+    def traced(arg: Any) -> Any:
+        begun = begin()
+        if begun is None:
             return fn(arg)
         try:
             result = fn(arg)
         except BaseException as exc:
-            _end(span, (current, token), exc, row_id)
+            _end(begun[0], begun[1], exc, row_id)
             raise
-        _end(span, (current, token), None, row_id)
+        _end(begun[0], begun[1], None, row_id)
         return result
 
     return traced

@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from sqlalchemy import URL, Engine
 
-from .. import store
+from .. import aio, store
 from ..consumer import Deliverer, DeliveryResult, delivery_for
 from ..exceptions import ConfigError
 from ..handlers import Deliveries, Handler, registry
@@ -146,7 +146,8 @@ def crash_after_call(
                 if not isinstance(claimed, store.delivery.Claimed):
                     continue  # not claimable, or sent to `unknown` (past key_ttl): no call
                 try:
-                    handler.fn(delivery_for(claimed, handler, deliveries))
+                    delivery = delivery_for(claimed, handler, deliveries, asynchronous=handler.is_async)
+                    aio.call(handler.fn, delivery, timeout_seconds=handler.call_deadline_seconds)
                 except Exception:  # whatever it answered, nobody records it
                     pass
                 called.append(int(row_id))

@@ -641,11 +641,11 @@ def test_a_worker_paused_after_its_start_check_makes_no_call(clean, engine, prov
     real_delivery_for = consumer_module.delivery_for
     paused = threading.Event()
 
-    def pausing_delivery_for(claimed: Any, handler: Any, deliveries: Any) -> Any:
+    def pausing_delivery_for(claimed: Any, handler: Any, deliveries: Any, **kw: Any) -> Any:
         if not paused.is_set() and threading.current_thread().name == "worker-A":
             paused.set()
             time.sleep(6.5)
-        return real_delivery_for(claimed, handler, deliveries)
+        return real_delivery_for(claimed, handler, deliveries, **kw)
 
     monkeypatch.setattr(consumer_module, "delivery_for", pausing_delivery_for)
     (row_id,) = write_rows(engine)
