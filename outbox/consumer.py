@@ -45,7 +45,11 @@ from .handlers import (
     set_send_bound,
 )
 from .policy import Decision, Move, Outcome, decide_exception, decide_result, next_state
-from .settings import DEFAULT_ASYNC_POOL_SIZE
+from .settings import (
+    DEFAULT_ASYNC_POOL_SIZE,
+    DEFAULT_WORKER_CLAIM_CONNECTIONS,
+    DEFAULT_WORKER_RECORD_CONNECTIONS,
+)
 from .validation import header_safe
 
 logger = logging.getLogger(__name__)
@@ -234,13 +238,63 @@ async def _task(call: _Call) -> None:
         call.requests = requests_begun()
 
 
+class _Pool:
+    """A fixed number of connections of one kind, shared by every thread of a worker. A thread
+    takes one for its statements and gives it back before it calls a provider: the calls in
+    flight cost threads (or tasks), not connections."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        #: Connections not taken, the most recently given back last (taken first: warm).
+        self.idle: list[psycopg.Connection[Any]] = []
+        self._open = 0
+        self._cond = threading.Condition()
+
+    def take(self, opener: Callable[[], psycopg.Connection[Any]]) -> psycopg.Connection[Any]:
+        with self._cond:
+            while True:
+                while self.idle:
+                    conn = self.idle.pop()
+                    if not conn.closed:
+                        return conn
+                    self._open -= 1
+                if self._open < self.size:
+                    self._open += 1
+                    break
+                self._cond.wait()
+        try:
+            return opener()
+        except BaseException:
+            with self._cond:
+                self._open -= 1
+                self._cond.notify()
+            raise
+
+    def give(self, conn: psycopg.Connection[Any]) -> None:
+        with self._cond:
+            if conn.closed:
+                self._open -= 1
+            else:
+                self.idle.append(conn)
+            self._cond.notify()
+
+    def discard(self, conn: psycopg.Connection[Any]) -> None:
+        conn.close()
+        with self._cond:
+            self._open -= 1
+            self._cond.notify()
+
+
 class Deliverer:
     """Runs deliveries for the handlers of one deploy; one instance is shared by all threads.
     (Not ``Consumer``: Dramatiq has its own, which fetches the messages this one is given.)
 
-    Each thread keeps two connections: one for claims (synchronous commit: the claim must survive
-    a database crash before the call starts) and one for records (asynchronous commit), and one
-    helper thread that runs its handler calls.
+    Claims and records go through two small pools of connections shared by the threads: claims
+    (synchronous commit: the claim must survive a database crash before the call starts) and
+    records (asynchronous commit). A thread holds a connection around its statements only, never
+    across the provider's call, so ``concurrency`` calls in flight need no more connections than
+    the pools hold. Each thread that runs sync handlers has one helper thread for its calls;
+    async handlers' calls are tasks on the process's event loop (outbox.aio).
     """
 
     def __init__(
@@ -250,6 +304,8 @@ class Deliverer:
         *,
         failover_guard: FailoverGuard | None = None,
         concurrency: int = DEFAULT_ASYNC_POOL_SIZE,
+        claim_connections: int = DEFAULT_WORKER_CLAIM_CONNECTIONS,
+        record_connections: int = DEFAULT_WORKER_RECORD_CONNECTIONS,
     ) -> None:
         self.database_url = database_url
         #: The async handlers' clients, one per destination for the whole process (they belong
@@ -259,6 +315,9 @@ class Deliverer:
         self.failover_guard = failover_guard
         self.handlers = dict(handlers)
         self._local = threading.local()
+        self._pools = {"claim_conn": _Pool(claim_connections), "record_conn": _Pool(record_connections)}
+        #: Each claim connection's backend: if a claim's reply is lost, the one to end first.
+        self._backends: dict[psycopg.Connection[Any], tuple[int, Any]] = {}
         self._all: list[psycopg.Connection[Any]] = []
         self._callers: list[_CallThread] = []
         self._all_lock = threading.Lock()
@@ -266,29 +325,49 @@ class Deliverer:
     # -- connections ---------------------------------------------------------------------------
 
     def _conn(self, name: str) -> psycopg.Connection[Any]:
+        """The connection of kind ``name`` this thread holds, taken from its pool if none."""
         conn: psycopg.Connection[Any] | None = getattr(self._local, name, None)
-        if conn is None or conn.closed:
-            options = "-c synchronous_commit=off" if name == "record_conn" else ""
-            conn = connect_raw(self.database_url, autocommit=True, options=options)
-            if name == "claim_conn":
-                # Known before any claim is sent: if a claim's reply is lost, this backend is
-                # the one to end before asking whether the claim committed.
-                self._local.claim_backend = db.backend_identity(conn)
-            setattr(self._local, name, conn)
-            with self._all_lock:
-                self._all.append(conn)
-            if name == "claim_conn" and self.failover_guard is not None:
-                self.failover_guard.check_now()
+        if conn is not None and not conn.closed:
+            return conn
+        if conn is not None:
+            self._pools[name].discard(conn)
+        conn = self._pools[name].take(lambda: self._open(name))
+        setattr(self._local, name, conn)
+        if name == "claim_conn":
+            self._local.claim_backend = self._backends[conn]
         return conn
 
+    def _open(self, name: str) -> psycopg.Connection[Any]:
+        options = "-c synchronous_commit=off" if name == "record_conn" else ""
+        conn = connect_raw(self.database_url, autocommit=True, options=options)
+        if name == "claim_conn":
+            # Known before any claim is sent: if a claim's reply is lost, this backend is the
+            # one to end before asking whether the claim committed.
+            self._backends[conn] = db.backend_identity(conn)
+        with self._all_lock:
+            self._all.append(conn)
+        if name == "claim_conn" and self.failover_guard is not None:
+            self.failover_guard.check_now()
+        return conn
+
+    def _put_back(self, *names: str) -> None:
+        """Give the connections this thread holds back to their pools."""
+        for name in names:
+            conn = getattr(self._local, name, None)
+            if conn is not None:
+                setattr(self._local, name, None)
+                self._pools[name].give(conn)
+
     def warm_thread(self) -> None:
-        """Open the calling thread's two connections and start its call thread before its first
-        message: a worker's first deliveries otherwise paid for them all at once, its threads
-        contending for one interpreter (a few hundred milliseconds after a start). Best effort:
-        a failure is left for the first delivery to meet, and report, as it would have."""
+        """Open the pools' connections (as far as the threads booting at once take them) and
+        start the calling thread's call thread before its first message: a worker's first
+        deliveries otherwise paid for them all at once, its threads contending for one
+        interpreter (a few hundred milliseconds after a start). Best effort: a failure is left
+        for the first delivery to meet, and report, as it would have."""
         try:
             self._conn("claim_conn")
             self._conn("record_conn")
+            self._put_back("claim_conn", "record_conn")
             self._caller()
         except Exception as exc:
             logger.debug(
@@ -300,8 +379,9 @@ class Deliverer:
     def _drop(self, name: str) -> None:
         conn = getattr(self._local, name, None)
         if conn is not None:
-            conn.close()
             setattr(self._local, name, None)
+            self._backends.pop(conn, None)
+            self._pools[name].discard(conn)
 
     def _caller(self) -> _CallThread:
         caller: _CallThread | None = getattr(self._local, "caller", None)
@@ -312,11 +392,9 @@ class Deliverer:
         return caller
 
     def close_thread(self) -> None:
-        """Close the calling thread's connections and call thread: for a thread that runs no more
-        deliveries (Dramatiq's worker threads live as long as the worker; a caller that runs each
-        delivery on a thread of its own would otherwise keep two connections per thread)."""
-        self._drop("claim_conn")
-        self._drop("record_conn")
+        """Give back the calling thread's connections and stop its call thread: for a thread that
+        runs no more deliveries (Dramatiq's worker threads live as long as the worker)."""
+        self._put_back("claim_conn", "record_conn")
         caller: _CallThread | None = getattr(self._local, "caller", None)
         if caller is not None:
             self._forget_caller(caller)
@@ -352,7 +430,10 @@ class Deliverer:
 
     def deliver(self, row_id: int, destination: str) -> DeliveryResult:
         observed = self._local.observed = metrics.Observed()
-        result = self._deliver(row_id, destination)
+        try:
+            result = self._deliver(row_id, destination)
+        finally:
+            self._put_back("claim_conn", "record_conn")
         # Counted once the outcome is recorded, and never raising: see metrics.never_raises.
         metrics.count_delivery(destination, result.value, observed)
         return result
@@ -612,6 +693,8 @@ class Deliverer:
         clock, like the start check: the call starts no later than ``time_limit`` plus the start
         margin before the lease ends, and is given up (and ``d.http`` sends nothing more) at its
         deadline or half the start margin before the lease ends, whichever comes first."""
+        # Not held across the call: another thread's claim or record may use it meanwhile.
+        self._put_back("claim_conn", "record_conn")
         asynchronous = handler.is_async
         caller = None if asynchronous else self._caller()
         deliveries = self.async_deliveries if caller is None else caller.deliveries
@@ -909,6 +992,8 @@ class Deliverer:
         # idempotent destination out of attempts): a later replay must see it (outbox.outcomes).
         ambiguous = decision.outcome is Outcome.UNKNOWN
         outcome = decision.outcome.value if nxt.state != "failed" or ambiguous else "failed"
+        # Claims before records, never the other way round: no two threads wait on each other.
+        self._put_back("claim_conn")
         for attempt in range(3):
             try:
                 return store.delivery.record(

@@ -45,6 +45,13 @@ DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS = 30.0
 #: Connections an async handler's client keeps to its provider at most, per process and
 #: destination, unless the worker runs more calls at once (httpx's own default is 100).
 DEFAULT_ASYNC_POOL_SIZE = 100
+#: Calls a worker process runs at once unless told (``--concurrency``): threads for sync
+#: handlers, tasks for async ones. None of them holds a database connection during its call.
+DEFAULT_WORKER_CONCURRENCY = 32
+#: Connections a worker process shares between its threads for claims (synchronous commit) and
+#: for records (asynchronous commit); with its heartbeat and failover guard, 7 in all.
+DEFAULT_WORKER_CLAIM_CONNECTIONS = 3
+DEFAULT_WORKER_RECORD_CONNECTIONS = 2
 
 # Handler declarations (``@outbox.handler``).
 DEFAULT_TIME_LIMIT_SECONDS = 30.0
@@ -139,6 +146,7 @@ class Settings:
     #: Relay: connections claiming batches at once while there is a backlog (one waits on
     #: PostgreSQL while another publishes); one when the relay is idle.
     relay_connections: int = DEFAULT_RELAY_CONNECTIONS
+    worker_concurrency: int = DEFAULT_WORKER_CONCURRENCY
     #: Reconciler: a `dispatched` row unclaimed for this long is re-queued.
     redispatch_after_seconds: float = DEFAULT_REDISPATCH_AFTER_SECONDS
     #: Reconciler: `sent` and `cancelled` rows older than this are purged.
@@ -196,6 +204,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_POLL_INTERVAL": "poll_interval_seconds",
     "OUTBOX_RELAY_BATCH_SIZE": "relay_batch_size",
     "OUTBOX_RELAY_CONNECTIONS": "relay_connections",
+    "OUTBOX_WORKER_CONCURRENCY": "worker_concurrency",
     "OUTBOX_RELAY_GATHER": "relay_gather_seconds",
     "OUTBOX_REDISPATCH_AFTER": "redispatch_after_seconds",
     "OUTBOX_RETENTION": "retention_seconds",

@@ -83,7 +83,7 @@ def run_worker(
     namespace: str,
     handlers: Mapping[str, Handler],
     queues: Sequence[str] | None,
-    threads: int,
+    concurrency: int,
     stop: threading.Event,
     heartbeat_interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
     liveness: Liveness | None = None,
@@ -97,20 +97,25 @@ def run_worker(
         raise ConfigError(f"--queues names destinations with no handler: {', '.join(unknown)}")
     broker = build_broker(redis_url, namespace, handlers)
     guard = FailoverGuard(database_url, process="worker").start()
-    deliverer = Deliverer(database_url, handlers, failover_guard=guard)
+    deliverer = Deliverer(database_url, handlers, failover_guard=guard, concurrency=concurrency)
     declare(broker, deliverer, destinations)
     broker.add_middleware(_WarmThreads(deliverer))
     # What Dramatiq's own CLI does once per process.
     broker.emit_after("process_boot")
-    worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=threads)
+    # A thread per call in flight: Dramatiq's worker threads each run one delivery, an async
+    # handler's as a task on the process's event loop while the thread waits for it. Each
+    # queue prefetches as many messages as there are threads (Dramatiq's default is twice
+    # as many, held unacked while they wait).
+    worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=concurrency)
+    worker.queue_prefetch = concurrency
     worker.start()
     heartbeat = start_heartbeat(database_url, destinations, heartbeat_interval_seconds)
     logger.info(
-        "outbox worker started: queues=%s threads=%s pid=%s",
+        "outbox worker started: queues=%s concurrency=%s pid=%s",
         ",".join(destinations),
-        threads,
+        concurrency,
         os.getpid(),
-        extra={"queues": destinations, "threads": threads},
+        extra={"queues": destinations, "concurrency": concurrency},
     )
     try:
         while not stop.wait(0.5):

@@ -106,7 +106,7 @@ def worker_thread(
             namespace=services.namespace,
             handlers=registry() if handlers is None else handlers,
             queues=None,
-            threads=threads,
+            concurrency=threads,
             stop=stop,
         ),
     )

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 
@@ -75,7 +76,14 @@ def worker_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("module", help="importable module declaring the handlers, e.g. myapp.handlers")
     p.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
-    p.add_argument("--threads", type=int, default=8, help="threads per process (default 8)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        help="calls in flight per process: threads for sync handlers, tasks for async ones; claims "
+        "and records share a few database connections whatever the number "
+        f"(default $OUTBOX_WORKER_CONCURRENCY or {settings.DEFAULT_WORKER_CONCURRENCY})",
+    )
+    p.add_argument("--threads", type=int, help="deprecated: the former name of --concurrency")
     p.add_argument("--queues", nargs="+", metavar="DESTINATION", help="only these destinations")
 
 
@@ -179,8 +187,9 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     stop = stop_event_on_signals()
     database_url = cfg.require_database_url()
     redis_url = cfg.require_redis_url()
-    if args.processes < 1 or args.threads < 1:
-        raise ConfigError("--processes and --threads must be at least 1")
+    concurrency = worker_concurrency(args, cfg)
+    if args.processes < 1:
+        raise ConfigError(f"--processes must be at least 1, got {args.processes}")
     check_metrics_environment()
     check_database(database_url)
     handlers = load_handlers(args.module)
@@ -194,8 +203,8 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
             args.module,
             "--processes",
             "1",
-            "--threads",
-            str(args.threads),
+            "--concurrency",
+            str(concurrency),
         ]
         if args.queues:
             child_argv += ["--queues", *args.queues]
@@ -227,7 +236,7 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
             namespace=cfg.namespace,
             handlers=handlers,
             queues=args.queues,
-            threads=args.threads,
+            concurrency=concurrency,
             stop=stop,
             heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
             liveness=liveness,
@@ -235,6 +244,25 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     finally:
         if probes is not None:
             probes.stop()
+
+
+def worker_concurrency(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    """``--concurrency``, else ``--threads`` (its former name, accepted with a warning for one
+    release), else the setting."""
+    if args.concurrency is not None and args.threads is not None:
+        raise ConfigError("--threads is the former name of --concurrency: give one of them")
+    if args.threads is not None:
+        print(
+            "outbox worker: --threads is deprecated, use --concurrency (same meaning); "
+            "--threads will be removed in the next release",
+            file=sys.stderr,
+        )
+    concurrency = args.concurrency if args.concurrency is not None else args.threads
+    if concurrency is None:
+        concurrency = cfg.worker_concurrency
+    if concurrency < 1:
+        raise ConfigError(f"--concurrency must be at least 1, got {concurrency}")
+    return int(concurrency)
 
 
 def _supervise_with_metrics(

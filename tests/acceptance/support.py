@@ -65,7 +65,7 @@ class Processes:
         return proc
 
     def worker(self, threads: int = 2, **extra_env: str) -> subprocess.Popen[bytes]:
-        return self.start("worker", HANDLERS, "--threads", str(threads), **extra_env)
+        return self.start("worker", HANDLERS, "--concurrency", str(threads), **extra_env)
 
     def relay(self) -> subprocess.Popen[bytes]:
         return self.start("relay")

@@ -46,7 +46,7 @@ def test_a_chain_survives_a_worker_killed_at_each_point_of_a_step(clean, engine,
     try:
         issue_id = start_invoice(engine)
         relay_once(clean)
-        crashing = procs.start("worker", MODULE, "--threads", "1", OUTBOX_FAILPOINTS=point)
+        crashing = procs.start("worker", MODULE, "--concurrency", "1", OUTBOX_FAILPOINTS=point)
         assert crashing.wait(30) == -9
         written = [step for step, *_ in chain(clean)]
         # The next step exists exactly when the step was recorded sent: never before.
@@ -64,7 +64,7 @@ def test_a_chain_survives_a_worker_killed_at_each_point_of_a_step(clean, engine,
                 client.close()
         procs.start("relay")
         procs.start("reconcile", MODULE, "--interval", "0.5")
-        procs.start("worker", MODULE, "--threads", "2")
+        procs.start("worker", MODULE, "--concurrency", "2")
         wait_for(
             lambda: [(s, st) for s, st, *_ in chain(clean)] == [(s, "sent") for s in STEPS],
             90,

@@ -110,7 +110,7 @@ def test_postgres_stopped_and_crashed_mid_run_charges_each_key_once(chaos, owned
     relay = procs.relay()
     reconciler = procs.reconciler()
     # A supervisor whose children are never killed by the test: it must ride out both outages.
-    supervisor = procs.start("worker", HANDLERS, "--processes", "2", "--threads", "2")
+    supervisor = procs.start("worker", HANDLERS, "--processes", "2", "--concurrency", "2")
     workers = [procs.worker(threads=4) for _ in range(2)]
     rng = random.Random(9)
     kills = 0

@@ -99,7 +99,7 @@ def served(clean: Any, provider: Any, tmp_path: Path) -> Any:
 
     wait_for(up, 30, f"the dashboard to listen\n{procs.logs()}")
     procs.start("relay")
-    procs.start("worker", "examples.shop.handlers", "--threads", "2")
+    procs.start("worker", "examples.shop.handlers", "--concurrency", "2")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)

@@ -115,7 +115,7 @@ def test_a_worker_of_two_processes_serves_the_sum_of_its_childrens_counts(clean,
     # From the environment, as a compose file sets it: the children must not inherit it (they
     # would all bind the parent's port and die).
     worker = procs.start(
-        "worker", HANDLERS, "--processes", "2", "--threads", "2", OUTBOX_METRICS_PORT=str(port)
+        "worker", HANDLERS, "--processes", "2", "--concurrency", "2", OUTBOX_METRICS_PORT=str(port)
     )
     healthz = wait_for(lambda: get(port, "/healthz"), 60, "the worker's /healthz")
     assert healthz.status_code == 200 and healthz.json()["process"] == "worker"

@@ -38,7 +38,7 @@ def _children(pid: int) -> list[int]:
 def test_worker_processes_deliver_and_stop_cleanly_on_sigterm(clean, engine, provider, procs):
     write_orders(engine, 40)
     relay_once(clean)
-    worker = procs.start("worker", "examples.shop.handlers", "--processes", "2", "--threads", "2")
+    worker = procs.start("worker", "examples.shop.handlers", "--processes", "2", "--concurrency", "2")
     wait_for(lambda: len(_children(worker.pid)) == 2, 20, "the two worker processes to start")
     children = _children(worker.pid)
     wait_for(
@@ -68,7 +68,7 @@ def test_worker_with_unknown_module_says_so(clean, provider, procs):
 
 def test_sigterm_while_worker_processes_are_still_starting_exits_0(clean, provider, procs):
     """A child that gets the forwarded SIGTERM before it took any message is a clean stop too."""
-    worker = procs.start("worker", "examples.shop.handlers", "--processes", "2", "--threads", "1")
+    worker = procs.start("worker", "examples.shop.handlers", "--processes", "2", "--concurrency", "1")
     wait_for(lambda: len(_children(worker.pid)) == 2, 20, "the two worker processes to start")
     children = _children(worker.pid)
     worker.send_signal(signal.SIGTERM)

@@ -197,7 +197,9 @@ def test_a_pool_wait_is_no_attempt_and_no_call(clean, engine, provider):
     deliverer = Deliverer(clean.database_url, registry())
     deliverer.async_deliveries = Deliveries(pool_size=1)  # as a pool smaller than the calls in flight
     results: dict[int, DeliveryResult] = {}
-    holder = threading.Thread(target=lambda: results.setdefault(first, deliverer.deliver(first, "payments.charge")))
+    holder = threading.Thread(
+        target=lambda: results.setdefault(first, deliverer.deliver(first, "payments.charge"))
+    )
     holder.start()
     time.sleep(0.4)  # the first call holds the only connection
     try:

@@ -282,8 +282,9 @@ def test_the_cached_cursor_survives_a_cancelled_claim_and_a_refused_record(clean
     try:
         for row_id in ids[:6]:  # past psycopg's prepare threshold
             assert deliverer.deliver(row_id, DEST) is DeliveryResult.SENT
-        claim_conn = deliverer._local.claim_conn
-        record_conn = deliverer._local.record_conn
+        # One thread: each pool holds the one connection it has used.
+        (claim_conn,) = deliverer._pools["claim_conn"].idle
+        (record_conn,) = deliverer._pools["record_conn"].idle
         # A record the database refuses once (DataError), retried on the same cursor.
         db.execute(
             """
@@ -318,7 +319,7 @@ def test_the_cached_cursor_survives_a_cancelled_claim_and_a_refused_record(clean
         assert sql(clean, "SELECT state FROM outbox_message WHERE id = %s", (ids[7],)) == [("pending",)]
         for row_id in ids[7:]:
             assert deliverer.deliver(row_id, DEST) is DeliveryResult.SENT
-        assert deliverer._local.record_conn is record_conn
+        assert deliverer._pools["record_conn"].idle == [record_conn]
         rows = sql(clean, "SELECT id, state, provider_ref FROM outbox_message ORDER BY id")
         assert all(state == "sent" and ref == f"ch_{i}" for i, state, ref in rows), rows
         attempts = sql(
@@ -440,7 +441,8 @@ def test_a_warmed_connection_the_server_ended_costs_no_call_and_loses_no_row(cle
 
     def run() -> None:
         deliverer.warm_thread()
-        sql(clean, "SELECT pg_terminate_backend(%s)", (deliverer._local.claim_conn.info.backend_pid,))
+        (warmed,) = deliverer._pools["claim_conn"].idle
+        sql(clean, "SELECT pg_terminate_backend(%s)", (warmed.info.backend_pid,))
         time.sleep(0.2)
         results.append(deliverer.deliver(ids[0], DEST))
         states.append(dict(sql(clean, "SELECT id, state FROM outbox_message")))
