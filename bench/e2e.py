@@ -10,7 +10,7 @@ Prints figures; not a test. For each system, in the same run and against the sam
   procrastinate: ``charge.configure(connection=<the same psycopg connection>).defer(…)``.
 * **delivery phase** — everything that turns those rows into confirmed HTTP calls to a no-op
   provider on 127.0.0.1 (each call carries ``Idempotency-Key: order:<id>:charge``):
-  outbox: ``outbox relay`` + ``outbox worker bench.e2e_handlers --processes 2 --threads 8``;
+  outbox: ``outbox relay`` + ``outbox worker bench.e2e_handlers --processes 2 --concurrency 8``;
   procrastinate: 2 x ``procrastinate worker --concurrency 8`` running ``bench.e2e_procrastinate``.
 
 Deliveries per second are computed from the database's own completion timestamps, **from the
@@ -56,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -226,10 +227,13 @@ def log_count(path: Path, needle: str) -> int:
 
 
 @contextlib.contextmanager
-def provider(kind: str, workdir: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def provider(
+    kind: str, workdir: Path, latency_ms: float = 0.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     ready = workdir / "provider.url"
     if kind == "fast":
         cmd = [sys.executable, str(ROOT / "bench" / "fast_provider.py"), "--ready-file", str(ready)]
+        cmd += ["--latency-ms", str(latency_ms)]
     else:
         cmd = [sys.executable, "-m", "outbox.testing.provider", "--ready-file", str(ready)]
     proc = start_logged(cmd, workdir / "provider.log")
@@ -305,6 +309,15 @@ class Result:
     client_counts: dict[str, int] = field(default_factory=dict)
     provider: dict[str, Any] = field(default_factory=dict)
     checks: list[str] = field(default_factory=list)
+    #: Sampled at 10 Hz over the delivery phase: the provider's concurrent requests (median of
+    #: the samples between 10% and 90% of the deliveries, and the maximum), the bench database's
+    #: backends (every process of the deployment), and its new sessions (connects).
+    inflight_median: float = 0.0
+    inflight_max: int = 0
+    connections_max: int = 0
+    sessions: int = 0
+    #: Peak resident memory (VmHWM) summed over the worker processes, MB.
+    worker_rss_mb: float = 0.0
 
     @property
     def write_rate(self) -> float:
@@ -480,9 +493,59 @@ class Phase:
         return row
 
     def start(self) -> None:
-        """The delivery phase starts now (CPU snapshot, wall clock)."""
+        """The delivery phase starts now (CPU snapshot, wall clock, the 10 Hz sampler)."""
         self.before = self.meter.snapshot()
         self.t0 = time.monotonic()
+        self._sampling = threading.Event()
+        self._samples: list[tuple[int, int, int]] = []  # (in flight, backends, confirmed so far)
+        self._sessions0 = self._sessions()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _sessions(self) -> int:
+        with connect(self.admin_url) as conn:
+            row = conn.execute(
+                "SELECT sessions FROM pg_stat_database WHERE datname = %s", (self.database,)
+            ).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def _sample(self) -> None:
+        client = httpx.Client(timeout=2)
+        try:
+            with connect(self.admin_url) as conn:
+                while not self._sampling.wait(0.1):
+                    try:
+                        stats = client.get(f"{self.provider_url}/_stats").json()
+                    except httpx.HTTPError:
+                        continue
+                    (backends,) = conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (self.database,)
+                    ).fetchone() or (0,)
+                    self._samples.append(
+                        (int(stats.get("in_flight", 0)), int(backends), int(stats.get("requests", 0)))
+                    )
+        finally:
+            client.close()
+
+    def _stop_sampling(self, processes: list[subprocess.Popen[bytes]]) -> None:
+        self._sampling.set()
+        self._sampler.join(10)
+        result, n = self.result, self.args.n
+        steady = [f for f, _, done in self._samples if 0.1 * n <= done <= 0.9 * n] or [
+            f for f, _, _ in self._samples
+        ]
+        result.inflight_median = statistics.median(steady) if steady else 0.0
+        result.inflight_max = max((f for f, _, _ in self._samples), default=0)
+        result.connections_max = max((b for _, b, _ in self._samples), default=0)
+        result.sessions = self._sessions() - self._sessions0
+        peak = 0
+        for p in processes[:1]:
+            for proc in _tree(p.pid):
+                with contextlib.suppress(OSError, ValueError):
+                    for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            peak += int(line.split()[1])
+        result.worker_rss_mb = peak / 1024
 
     def wait_confirmed(
         self,
@@ -508,6 +571,7 @@ class Phase:
         wait_for(done, self.args.timeout, what, 0.2)
         self.t1 = time.monotonic()
         self.after = self.meter.snapshot()
+        self._stop_sampling(processes)
 
     def read_times(self, conn: psycopg.Connection[Any], span_sql: str) -> None:
         """First and last confirmed delivery (``span_sql``) and the start of the phase, all on the
@@ -586,6 +650,8 @@ def run_outbox(
         OUTBOX_NAMESPACE=NAMESPACE,
         OUTBOX_POLL_INTERVAL="1",
     )
+    if args.async_handler:
+        env["BENCH_ASYNC_HANDLER"] = "1"
     worker_log = workdir / f"worker-{tag}.log"
     relay_log = workdir / f"relay-{tag}.log"
     workers = start_logged(
@@ -599,7 +665,7 @@ def run_outbox(
             "bench.e2e_handlers",
             "--processes",
             str(args.processes),
-            "--threads",
+            "--concurrency",
             str(args.threads),
         ],
         worker_log,
@@ -872,7 +938,8 @@ def report(args: argparse.Namespace, results: list[Result], where: str, provider
     print(
         f"e2e: N={args.n} business transactions ({args.writers} writer processes), servers {where}, "
         f"provider {provider_kind}, workers {args.processes} processes x {args.threads} threads/concurrency, "
-        f"log level {args.log_level}, procrastinate task {args.procrastinate_task}"
+        f"log level {args.log_level}, procrastinate task {args.procrastinate_task}, provider latency "
+        f"{args.latency_ms:g} ms, outbox handler {'async' if args.async_handler else 'sync'}"
     )
     print("deliv/s = (N-1) / (last confirmed - first confirmed), from the database's own timestamps;")
     print(
@@ -892,6 +959,19 @@ def report(args: argparse.Namespace, results: list[Result], where: str, provider
             f"{_ms(r, 'workers'):>8.3f}{_ms(r, 'postgres backends'):>8.3f}{_ms(r, 'postgres aux'):>7.3f}"
             f"{_ms(r, 'redis'):>6.3f}{_ms(r, 'relay'):>6.3f}{_ms(r, 'provider'):>9.3f}"
             f"{_ours(r) / r.n * 1e3:>7.3f}{_ms(r, 'machine'):>8.3f}"
+        )
+    print()
+    print(
+        "calls in flight = the provider's concurrent requests at 10 Hz (median between 10% and 90% of "
+        "the deliveries; max); connections = max of 10 Hz samples of the bench database's backends "
+        "(every process); sessions = connects during the phase; RSS = peak (VmHWM) summed over the "
+        "worker processes"
+    )
+    print(f"{'run':<15}{'in flight':>10}{'max':>6}{'connections':>12}{'sessions':>9}{'worker RSS':>11}")
+    for r in results:
+        print(
+            f"{r.system:<15}{r.inflight_median:>10.0f}{r.inflight_max:>6}{r.connections_max:>12}"
+            f"{r.sessions:>9}{r.worker_rss_mb:>9.0f}MB"
         )
     print()
     for name, group in (("outbox", ob), ("procrastinate", pr)):
@@ -1008,6 +1088,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--provider", choices=["fast", "simulator"], default="fast")
     parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="the fast provider answers each charge this late (a slow provider; default 0)",
+    )
+    parser.add_argument(
+        "--async-handler", action="store_true", help="outbox: the async def twin of the handler"
+    )
+    parser.add_argument(
         "--procrastinate-task",
         choices=["charge_async", "charge_sync"],
         default="charge_sync",
@@ -1047,7 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     with (
         servers(args, MACHINE_REDIS_URL, "bench-e2e-") as (admin_url, redis_url, where),
-        provider(args.provider, workdir) as (provider_url, pproc),
+        provider(args.provider, workdir, args.latency_ms) as (provider_url, pproc),
     ):
         PROVIDER_PID.append(pproc.pid)
         print(f"servers: {where}; provider {provider_url}; logs in {workdir}", flush=True)

@@ -1,6 +1,6 @@
 """The outbox side of ``bench/e2e.py``: the handler a user would write for a card charge.
 
-Run by ``python -m outbox worker bench.e2e_handlers --processes 2 --threads 8``. The provider's
+Run by ``python -m outbox worker bench.e2e_handlers --processes 2 --concurrency 8``. The provider's
 address comes from ``BENCH_PROVIDER_URL``.
 
 With ``BENCH_COUNT_ROUND_TRIPS=/some/dir`` each worker process also counts, on the client side,
@@ -17,6 +17,7 @@ import json
 import os
 import threading
 from collections import Counter
+from typing import Any
 
 import outbox
 from outbox import Confirmed, Delivery, PermanentError
@@ -25,20 +26,32 @@ PROVIDER_URL = os.environ.get("BENCH_PROVIDER_URL", "http://127.0.0.1:8099")
 CHARGES_URL = f"{PROVIDER_URL}/charges"
 
 
-# BENCH_TIME_LIMIT: only for running a worker under valgrind, where the first calls are slow.
-@outbox.handler(
-    "payments.charge",
-    time_limit=float(os.environ.get("BENCH_TIME_LIMIT", "10")),
-    max_attempts=5,
-    backoff=(1, 5, 30),
-)
 def charge(d: Delivery) -> Confirmed:
     r = d.http.post(CHARGES_URL, json=d.payload, headers={"Idempotency-Key": d.idempotency_key})
+    return _confirmed(r)
+
+
+async def charge_async(d: Delivery) -> Confirmed:
+    r = await d.http.post(CHARGES_URL, json=d.payload, headers={"Idempotency-Key": d.idempotency_key})
+    return _confirmed(r)
+
+
+def _confirmed(r: Any) -> Confirmed:
     if r.status_code == 402:
         raise PermanentError("card declined")
     r.raise_for_status()
     body = r.json()
     return Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+
+
+# BENCH_TIME_LIMIT: only for running a worker under valgrind, where the first calls are slow.
+# BENCH_ASYNC_HANDLER=1: the async def twin (bench/e2e.py --async-handler).
+payments_charge = outbox.handler(
+    "payments.charge",
+    time_limit=float(os.environ.get("BENCH_TIME_LIMIT", "10")),
+    max_attempts=5,
+    backoff=(1, 5, 30),
+)(charge_async if os.environ.get("BENCH_ASYNC_HANDLER") == "1" else charge)
 
 
 def _install_counters(directory: str) -> None:

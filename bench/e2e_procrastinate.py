@@ -69,7 +69,9 @@ def _ref(r: httpx.Response) -> dict[str, Any]:
 async def charge_async(order_id: int, key: str, amount_cents: int, currency: str) -> dict[str, Any]:
     global _async_client
     if _async_client is None:
-        _async_client = httpx.AsyncClient(timeout=_TIMEOUT)
+        # Limits above the concurrency (the issue-32 comparison runs 200 at once).
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+        _async_client = httpx.AsyncClient(timeout=_TIMEOUT, limits=limits)
     r = await _async_client.post(
         CHARGES_URL,
         json={"amount_cents": amount_cents, "currency": currency},

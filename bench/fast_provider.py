@@ -5,7 +5,8 @@
 ``http.server`` parser, about 3k requests/s on this machine): in an end-to-end bench on two
 cores it takes CPU from both systems under test. This one is a single asyncio protocol that
 parses just enough of HTTP/1.1 (request line, ``Content-Length``, ``Idempotency-Key``,
-keep-alive) to answer every ``POST /charges`` with ``{"id": "ch_N", "status": "succeeded"}``.
+keep-alive) to answer every ``POST /charges`` with ``{"id": "ch_N", "status": "succeeded"}``,
+after ``--latency-ms`` (default 0: at once) like a slow provider, without a thread per request.
 
 It counts what a provider would (requests, distinct idempotency keys, keys seen more than once,
 requests without a key) and answers ``GET /_stats`` and ``POST /_reset``. Anything else gets a
@@ -39,6 +40,9 @@ class Stats:
         self.charges = 0
         self.missing_key = 0
         self.keys: dict[bytes, int] = {}
+        #: Charges received and not answered yet (a slow provider's concurrent requests).
+        self.in_flight = 0
+        self.max_in_flight = 0
 
     def as_json(self) -> bytes:
         repeated = sum(1 for n in self.keys.values() if n > 1)
@@ -49,6 +53,8 @@ class Stats:
                 "distinct_keys": len(self.keys),
                 "keys_seen_more_than_once": repeated,
                 "missing_key": self.missing_key,
+                "in_flight": self.in_flight,
+                "max_in_flight": self.max_in_flight,
             }
         ).encode()
 
@@ -68,8 +74,9 @@ def _response(status: bytes, body: bytes, *, close: bool = False) -> bytes:
 class Http(asyncio.Protocol):
     stats: Stats
 
-    def __init__(self, stats: Stats) -> None:
+    def __init__(self, stats: Stats, latency_seconds: float = 0.0) -> None:
         self.stats = stats
+        self.latency_seconds = latency_seconds
         self.buf = b""
         self.transport: asyncio.Transport | None = None
 
@@ -115,7 +122,18 @@ class Http(asyncio.Protocol):
             if len(self.buf) < total:
                 break  # wait for the body
             self.buf = self.buf[total:]
-            out.append(self._answer(method, target, key, close))
+            answer = self._answer(method, target, key, close)
+            if self.latency_seconds > 0 and method == b"POST" and target == b"/charges":
+                # One request at a time per connection (no pipelining from the clients): the
+                # late answer cannot overtake another on the same connection.
+                self._flush(out)
+                self.stats.in_flight += 1
+                self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
+                asyncio.get_running_loop().call_later(self.latency_seconds, self._late, answer, close)
+                if close:
+                    return
+                continue
+            out.append(answer)
             if close:
                 self._flush(out)
                 assert self.transport is not None
@@ -141,6 +159,13 @@ class Http(asyncio.Protocol):
             return _response(b"200 OK", b'{"reset":true}', close=close)
         return _response(b"404 Not Found", b'{"error":"not found"}', close=close)
 
+    def _late(self, answer: bytes, close: bool) -> None:
+        self.stats.in_flight -= 1
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(answer)
+            if close:
+                self.transport.close()
+
     def _bad(self, out: list[bytes]) -> None:
         out.append(_response(b"400 Bad Request", b'{"error":"malformed request"}', close=True))
         self._flush(out)
@@ -161,10 +186,10 @@ def _write_ready_file(path: Path, url: str) -> None:
     os.replace(tmp, path)
 
 
-async def serve(port: int, ready_file: Path | None) -> None:
+async def serve(port: int, ready_file: Path | None, latency_seconds: float = 0.0) -> None:
     loop = asyncio.get_running_loop()
     stats = Stats()
-    server = await loop.create_server(lambda: Http(stats), "127.0.0.1", port, backlog=1024)
+    server = await loop.create_server(lambda: Http(stats, latency_seconds), "127.0.0.1", port, backlog=4096)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -180,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--ready-file", type=Path)
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="answer each charge this late")
     args = parser.parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.port, args.ready_file))
+        asyncio.run(serve(args.port, args.ready_file, args.latency_ms / 1000))
     return 0
 
 

@@ -110,12 +110,14 @@ def run_worker(
     worker.queue_prefetch = concurrency
     worker.start()
     heartbeat = start_heartbeat(database_url, destinations, heartbeat_interval_seconds)
+    asynchronous = [d for d in destinations if handlers[d].is_async]
     logger.info(
-        "outbox worker started: queues=%s concurrency=%s pid=%s",
+        "outbox worker started: queues=%s concurrency=%s async=%s pid=%s",
         ",".join(destinations),
         concurrency,
+        ",".join(asynchronous) or "none",
         os.getpid(),
-        extra={"queues": destinations, "concurrency": concurrency},
+        extra={"queues": destinations, "concurrency": concurrency, "async_queues": asynchronous},
     )
     try:
         while not stop.wait(0.5):

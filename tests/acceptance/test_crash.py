@@ -26,10 +26,20 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture
-def procs(clean, provider, tmp_path):
-    p = Processes(clean, provider.url, tmp_path)
+def procs(clean, provider, tmp_path, request):
+    """The processes, running the shop's sync handlers, or their async twins where a test is
+    parametrized with ``"async"`` (``SHOP_ASYNC=1``)."""
+    kind = getattr(request, "param", "sync")
+    p = Processes(clean, provider.url, tmp_path, timings={"SHOP_ASYNC": "1" if kind == "async" else "0"})
     yield p
     p.stop_all()
+    workers = [path.read_text(errors="replace") for path in p.log_files.values() if "-worker" in path.name]
+    started = "async=payments.charge" if kind == "async" else "async=none"
+    assert workers and all(started in log for log in workers), workers
+
+
+#: The crash points run with both kinds of handler: an async call dies with its process too.
+both_kinds = pytest.mark.parametrize("procs", ["sync", "async"], indirect=True)
 
 
 def write_orders(engine, n: int, start: int = 0) -> None:
@@ -61,6 +71,7 @@ def row_state(services, row_id: int) -> str:
     return sql(services, "SELECT state FROM outbox_message WHERE id = %s", (row_id,))[0][0]
 
 
+@both_kinds
 def test_killed_after_claim_before_call_is_claimed_again_and_charged_once(clean, engine, provider, procs):
     write_orders(engine, 1)
     relay_once(clean)
@@ -79,6 +90,7 @@ def test_killed_after_claim_before_call_is_claimed_again_and_charged_once(clean,
     assert outcomes == ["lease_expired", "sent"]
 
 
+@both_kinds
 def test_killed_after_the_provider_answered_is_never_charged_twice(
     clean, engine, provider, procs, redis_client
 ):
@@ -112,6 +124,7 @@ def test_killed_after_the_provider_answered_is_never_charged_twice(
     assert [o for (o,) in fence_rows(clean, 1)] == ["lease_expired"]
 
 
+@both_kinds
 def test_killed_after_record_before_ack_second_run_is_empty(clean, engine, provider, procs, redis_client):
     write_orders(engine, 1)
     relay_once(clean)

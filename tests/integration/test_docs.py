@@ -58,7 +58,7 @@ from sqlalchemy import Engine, String, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import outbox
-from outbox import cli, policy, settings, states
+from outbox import aio, cli, policy, settings, states
 from outbox.consumer import Deliverer, DeliveryResult
 from outbox.handlers import Deliveries, Delivery, Handler, close_http_clients
 from outbox.settings import async_database_url, libpq_url
@@ -522,6 +522,7 @@ class Shop:
             attempt=max(row["attempts"], 1),
             deadline=row["deadline"],
             payload_version=row["payload_version"],
+            asynchronous=aio.is_async(handler.lookup_fn),
         )
 
     def close(self) -> None:
@@ -532,12 +533,13 @@ class Shop:
 
 
 def charge_scenario(shop: Shop, charge: Handler, key: str) -> str:
-    """A documented payments.charge handler charges once, records the reference, and its lookup
-    finds the charge it made (and nothing for a key never charged)."""
+    """A documented charging handler (sync or async) charges once, records the reference, and its
+    lookup finds the charge it made (and nothing for a key never charged)."""
+    destination = charge.destination
     row_id = shop.write(
         key,
         "charge",
-        "payments.charge",
+        destination,
         {"amount_cents": 1250, "currency": "EUR", "email": "ada@example.com"},
     )
     assert shop.deliver(charge, row_id) is DeliveryResult.SENT
@@ -545,12 +547,10 @@ def charge_scenario(shop: Shop, charge: Handler, key: str) -> str:
     assert ref and ref.startswith("ch_")
     assert shop.deliver(charge, row_id) is DeliveryResult.EMPTY, "a second delivery must be an empty run"
     if charge.lookup_fn is not None:
-        found = charge.lookup_fn(shop.delivery(charge, row_id))
+        found = aio.call(charge.lookup_fn, shop.delivery(charge, row_id), timeout_seconds=30)
         assert isinstance(found, outbox.Confirmed) and found.ref == ref
-        other = shop.write(
-            f"{key}-never", "charge", "payments.charge", {"amount_cents": 1, "currency": "EUR"}
-        )
-        assert charge.lookup_fn(shop.delivery(charge, other)) is None
+        other = shop.write(f"{key}-never", "charge", destination, {"amount_cents": 1, "currency": "EUR"})
+        assert aio.call(charge.lookup_fn, shop.delivery(charge, other), timeout_seconds=30) is None
     assert shop.provider.stats()["effects"].get(f"{key}:charge") == 1
     return ref
 
@@ -662,6 +662,11 @@ def check_handlers(run: PageRun, shop: Shop) -> None:
     declined = shop.write("order:8", "charge", "payments.charge", {"amount_cents": -1, "currency": "EUR"})
     assert shop.deliver(charge, declined) is DeliveryResult.FAILED
     assert "card declined" in shop.row(declined)["last_error"]
+
+    # An async handler and lookup: the same scenario through an AsyncClient.
+    capture = run.handler("payments.capture")
+    assert capture.is_async and aio.is_async(capture.lookup_fn)
+    charge_scenario(shop, capture, "order:12")
 
     # classify=: a throttled 400 is retried, another 400 fails, a 503 keeps the default (retry).
     sms = run.handler("sms.send")

@@ -516,7 +516,10 @@ def test_a_notify_soon_after_a_take_waits_out_the_gathering_window(clean, redis_
         relay._wait_for_notify(5, stop)
         woke = time.monotonic()
         rows.join(10)
-        assert woke - took >= 0.39, "the wake-up did not wait for the window"
+        # The window counts from inside run_once, a little before `took`: the wake-up lands up
+        # to that little before 0.4 s after it (0.389 s was seen once), and at once (a few ms
+        # after the first commit) if it did not wait.
+        assert woke - took >= 0.3, "the wake-up did not wait for the window"
         assert woke - took < 2.0
         published = relay.run_once().published
         assert published >= 1

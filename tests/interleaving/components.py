@@ -198,6 +198,8 @@ class Destination:
     chained: bool = False
     #: issue 15: the payload's model (outbox.payloads): an invalid payload fails without a call
     model: Any = None
+    #: issue 32: an ``async def`` handler and lookup, run as tasks on the process's event loop
+    asynchronous: bool = False
 
 
 DESTINATIONS = (
@@ -219,6 +221,13 @@ DESTINATIONS = (
         breaker=outbox.Breaker(failures=3, window_seconds=10, open_seconds=1, max_open_seconds=2),
     ),
     Destination("ix.manual", max_attempts=2, lookup=False),
+    Destination(
+        "ix.async",
+        max_attempts=2,
+        lookup=True,
+        breaker=outbox.Breaker(failures=2, window_seconds=10, open_seconds=0.5, max_open_seconds=2),
+        asynchronous=True,
+    ),
 )
 
 
@@ -247,6 +256,10 @@ def declare_handlers(
 
 
 def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: float, lease: float) -> None:
+    if dest.asynchronous:
+        _declare_async(dest, provider_url, tracker, time_limit, lease)
+        return
+
     @outbox.handler(
         dest.name,
         time_limit=time_limit,
@@ -261,7 +274,7 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
         # would wait for an operator's skip, which the schedules do not always make).
         on_failed_head="skip",
     )
-    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+    def charge(d: outbox.Delivery) -> Any:
         checkpoint("before_post")
         processing = tracker.processing_seconds
         if processing:
@@ -297,6 +310,47 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
             r.raise_for_status()
             body = r.json()
             return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+
+
+def _declare_async(
+    dest: Destination, provider_url: str, tracker: Any, time_limit: float, lease: float
+) -> None:
+    """The async twin: its call and lookup run on the event loop's thread, where no run is bound,
+    so the harness's own checkpoints fire around it (claim, call, record) on the worker's thread,
+    not inside it; the provider's tracker still sees each request start and end."""
+
+    @outbox.handler(
+        dest.name,
+        time_limit=time_limit,
+        max_attempts=dest.max_attempts,
+        backoff=(0.5, 1.0),
+        idempotent=False,
+        lease_seconds=lease,
+        breaker=dest.breaker,
+        on_failed_head="skip",
+    )
+    async def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        tracker.post_started(d)
+        try:
+            r = await d.http.post(
+                f"{provider_url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+            )
+        finally:
+            tracker.post_ended(d)
+        if r.status_code == 402:
+            raise outbox.PermanentError("card declined")
+        r.raise_for_status()
+        body = r.json()
+        return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+
+    @charge.lookup
+    async def find(d: outbox.Delivery) -> outbox.Confirmed | None:
+        r = await d.http.get(f"{provider_url}/charges", params={"idempotency_key": d.idempotency_key})
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        body = r.json()
+        return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
 
 
 def _post_still_processing(d: outbox.Delivery, provider_url: str, tracker: Any, seconds: float) -> Any:

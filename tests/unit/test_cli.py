@@ -304,3 +304,26 @@ def test_log_timestamps_are_never_masked_as_card_numbers(monkeypatch):
     finally:
         monkeypatch.delenv("TZ")
         time_module.tzset()
+
+
+def test_worker_concurrency_flag_its_former_name_and_its_variable(capsys):
+    from outbox import settings
+    from outbox.cli.services import worker_concurrency
+
+    def resolved(argv: list[str], env: dict[str, str] | None = None) -> int:
+        args = cli.build_parser().parse_args(["worker", "shop.handlers", *argv])
+        return worker_concurrency(args, settings.from_env(env or {}))
+
+    assert resolved([]) == settings.DEFAULT_WORKER_CONCURRENCY
+    assert resolved([], {"OUTBOX_WORKER_CONCURRENCY": "150"}) == 150
+    assert resolved(["--concurrency", "64"], {"OUTBOX_WORKER_CONCURRENCY": "150"}) == 64
+    assert capsys.readouterr().err == ""
+    # The former name still works for a release, and says so once.
+    assert resolved(["--threads", "12"]) == 12
+    assert "--threads is deprecated, use --concurrency" in capsys.readouterr().err
+    with pytest.raises(outbox.ConfigError, match="give one of them"):
+        resolved(["--threads", "4", "--concurrency", "8"])
+    with pytest.raises(outbox.ConfigError, match="at least 1"):
+        resolved(["--concurrency", "0"])
+    with pytest.raises(outbox.ConfigError, match="OUTBOX_WORKER_CONCURRENCY"):
+        settings.from_env({"OUTBOX_WORKER_CONCURRENCY": "many"})
