@@ -702,6 +702,8 @@ class Deliverer:
         start_by = sent_at + handler.lease_seconds - handler.time_limit - handler.start_margin_seconds
         now = time.monotonic()
         if now > start_by:
+            if caller is None:
+                deliveries.give_back(delivery.http)
             return self._not_started(handler, sent_at)
         end_by = min(
             now + handler.call_deadline_seconds,
@@ -719,7 +721,10 @@ class Deliverer:
                 attempt=claimed.attempt,
             )
         if caller is None:
-            call = _run_async(fn, delivery, start_by=start_by, end_by=end_by)
+            try:
+                call = _run_async(fn, delivery, start_by=start_by, end_by=end_by)
+            finally:
+                deliveries.give_back(delivery.http)
         else:
             call = caller.run(fn, delivery, start_by=start_by, end_by=end_by)
         # For the metrics only: the provider's last HTTP status in this call (None: no answer).

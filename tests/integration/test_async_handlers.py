@@ -162,6 +162,7 @@ def test_a_call_that_starts_past_its_send_bound_sends_nothing(clean, provider):
 
     clients = Deliveries()
     client = clients.client(charge, asynchronous=True)
+    clients.give_back(client)
 
     async def bounded() -> BaseException | None:
         outbox.handlers.set_send_bound(time.monotonic() - 0.1)
@@ -188,14 +189,16 @@ def test_a_call_that_starts_past_its_send_bound_sends_nothing(clean, provider):
     assert provider.stats()["effects"] == {"b:s": 1}
 
 
-def test_a_pool_wait_is_no_attempt_and_no_call(clean, engine, provider):
+def test_a_pool_wait_is_no_attempt_and_no_call(clean, engine, provider, monkeypatch):
     """Every connection of the client's pool is busy: the call's only request times out waiting
     for one. Nothing was sent, and the wait was ours: the claim is released, no attempt spent."""
     provider.configure(latency_ms=900)  # under the read timeout (0.55 of the time limit)
     async_charge(provider, time_limit=2, lease_seconds=10)
     first, second = write_rows(engine, 2)
     deliverer = Deliverer(clean.database_url, registry())
-    deliverer.async_deliveries = Deliveries(pool_size=1)  # as a pool smaller than the calls in flight
+    # As a pool smaller than the calls in flight: one client of one connection.
+    monkeypatch.setattr(outbox.handlers, "ASYNC_CLIENT_CONNECTIONS", 1)
+    deliverer.async_deliveries = Deliveries(pool_size=1)
     results: dict[int, DeliveryResult] = {}
     holder = threading.Thread(
         target=lambda: results.setdefault(first, deliverer.deliver(first, "payments.charge"))
@@ -277,3 +280,30 @@ def test_blocking_on_the_loop_from_the_loop_is_refused():
 
     with pytest.raises(RuntimeError, match="event loop"):
         aio.run(inner(), timeout_seconds=5)
+
+
+def test_async_calls_share_small_clients_least_busy_first(clean, provider):
+    """A destination's async connections are spread over small clients (httpcore's pool costs
+    grow with the square of its size); each call gets the least busy client, and gives it back."""
+
+    @outbox.handler("payments.charge", time_limit=2)
+    async def charge(d: outbox.Delivery) -> Any:
+        return None
+
+    clients = Deliveries(pool_size=10)
+    try:
+        lent = [clients.client(charge, asynchronous=True) for _ in range(10)]
+        distinct = {id(c) for c in lent}
+        assert len(distinct) == 3  # ceil(10 / 4) clients
+        # Least busy first: 10 calls spread 4/3/3 at most, never 5 on one client.
+        assert max(sum(1 for c in lent if c is x) for x in lent) <= 4
+        for c in lent[:4]:
+            clients.give_back(c)
+        again = clients.client(charge, asynchronous=True)
+        assert again in lent[:4]
+        assert all(c.timeout == charge.timeouts() for c in lent)
+        size = outbox.handlers.ASYNC_CLIENT_CONNECTIONS
+        assert all(c._transport._pool._max_connections == size for c in lent)
+    finally:
+        clients.close()
+    assert all(c.is_closed for c in lent)
