@@ -61,6 +61,16 @@ RELEASE_ALERT_THRESHOLD = 3
 #: How long a worker keeps trying to settle a claim whose reply was lost (reconnect, end the old
 #: backend, release) before it gives up and leaves the row to the lease and the reconciler.
 LOST_CLAIM_RECOVERY_SECONDS = 60.0
+#: How long one statement on a pooled connection waits for a row lock (PostgreSQL's
+#: ``lock_timeout``, ms) before it gives the connection back and tries again after a pause: a few
+#: rows locked by the application (``outbox.cancel`` in a slow transaction, a ``SELECT ... FOR
+#: UPDATE``) hold the threads that want them, never the pool every other thread shares. The
+#: relay's own locks last milliseconds.
+LOCK_WAIT_MS = 200
+#: Pauses between those tries: doubling from the first to the last.
+LOCK_RETRY_SECONDS = (0.05, 1.0)
+#: A statement still refused a row lock after this long is logged (once per statement).
+LOCK_WAIT_WARN_SECONDS = 10.0
 
 
 class DeliveryResult(enum.StrEnum):
@@ -285,6 +295,34 @@ class _Pool:
             self._cond.notify()
 
 
+class _LockWait:
+    """The pauses of one statement that a row lock keeps refusing; says so once it has waited
+    :data:`LOCK_WAIT_WARN_SECONDS`."""
+
+    __slots__ = ("delay", "row_id", "since", "warned")
+
+    def __init__(self, row_id: int) -> None:
+        self.row_id = row_id
+        self.since = time.monotonic()
+        self.delay = LOCK_RETRY_SECONDS[0]
+        self.warned = False
+
+    def pause(self, destination: str | None, what: str) -> None:
+        waited = time.monotonic() - self.since
+        if not self.warned and waited >= LOCK_WAIT_WARN_SECONDS:
+            self.warned = True
+            logger.warning(
+                "outbox row %s: its %s has waited %.0f s for a row lock held by another transaction "
+                "(look for a long transaction on outbox_message in pg_stat_activity); still trying",
+                self.row_id,
+                what,
+                waited,
+                extra={"outbox_id": self.row_id, "destination": destination},
+            )
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, LOCK_RETRY_SECONDS[1])
+
+
 class Deliverer:
     """Runs deliveries for the handlers of one deploy; one instance is shared by all threads.
     (Not ``Consumer``: Dramatiq has its own, which fetches the messages this one is given.)
@@ -338,7 +376,9 @@ class Deliverer:
         return conn
 
     def _open(self, name: str) -> psycopg.Connection[Any]:
-        options = "-c synchronous_commit=off" if name == "record_conn" else ""
+        options = f"-c lock_timeout={LOCK_WAIT_MS}"
+        if name == "record_conn":
+            options += " -c synchronous_commit=off"
         conn = connect_raw(self.database_url, autocommit=True, options=options)
         if name == "claim_conn":
             # Known before any claim is sent: if a claim's reply is lost, this backend is the
@@ -349,6 +389,17 @@ class Deliverer:
         if name == "claim_conn" and self.failover_guard is not None:
             self.failover_guard.check_now()
         return conn
+
+    def _waiting_for_locks(self, name: str, row_id: int, statement: Callable[[Any], Any]) -> Any:
+        """``statement`` on a connection of pool ``name``, tried again, the connection given back
+        in between, for as long as a row lock refuses it (:data:`LOCK_WAIT_MS`)."""
+        locked = _LockWait(row_id)
+        while True:
+            try:
+                return statement(self._conn(name))
+            except psycopg.errors.LockNotAvailable:
+                self._put_back(name)
+                locked.pause(None, "statement")
 
     def _put_back(self, *names: str) -> None:
         """Give the connections this thread holds back to their pools."""
@@ -451,7 +502,11 @@ class Deliverer:
         handler = self.handlers.get(destination)
         if handler is None:
             reason = f"no handler for destination {destination!r} in this deploy"
-            store.delivery.fail_unhandled(self._conn("claim_conn"), row_id=row_id, error=reason)
+            self._waiting_for_locks(
+                "claim_conn",
+                row_id,
+                lambda conn: store.delivery.fail_unhandled(conn, row_id=row_id, error=reason),
+            )
             logger.error(
                 "outbox row %s failed: %s",
                 row_id,
@@ -459,30 +514,38 @@ class Deliverer:
                 extra={"outbox_id": row_id, "destination": destination},
             )
             return DeliveryResult.UNHANDLED
-        conn = self._conn("claim_conn")
-        backend = self._local.claim_backend
-        token = uuid.uuid4()
-        # The lease is measured on this clock from here, before the claim is sent: a wait for
-        # a row lock or for the commit only shortens what is left, whatever the clocks say.
-        sent_at = time.monotonic()
-        try:
-            claimed = store.delivery.claim(
-                conn,
-                row_id=row_id,
-                destination=destination,
-                lease_seconds=handler.lease_seconds,
-                token=token,
-                key_ttl=handler.key_ttl if handler.idempotent else None,
-                skip_when_failed=handler.on_failed_head == "skip",
-            )
-        except psycopg.OperationalError:
-            # A broken connection may have lost the reply to a committed claim; on a live one the
-            # server reported the error, so the statement rolled back.
-            lost = conn.broken or conn.closed
-            self._drop("claim_conn")
-            if not lost:
-                raise
-            return self._recover_lost_claim(handler, row_id, token, backend)
+        locked = _LockWait(row_id)
+        while True:
+            conn = self._conn("claim_conn")
+            backend = self._local.claim_backend
+            token = uuid.uuid4()
+            # The lease is measured on this clock from here, before the claim is sent: a wait
+            # for a row lock or for the commit only shortens what is left, whatever the clocks say.
+            sent_at = time.monotonic()
+            try:
+                claimed = store.delivery.claim(
+                    conn,
+                    row_id=row_id,
+                    destination=destination,
+                    lease_seconds=handler.lease_seconds,
+                    token=token,
+                    key_ttl=handler.key_ttl if handler.idempotent else None,
+                    skip_when_failed=handler.on_failed_head == "skip",
+                )
+            except psycopg.errors.LockNotAvailable:
+                # The server refused the wait: the claim rolled back. Wait without the connection.
+                self._put_back("claim_conn")
+                locked.pause(destination, "claim")
+                continue
+            except psycopg.OperationalError:
+                # A broken connection may have lost the reply to a committed claim; on a live one
+                # the server reported the error, so the statement rolled back.
+                lost = conn.broken or conn.closed
+                self._drop("claim_conn")
+                if not lost:
+                    raise
+                return self._recover_lost_claim(handler, row_id, token, backend)
+            break
         if isinstance(claimed, store.delivery.Aged):
             logger.warning(
                 "outbox row %s -> unknown: %s",
@@ -872,12 +935,16 @@ class Deliverer:
     ) -> DeliveryResult:
         """A payload newer than this worker's handler (new writers deployed before the workers):
         released, no attempt spent, due again in a while for a newer worker."""
-        released = store.delivery.release(
-            self._conn("claim_conn"),
-            row_id=claimed.id,
-            token=claimed.token,
-            reason=reason,
-            retry_after_seconds=payloads.NEWER_PAYLOAD_RETRY_SECONDS,
+        released = self._waiting_for_locks(
+            "claim_conn",
+            claimed.id,
+            lambda conn: store.delivery.release(
+                conn,
+                row_id=claimed.id,
+                token=claimed.token,
+                reason=reason,
+                retry_after_seconds=payloads.NEWER_PAYLOAD_RETRY_SECONDS,
+            ),
         )
         if released is None:
             return DeliveryResult.EMPTY
@@ -902,7 +969,11 @@ class Deliverer:
         return DeliveryResult.RELEASED
 
     def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> DeliveryResult:
-        released = store.delivery.release(self._conn("claim_conn"), row_id=row_id, token=token, reason=reason)
+        released = self._waiting_for_locks(
+            "claim_conn",
+            row_id,
+            lambda conn: store.delivery.release(conn, row_id=row_id, token=token, reason=reason),
+        )
         if released is None:
             logger.warning(
                 "outbox row %s: claim not released, it no longer owns the row (%s)",
@@ -999,7 +1070,9 @@ class Deliverer:
         outcome = decision.outcome.value if nxt.state != "failed" or ambiguous else "failed"
         # Claims before records, never the other way round: no two threads wait on each other.
         self._put_back("claim_conn")
-        for attempt in range(3):
+        locked = _LockWait(claimed.id)
+        attempt = 0
+        while True:
             try:
                 return store.delivery.record(
                     self._conn("record_conn"),
@@ -1016,12 +1089,17 @@ class Deliverer:
                     refund_attempt=refund,
                     follow=follow,
                 )
+            except psycopg.errors.LockNotAvailable:
+                # Rolled back, the connection fine: wait for the row without it. A record later
+                # than the lease is still this claim's (it settles nothing a newer claim owns).
+                self._put_back("record_conn")
+                locked.pause(claimed.destination, "record")
             except psycopg.OperationalError:
                 self._drop("record_conn")
-                if attempt == 2:
+                attempt += 1
+                if attempt == 3:
                     raise
-                time.sleep(0.2 * (attempt + 1))
-        raise AssertionError("unreachable")
+                time.sleep(0.2 * attempt)
 
 
 def delivery_for(
