@@ -158,6 +158,12 @@ class _Call:
         #: Requests ``d.http`` began during the call.
         self.requests = 0
 
+    def note_state(self) -> None:
+        """Keep what ``d.http`` noted of the call, read in the context (thread or task) that ran it."""
+        self.http_status = last_response_status()
+        self.retry_after = last_retry_after()
+        self.requests = requests_begun()
+
 
 class _CallThread:
     """Runs the handler calls of one worker thread, so that the worker can stop waiting for a
@@ -203,9 +209,7 @@ class _CallThread:
                 except BaseException as exc:
                     call.error = exc
                 finally:
-                    call.http_status = last_response_status()
-                    call.retry_after = last_retry_after()
-                    call.requests = requests_begun()
+                    call.note_state()
                     set_send_bound(None)
                 call.done.set()
         except _Abandoned:
@@ -243,9 +247,7 @@ async def _task(call: _Call) -> None:
     except BaseException as exc:
         call.error = exc
     finally:
-        call.http_status = last_response_status()
-        call.retry_after = last_retry_after()
-        call.requests = requests_begun()
+        call.note_state()
 
 
 class _Pool:

@@ -256,12 +256,7 @@ def declare_handlers(
 
 
 def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: float, lease: float) -> None:
-    if dest.asynchronous:
-        _declare_async(dest, provider_url, tracker, time_limit, lease)
-        return
-
-    @outbox.handler(
-        dest.name,
+    options: dict[str, Any] = dict(
         time_limit=time_limit,
         max_attempts=dest.max_attempts,
         backoff=(0.5, 1.0),
@@ -274,6 +269,11 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
         # would wait for an operator's skip, which the schedules do not always make).
         on_failed_head="skip",
     )
+    if dest.asynchronous:
+        _declare_async(dest, provider_url, tracker, options)
+        return
+
+    @outbox.handler(dest.name, **options)
     def charge(d: outbox.Delivery) -> Any:
         checkpoint("before_post")
         processing = tracker.processing_seconds
@@ -288,11 +288,7 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
             finally:
                 tracker.post_ended(d)
         checkpoint("after_post")
-        if r.status_code == 402:
-            raise outbox.PermanentError("card declined")
-        r.raise_for_status()
-        body = r.json()
-        return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+        return _charged(r)
 
     if dest.chained:
         # issue 14: a confirmed charge writes its next step, a certainly failed one its
@@ -304,31 +300,17 @@ def _declare(dest: Destination, provider_url: str, tracker: Any, time_limit: flo
 
         @charge.lookup
         def find(d: outbox.Delivery) -> outbox.Confirmed | None:
-            r = d.http.get(f"{provider_url}/charges", params={"idempotency_key": d.idempotency_key})
-            if r.status_code == 404:
-                return None
-            r.raise_for_status()
-            body = r.json()
-            return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+            return _found(
+                d.http.get(f"{provider_url}/charges", params={"idempotency_key": d.idempotency_key})
+            )
 
 
-def _declare_async(
-    dest: Destination, provider_url: str, tracker: Any, time_limit: float, lease: float
-) -> None:
+def _declare_async(dest: Destination, provider_url: str, tracker: Any, options: dict[str, Any]) -> None:
     """The async twin: its call and lookup run on the event loop's thread, where no run is bound,
     so the harness's own checkpoints fire around it (claim, call, record) on the worker's thread,
     not inside it; the provider's tracker still sees each request start and end."""
 
-    @outbox.handler(
-        dest.name,
-        time_limit=time_limit,
-        max_attempts=dest.max_attempts,
-        backoff=(0.5, 1.0),
-        idempotent=False,
-        lease_seconds=lease,
-        breaker=dest.breaker,
-        on_failed_head="skip",
-    )
+    @outbox.handler(dest.name, **options)
     async def charge(d: outbox.Delivery) -> outbox.Confirmed:
         tracker.post_started(d)
         try:
@@ -337,20 +319,33 @@ def _declare_async(
             )
         finally:
             tracker.post_ended(d)
-        if r.status_code == 402:
-            raise outbox.PermanentError("card declined")
-        r.raise_for_status()
-        body = r.json()
-        return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+        return _charged(r)
 
-    @charge.lookup
-    async def find(d: outbox.Delivery) -> outbox.Confirmed | None:
-        r = await d.http.get(f"{provider_url}/charges", params={"idempotency_key": d.idempotency_key})
-        if r.status_code == 404:
-            return None
-        r.raise_for_status()
-        body = r.json()
-        return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
+    if dest.lookup:
+
+        @charge.lookup
+        async def find(d: outbox.Delivery) -> outbox.Confirmed | None:
+            return _found(
+                await d.http.get(f"{provider_url}/charges", params={"idempotency_key": d.idempotency_key})
+            )
+
+
+def _charged(r: Any) -> outbox.Confirmed:
+    """The provider's answer to a charge, as every test handler reads it."""
+    if r.status_code == 402:
+        raise outbox.PermanentError("card declined")
+    return _confirmed(r)
+
+
+def _found(r: Any) -> outbox.Confirmed | None:
+    """The provider's answer to a lookup: 404, no charge with that key."""
+    return None if r.status_code == 404 else _confirmed(r)
+
+
+def _confirmed(r: Any) -> outbox.Confirmed:
+    r.raise_for_status()
+    body = r.json()
+    return outbox.Confirmed(ref=body["id"], response={"id": body["id"], "status": body.get("status")})
 
 
 def _post_still_processing(d: outbox.Delivery, provider_url: str, tracker: Any, seconds: float) -> Any:
