@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from typing import Any
 
 import httpx
@@ -248,6 +248,26 @@ async def _task(call: _Call) -> None:
         call.error = exc
     finally:
         call.note_state()
+
+
+class _CallAsked:
+    """What a delivery run asks of its driver before it goes on: this handler's call for this
+    claimed row, bounded from ``sent_at`` (Deliverer._call or Deliverer._call_on_loop)."""
+
+    __slots__ = ("claimed", "handler", "sent_at")
+
+    def __init__(self, handler: Handler, claimed: store.delivery.Claimed, sent_at: float) -> None:
+        self.handler = handler
+        self.claimed = claimed
+        self.sent_at = sent_at
+
+
+#: A delivery run (Deliverer._steps): yields the call it needs, is sent the call's decision (and
+#: the provider's last HTTP status), returns the run's result.
+_Steps = Generator[_CallAsked, tuple["Decision | _NotCalled", "int | None"], "DeliveryResult"]
+#: Runs a blocking function on a thread and awaits its result (the worker's claim and record
+#: threads: outbox.runner).
+InThread = Callable[..., Awaitable[Any]]
 
 
 class _Pool:
@@ -482,16 +502,52 @@ class Deliverer:
     # -- the run -------------------------------------------------------------------------------
 
     def deliver(self, row_id: int, destination: str) -> DeliveryResult:
-        observed = self._local.observed = metrics.Observed()
+        """One delivery run on the calling thread, its call included (an async handler's call as
+        a task on the process's event loop, this thread waiting for it)."""
+        observed = metrics.Observed()
+        steps = self._steps(row_id, destination, observed)
         try:
-            result = self._deliver(row_id, destination)
+            step = next(steps)
+            while True:
+                step = steps.send(self._call(step.handler, step.claimed, step.sent_at))
+        except StopIteration as done:
+            result: DeliveryResult = done.value
         finally:
             self._put_back("claim_conn", "record_conn")
         # Counted once the outcome is recorded, and never raising: see metrics.never_raises.
         metrics.count_delivery(destination, result.value, observed)
         return result
 
-    def _deliver(self, row_id: int, destination: str) -> DeliveryResult:
+    async def deliver_async(self, row_id: int, destination: str, in_thread: InThread) -> DeliveryResult:
+        """One delivery run as a task of the event loop, for an async handler: the claim and the
+        record run on a thread ``in_thread`` gives them (they block on the database), the call
+        on the loop itself, so a call in flight holds no thread and no connection."""
+        observed = metrics.Observed()
+        steps = self._steps(row_id, destination, observed)
+        step = await in_thread(self._advance, steps, None)
+        while isinstance(step, _CallAsked):
+            called = await self._call_on_loop(step.handler, step.claimed, step.sent_at)
+            step = await in_thread(self._advance, steps, called)
+        metrics.count_delivery(destination, step.value, observed)
+        return step
+
+    def _advance(
+        self, steps: _Steps, called: tuple[Decision | _NotCalled, int | None] | None
+    ) -> _CallAsked | DeliveryResult:
+        """Run ``steps`` on this thread to the call it asks for or to its result, then give the
+        thread's connections back: the next step may run on another thread."""
+        try:
+            return next(steps) if called is None else steps.send(called)
+        except StopIteration as done:
+            result: DeliveryResult = done.value
+            return result
+        finally:
+            self._put_back("claim_conn", "record_conn")
+
+    def _steps(self, row_id: int, destination: str, observed: metrics.Observed) -> _Steps:
+        """The delivery run up to its call (the claim and what is decided before a call), then,
+        sent the call's decision, the rest (the verdict, the record and the aftercare): a
+        generator, so that the thread that claims need not be the one that records, nor wait."""
         if self._halted():
             # Nothing claimed, nothing written: the row stays `dispatched`, and the reconciler
             # re-queues it once an operator accepted the new database history.
@@ -579,7 +635,6 @@ class Deliverer:
 
         claimed_at = time.monotonic()
         held = claimed_at - sent_at
-        observed: metrics.Observed = self._local.observed
         observed.since_published_seconds = claimed.since_published_seconds
         observed.since_written_seconds = claimed.since_written_seconds
         observed.written_to_published_seconds = claimed.written_to_published_seconds
@@ -645,12 +700,14 @@ class Deliverer:
                     "lookup decides",
                 )
         else:
-            called = self._call(handler, claimed, sent_at)
+            # Not held across the call: another delivery's claim or record may use them meanwhile.
+            self._put_back("claim_conn", "record_conn")
+            called, http_status = yield _CallAsked(handler, claimed, sent_at)
             if isinstance(called, _NotCalled):
                 return self._release(handler, claimed.id, claimed.token, called.reason)
             decision = called
             observed.called = True
-            observed.http_status = self._local.http_status
+            observed.http_status = http_status
             observed.call_seconds = time.monotonic() - claimed_at
         failpoint("after_call")
 
@@ -748,33 +805,79 @@ class Deliverer:
 
     def _call(
         self, handler: Handler, claimed: store.delivery.Claimed, sent_at: float
-    ) -> Decision | _NotCalled:
-        """The call's decision, or why it was not a call: the start check passed, but a pause
-        since (SIGSTOP, a VM stall, a starved thread) took the process past the last instant a
-        call may start, so its lease may already be running out; or its only request waited
-        for a connection of the client's pool past the pool timeout, so nothing was sent.
+    ) -> tuple[Decision | _NotCalled, int | None]:
+        """The call on this thread (an async handler's as a task this thread waits for): its
+        decision, or why it was not a call; and the provider's last HTTP status in it, for the
+        metrics (None: no answer).
+
+        Why it may not be a call: the start check passed, but a pause since (SIGSTOP, a VM
+        stall, a starved thread) took the process past the last instant a call may start, so
+        its lease may already be running out; or its only request waited for a connection of
+        the client's pool past the pool timeout, so nothing was sent.
 
         Both bounds count from ``sent_at`` (when the claim was sent) on this process's monotonic
         clock, like the start check: the call starts no later than ``time_limit`` plus the start
         margin before the lease ends, and is given up (and ``d.http`` sends nothing more) at its
         deadline or half the start margin before the lease ends, whichever comes first."""
-        # Not held across the call: another thread's claim or record may use it meanwhile.
-        self._put_back("claim_conn", "record_conn")
         asynchronous = handler.is_async
         caller = None if asynchronous else self._caller()
         deliveries = self.async_deliveries if caller is None else caller.deliveries
-        delivery = delivery_for(claimed, handler, deliveries, asynchronous=asynchronous)
+        bounded = self._bounded(handler, claimed, sent_at, deliveries)
+        if isinstance(bounded, _NotCalled):
+            return bounded, None
+        fn, delivery, start_by, end_by = bounded
+        if caller is None:
+            try:
+                call = _run_async(fn, delivery, start_by=start_by, end_by=end_by)
+            finally:
+                deliveries.give_back(delivery.http)
+        else:
+            call = caller.run(fn, delivery, start_by=start_by, end_by=end_by)
+            if call is None:
+                # Abandoned: that thread ends after it; this thread's next call gets another.
+                self._forget_caller(caller)
+        return self._called(handler, call, sent_at)
+
+    async def _call_on_loop(
+        self, handler: Handler, claimed: store.delivery.Claimed, sent_at: float
+    ) -> tuple[Decision | _NotCalled, int | None]:
+        """:meth:`_call` for an async handler, awaited on the event loop: no thread waits."""
+        deliveries = self.async_deliveries
+        bounded = self._bounded(handler, claimed, sent_at, deliveries)
+        if isinstance(bounded, _NotCalled):
+            return bounded, None
+        fn, delivery, start_by, end_by = bounded
+        running = _Call(fn, delivery, start_by, end_by)
+        task = asyncio.ensure_future(_task(running))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, end_by - time.monotonic()))
+        finally:
+            deliveries.give_back(delivery.http)
+        if not done or task.cancelled():
+            # Stops it at its next await (a request not sent is not sent).
+            task.cancel()
+            return self._called(handler, None, sent_at)
+        # _task keeps the handler's exception in the call; anything else is ours: raise it.
+        task.result()
+        return self._called(handler, running, sent_at)
+
+    def _bounded(
+        self, handler: Handler, claimed: store.delivery.Claimed, sent_at: float, deliveries: Deliveries
+    ) -> tuple[Callable[[Any], Any], Delivery, float, float] | _NotCalled:
+        """The function to call, its argument, and the instants it may start by and must end by;
+        or, past the start bound already, why it is not a call."""
+        delivery = delivery_for(claimed, handler, deliveries, asynchronous=handler.is_async)
         start_by = sent_at + handler.lease_seconds - handler.time_limit - handler.start_margin_seconds
         now = time.monotonic()
         if now > start_by:
-            if caller is None:
+            if handler.is_async:
                 deliveries.give_back(delivery.http)
             return self._not_started(handler, sent_at)
         end_by = min(
             now + handler.call_deadline_seconds,
             sent_at + handler.lease_seconds - handler.start_margin_seconds / 2,
         )
-        fn: Callable[[Any], Any] = handler.fn if asynchronous else handler
+        fn: Callable[[Any], Any] = handler.fn if handler.is_async else handler
         if tracing.active():
             fn = tracing.in_span(
                 fn,
@@ -785,38 +888,34 @@ class Deliverer:
                 step=claimed.step,
                 attempt=claimed.attempt,
             )
-        if caller is None:
-            try:
-                call = _run_async(fn, delivery, start_by=start_by, end_by=end_by)
-            finally:
-                deliveries.give_back(delivery.http)
-        else:
-            call = caller.run(fn, delivery, start_by=start_by, end_by=end_by)
-        # For the metrics only: the provider's last HTTP status in this call (None: no answer).
-        self._local.http_status = call.http_status if call is not None else None
+        return fn, delivery, start_by, end_by
+
+    def _called(
+        self, handler: Handler, call: _Call | None, sent_at: float
+    ) -> tuple[Decision | _NotCalled, int | None]:
+        """What a finished call (None: abandoned at its end bound) decides."""
         if call is None:
             # Its late result, if any, is ignored: the outcome is recorded now, inside the lease.
-            if caller is not None:
-                self._forget_caller(caller)
             return Decision(
                 Outcome.UNKNOWN,
                 error=f"the handler hit its time limit ({handler.time_limit:g} s); the call was "
                 "abandoned and may have taken effect",
-            )
+            ), None
         if isinstance(call.error, _NotStarted):
-            return self._not_started(handler, sent_at)
+            return self._not_started(handler, sent_at), call.http_status
         if isinstance(call.error, httpx.PoolTimeout) and call.requests <= 1 and call.http_status is None:
             # Its only request never left the pool: nothing reached the provider, and the wait
             # was ours, not the provider's; no attempt, no breaker count.
             return _NotCalled(
                 "released without a call: no connection of the provider client's pool came free "
                 f"within its pool timeout ({handler.timeouts().pool:g} s); no request was sent"
-            )
+            ), None
         if call.error is not None:
-            return decide_exception(
+            decision = decide_exception(
                 handler, call.error, last_status=call.http_status, last_retry_after=call.retry_after
             )
-        return decide_result(call.result)
+            return decision, call.http_status
+        return decide_result(call.result), call.http_status
 
     @staticmethod
     def _not_started(handler: Handler, sent_at: float) -> _NotCalled:
