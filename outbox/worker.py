@@ -1,8 +1,9 @@
-"""``outbox worker``: a Dramatiq worker whose one actor runs :class:`~outbox.consumer.Deliverer`.
+"""``outbox worker``: one process fetching Dramatiq messages (outbox.runner) and running each
+as a delivery (outbox.consumer.Deliverer); or a supervisor of several such processes.
 
 One queue per destination, so a slow provider does not block the others. Dramatiq's retries are
-off: retries live in the row (`pending` + `available_at`). The ack happens when the actor
-returns, i.e. after the outcome was recorded.
+off: retries live in the row (`pending` + `available_at`). The ack happens after the outcome was
+recorded.
 """
 
 from __future__ import annotations
@@ -16,11 +17,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
-import dramatiq
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.middleware import CurrentMessage, Middleware
 
 from . import middleware
 from .consumer import Deliverer
@@ -29,8 +27,9 @@ from .failover import FailoverGuard
 from .handlers import Handler, close_http_clients
 from .heartbeat import Heartbeat
 from .probes import Liveness
+from .runner import Runner
 from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
-from .transport import ACTOR_NAME, Broker
+from .transport import Broker
 
 logger = logging.getLogger(__name__)
 
@@ -39,41 +38,10 @@ def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]
     # No Dramatiq TimeLimit: the deliverer gives each call a total deadline of its own
     # time_limit, and an exception raised into a worker thread at an arbitrary point could land
     # inside a claim or a release, leaving a claim nobody knows about.
-    broker = Broker(url=redis_url, namespace=namespace, middleware=[CurrentMessage()])
-    for extra in middleware.added():  # the user's (outbox.worker_middleware), after ours
+    broker = Broker(url=redis_url, namespace=namespace, middleware=[])
+    for extra in middleware.added():  # the user's (outbox.worker_middleware)
         broker.add_middleware(extra)
     return broker
-
-
-class _WarmThreads(Middleware):
-    """Each worker thread opens its connections and starts its call thread as it boots, before
-    it takes a message (outbox.consumer.Deliverer.warm_thread)."""
-
-    def __init__(self, deliverer: Deliverer) -> None:
-        self.deliverer = deliverer
-
-    def after_worker_thread_boot(self, broker: Any, thread: Any) -> None:
-        self.deliverer.warm_thread()
-
-
-def declare(broker: RedisBroker, deliverer: Deliverer, destinations: Sequence[str]) -> None:
-    def outbox_deliver(*args: Any) -> None:
-        message = CurrentMessage.get_current_message()
-        queue = message.queue_name if message is not None else None
-        if len(args) != 1 or not isinstance(args[0], int) or isinstance(args[0], bool) or not queue:
-            # A message we did not write (older/newer deploy, hand-made): drop it, keep working.
-            logger.error(
-                "dropping malformed outbox message on queue %r: args=%r",
-                queue,
-                args[:3],
-                extra={"queue": queue},
-            )
-            return
-        deliverer.deliver(args[0], queue)
-
-    dramatiq.actor(actor_name=ACTOR_NAME, queue_name=destinations[0], broker=broker)(outbox_deliver)
-    for destination in destinations:
-        broker.declare_queue(destination)
 
 
 def run_worker(
@@ -85,12 +53,13 @@ def run_worker(
     queues: Sequence[str] | None,
     concurrency: int,
     stop: threading.Event,
+    slots_per_destination: int | None = None,
     heartbeat_interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
     liveness: Liveness | None = None,
 ) -> int:
     """Run one worker process until ``stop`` is set; finishes the messages in hand. While it
     runs, its heartbeat (queues served, clock) is recorded in the database, and ``liveness`` is
-    beaten while Dramatiq's consumer and worker threads are all alive."""
+    beaten while its fetch and delivery threads (and event loop) are all alive."""
     destinations = list(queues or sorted(handlers))
     unknown = [q for q in destinations if q not in handlers]
     if unknown:
@@ -98,33 +67,40 @@ def run_worker(
     broker = build_broker(redis_url, namespace, handlers)
     guard = FailoverGuard(database_url, process="worker").start()
     deliverer = Deliverer(database_url, handlers, failover_guard=guard, concurrency=concurrency)
-    declare(broker, deliverer, destinations)
-    broker.add_middleware(_WarmThreads(deliverer))
     # What Dramatiq's own CLI does once per process.
     broker.emit_after("process_boot")
-    # A thread per call in flight: Dramatiq's worker threads each run one delivery, an async
-    # handler's as a task on the process's event loop while the thread waits for it. Each queue
-    # prefetches Dramatiq's default, twice as many messages as threads: prefetching only as
-    # many cost 10% more CPU per delivery at the steady state's highest rate (bench/README).
-    worker = dramatiq.Worker(broker, queues=set(destinations), worker_threads=concurrency)
-    worker.start()
+    runner = Runner(
+        broker,
+        deliverer,
+        handlers,
+        destinations,
+        concurrency=concurrency,
+        slots_per_destination=slots_per_destination,
+    )
+    runner.start()
     heartbeat = start_heartbeat(database_url, destinations, heartbeat_interval_seconds)
     asynchronous = [d for d in destinations if handlers[d].is_async]
     logger.info(
-        "outbox worker started: queues=%s concurrency=%s async=%s pid=%s",
+        "outbox worker started: queues=%s concurrency=%s slots_per_destination=%s async=%s pid=%s",
         ",".join(destinations),
         concurrency,
+        runner.slots.cap,
         ",".join(asynchronous) or "none",
         os.getpid(),
-        extra={"queues": destinations, "concurrency": concurrency, "async_queues": asynchronous},
+        extra={
+            "queues": destinations,
+            "concurrency": concurrency,
+            "slots_per_destination": runner.slots.cap,
+            "async_queues": asynchronous,
+        },
     )
     try:
         while not stop.wait(0.5):
-            if liveness is not None and _threads_alive(worker):
+            if liveness is not None and runner.alive():
                 liveness.beat()
     finally:
         logger.info("outbox worker stopping: finishing messages in hand")
-        worker.stop(timeout=int(max(h.lease_seconds for h in handlers.values()) * 1000))
+        runner.stop(max(h.lease_seconds for h in handlers.values()))
         heartbeat.stop()
         broker.close()
         # Dramatiq's RedisBroker.close() leaves its pool's sockets for the garbage collector.
@@ -133,11 +109,6 @@ def run_worker(
         guard.stop()
         close_http_clients()
     return 0
-
-
-def _threads_alive(worker: dramatiq.Worker) -> bool:
-    threads = [*getattr(worker, "workers", ()), *getattr(worker, "consumers", {}).values()]
-    return bool(threads) and all(t.is_alive() for t in threads)
 
 
 def start_heartbeat(database_url: str, queues: Sequence[str], interval_seconds: float) -> Heartbeat:

@@ -1,0 +1,349 @@
+"""The worker's loop over Dramatiq's consumers: messages are fetched only for free slots, and
+each runs as a thread's delivery (a sync handler) or as a task of the event loop (an async one).
+
+Dramatiq stays the transport: its message format, its Redis layout, its consumer (fetch, ack,
+requeue) and its heartbeat. What is not Dramatiq's is the loop: Dramatiq's ``Worker`` gives every
+message a thread until its actor returns, also for an ``async def`` actor, so calls in flight
+cost threads. Here:
+
+- A **slot** is one delivery in hand, from fetch to ack. A process has ``concurrency`` of them;
+  a destination may hold at most ``destination_slots`` (:func:`destination_slots`), so a slow
+  provider cannot take every slot from the others.
+- Each queue has one **fetch thread**. It takes a slot, then asks its consumer for a message,
+  fetching from Redis at most as many as there are free slots for its queue (the consumer's
+  ``prefetch`` follows them), and hands the message on. No message waits in this process for a
+  slot longer than it takes another queue to use one.
+- A **sync** handler's delivery runs on one of ``concurrency`` delivery threads, as under
+  Dramatiq (outbox.consumer.Deliverer.deliver).
+- An **async** handler's delivery is a task (Deliverer.deliver_async): its claim and its record
+  run on one of :data:`DATABASE_THREADS` threads, its call on the loop, holding no thread.
+- The **ack** comes last, after the record, on the thread that ran the record; then the slot is
+  free. A message whose delivery raised is acked too (its row stays where the database has it,
+  for the lease and the reconciler), as Dramatiq's ``Worker`` does without its ``Retries``.
+
+Dramatiq middleware (``outbox.worker_middleware``) hears ``process_boot`` (from the worker),
+``worker_thread_boot`` (each delivery thread), ``before/after_process_message`` (on the thread
+that claims, and the one that records) and ``before/after_ack``; no ``consumer_thread_*``,
+``worker_boot`` or ``*_worker_shutdown`` hooks, which name Dramatiq's ``Worker`` and its threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dramatiq.broker import Broker as DramatiqBroker
+from dramatiq.errors import BrokerConnectionError
+from dramatiq.message import Message
+
+from . import aio
+from .consumer import Deliverer
+from .handlers import Handler
+from .transport import ACTOR_NAME
+
+logger = logging.getLogger(__name__)
+
+#: Threads that run the claims and records of async handlers' deliveries: a few more than the
+#: worker's pooled connections (outbox.consumer), so a row lock that pauses some of them
+#: (outbox.consumer.LOCK_WAIT_MS) leaves the others working.
+DATABASE_THREADS = 12
+#: How long a fetch thread waits for a free slot, or Dramatiq's consumer for a message, before it
+#: looks again whether the worker is stopping (seconds).
+FETCH_WAIT_SECONDS = 0.5
+#: Pause between tries of an ack Redis refused (a connection error), as Dramatiq's worker does.
+ACK_RETRY_SECONDS = 1.0
+
+
+def destination_slots(concurrency: int, queues: int) -> int:
+    """The default cap on one destination's slots: all of them for a worker of one queue;
+    three quarters of them (at least one) when it serves several, so a quarter stays for the
+    others however slow one provider is."""
+    return concurrency if queues <= 1 else max(1, concurrency * 3 // 4)
+
+
+class _Slots:
+    """``total`` deliveries in hand at most, ``cap`` of one queue."""
+
+    def __init__(self, total: int, cap: int) -> None:
+        self.total = total
+        self.cap = cap
+        self._free = total
+        self._held: dict[str, int] = {}
+        self._cond = threading.Condition()
+
+    def take(self, name: str, timeout_seconds: float) -> int | None:
+        """Take one slot for queue ``name``; returns how many more it could take now (for the
+        prefetch), or None when none came free within ``timeout_seconds``."""
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._free > 0 and self._held.get(name, 0) < self.cap, timeout_seconds
+            ):
+                return None
+            self._free -= 1
+            held = self._held[name] = self._held.get(name, 0) + 1
+            return min(self._free, self.cap - held)
+
+    def give(self, name: str) -> None:
+        with self._cond:
+            self._free += 1
+            self._held[name] -= 1
+            self._cond.notify_all()
+
+    def in_hand(self) -> int:
+        with self._cond:
+            return self.total - self._free
+
+
+class Runner:
+    """Fetches and runs the deliveries of one worker process (see the module's text)."""
+
+    def __init__(
+        self,
+        broker: DramatiqBroker,
+        deliverer: Deliverer,
+        handlers: Mapping[str, Handler],
+        queues: Sequence[str],
+        *,
+        concurrency: int,
+        slots_per_destination: int | None = None,
+    ) -> None:
+        self.broker = broker
+        self.deliverer = deliverer
+        self.handlers = handlers
+        self.queues = list(queues)
+        self.concurrency = concurrency
+        cap = slots_per_destination or destination_slots(concurrency, len(self.queues))
+        self.slots = _Slots(concurrency, min(cap, concurrency))
+        self._running = threading.Event()
+        self._fetchers: list[threading.Thread] = []
+        self._consumers: dict[str, Any] = {}
+        self._threads: list[threading.Thread] = []
+        self._work: queue.SimpleQueue[tuple[Any, str] | None] = queue.SimpleQueue()
+        self._database: concurrent.futures.ThreadPoolExecutor | None = None
+        self.any_sync = any(not handlers[q].is_async for q in self.queues)
+        self.any_async = any(handlers[q].is_async for q in self.queues)
+
+    # -- life ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._running.set()
+        for name in self.queues:
+            self.broker.declare_queue(name)
+        if self.any_sync:
+            for i in range(self.concurrency):
+                thread = threading.Thread(target=self._deliveries, name=f"outbox-delivery-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        if self.any_async:
+            self._database = concurrent.futures.ThreadPoolExecutor(
+                DATABASE_THREADS, thread_name_prefix="outbox-database"
+            )
+            aio.loop()
+        for name in self.queues:
+            self._consumers[name] = self.broker.consume(
+                queue_name=name, prefetch=1, timeout=int(FETCH_WAIT_SECONDS * 1000)
+            )
+            fetcher = threading.Thread(
+                target=self._fetch, args=(name,), name=f"outbox-fetch-{name}", daemon=True
+            )
+            fetcher.start()
+            self._fetchers.append(fetcher)
+
+    def alive(self) -> bool:
+        """Every fetch and delivery thread running (and the event loop, for async handlers)."""
+        threads = [*self._fetchers, *self._threads]
+        loop_alive = not self.any_async or aio.loop().is_running()
+        return bool(threads) and all(t.is_alive() for t in threads) and loop_alive
+
+    def stop(self, timeout_seconds: float) -> None:
+        """Stop fetching, give back the messages fetched and not begun, and wait up to
+        ``timeout_seconds`` for those in hand: their calls finish and are recorded and acked. A
+        delivery still running then is left to its lease; its message, unacked, to Dramatiq's
+        requeue once this process's Redis heartbeat stops."""
+        self._running.clear()
+        for fetcher in self._fetchers:
+            fetcher.join()
+        for name, consumer in self._consumers.items():
+            self._give_back_fetched(name, consumer)
+        deadline = time.monotonic() + timeout_seconds
+        while self.slots.in_hand() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.slots.in_hand()
+        if left:
+            logger.warning(
+                "outbox worker stopped with %s deliveries still in hand: left to their leases",
+                left,
+                extra={"in_hand": left},
+            )
+        for _ in self._threads:
+            self._work.put(None)
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if self._database is not None:
+            self._database.shutdown(wait=not left, cancel_futures=True)
+        for consumer in self._consumers.values():
+            try:
+                consumer.close()
+            except BrokerConnectionError:
+                pass
+
+    def _give_back_fetched(self, name: str, consumer: Any) -> None:
+        cached, consumer.message_cache = list(consumer.message_cache), []
+        messages = [Message.decode(data) for data in cached if data is not None]
+        if not messages:
+            return
+        try:
+            consumer.requeue(messages)
+        except Exception as exc:
+            # They stay in this process's unacked set: Dramatiq requeues them when its heartbeat stops.
+            logger.warning(
+                "could not give %s fetched messages back to queue %s (%s): Redis requeues them later",
+                len(messages),
+                name,
+                type(exc).__name__,
+                extra={"queue": name, "messages": len(messages)},
+            )
+
+    # -- fetching ------------------------------------------------------------------------------
+
+    def _fetch(self, name: str) -> None:
+        consumer = self._consumers[name]
+        while self._running.is_set():
+            try:
+                self.fetch_once(name, consumer)
+            except BrokerConnectionError as exc:
+                logger.error(
+                    "fetching from queue %s failed (%s); trying again in 1 s",
+                    name,
+                    exc,
+                    extra={"queue": name},
+                )
+                time.sleep(1.0)
+            except Exception:
+                logger.exception(
+                    "fetching from queue %s failed; trying again in 1 s", name, extra={"queue": name}
+                )
+                time.sleep(1.0)
+
+    def fetch_once(self, name: str, consumer: Any) -> bool:
+        """Take a slot and a message for it, and start its delivery; False when there was no
+        free slot or no message within :data:`FETCH_WAIT_SECONDS`."""
+        more = self.slots.take(name, FETCH_WAIT_SECONDS)
+        if more is None:
+            return False
+        started = False
+        try:
+            # The consumer fetches (prefetch - outstanding) when its cache is empty: this slot's
+            # message and one for every other slot free for this queue now.
+            consumer.prefetch = consumer.outstanding_message_count + 1 + more
+            message = next(consumer)
+            if message is None:
+                return False
+            if self.handlers[name].is_async:
+                aio.submit(self._run_task(message, name))
+            else:
+                self._work.put((message, name))
+            started = True
+            return True
+        finally:
+            if not started:
+                self.slots.give(name)
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _deliveries(self) -> None:
+        self.broker.emit_after("worker_thread_boot", self)
+        self.deliverer.warm_thread()
+        try:
+            while (item := self._work.get()) is not None:
+                message, name = item
+                error: BaseException | None = None
+                try:
+                    row_id = self._row_id(message, name)
+                    if row_id is not None:
+                        self.broker.emit_before("process_message", message)
+                        self.deliverer.deliver(row_id, name)
+                except Exception as exc:
+                    error = exc
+                    logger.exception("outbox delivery of message %s failed", message.message_id)
+                self._finish(message, name, error)
+        finally:
+            self.deliverer.close_thread()
+
+    async def _run_task(self, message: Any, name: str) -> None:
+        running = asyncio.get_running_loop()
+
+        def in_thread(fn: Any, *args: Any) -> Any:
+            return running.run_in_executor(self._database, fn, *args)
+
+        error: BaseException | None = None
+        try:
+            row_id = self._row_id(message, name)
+            if row_id is not None:
+                if self.broker.middleware:
+                    await in_thread(self.broker.emit_before, "process_message", message)
+                await self.deliverer.deliver_async(row_id, name, in_thread)
+        except Exception as exc:
+            error = exc
+            logger.exception("outbox delivery of message %s failed", message.message_id)
+        finally:
+            await in_thread(self._finish, message, name, error)
+
+    def _row_id(self, message: Any, name: str) -> int | None:
+        args = message.args
+        if (
+            message.actor_name != ACTOR_NAME
+            or len(args) != 1
+            or not isinstance(args[0], int)
+            or isinstance(args[0], bool)
+        ):
+            # A message we did not write (older/newer deploy, hand-made): drop it, keep working.
+            logger.error(
+                "dropping malformed outbox message on queue %r: actor=%r args=%r",
+                name,
+                message.actor_name,
+                args[:3],
+                extra={"queue": name},
+            )
+            return None
+        row_id: int = args[0]
+        return row_id
+
+    def _finish(self, message: Any, name: str, error: BaseException | None) -> None:
+        """After the record: the middleware's after_process_message, then the ack, then the slot."""
+        try:
+            if self.broker.middleware:
+                if error is None:
+                    self.broker.emit_after("process_message", message, result=None)
+                else:
+                    self.broker.emit_after("process_message", message, exception=error)
+            self._ack(message, name)
+        finally:
+            self.slots.give(name)
+
+    def _ack(self, message: Any, name: str) -> None:
+        consumer = self._consumers[name]
+        while True:
+            try:
+                self.broker.emit_before("ack", message)
+                consumer.ack(message)
+                self.broker.emit_after("ack", message)
+                return
+            except BrokerConnectionError as exc:
+                if not self._running.is_set():
+                    # Stopping: the message, unacked, is requeued by Redis later; its row is settled.
+                    logger.warning("ack of message %s not sent (%s)", message.message_id, exc)
+                    return
+                logger.warning(
+                    "ack of message %s refused (%s); trying again in %.0f s",
+                    message.message_id,
+                    exc,
+                    ACK_RETRY_SECONDS,
+                )
+                time.sleep(ACK_RETRY_SECONDS)
