@@ -714,7 +714,8 @@ def run_outbox(
             wait_for(relay_started, 60, "the relay to start", 0.01)
         relay_ready[relay.pid] = _cpu(psutil.Process(relay.pid))
         if profile:
-            child = next(p for p in _tree(workers.pid) if p.pid != workers.pid)
+            # The first worker process: a child of the supervisor, or the one process itself.
+            child = next((p for p in _tree(workers.pid) if p.pid != workers.pid), psutil.Process(workers.pid))
             spy = subprocess.Popen(
                 [
                     _py_spy(),

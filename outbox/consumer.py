@@ -518,31 +518,45 @@ class Deliverer:
         metrics.count_delivery(destination, result.value, observed)
         return result
 
-    async def deliver_async(self, row_id: int, destination: str, in_thread: InThread) -> DeliveryResult:
+    async def deliver_async(
+        self,
+        row_id: int,
+        destination: str,
+        in_thread: InThread,
+        after: Callable[[DeliveryResult], None] | None = None,
+    ) -> DeliveryResult:
         """One delivery run as a task of the event loop, for an async handler: the claim and the
         record run on a thread ``in_thread`` gives them (they block on the database), the call
-        on the loop itself, so a call in flight holds no thread and no connection."""
+        on the loop itself, so a call in flight holds no thread and no connection. ``after``
+        runs on the record's thread once the run is over (the worker's ack: no second hop)."""
         observed = metrics.Observed()
         steps = self._steps(row_id, destination, observed)
-        step = await in_thread(self._advance, steps, None)
+        step = await in_thread(self._advance, steps, None, after)
         while isinstance(step, _CallAsked):
             called = await self._call_on_loop(step.handler, step.claimed, step.sent_at)
-            step = await in_thread(self._advance, steps, called)
+            step = await in_thread(self._advance, steps, called, after)
         metrics.count_delivery(destination, step.value, observed)
         return step
 
     def _advance(
-        self, steps: _Steps, called: tuple[Decision | _NotCalled, int | None] | None
+        self,
+        steps: _Steps,
+        called: tuple[Decision | _NotCalled, int | None] | None,
+        after: Callable[[DeliveryResult], None] | None,
     ) -> _CallAsked | DeliveryResult:
         """Run ``steps`` on this thread to the call it asks for or to its result, then give the
         thread's connections back: the next step may run on another thread."""
         try:
-            return next(steps) if called is None else steps.send(called)
+            step = next(steps) if called is None else steps.send(called)
         except StopIteration as done:
             result: DeliveryResult = done.value
+            self._put_back("claim_conn", "record_conn")
+            if after is not None:
+                after(result)
             return result
         finally:
             self._put_back("claim_conn", "record_conn")
+        return step
 
     def _steps(self, row_id: int, destination: str, observed: metrics.Observed) -> _Steps:
         """The delivery run up to its call (the claim and what is decided before a call), then,

@@ -282,18 +282,26 @@ class Runner:
         def in_thread(fn: Any, *args: Any) -> Any:
             return running.run_in_executor(self._database, fn, *args)
 
+        finished = False
+
+        def after(result: Any) -> None:
+            nonlocal finished
+            finished = True
+            self._finish(message, name, None)
+
         error: BaseException | None = None
         try:
             row_id = self._row_id(message, name)
             if row_id is not None:
                 if self.broker.middleware:
                     await in_thread(self.broker.emit_before, "process_message", message)
-                await self.deliverer.deliver_async(row_id, name, in_thread)
+                await self.deliverer.deliver_async(row_id, name, in_thread, after)
         except Exception as exc:
             error = exc
             logger.exception("outbox delivery of message %s failed", message.message_id)
         finally:
-            await in_thread(self._finish, message, name, error)
+            if not finished:
+                await in_thread(self._finish, message, name, error)
 
     def _row_id(self, message: Any, name: str) -> int | None:
         args = message.args

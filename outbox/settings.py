@@ -147,6 +147,9 @@ class Settings:
     #: PostgreSQL while another publishes); one when the relay is idle.
     relay_connections: int = DEFAULT_RELAY_CONNECTIONS
     worker_concurrency: int = DEFAULT_WORKER_CONCURRENCY
+    #: Worker: deliveries one destination may hold at once in a process (None: all of
+    #: ``worker_concurrency`` for a worker of one queue, three quarters with several; outbox.runner).
+    worker_slots_per_destination: int | None = None
     #: Reconciler: a `dispatched` row unclaimed for this long is re-queued.
     redispatch_after_seconds: float = DEFAULT_REDISPATCH_AFTER_SECONDS
     #: Reconciler: `sent` and `cancelled` rows older than this are purged.
@@ -205,6 +208,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_RELAY_BATCH_SIZE": "relay_batch_size",
     "OUTBOX_RELAY_CONNECTIONS": "relay_connections",
     "OUTBOX_WORKER_CONCURRENCY": "worker_concurrency",
+    "OUTBOX_WORKER_SLOTS_PER_DESTINATION": "worker_slots_per_destination",
     "OUTBOX_RELAY_GATHER": "relay_gather_seconds",
     "OUTBOX_REDISPATCH_AFTER": "redispatch_after_seconds",
     "OUTBOX_RETENTION": "retention_seconds",
@@ -246,7 +250,7 @@ def _parse(field: dataclasses.Field[Any], name: str, raw: str) -> Any:
         if seconds <= 0:
             raise ConfigError(f"{name}={raw!r} must be greater than zero")
         return seconds
-    if field.type in ("int", int):
+    if field.type in ("int", int, "int | None"):
         try:
             number = int(raw)
         except ValueError:

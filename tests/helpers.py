@@ -93,7 +93,7 @@ def relay_once(services: Any) -> int:
 
 @contextlib.contextmanager
 def worker_thread(
-    services: Any, *, threads: int, handlers: Mapping[str, Any] | None = None
+    services: Any, *, threads: int, handlers: Mapping[str, Any] | None = None, **options: Any
 ) -> Iterator[threading.Thread]:
     """A Dramatiq worker (``run_worker``) on every registered destination, in a thread for the
     duration of the block; on exit it is told to stop and joined (30 s at most)."""
@@ -108,6 +108,7 @@ def worker_thread(
             queues=None,
             concurrency=threads,
             stop=stop,
+            **options,
         ),
     )
     thread.start()

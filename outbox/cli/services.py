@@ -84,6 +84,14 @@ def worker_arguments(p: argparse.ArgumentParser) -> None:
         f"(default $OUTBOX_WORKER_CONCURRENCY or {settings.DEFAULT_WORKER_CONCURRENCY})",
     )
     p.add_argument("--threads", type=int, help="deprecated: the former name of --concurrency")
+    p.add_argument(
+        "--slots-per-destination",
+        type=int,
+        metavar="N",
+        help="deliveries one destination may hold at once in a process, so a slow provider "
+        "leaves slots to the others (default $OUTBOX_WORKER_SLOTS_PER_DESTINATION, else all of "
+        "--concurrency when the worker serves one destination, three quarters with several)",
+    )
     p.add_argument("--queues", nargs="+", metavar="DESTINATION", help="only these destinations")
 
 
@@ -188,6 +196,9 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     database_url = cfg.require_database_url()
     redis_url = cfg.require_redis_url()
     concurrency = worker_concurrency(args, cfg)
+    slots = args.slots_per_destination or cfg.worker_slots_per_destination
+    if args.slots_per_destination is not None and args.slots_per_destination < 1:
+        raise ConfigError(f"--slots-per-destination must be at least 1, got {args.slots_per_destination}")
     if args.processes < 1:
         raise ConfigError(f"--processes must be at least 1, got {args.processes}")
     check_metrics_environment()
@@ -206,6 +217,8 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
             "--concurrency",
             str(concurrency),
         ]
+        if slots is not None:
+            child_argv += ["--slots-per-destination", str(slots)]
         if args.queues:
             child_argv += ["--queues", *args.queues]
         # The children read the resolved settings from their environment, flags included.
@@ -237,6 +250,7 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
             handlers=handlers,
             queues=args.queues,
             concurrency=concurrency,
+            slots_per_destination=slots,
             stop=stop,
             heartbeat_interval_seconds=cfg.heartbeat_interval_seconds,
             liveness=liveness,

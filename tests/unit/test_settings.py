@@ -32,6 +32,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_RELAY_BATCH_SIZE": ("500", 500, ["abc", "0", "-5", "1.5", "1e3"]),
     "OUTBOX_RELAY_CONNECTIONS": ("4", 4, ["two", "0", "-1", "2.5"]),
     "OUTBOX_WORKER_CONCURRENCY": ("150", 150, ["many", "0", "-1", "1.5"]),
+    "OUTBOX_WORKER_SLOTS_PER_DESTINATION": ("40", 40, ["half", "0", "-1", "2.5"]),
     "OUTBOX_RELAY_GATHER": ("5ms", 0.005, ["soon", "-1ms", "1w", "5 ms later"]),
     "OUTBOX_REDISPATCH_AFTER": ("15m", 900.0, ["fifteen", "0s", "15 minutes"]),
     "OUTBOX_RETENTION": ("30d", 2592000.0, ["7 days", "0d", "-7d"]),
