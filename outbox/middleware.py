@@ -33,7 +33,10 @@ REFUSED: dict[tuple[str, str], str] = {
         "outbox serves its own metrics (--metrics-port); Dramatiq's Prometheus middleware claims "
         "the multiprocess directory and starts an exporter of its own"
     ),
-    ("dramatiq.middleware.current_message", "CurrentMessage"): "the worker installs it already",
+    ("dramatiq.middleware.current_message", "CurrentMessage"): (
+        "a handler runs on a thread or task of its own, where Dramatiq's current message is never "
+        "set; the Delivery carries what the message named"
+    ),
 }
 
 _lock = threading.Lock()

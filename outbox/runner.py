@@ -77,17 +77,24 @@ class _Slots:
         self._held: dict[str, int] = {}
         self._cond = threading.Condition()
 
-    def take(self, name: str, timeout_seconds: float) -> int | None:
-        """Take one slot for queue ``name``; returns how many more it could take now (for the
-        prefetch), or None when none came free within ``timeout_seconds``."""
+    def _open(self, name: str) -> int:
+        return min(self._free, self.cap - self._held.get(name, 0))
+
+    def free(self, name: str, timeout_seconds: float) -> int:
+        """How many slots queue ``name`` could take now, waiting up to ``timeout_seconds`` for
+        one (0: none came free). Takes none: a fetch that finds no message holds no slot."""
         with self._cond:
-            if not self._cond.wait_for(
-                lambda: self._free > 0 and self._held.get(name, 0) < self.cap, timeout_seconds
-            ):
-                return None
+            self._cond.wait_for(lambda: self._open(name) > 0, timeout_seconds)
+            return max(0, self._open(name))
+
+    def take(self, name: str, timeout_seconds: float) -> bool:
+        """Take one slot for queue ``name``, waiting up to ``timeout_seconds`` for it."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._open(name) > 0, timeout_seconds):
+                return False
             self._free -= 1
-            held = self._held[name] = self._held.get(name, 0) + 1
-            return min(self._free, self.cap - held)
+            self._held[name] = self._held.get(name, 0) + 1
+            return True
 
     def give(self, name: str) -> None:
         with self._cond:
@@ -195,7 +202,10 @@ class Runner:
 
     def _give_back_fetched(self, name: str, consumer: Any) -> None:
         cached, consumer.message_cache = list(consumer.message_cache), []
-        messages = [Message.decode(data) for data in cached if data is not None]
+        self._give_back(name, consumer, [Message.decode(data) for data in cached if data is not None])
+
+    def _give_back(self, name: str, consumer: Any, messages: list[Any]) -> None:
+        """Fetched messages not begun, back to the head of their queue for any worker."""
         if not messages:
             return
         try:
@@ -232,28 +242,29 @@ class Runner:
                 time.sleep(1.0)
 
     def fetch_once(self, name: str, consumer: Any) -> bool:
-        """Take a slot and a message for it, and start its delivery; False when there was no
-        free slot or no message within :data:`FETCH_WAIT_SECONDS`."""
-        more = self.slots.take(name, FETCH_WAIT_SECONDS)
-        if more is None:
+        """Once a slot is free for queue ``name``, a message, then the slot for it, and start its
+        delivery; False when there was no free slot or no message within
+        :data:`FETCH_WAIT_SECONDS`, or the worker is stopping."""
+        free = self.slots.free(name, FETCH_WAIT_SECONDS)
+        if not free:
             return False
-        started = False
-        try:
-            # The consumer fetches (prefetch - outstanding) when its cache is empty: this slot's
-            # message and one for every other slot free for this queue now.
-            consumer.prefetch = consumer.outstanding_message_count + 1 + more
-            message = next(consumer)
-            if message is None:
+        # The consumer fetches (prefetch - outstanding) when its cache is empty: a message for
+        # every slot free for this queue now. No slot is held meanwhile: an empty queue's long
+        # poll must not keep one from the other queues.
+        consumer.prefetch = consumer.outstanding_message_count + free
+        message = next(consumer)
+        if message is None:
+            return False
+        # Another queue may have taken the slot since: this one message waits for the next.
+        while not self.slots.take(name, FETCH_WAIT_SECONDS):
+            if not self._running.is_set():
+                self._give_back(name, consumer, [message])
                 return False
-            if self.handlers[name].is_async:
-                aio.submit(self._run_task(message, name))
-            else:
-                self._work.put((message, name))
-            started = True
-            return True
-        finally:
-            if not started:
-                self.slots.give(name)
+        if self.handlers[name].is_async:
+            aio.submit(self._run_task(message, name))
+        else:
+            self._work.put((message, name))
+        return True
 
     # -- running -------------------------------------------------------------------------------
 

@@ -213,6 +213,7 @@ class _State:
         self._lock = threading.Lock()
         self._baseline = baseline
         self._rng = random.Random()
+        self._in_flight = 0
         self._clear()
 
     def _clear(self) -> None:
@@ -231,6 +232,8 @@ class _State:
         self._deduplicated = 0
         self._declined = 0
         self._faults: dict[str, int] = dict.fromkeys(FAULT_MODES, 0)
+        #: The most charges served at once since the reset (the requests in flight are not reset).
+        self._most_in_flight = self._in_flight
 
     def config(self) -> _Config:
         with self._lock:
@@ -266,7 +269,17 @@ class _State:
                 "double_charged": sorted(k for k, n in self._effects.items() if n > 1),
                 "faults": dict(self._faults),
                 "traceparents": dict(self._traceparents),
+                "most_in_flight": self._most_in_flight,
             }
+
+    def enter(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+            self._most_in_flight = max(self._most_in_flight, self._in_flight)
+
+    def leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
 
     def count_request(self) -> None:
         with self._lock:
@@ -473,6 +486,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _post_charge(self) -> None:
         state = self._server.state
         state.count_request()
+        state.enter()
+        try:
+            self._charge(state)
+        finally:
+            state.leave()
+
+    def _charge(self, state: _State) -> None:
         config = state.config()
         if self._sleep(config.latency_ms / 1000):
             self._drop()
@@ -688,7 +708,8 @@ class ProviderSimulator:
         Keys: ``effects`` (key -> charges made), ``charges`` (sum of effects), ``requests``
         (``POST /charges`` received), ``deduplicated``, ``declined``, ``double_charged``
         (sorted keys with more than one effect), ``faults`` (mode -> times injected) and
-        ``traceparents`` (key -> the last ``traceparent`` header a charge carried).
+        ``traceparents`` (key -> the last ``traceparent`` header a charge carried) and
+        ``most_in_flight`` (the most charge requests it was serving at once).
         """
         return self._state.stats()
 

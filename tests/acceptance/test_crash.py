@@ -178,3 +178,41 @@ def test_workers_killed_every_half_second_charge_each_key_once(clean, engine, pr
     assert stats["double_charged"] == []
     assert stats["charges"] == n
     assert len(stats["effects"]) == n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs", ["async"], indirect=True)
+def test_async_workers_killed_with_200_calls_in_flight_charge_each_key_once(clean, engine, provider, procs):
+    """Async handlers, four workers of 50 slots against a provider answering after 300 ms, so
+    that about 200 calls are in flight when a worker is SIGKILLed (with 50 of them) every
+    half second: every key charged once, every row sent."""
+    n = 3000
+    provider.configure(latency_ms=300)
+    write_orders(engine, n)
+    procs.relay()
+    procs.reconciler()
+    workers = [procs.worker(threads=50) for _ in range(4)]
+    rng = random.Random(7)
+    kills = 0
+    wait_for(lambda: provider.stats()["most_in_flight"] >= 150, 60, "150 calls in flight")
+    chaos_until = time.monotonic() + 15
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if time.monotonic() < chaos_until:
+            i = rng.randrange(len(workers))
+            kill(workers[i])
+            kills += 1
+            workers[i] = procs.worker(threads=50)
+            time.sleep(0.5)
+        else:
+            time.sleep(0.5)
+        if states(clean).get("sent", 0) == n:
+            break
+    final = states(clean)
+    stats = provider.stats()
+    assert kills >= 10, "chaos did not run long enough to mean anything"
+    assert final == {"sent": n}, f"{final}\n{procs.logs()}"
+    assert stats["double_charged"] == []
+    assert stats["charges"] == n
+    assert len(stats["effects"]) == n
+    assert stats["most_in_flight"] >= 150

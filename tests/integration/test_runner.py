@@ -190,3 +190,25 @@ def test_async_calls_in_flight_hold_no_thread_each(clean, engine):
     # The worker's own threads (fetch, heartbeat, failover guard, the database threads, the loop)
     # and the test's: far fewer than the hundred calls that were in flight.
     assert threads_seen and threads_seen[0] - before <= runner.DATABASE_THREADS + 8
+
+
+@pytest.mark.timeout(90)
+def test_one_slot_serves_every_destination(clean, engine):
+    """A worker of one slot and three destinations: a queue polled empty holds no slot, so
+    the one slot goes round. (Holding it through an empty queue's long poll, one fetch thread
+    kept it: the other destinations' rows waited for ever.)"""
+    for destination in ("payments.charge", "mail.send", "sms.send"):
+
+        @outbox.handler(destination, time_limit=5)
+        def send(d: outbox.Delivery) -> outbox.Confirmed:
+            return outbox.Confirmed(ref=f"r_{d.payload['i']}")
+
+    for destination in ("payments.charge", "mail.send", "sms.send"):
+        write(engine, destination, 5)
+    assert relay_once(clean) == 15
+    with worker_thread(clean, threads=1):
+        wait_for(
+            lambda: all(sent(clean, d) == 5 for d in ("payments.charge", "mail.send", "sms.send")),
+            30,
+            "every destination's rows sent through one slot",
+        )
