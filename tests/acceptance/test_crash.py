@@ -186,7 +186,7 @@ def test_async_workers_killed_with_200_calls_in_flight_charge_each_key_once(clea
     """Async handlers, four workers of 50 slots against a provider answering after 300 ms, so
     that about 200 calls are in flight when a worker is SIGKILLed (with 50 of them) every
     half second: every key charged once, every row sent."""
-    n = 3000
+    n = 1500
     provider.configure(latency_ms=300)
     write_orders(engine, n)
     procs.relay()
