@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import psycopg
 
-from . import aio, breaker, chains, db, logs, metrics, outcomes, pauses, payloads, policy, store, tracing
+from . import aio, breaker, chains, db, logs, metrics, pauses, payloads, policy, store, tracing
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -345,6 +345,111 @@ class _LockWait:
         self.delay = min(self.delay * 2, LOCK_RETRY_SECONDS[1])
 
 
+class _Release:
+    """Pre-flight: give the claim back without a call (not an attempt), for ``reason``."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class _LeaveForNewer(_Release):
+    """Pre-flight: the payload is newer than this handler; left for a newer release's worker."""
+
+    __slots__ = ()
+
+
+class _Settle:
+    """Pre-flight: no call; the row is settled by ``decision`` (and ``move``, where it goes other
+    than by the handler's policy)."""
+
+    __slots__ = ("decision", "move")
+
+    def __init__(self, decision: Decision, move: Move | None = None) -> None:
+        self.decision = decision
+        self.move = move
+
+
+class _Verdict:
+    """Where the run's outcome moves the row (Deliverer._verdict)."""
+
+    __slots__ = ("health", "move", "plan", "refund")
+
+    def __init__(self, health: policy.Health, refund: bool, move: Move, plan: chains.Plan) -> None:
+        self.health = health
+        self.refund = refund
+        self.move = move
+        self.plan = plan
+
+
+def preflight(
+    handler: Handler, claimed: store.delivery.Claimed, *, held_seconds: float
+) -> _Release | _Settle | None:
+    """What a claimed row gets before any call, from the row as claimed and the handler alone (no
+    I/O): None, a call; a release (the claim took too much of its lease; a payload newer than
+    this handler); or a settlement without a call (deadline passed, a key no header can carry,
+    a payload the handler's model refuses), failed, or unknown where an earlier call may have
+    taken effect (the claim says)."""
+    left = handler.lease_seconds - held_seconds
+    if left < handler.time_limit + handler.start_margin_seconds:
+        return _Release(
+            f"released without a call: the claim took {held_seconds:.1f} s (a lock or commit wait), "
+            f"leaving {left:.1f} s of its {handler.lease_seconds:g} s lease; a call needs "
+            f"{handler.time_limit:g} s + {handler.start_margin_seconds:g} s"
+        )
+    if claimed.payload_version > handler.payload_version:
+        # Also for a handler without a model: it was written for code this worker is not.
+        return _LeaveForNewer(
+            f"payload version {claimed.payload_version} of {claimed.destination} is newer than this "
+            f"handler's ({handler.payload_version}): left for a worker running the newer release"
+        )
+    invalid: str | None = None
+    if handler.checks_payloads:
+        try:
+            handler.prepare(claimed.payload, claimed.payload_version)
+        except payloads.PayloadInvalid as exc:
+            invalid = str(exc)
+    if claimed.deadline_passed:
+        decision = Decision(Outcome.FAILED, error="deadline passed before the call")
+        if claimed.earlier_call:
+            # Not failed: an earlier call (an idempotent destination's ambiguous one, retried)
+            # may have charged. No call now; the lookup, or a human, decides.
+            why = "deadline passed before the call; an earlier call may have taken effect: the lookup decides"
+            return _Settle(decision, Move("unknown", 0.0, why))
+        return _Settle(decision)
+    if not header_safe(idempotency_key(claimed.key, claimed.step)):
+        # Only rows written before `write` refused such keys get here. Failing before the call
+        # is certain and clear; the call could only fail to encode its header, and go `unknown`
+        # for lookups that cannot name it either.
+        return _Settle(
+            Decision(
+                Outcome.FAILED,
+                error=(
+                    f"key {claimed.key!r} cannot be sent as an Idempotency-Key header (not printable "
+                    "ASCII); no call was made. Write the operation again under an ASCII key"
+                ),
+            )
+        )
+    if invalid is not None:
+        # No call now, and the same payload would fail the same way: final. Certain only when no
+        # earlier call may have charged (a model deployed between an ambiguous call and its
+        # retry): else `unknown`, for the lookup, like a deadline passed.
+        decision = Decision(Outcome.FAILED, error=f"{invalid}; no call was made")
+        if claimed.earlier_call:
+            return _Settle(
+                decision,
+                Move(
+                    "unknown",
+                    0.0,
+                    f"{invalid}; no call was made, but an earlier call may have taken effect: the "
+                    "lookup decides",
+                ),
+            )
+        return _Settle(decision, Move("failed", 0.0, decision.error))
+    return None
+
+
 class Deliverer:
     """Runs deliveries for the handlers of one deploy; one instance is shared by all threads.
     (Not ``Consumer``: Dramatiq has its own, which fetches the messages this one is given.)
@@ -559,9 +664,54 @@ class Deliverer:
         return step
 
     def _steps(self, row_id: int, destination: str, observed: metrics.Observed) -> _Steps:
-        """The delivery run up to its call (the claim and what is decided before a call), then,
-        sent the call's decision, the rest (the verdict, the record and the aftercare): a
-        generator, so that the thread that claims need not be the one that records, nor wait."""
+        """The delivery run up to its call (the claim and the pre-flight), then, sent the call's
+        decision, the rest (the verdict, the record and the aftercare): a generator, so that the
+        thread that claims need not be the one that records, nor wait."""
+        taken = self._take(row_id, destination)
+        if isinstance(taken, DeliveryResult):
+            return taken
+        handler, claimed, sent_at = taken
+        failpoint("after_claim")
+        claimed_at = time.monotonic()
+        observed.since_published_seconds = claimed.since_published_seconds
+        observed.since_written_seconds = claimed.since_written_seconds
+        observed.written_to_published_seconds = claimed.written_to_published_seconds
+        before = preflight(handler, claimed, held_seconds=claimed_at - sent_at)
+        if isinstance(before, _LeaveForNewer):
+            return self._leave_for_newer(handler, claimed, before.reason)
+        if isinstance(before, _Release):
+            return self._release(handler, claimed.id, claimed.token, before.reason)
+        if isinstance(before, _Settle):
+            decision, chosen = before.decision, before.move
+        else:
+            # Not held across the call: another delivery's claim or record may use them meanwhile.
+            self._put_back("claim_conn", "record_conn")
+            called, http_status = yield _CallAsked(handler, claimed, sent_at)
+            if isinstance(called, _NotCalled):
+                return self._release(handler, claimed.id, claimed.token, called.reason)
+            decision, chosen = called, None
+            observed.called = True
+            observed.http_status = http_status
+            observed.call_seconds = time.monotonic() - claimed_at
+        failpoint("after_call")
+        verdict = self._verdict(handler, claimed, decision, chosen, observed)
+        recorded = self._record(
+            claimed,
+            decision,
+            verdict.move,
+            policy.deadline_error(claimed.deadline, verdict.move.error),
+            refund=verdict.refund,
+            follow=verdict.plan,
+        )
+        failpoint("after_record")
+        return self._aftercare(handler, claimed, decision, verdict, recorded, observed)
+
+    def _take(
+        self, row_id: int, destination: str
+    ) -> tuple[Handler, store.delivery.Claimed, float] | DeliveryResult:
+        """The claim: the handler, the claimed row and when the claim was sent (this process's
+        monotonic clock); or the run's result when there is nothing to call (halted after a
+        failover, no handler, the claim's reply lost, the row aged, paused or not claimable)."""
         if self._halted():
             # Nothing claimed, nothing written: the row stays `dispatched`, and the reconciler
             # re-queues it once an operator accepted the new database history.
@@ -645,86 +795,18 @@ class Deliverer:
                 extra={"outbox_id": row_id, "destination": destination, "outbox_run": "empty"},
             )
             return DeliveryResult.EMPTY
-        failpoint("after_claim")
+        return handler, claimed, sent_at
 
-        claimed_at = time.monotonic()
-        held = claimed_at - sent_at
-        observed.since_published_seconds = claimed.since_published_seconds
-        observed.since_written_seconds = claimed.since_written_seconds
-        observed.written_to_published_seconds = claimed.written_to_published_seconds
-        left = handler.lease_seconds - held
-        if left < handler.time_limit + handler.start_margin_seconds:
-            reason = (
-                f"released without a call: the claim took {held:.1f} s (a lock or commit wait), "
-                f"leaving {left:.1f} s of its {handler.lease_seconds:g} s lease; a call needs "
-                f"{handler.time_limit:g} s + {handler.start_margin_seconds:g} s"
-            )
-            return self._release(handler, claimed.id, claimed.token, reason)
-
-        invalid: str | None = None
-        if claimed.payload_version > handler.payload_version:
-            # Also for a handler without a model: it was written for code this worker is not.
-            return self._leave_for_newer(
-                handler,
-                claimed,
-                f"payload version {claimed.payload_version} of {destination} is newer than this "
-                f"handler's ({handler.payload_version}): left for a worker running the newer release",
-            )
-        if handler.checks_payloads:
-            try:
-                handler.prepare(claimed.payload, claimed.payload_version)
-            except payloads.PayloadInvalid as exc:
-                invalid = str(exc)
-
-        # Where the row goes other than by next_state: a deadline-passed row that may have charged,
-        # or a probe not counted as an attempt (None: next_state decides).
-        chosen: Move | None = None
-        if claimed.deadline_passed:
-            decision = Decision(Outcome.FAILED, error="deadline passed before the call")
-            if outcomes.earlier_call_may_have_taken_effect(conn, row_id=claimed.id, token=claimed.token):
-                # Not failed: an earlier call (an idempotent destination's ambiguous one, retried)
-                # may have charged. No call now; the lookup, or a human, decides.
-                why = (
-                    "deadline passed before the call; an earlier call may have taken effect: "
-                    "the lookup decides"
-                )
-                chosen = Move("unknown", 0.0, why)
-        elif not header_safe(idempotency_key(claimed.key, claimed.step)):
-            # Only rows written before `write` refused such keys get here. Failing before the
-            # call is certain and clear; the call could only fail to encode its header, and go
-            # `unknown` for lookups that cannot name it either.
-            decision = Decision(
-                Outcome.FAILED,
-                error=(
-                    f"key {claimed.key!r} cannot be sent as an Idempotency-Key header (not printable "
-                    "ASCII); no call was made. Write the operation again under an ASCII key"
-                ),
-            )
-        elif invalid is not None:
-            # No call now, and the same payload would fail the same way: final. Certain only when
-            # no earlier call may have charged (a model deployed between an ambiguous call and
-            # its retry): else `unknown`, for the lookup, like a deadline passed.
-            decision = Decision(Outcome.FAILED, error=f"{invalid}; no call was made")
-            chosen = Move("failed", 0.0, decision.error)
-            if outcomes.earlier_call_may_have_taken_effect(conn, row_id=claimed.id, token=claimed.token):
-                chosen = Move(
-                    "unknown",
-                    0.0,
-                    f"{invalid}; no call was made, but an earlier call may have taken effect: the "
-                    "lookup decides",
-                )
-        else:
-            # Not held across the call: another delivery's claim or record may use them meanwhile.
-            self._put_back("claim_conn", "record_conn")
-            called, http_status = yield _CallAsked(handler, claimed, sent_at)
-            if isinstance(called, _NotCalled):
-                return self._release(handler, claimed.id, claimed.token, called.reason)
-            decision = called
-            observed.called = True
-            observed.http_status = http_status
-            observed.call_seconds = time.monotonic() - claimed_at
-        failpoint("after_call")
-
+    def _verdict(
+        self,
+        handler: Handler,
+        claimed: store.delivery.Claimed,
+        decision: Decision,
+        chosen: Move | None,
+        observed: metrics.Observed,
+    ) -> _Verdict:
+        """Where the outcome moves the row: the provider's health it showed, whether a probe's
+        attempt is refunded, the move, and the next steps the record writes."""
         health = policy.health(
             called=observed.called,
             outcome=decision.outcome.value,
@@ -741,18 +823,22 @@ class Deliverer:
             chosen = Move(
                 "pending", wait, f"{decision.error} (the breaker's probe: not counted as an attempt)"
             )
-        nxt = chosen or next_state(handler, decision, attempt=claimed.attempt)
-        plan = self._plan(handler, claimed, decision, nxt)
-        recorded = self._record(
-            claimed,
-            decision,
-            nxt,
-            policy.deadline_error(claimed.deadline, nxt.error),
-            refund=refund,
-            follow=plan,
-        )
+        move = chosen or next_state(handler, decision, attempt=claimed.attempt)
+        return _Verdict(health, refund, move, self._plan(handler, claimed, decision, move))
+
+    def _aftercare(
+        self,
+        handler: Handler,
+        claimed: store.delivery.Claimed,
+        decision: Decision,
+        verdict: _Verdict,
+        recorded: store.delivery.Recorded,
+        observed: metrics.Observed,
+    ) -> DeliveryResult:
+        """After the record: its chain problem reported, the destination's Retry-After hold and
+        its breaker, the run's one log line."""
+        destination = handler.destination
         state = recorded.state
-        failpoint("after_record")
         if recorded.chain_problem:
             logger.error(
                 "outbox %s:%s: next steps not all written: %s",
@@ -768,8 +854,9 @@ class Deliverer:
             )
         if decision.retry_after_seconds and handler.retry_after_scope == "destination":
             self._hold(handler, decision)
-        self._breaker(handler, claimed, health, decision, called=observed.called)
+        self._breaker(handler, claimed, verdict.health, decision, called=observed.called)
         result = DeliveryResult(state) if state is not None else DeliveryResult.SUPERSEDED
+        nxt = verdict.move
         # The record fails a retry that would fall past the deadline (decided on the database's clock).
         past_deadline = state == "failed" and nxt.state == "pending"
         error = policy.deadline_error(claimed.deadline, nxt.error) if past_deadline else nxt.error

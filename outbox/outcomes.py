@@ -32,11 +32,6 @@ covers that call, but not a replay later). A confirmed call is never settled by 
 
 from __future__ import annotations
 
-import uuid
-from typing import Any
-
-import psycopg
-
 #: Outcomes of a call that certainly did not take effect.
 SAFE_OUTCOMES = ("retry", "failed", "released")
 #: Outcomes of a call the provider confirmed.
@@ -133,19 +128,3 @@ def operator_failed_unknown_sql(message: str) -> str:
           AND NOT EXISTS (
               SELECT 1 FROM jsonb_array_elements({message}.history) WITH ORDINALITY AS f(e, k)
               WHERE f.k > h.n AND f.e->>'action' IN ('replay', 'repair') AND f.e->>'forced' = 'true'))"""
-
-
-_EARLIER_CALL = f"""
-SELECT EXISTS (SELECT 1 FROM outbox_attempt a
-               WHERE a.message_id = %(id)s AND a.claim_token <> %(token)s
-                 AND {may_have_taken_effect_sql("a")})
-"""
-
-
-def earlier_call_may_have_taken_effect(
-    conn: psycopg.Connection[Any], *, row_id: int, token: uuid.UUID
-) -> bool:
-    """Whether a claim of the row before the one holding ``token`` made a call the provider may
-    hold (outbox.outcomes): a read, for a claim that found the deadline passed."""
-    row = conn.execute(_EARLIER_CALL, {"id": row_id, "token": token}).fetchone()
-    return bool(row and row[0])

@@ -93,7 +93,8 @@ probe AS (
 )"""
 
 
-_CLAIMED = """
+_CLAIMED = (
+    """
 claimed AS (
     UPDATE outbox_message m
     SET state = 'in_flight',
@@ -134,8 +135,19 @@ claimed AS (
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
        COALESCE(deadline_passed, false), since_written, since_published, written_to_published,
        trace_context, EXISTS (SELECT 1 FROM probe), COALESCE((SELECT breaker_failures FROM gate), 0),
-       false, payload_version
+       false, payload_version,
+       -- Whether an earlier claim's call may have taken effect: what decides a row that gets no
+       -- call (deadline passed, payload invalid) between failed and unknown. Asked here, in the
+       -- claim's snapshot (an earlier call's late record can only make it safer since), and
+       -- only of a row claimed before: a first attempt had no earlier call.
+       CASE WHEN attempts > 1 THEN EXISTS (
+           SELECT 1 FROM outbox_attempt a
+           WHERE a.message_id = claimed.id AND a.claim_token <> claimed.claim_token
+             AND """
+    + outcomes.may_have_taken_effect_sql("a")
+    + """) ELSE false END
 FROM claimed"""
+)
 
 
 # Two statements, not one with a switch: with the key_ttl branch behind a parameter, PostgreSQL
@@ -160,7 +172,8 @@ WITH {_GATE}, aged AS (
     FOR UPDATE
 ), {_PROBE}, {_CLAIMED}
 UNION ALL
-SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, false, 0, true, NULL
+SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, false, 0, true, NULL,
+       false
 FROM aged
 """
 
@@ -321,6 +334,9 @@ class Claimed:
     breaker_failures: int = 0
     #: The version of the payload's shape (outbox.payloads).
     payload_version: int = 1
+    #: An earlier claim of the row made a call the provider may hold (outbox.outcomes), as the
+    #: claim saw it: False for a first attempt.
+    earlier_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -413,6 +429,7 @@ def claim(
         probe=bool(probe),
         breaker_failures=int(failures),
         payload_version=int(row[16]) if row[16] is not None else 1,
+        earlier_call=bool(row[17]),
     )
 
 
