@@ -67,6 +67,28 @@ def destination_slots(concurrency: int, queues: int) -> int:
     return concurrency if queues <= 1 else max(1, concurrency * 3 // 4)
 
 
+def row_id_of(message: Any, name: str) -> int | None:
+    """The outbox row a message names; None (logged) for a message outbox did not write."""
+    args = message.args
+    if (
+        message.actor_name != ACTOR_NAME
+        or len(args) != 1
+        or not isinstance(args[0], int)
+        or isinstance(args[0], bool)
+    ):
+        # A message we did not write (older/newer deploy, hand-made): drop it, keep working.
+        logger.error(
+            "dropping malformed outbox message on queue %r: actor=%r args=%r",
+            name,
+            message.actor_name,
+            args[:3],
+            extra={"queue": name},
+        )
+        return None
+    row_id: int = args[0]
+    return row_id
+
+
 class _Slots:
     """``total`` deliveries in hand at most, ``cap`` of one queue."""
 
@@ -276,7 +298,7 @@ class Runner:
                 message, name = item
                 error: BaseException | None = None
                 try:
-                    row_id = self._row_id(message, name)
+                    row_id = row_id_of(message, name)
                     if row_id is not None:
                         self.broker.emit_before("process_message", message)
                         self.deliverer.deliver(row_id, name)
@@ -302,7 +324,7 @@ class Runner:
 
         error: BaseException | None = None
         try:
-            row_id = self._row_id(message, name)
+            row_id = row_id_of(message, name)
             if row_id is not None:
                 if self.broker.middleware:
                     await in_thread(self.broker.emit_before, "process_message", message)
@@ -313,26 +335,6 @@ class Runner:
         finally:
             if not finished:
                 await in_thread(self._finish, message, name, error)
-
-    def _row_id(self, message: Any, name: str) -> int | None:
-        args = message.args
-        if (
-            message.actor_name != ACTOR_NAME
-            or len(args) != 1
-            or not isinstance(args[0], int)
-            or isinstance(args[0], bool)
-        ):
-            # A message we did not write (older/newer deploy, hand-made): drop it, keep working.
-            logger.error(
-                "dropping malformed outbox message on queue %r: actor=%r args=%r",
-                name,
-                message.actor_name,
-                args[:3],
-                extra={"queue": name},
-            )
-            return None
-        row_id: int = args[0]
-        return row_id
 
     def _finish(self, message: Any, name: str, error: BaseException | None) -> None:
         """After the record: the middleware's after_process_message, then the ack, then the slot."""

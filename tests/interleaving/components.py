@@ -19,6 +19,8 @@ The harness only adds observation points around them:
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -40,7 +42,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import ops, outcomes, pauses, store
+from outbox import aio, ops, outcomes, pauses, runner, store
 from outbox import transport as outbox_transport
 from outbox.consumer import Deliverer
 from outbox.exceptions import ConfigError
@@ -426,14 +428,10 @@ class WorkerProcess:
             maintenance_chance=1_000_000,
         )
         self.consumer = Deliverer(_with_app_name(database_url, f"oxil-{self.name}"), handlers)
+        self.handlers = handlers
         self.queues = sorted(handlers)
-        self._declare_actor()
-
-    def _declare_actor(self) -> None:
-        from outbox.worker import declare
-
-        declare(self.broker, self.consumer, self.queues)
-        self.actor = self.broker.get_actor(outbox_transport.ACTOR_NAME)
+        for queue in self.queues:
+            self.broker.declare_queue(queue)
 
     def heartbeat(self) -> None:
         for queue in self.queues:
@@ -446,14 +444,37 @@ class WorkerProcess:
         return Message.decode(data[0]) if data and data[0] is not None else None
 
     def process(self, message: Message[Any]) -> None:
-        """What Dramatiq's worker thread does with a message, the ack excepted: the product's
-        actor, with CurrentMessage set. No Retries middleware: an exception is logged and the
-        message acked anyway, as the product's broker is built."""
+        """What the worker's loop (outbox.runner) does with a message, the ack excepted: a sync
+        handler's delivery on this thread, an async handler's as a task on the event loop whose
+        claim and record steps run where the loop is (the product runs them on a database
+        thread; here they run in turn, as the model schedules them)."""
         self.broker.emit_before("process_message", message)
         try:
-            self.actor(*message.args, **message.kwargs)
+            queue = message.queue_name
+            row_id = runner.row_id_of(message, queue)
+            if row_id is None:
+                return
+            handler = self.handlers.get(queue)
+            if handler is not None and handler.is_async:
+                self._deliver_async(row_id, queue)
+            else:
+                self.consumer.deliver(row_id, queue)
         finally:
             self.broker.emit_after("process_message", message)
+
+    def _deliver_async(self, row_id: int, queue: str) -> None:
+        """deliver_async as the runner drives it, its claim and record steps on a thread of their
+        own (the product's database threads) bound to this run: its checkpoints park there, its
+        crashes end the delivery, and it keeps this worker's clock."""
+        run, offset = current_run(), getattr(_local, "clock_offset", 0.0)
+        with concurrent.futures.ThreadPoolExecutor(
+            1, initializer=lambda: bind_thread(run=run, clock_offset=offset)
+        ) as steps:
+
+            async def in_thread(fn: Any, *args: Any) -> Any:
+                return await asyncio.get_running_loop().run_in_executor(steps, fn, *args)
+
+            aio.run(self.consumer.deliver_async(row_id, queue, in_thread))
 
     def ack(self, message: Message[Any]) -> None:
         self.broker.do_ack(message.queue_name, message.options["redis_message_id"])
