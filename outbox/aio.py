@@ -60,6 +60,11 @@ def _cancel_all(running: asyncio.AbstractEventLoop) -> None:
     running.run_until_complete(running.shutdown_asyncgens())
 
 
+def alive() -> bool:
+    """Whether the loop runs (without starting one, as :func:`loop` would)."""
+    return _loop is not None and _thread is not None and _thread.is_alive() and _loop.is_running()
+
+
 def on_loop() -> bool:
     """Whether the calling thread is the loop's own."""
     return _thread is not None and threading.current_thread() is _thread

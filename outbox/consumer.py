@@ -262,9 +262,20 @@ class _CallAsked:
         self.sent_at = sent_at
 
 
-#: A delivery run (Deliverer._steps): yields the call it needs, is sent the call's decision (and
-#: the provider's last HTTP status), returns the run's result.
-_Steps = Generator[_CallAsked, tuple["Decision | _NotCalled", "int | None"], "DeliveryResult"]
+class _Pause:
+    """What a delivery run asks of its driver when a row lock refused its claim: wait this many
+    seconds, holding no connection, then send None to try again. A thread sleeps; a task awaits,
+    so locked rows never hold the threads that other deliveries' claims and records need."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+#: A delivery run (Deliverer._steps): yields the call it needs (or a pause), is sent the call's
+#: decision and the provider's last HTTP status (or None after a pause), returns the run's result.
+_Steps = Generator["_CallAsked | _Pause", "tuple[Decision | _NotCalled, int | None] | None", "DeliveryResult"]
 #: Runs a blocking function on a thread and awaits its result (the worker's claim and record
 #: threads: outbox.runner).
 InThread = Callable[..., Awaitable[Any]]
@@ -330,6 +341,10 @@ class _LockWait:
         self.warned = False
 
     def pause(self, destination: str | None, what: str) -> None:
+        time.sleep(self.next_pause(destination, what))
+
+    def next_pause(self, destination: str | None, what: str) -> float:
+        """Seconds to wait before the next try (warning once, past the threshold)."""
         waited = time.monotonic() - self.since
         if not self.warned and waited >= LOCK_WAIT_WARN_SECONDS:
             self.warned = True
@@ -341,8 +356,9 @@ class _LockWait:
                 waited,
                 extra={"outbox_id": self.row_id, "destination": destination},
             )
-        time.sleep(self.delay)
+        delay = self.delay
         self.delay = min(self.delay * 2, LOCK_RETRY_SECONDS[1])
+        return delay
 
 
 class _Release:
@@ -614,7 +630,11 @@ class Deliverer:
         try:
             step = next(steps)
             while True:
-                step = steps.send(self._call(step.handler, step.claimed, step.sent_at))
+                if isinstance(step, _Pause):
+                    time.sleep(step.seconds)
+                    step = steps.send(None)
+                else:
+                    step = steps.send(self._call(step.handler, step.claimed, step.sent_at))
         except StopIteration as done:
             result: DeliveryResult = done.value
         finally:
@@ -637,9 +657,13 @@ class Deliverer:
         observed = metrics.Observed()
         steps = self._steps(row_id, destination, observed)
         step = await in_thread(self._advance, steps, None, after)
-        while isinstance(step, _CallAsked):
-            called = await self._call_on_loop(step.handler, step.claimed, step.sent_at)
-            step = await in_thread(self._advance, steps, called, after)
+        while not isinstance(step, DeliveryResult):
+            if isinstance(step, _Pause):
+                await asyncio.sleep(step.seconds)
+                step = await in_thread(self._advance, steps, None, after)
+            else:
+                called = await self._call_on_loop(step.handler, step.claimed, step.sent_at)
+                step = await in_thread(self._advance, steps, called, after)
         metrics.count_delivery(destination, step.value, observed)
         return step
 
@@ -648,11 +672,11 @@ class Deliverer:
         steps: _Steps,
         called: tuple[Decision | _NotCalled, int | None] | None,
         after: Callable[[DeliveryResult], None] | None,
-    ) -> _CallAsked | DeliveryResult:
-        """Run ``steps`` on this thread to the call it asks for or to its result, then give the
-        thread's connections back: the next step may run on another thread."""
+    ) -> _CallAsked | _Pause | DeliveryResult:
+        """Run ``steps`` on this thread to the call (or pause) it asks for or to its result, then
+        give the thread's connections back: the next step may run on another thread."""
         try:
-            step = next(steps) if called is None else steps.send(called)
+            step = steps.send(called)
         except StopIteration as done:
             result: DeliveryResult = done.value
             self._put_back("claim_conn", "record_conn")
@@ -667,7 +691,7 @@ class Deliverer:
         """The delivery run up to its call (the claim and the pre-flight), then, sent the call's
         decision, the rest (the verdict, the record and the aftercare): a generator, so that the
         thread that claims need not be the one that records, nor wait."""
-        taken = self._take(row_id, destination)
+        taken = yield from self._take(row_id, destination)
         if isinstance(taken, DeliveryResult):
             return taken
         handler, claimed, sent_at = taken
@@ -686,7 +710,9 @@ class Deliverer:
         else:
             # Not held across the call: another delivery's claim or record may use them meanwhile.
             self._put_back("claim_conn", "record_conn")
-            called, http_status = yield _CallAsked(handler, claimed, sent_at)
+            answer = yield _CallAsked(handler, claimed, sent_at)
+            assert answer is not None  # a call is answered with its outcome
+            called, http_status = answer
             if isinstance(called, _NotCalled):
                 return self._release(handler, claimed.id, claimed.token, called.reason)
             decision, chosen = called, None
@@ -708,7 +734,7 @@ class Deliverer:
 
     def _take(
         self, row_id: int, destination: str
-    ) -> tuple[Handler, store.delivery.Claimed, float] | DeliveryResult:
+    ) -> Generator[_Pause, Any, tuple[Handler, store.delivery.Claimed, float] | DeliveryResult]:
         """The claim: the handler, the claimed row and when the claim was sent (this process's
         monotonic clock); or the run's result when there is nothing to call (halted after a
         failover, no handler, the claim's reply lost, the row aged, paused or not claimable)."""
@@ -755,9 +781,10 @@ class Deliverer:
                     skip_when_failed=handler.on_failed_head == "skip",
                 )
             except psycopg.errors.LockNotAvailable:
-                # The server refused the wait: the claim rolled back. Wait without the connection.
+                # The server refused the wait: the claim rolled back. Wait without the connection
+                # (and, for a task, without the thread).
                 self._put_back("claim_conn")
-                locked.pause(destination, "claim")
+                yield _Pause(locked.next_pause(destination, "claim"))
                 continue
             except psycopg.OperationalError:
                 # A broken connection may have lost the reply to a committed claim; on a live one

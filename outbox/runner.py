@@ -154,6 +154,8 @@ class Runner:
         self._consumers: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         self._work: queue.SimpleQueue[tuple[Any, str] | None] = queue.SimpleQueue()
+        self._acks: queue.Queue[tuple[Any, str] | None] = queue.Queue()
+        self._acker = threading.Thread(target=self._retry_acks, name="outbox-acks", daemon=True)
         self._database: concurrent.futures.ThreadPoolExecutor | None = None
         self.any_sync = any(not handlers[q].is_async for q in self.queues)
         self.any_async = any(handlers[q].is_async for q in self.queues)
@@ -162,6 +164,7 @@ class Runner:
 
     def start(self) -> None:
         self._running.set()
+        self._acker.start()
         for name in self.queues:
             self.broker.declare_queue(name)
         if self.any_sync:
@@ -186,8 +189,8 @@ class Runner:
 
     def alive(self) -> bool:
         """Every fetch and delivery thread running (and the event loop, for async handlers)."""
-        threads = [*self._fetchers, *self._threads]
-        loop_alive = not self.any_async or aio.loop().is_running()
+        threads = [*self._fetchers, *self._threads, self._acker]
+        loop_alive = not self.any_async or aio.alive()
         return bool(threads) and all(t.is_alive() for t in threads) and loop_alive
 
     def stop(self, timeout_seconds: float) -> None:
@@ -210,6 +213,8 @@ class Runner:
                 left,
                 extra={"in_hand": left},
             )
+        self._acks.put(None)
+        self._acker.join(ACK_RETRY_SECONDS + 1.0)
         for _ in self._threads:
             self._work.put(None)
         for thread in self._threads:
@@ -224,7 +229,14 @@ class Runner:
 
     def _give_back_fetched(self, name: str, consumer: Any) -> None:
         cached, consumer.message_cache = list(consumer.message_cache), []
-        self._give_back(name, consumer, [Message.decode(data) for data in cached if data is not None])
+        messages = []
+        for data in cached:
+            try:
+                messages.append(Message.decode(data))
+            except Exception:
+                # Not ours to read: left in this process's unacked set, requeued by Redis later.
+                logger.warning("a fetched message on queue %s could not be read back", name)
+        self._give_back(name, consumer, messages)
 
     def _give_back(self, name: str, consumer: Any, messages: list[Any]) -> None:
         """Fetched messages not begun, back to the head of their queue for any worker."""
@@ -305,7 +317,7 @@ class Runner:
                 except Exception as exc:
                     error = exc
                     logger.exception("outbox delivery of message %s failed", message.message_id)
-                self._finish(message, name, error)
+                self._finish(message, name, error, threading.Lock())
         finally:
             self.deliverer.close_thread()
 
@@ -315,56 +327,107 @@ class Runner:
         def in_thread(fn: Any, *args: Any) -> Any:
             return running.run_in_executor(self._database, fn, *args)
 
-        finished = False
-
-        def after(result: Any) -> None:
-            nonlocal finished
-            finished = True
-            self._finish(message, name, None)
-
+        # Finished once: by the record's thread, or here if the run ended any other way.
+        once = threading.Lock()
         error: BaseException | None = None
         try:
             row_id = row_id_of(message, name)
             if row_id is not None:
                 if self.broker.middleware:
                     await in_thread(self.broker.emit_before, "process_message", message)
-                await self.deliverer.deliver_async(row_id, name, in_thread, after)
+                await self.deliverer.deliver_async(
+                    row_id, name, in_thread, lambda _result: self._finish(message, name, None, once)
+                )
         except Exception as exc:
             error = exc
             logger.exception("outbox delivery of message %s failed", message.message_id)
         finally:
-            if not finished:
-                await in_thread(self._finish, message, name, error)
+            if not once.locked():
+                await in_thread(self._finish, message, name, error, once)
 
-    def _finish(self, message: Any, name: str, error: BaseException | None) -> None:
-        """After the record: the middleware's after_process_message, then the ack, then the slot."""
+    def _finish(self, message: Any, name: str, error: BaseException | None, once: threading.Lock) -> None:
+        """After the record: the middleware's after_process_message, then the ack, then the slot
+        is free. Never raises: a delivery thread, or a database thread, goes on to the next."""
+        if not once.acquire(blocking=False):
+            return
         try:
             if self.broker.middleware:
                 if error is None:
                     self.broker.emit_after("process_message", message, result=None)
                 else:
                     self.broker.emit_after("process_message", message, exception=error)
-            self._ack(message, name)
-        finally:
+        except Exception:
+            logger.exception("after_process_message of message %s raised", message.message_id)
+        if self._ack(message, name):
             self.slots.give(name)
 
-    def _ack(self, message: Any, name: str) -> None:
-        consumer = self._consumers[name]
-        while True:
-            try:
-                self.broker.emit_before("ack", message)
-                consumer.ack(message)
-                self.broker.emit_after("ack", message)
-                return
-            except BrokerConnectionError as exc:
-                if not self._running.is_set():
-                    # Stopping: the message, unacked, is requeued by Redis later; its row is settled.
-                    logger.warning("ack of message %s not sent (%s)", message.message_id, exc)
-                    return
+    def _ack(self, message: Any, name: str) -> bool:
+        """Ack once; False when Redis refused it and the ack thread tries again (it frees the
+        slot then). Its row is settled whatever happens here: a message left unacked is only
+        delivered again, to an empty claim."""
+        try:
+            self.broker.emit_before("ack", message)
+        except Exception:
+            # A middleware cannot keep a settled row's message from its ack.
+            logger.exception("before_ack of message %s raised; acking it anyway", message.message_id)
+        try:
+            self._consumers[name].ack(message)
+        except BrokerConnectionError as exc:
+            if not self._running.is_set():
                 logger.warning(
-                    "ack of message %s refused (%s); trying again in %.0f s",
+                    "ack of message %s not sent while stopping (%s): Redis delivers it again later, "
+                    "to an empty claim",
                     message.message_id,
                     exc,
-                    ACK_RETRY_SECONDS,
                 )
-                time.sleep(ACK_RETRY_SECONDS)
+                return True
+            logger.warning(
+                "ack of message %s refused (%s); trying again every %.0f s",
+                message.message_id,
+                exc,
+                ACK_RETRY_SECONDS,
+            )
+            self._acks.put((message, name))
+            return False
+        except Exception as exc:
+            # Not a lost connection (a read-only replica after a failover, an out-of-memory Redis):
+            # trying again would not help. The message stays fetched until this worker stops.
+            logger.error(
+                "ack of message %s failed (%s: %s); its row is settled, the message is delivered "
+                "again after this worker stops, to an empty claim",
+                message.message_id,
+                type(exc).__name__,
+                exc,
+            )
+            return True
+        try:
+            self.broker.emit_after("ack", message)
+        except Exception:
+            logger.exception("after_ack of message %s raised", message.message_id)
+        return True
+
+    def _retry_acks(self) -> None:
+        """Acks Redis refused, tried again off the delivery and database threads, so that an
+        outage holds slots (no new fetch) but never the records of calls that finished."""
+        while True:
+            try:
+                item = self._acks.get(timeout=FETCH_WAIT_SECONDS)
+            except queue.Empty:
+                if not self._running.is_set():
+                    return
+                continue
+            if item is None:
+                return
+            message, name = item
+            while True:
+                try:
+                    self._consumers[name].ack(message)
+                    break
+                except BrokerConnectionError:
+                    if not self._running.is_set():
+                        break
+                    time.sleep(ACK_RETRY_SECONDS)
+                except Exception:
+                    logger.exception("ack of message %s failed", message.message_id)
+                    break
+            self.slots.give(name)
