@@ -340,9 +340,6 @@ class _LockWait:
         self.delay = LOCK_RETRY_SECONDS[0]
         self.warned = False
 
-    def pause(self, destination: str | None, what: str) -> None:
-        time.sleep(self.next_pause(destination, what))
-
     def next_pause(self, destination: str | None, what: str) -> float:
         """Seconds to wait before the next try (warning once, past the threshold)."""
         waited = time.monotonic() - self.since
@@ -533,16 +530,18 @@ class Deliverer:
             self.failover_guard.check_now()
         return conn
 
-    def _waiting_for_locks(self, name: str, row_id: int, statement: Callable[[Any], Any]) -> Any:
+    def _waiting_for_locks(
+        self, name: str, row_id: int, statement: Callable[[Any], Any]
+    ) -> Generator[_Pause, Any, Any]:
         """``statement`` on a connection of pool ``name``, tried again, the connection given back
-        in between, for as long as a row lock refuses it (:data:`LOCK_WAIT_MS`)."""
+        and a pause yielded in between, for as long as a row lock refuses it (:data:`LOCK_WAIT_MS`)."""
         locked = _LockWait(row_id)
         while True:
             try:
                 return statement(self._conn(name))
             except psycopg.errors.LockNotAvailable:
                 self._put_back(name)
-                locked.pause(None, "statement")
+                yield _Pause(locked.next_pause(None, "statement"))
 
     def _put_back(self, *names: str) -> None:
         """Give the connections this thread holds back to their pools."""
@@ -702,9 +701,9 @@ class Deliverer:
         observed.written_to_published_seconds = claimed.written_to_published_seconds
         before = preflight(handler, claimed, held_seconds=claimed_at - sent_at)
         if isinstance(before, _LeaveForNewer):
-            return self._leave_for_newer(handler, claimed, before.reason)
+            return (yield from self._leave_for_newer(handler, claimed, before.reason))
         if isinstance(before, _Release):
-            return self._release(handler, claimed.id, claimed.token, before.reason)
+            return (yield from self._release(handler, claimed.id, claimed.token, before.reason))
         if isinstance(before, _Settle):
             decision, chosen = before.decision, before.move
         else:
@@ -714,14 +713,14 @@ class Deliverer:
             assert answer is not None  # a call is answered with its outcome
             called, http_status = answer
             if isinstance(called, _NotCalled):
-                return self._release(handler, claimed.id, claimed.token, called.reason)
+                return (yield from self._release(handler, claimed.id, claimed.token, called.reason))
             decision, chosen = called, None
             observed.called = True
             observed.http_status = http_status
             observed.call_seconds = time.monotonic() - claimed_at
         failpoint("after_call")
         verdict = self._verdict(handler, claimed, decision, chosen, observed)
-        recorded = self._record(
+        recorded = yield from self._record(
             claimed,
             decision,
             verdict.move,
@@ -750,7 +749,7 @@ class Deliverer:
         handler = self.handlers.get(destination)
         if handler is None:
             reason = f"no handler for destination {destination!r} in this deploy"
-            self._waiting_for_locks(
+            yield from self._waiting_for_locks(
                 "claim_conn",
                 row_id,
                 lambda conn: store.delivery.fail_unhandled(conn, row_id=row_id, error=reason),
@@ -793,7 +792,7 @@ class Deliverer:
                 self._drop("claim_conn")
                 if not lost:
                     raise
-                return self._recover_lost_claim(handler, row_id, token, backend)
+                return (yield from self._recover_lost_claim(handler, row_id, token, backend))
             break
         if isinstance(claimed, store.delivery.Aged):
             logger.warning(
@@ -1161,10 +1160,10 @@ class Deliverer:
 
     def _leave_for_newer(
         self, handler: Handler, claimed: store.delivery.Claimed, reason: str
-    ) -> DeliveryResult:
+    ) -> Generator[_Pause, Any, DeliveryResult]:
         """A payload newer than this worker's handler (new writers deployed before the workers):
         released, no attempt spent, due again in a while for a newer worker."""
-        released = self._waiting_for_locks(
+        released = yield from self._waiting_for_locks(
             "claim_conn",
             claimed.id,
             lambda conn: store.delivery.release(
@@ -1197,8 +1196,10 @@ class Deliverer:
         )
         return DeliveryResult.RELEASED
 
-    def _release(self, handler: Handler, row_id: int, token: uuid.UUID, reason: str) -> DeliveryResult:
-        released = self._waiting_for_locks(
+    def _release(
+        self, handler: Handler, row_id: int, token: uuid.UUID, reason: str
+    ) -> Generator[_Pause, Any, DeliveryResult]:
+        released = yield from self._waiting_for_locks(
             "claim_conn",
             row_id,
             lambda conn: store.delivery.release(conn, row_id=row_id, token=token, reason=reason),
@@ -1235,7 +1236,7 @@ class Deliverer:
 
     def _recover_lost_claim(
         self, handler: Handler, row_id: int, token: uuid.UUID, backend: tuple[int, Any]
-    ) -> DeliveryResult:
+    ) -> Generator[_Pause, Any, DeliveryResult]:
         """The claim's connection broke before its reply: the claim may have committed.
 
         End the old backend first (once it is gone it can no longer commit), then ask whether
@@ -1269,10 +1270,10 @@ class Deliverer:
                     },
                 )
                 return DeliveryResult.EMPTY
-            time.sleep(delay)
+            yield _Pause(delay)
             delay = min(delay * 2, 2.0)
         reason = "released without a call: the reply to the claim was lost (connection error)"
-        result = self._release(handler, row_id, token, reason)
+        result = yield from self._release(handler, row_id, token, reason)
         if result is DeliveryResult.EMPTY:
             logger.info(
                 "outbox row %s: the claim whose reply was lost did not commit",
@@ -1290,7 +1291,7 @@ class Deliverer:
         *,
         refund: bool = False,
         follow: chains.Plan = chains.NO_NEXT_STEPS,
-    ) -> store.sql.Recorded:
+    ) -> Generator[_Pause, Any, store.sql.Recorded]:
         # A failed record is not a lost outcome (the lease and the lookup recover it), but a
         # short database blip should not cost a lookup: try a few times within the lease.
         # An ambiguous call stays "unknown" on its attempt row even when the row fails (an
@@ -1322,13 +1323,13 @@ class Deliverer:
                 # Rolled back, the connection fine: wait for the row without it. A record later
                 # than the lease is still this claim's (it settles nothing a newer claim owns).
                 self._put_back("record_conn")
-                locked.pause(claimed.destination, "record")
+                yield _Pause(locked.next_pause(claimed.destination, "record"))
             except psycopg.OperationalError:
                 self._drop("record_conn")
                 attempt += 1
                 if attempt == 3:
                     raise
-                time.sleep(0.2 * attempt)
+                yield _Pause(0.2 * attempt)
 
 
 def delivery_for(

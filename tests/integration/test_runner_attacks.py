@@ -227,3 +227,49 @@ def test_a_stop_with_async_calls_in_flight_finishes_them(clean, engine, provider
     assert not th.is_alive()
     assert st.get("in_flight", 0) == 0 and st.get("sent", 0) == len(started)
     assert qlen + unacked(clean, "payments.charge") == 60 - len(started)
+
+
+@pytest.mark.timeout(120)
+def test_records_refused_by_row_locks_hold_no_database_thread(clean, engine, provider):
+    """Fourteen async calls answer while the application holds their rows locked: their records
+    wait for the locks as paused tasks, and the other destination's rows are all delivered
+    meanwhile (a record's lock wait used to sleep on one of the twelve database threads)."""
+    answer = asyncio.Event()
+    in_call: list[int] = []
+
+    @outbox.handler("payments.charge", time_limit=20, backoff=(1,))
+    async def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        in_call.append(d.id)
+        await asyncio.wait_for(answer.wait(), 20)
+        return outbox.Confirmed(ref=f"ch_{d.id}")
+
+    @outbox.handler("mail.send", time_limit=5, backoff=(1,))
+    async def send(d: outbox.Delivery) -> outbox.Confirmed:
+        return outbox.Confirmed(ref=f"m_{d.id}")
+
+    write(engine, "payments.charge", 14)
+    relay_once(clean)
+    locker = psycopg.connect(libpq_url(clean.database_url))
+
+    def answer_all() -> None:
+        from outbox import aio
+
+        aio.loop().call_soon_threadsafe(answer.set)
+
+    try:
+        with worker_thread(clean, threads=32):
+            wait_for(lambda: len(in_call) == 14, 30, "fourteen calls in flight")
+            locked = locker.execute(
+                "SELECT id FROM outbox_message WHERE destination = 'payments.charge' FOR UPDATE"
+            ).fetchall()
+            assert len(locked) == 14
+            answer_all()
+            time.sleep(1.0)  # the records meet the locks
+            write(engine, "mail.send", 20)
+            relay_once(clean)
+            wait_for(lambda: states(clean, "mail.send") == {"sent": 20}, 15, "the other rows sent")
+            assert states(clean, "payments.charge") == {"in_flight": 14}
+            locker.rollback()
+            wait_for(lambda: states(clean, "payments.charge") == {"sent": 14}, 30, "the records land")
+    finally:
+        locker.close()
