@@ -1,18 +1,18 @@
 """The worker's loop over Dramatiq's consumers: messages are fetched only for free slots, and
 each runs as a thread's delivery (a sync handler) or as a task of the event loop (an async one).
 
-Dramatiq stays the transport: its message format, its Redis layout, its consumer (fetch, ack,
-requeue) and its heartbeat. What is not Dramatiq's is the loop: Dramatiq's ``Worker`` gives every
+Dramatiq stays the transport: its message format, its Redis layout, its fetch and ack scripts,
+its consumer's ack and its heartbeat. What is not Dramatiq's is the loop: Dramatiq's ``Worker`` gives every
 message a thread until its actor returns, also for an ``async def`` actor, so calls in flight
 cost threads. Here:
 
 - A **slot** is one delivery in hand, from fetch to ack. A process has ``concurrency`` of them;
   a destination may hold at most ``destination_slots`` (:func:`destination_slots`), so a slow
   provider cannot take every slot from the others.
-- Each queue has one **fetch thread**. It takes a slot, then asks its consumer for a message,
-  fetching from Redis at most as many as there are free slots for its queue (the consumer's
-  ``prefetch`` follows them), and hands the message on. No message waits in this process for a
-  slot longer than it takes another queue to use one.
+- Each queue has one **fetch thread**. It takes the slots free for its queue, fetches as many
+  messages in one round trip, gives back the slots no message came for, and hands each message
+  to its delivery: no message waits in this process for a slot, and no slot waits out an empty
+  queue's backoff.
 - A **sync** handler's delivery runs on one of ``concurrency`` delivery threads, as under
   Dramatiq (outbox.consumer.Deliverer.deliver).
 - An **async** handler's delivery is a task (Deliverer.deliver_async): its claim and its record
@@ -38,7 +38,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import redis
 from dramatiq.broker import Broker as DramatiqBroker
+from dramatiq.broker import MessageProxy
+from dramatiq.common import compute_backoff
 from dramatiq.errors import BrokerConnectionError
 from dramatiq.message import Message
 
@@ -109,25 +112,25 @@ class _Slots:
 
     def free(self, name: str, timeout_seconds: float, at_least: int = 1) -> int:
         """How many slots queue ``name`` could take now, waiting up to ``timeout_seconds`` for
-        ``at_least`` of them (0: none came free). Takes none: a fetch that finds no message
-        holds no slot."""
+        ``at_least`` of them (0: none came free). Takes none."""
         with self._cond:
             self._cond.wait_for(lambda: self._open(name) >= at_least, timeout_seconds)
             return max(0, self._open(name))
 
-    def take(self, name: str, timeout_seconds: float) -> bool:
-        """Take one slot for queue ``name``, waiting up to ``timeout_seconds`` for it."""
+    def take_open(self, name: str) -> int:
+        """Take every slot open to queue ``name`` now (for one fetch of as many messages)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._open(name) > 0, timeout_seconds):
-                return False
-            self._free -= 1
-            self._held[name] = self._held.get(name, 0) + 1
-            return True
+            n = max(0, self._open(name))
+            self._free -= n
+            self._held[name] = self._held.get(name, 0) + n
+            return n
 
-    def give(self, name: str) -> None:
+    def give(self, name: str, n: int = 1) -> None:
+        if n <= 0:
+            return
         with self._cond:
-            self._free += 1
-            self._held[name] -= 1
+            self._free += n
+            self._held[name] -= n
             self._cond.notify_all()
 
     def in_hand(self) -> int:
@@ -161,6 +164,7 @@ class Runner:
         self._consumers: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         self._work: queue.SimpleQueue[tuple[Any, str] | None] = queue.SimpleQueue()
+        self._misses: dict[str, int] = {}
         self._acks: queue.Queue[tuple[Any, str] | None] = queue.Queue()
         self._acker = threading.Thread(target=self._retry_acks, name="outbox-acks", daemon=True)
         self._database: concurrent.futures.ThreadPoolExecutor | None = None
@@ -201,15 +205,13 @@ class Runner:
         return bool(threads) and all(t.is_alive() for t in threads) and loop_alive
 
     def stop(self, timeout_seconds: float) -> None:
-        """Stop fetching, give back the messages fetched and not begun, and wait up to
-        ``timeout_seconds`` for those in hand: their calls finish and are recorded and acked. A
-        delivery still running then is left to its lease; its message, unacked, to Dramatiq's
-        requeue once this process's Redis heartbeat stops."""
+        """Stop fetching and wait up to ``timeout_seconds`` for the deliveries in hand (every
+        message fetched has one): their calls finish and are recorded and acked. A delivery still
+        running then is left to its lease; its message, unacked, to Dramatiq's requeue once this
+        process's Redis heartbeat stops."""
         self._running.clear()
         for fetcher in self._fetchers:
             fetcher.join()
-        for name, consumer in self._consumers.items():
-            self._give_back_fetched(name, consumer)
         deadline = time.monotonic() + timeout_seconds
         while self.slots.in_hand() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -224,8 +226,10 @@ class Runner:
         self._acker.join(ACK_RETRY_SECONDS + 1.0)
         for _ in self._threads:
             self._work.put(None)
+        # One deadline for them all: a thread still in a delivery is left to its lease (daemon).
+        join_by = max(deadline, time.monotonic()) + 1.0
         for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+            thread.join(max(0.0, join_by - time.monotonic()))
         if self._database is not None:
             self._database.shutdown(wait=not left, cancel_futures=True)
         for consumer in self._consumers.values():
@@ -233,33 +237,6 @@ class Runner:
                 consumer.close()
             except BrokerConnectionError:
                 pass
-
-    def _give_back_fetched(self, name: str, consumer: Any) -> None:
-        cached, consumer.message_cache = list(consumer.message_cache), []
-        messages = []
-        for data in cached:
-            try:
-                messages.append(Message.decode(data))
-            except Exception:
-                # Not ours to read: left in this process's unacked set, requeued by Redis later.
-                logger.warning("a fetched message on queue %s could not be read back", name)
-        self._give_back(name, consumer, messages)
-
-    def _give_back(self, name: str, consumer: Any, messages: list[Any]) -> None:
-        """Fetched messages not begun, back to the head of their queue for any worker."""
-        if not messages:
-            return
-        try:
-            consumer.requeue(messages)
-        except Exception as exc:
-            # They stay in this process's unacked set: Dramatiq requeues them when its heartbeat stops.
-            logger.warning(
-                "could not give %s fetched messages back to queue %s (%s): Redis requeues them later",
-                len(messages),
-                name,
-                type(exc).__name__,
-                extra={"queue": name, "messages": len(messages)},
-            )
 
     # -- fetching ------------------------------------------------------------------------------
 
@@ -283,30 +260,51 @@ class Runner:
                 time.sleep(1.0)
 
     def fetch_once(self, name: str, consumer: Any) -> bool:
-        """Once a slot is free for queue ``name``, a message, then the slot for it, and start its
-        delivery; False when there was no free slot or no message within
-        :data:`FETCH_WAIT_SECONDS`, or the worker is stopping."""
-        free = self.slots.free(name, FETCH_WAIT_SECONDS)
-        if not free:
+        """Take the slots free for queue ``name``, fetch as many messages in one round trip, give
+        back the slots no message came for, and start a delivery for each message; False when
+        no slot came free or no message within :data:`FETCH_WAIT_SECONDS`.
+
+        The slots are taken before the fetch, so two queues never fetch on the same free slots,
+        and given back before an empty queue's backoff, so that backoff never keeps a slot from
+        the other queues. Dramatiq's consumer is not asked for the messages (its ``next`` sleeps
+        out its backoff with them promised); it acks and requeues them."""
+        if not self.slots.free(name, FETCH_WAIT_SECONDS):
             return False
-        if free < self._gather and self.slots.in_hand():
-            free = self.slots.free(name, FETCH_GATHER_SECONDS, at_least=self._gather)
-        # The consumer fetches (prefetch - outstanding) when its cache is empty: a message for
-        # every slot free for this queue now. No slot is held meanwhile: an empty queue's long
-        # poll must not keep one from the other queues.
-        consumer.prefetch = consumer.outstanding_message_count + free
-        message = next(consumer)
-        if message is None:
+        if self.slots.free(name, 0) < self._gather and self.slots.in_hand():
+            self.slots.free(name, FETCH_GATHER_SECONDS, at_least=self._gather)
+        taken = self.slots.take_open(name)
+        if not taken:
             return False
-        # Another queue may have taken the slot since: this one message waits for the next.
-        while not self.slots.take(name, FETCH_WAIT_SECONDS):
-            if not self._running.is_set():
-                self._give_back(name, consumer, [message])
-                return False
-        if self.handlers[name].is_async:
-            aio.submit(self._run_task(message, name))
-        else:
-            self._work.put((message, name))
+        messages: list[Any] = []
+        try:
+            for data in self.broker.do_fetch(name, taken):  # type: ignore[attr-defined]
+                if data is None:
+                    continue  # its body is gone (a flush between the two keys): Dramatiq skips it too
+                try:
+                    messages.append(MessageProxy(Message.decode(data)))
+                except Exception:
+                    logger.error(
+                        "an undecodable message on queue %s was skipped (left unacked)",
+                        name,
+                        extra={"queue": name},
+                    )
+        except redis.ConnectionError as exc:
+            raise BrokerConnectionError(str(exc)) from exc
+        finally:
+            self.slots.give(name, taken - len(messages))
+        if not messages:
+            self._misses[name], backoff_ms = compute_backoff(
+                self._misses.get(name, 0), max_backoff=int(FETCH_WAIT_SECONDS * 1000)
+            )
+            time.sleep(backoff_ms / 1000)
+            return False
+        self._misses[name] = 0
+        asynchronous = self.handlers[name].is_async
+        for message in messages:
+            if asynchronous:
+                aio.submit(self._run_task(message, name))
+            else:
+                self._work.put((message, name))
         return True
 
     # -- running -------------------------------------------------------------------------------

@@ -212,3 +212,32 @@ def test_one_slot_serves_every_destination(clean, engine):
             30,
             "every destination's rows sent through one slot",
         )
+
+
+@pytest.mark.timeout(90)
+def test_two_queues_never_fetch_on_the_same_free_slots(clean, engine):
+    """Four slots, two busy queues: never more than four messages fetched and unacked at once
+    (each queue sized its fetch on the same free slots, and six were held)."""
+    seen = InHand()
+
+    for destination in ("payments.charge", "mail.send"):
+
+        @outbox.handler(destination, time_limit=10)
+        def send(d: outbox.Delivery) -> outbox.Confirmed:
+            seen.enter()
+            try:
+                threading.Event().wait(0.3)
+                return outbox.Confirmed(ref=f"r_{d.payload['i']}")
+            finally:
+                seen.leave()
+
+    write(engine, "payments.charge", 20)
+    write(engine, "mail.send", 20)
+    assert relay_once(clean) == 40
+    most = 0
+    with worker_thread(clean, threads=4):
+        while sent(clean, "payments.charge") + sent(clean, "mail.send") < 40:
+            most = max(most, unacked(clean, "payments.charge") + unacked(clean, "mail.send"))
+            threading.Event().wait(0.02)
+    assert seen.most <= 4
+    assert 0 < most <= 4
