@@ -97,7 +97,8 @@ class _NotStarted(Exception):
 
 
 class _NotCalled:
-    """A call that sent nothing and is no attempt: its claim is released with ``reason``."""
+    """No call was made, or the one made sent nothing: no attempt, the claim is released with
+    ``reason`` (decided by the pre-flight, or by the call's start bound and client pool)."""
 
     __slots__ = ("reason",)
 
@@ -358,16 +359,7 @@ class _LockWait:
         return delay
 
 
-class _Release:
-    """Pre-flight: give the claim back without a call (not an attempt), for ``reason``."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-class _LeaveForNewer(_Release):
+class _LeaveForNewer(_NotCalled):
     """Pre-flight: the payload is newer than this handler; left for a newer release's worker."""
 
     __slots__ = ()
@@ -398,7 +390,7 @@ class _Verdict:
 
 def preflight(
     handler: Handler, claimed: store.delivery.Claimed, *, held_seconds: float
-) -> _Release | _Settle | None:
+) -> _NotCalled | _Settle | None:
     """What a claimed row gets before any call, from the row as claimed and the handler alone (no
     I/O): None, a call; a release (the claim took too much of its lease; a payload newer than
     this handler); or a settlement without a call (deadline passed, a key no header can carry,
@@ -406,7 +398,7 @@ def preflight(
     taken effect (the claim says)."""
     left = handler.lease_seconds - held_seconds
     if left < handler.time_limit + handler.start_margin_seconds:
-        return _Release(
+        return _NotCalled(
             f"released without a call: the claim took {held_seconds:.1f} s (a lock or commit wait), "
             f"leaving {left:.1f} s of its {handler.lease_seconds:g} s lease; a call needs "
             f"{handler.time_limit:g} s + {handler.start_margin_seconds:g} s"
@@ -675,16 +667,14 @@ class Deliverer:
         """Run ``steps`` on this thread to the call (or pause) it asks for or to its result, then
         give the thread's connections back: the next step may run on another thread."""
         try:
-            step = steps.send(called)
+            return steps.send(called)
         except StopIteration as done:
             result: DeliveryResult = done.value
-            self._put_back("claim_conn", "record_conn")
-            if after is not None:
-                after(result)
-            return result
         finally:
             self._put_back("claim_conn", "record_conn")
-        return step
+        if after is not None:
+            after(result)
+        return result
 
     def _steps(self, row_id: int, destination: str, observed: metrics.Observed) -> _Steps:
         """The delivery run up to its call (the claim and the pre-flight), then, sent the call's
@@ -702,7 +692,7 @@ class Deliverer:
         before = preflight(handler, claimed, held_seconds=claimed_at - sent_at)
         if isinstance(before, _LeaveForNewer):
             return (yield from self._leave_for_newer(handler, claimed, before.reason))
-        if isinstance(before, _Release):
+        if isinstance(before, _NotCalled):
             return (yield from self._release(handler, claimed.id, claimed.token, before.reason))
         if isinstance(before, _Settle):
             decision, chosen = before.decision, before.move

@@ -52,12 +52,12 @@ from .transport import ACTOR_NAME
 
 logger = logging.getLogger(__name__)
 
-#: Threads that run the claims and records of async handlers' deliveries: a few more than the
-#: worker's pooled connections (outbox.consumer), so a row lock that pauses some of them
-#: (outbox.consumer.LOCK_WAIT_MS) leaves the others working.
+#: Threads that run the claims and records of async handlers' deliveries (and their acks): a few
+#: more than the worker's pooled connections (outbox.consumer), so a statement waiting for one
+#: holds no other; a row lock's wait is an awaited pause, on no thread.
 DATABASE_THREADS = 12
-#: How long a fetch thread waits for a free slot, or Dramatiq's consumer for a message, before it
-#: looks again whether the worker is stopping (seconds).
+#: How long a fetch thread waits for a free slot before it looks again whether the worker is
+#: stopping, and its longest backoff after a fetch found its queue empty (seconds).
 FETCH_WAIT_SECONDS = 0.5
 #: A busy worker (some slots taken) that has fewer than a quarter of its slots free waits this
 #: long (seconds) for that many before it fetches: one fetch for several messages, not one per
