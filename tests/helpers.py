@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import redis
+from sqlalchemy.orm import Session
 
 import outbox
 from outbox.handlers import Handler, registry
@@ -65,6 +66,41 @@ def published_row_ids(client: redis.Redis, namespace: str, destinations: Iterabl
             assert message["message_id"] == mid.decode()
             row_ids.append(message["args"][0])
     return row_ids
+
+
+def write_rows(engine: Any, destination: str, n: int) -> None:
+    """``n`` rows for ``destination`` in one transaction: keys ``destination:i``, step ``send``."""
+    with Session(engine) as s, s.begin():
+        for i in range(n):
+            outbox.write(s, key=f"{destination}:{i}", step="send", destination=destination, payload={"i": i})
+
+
+def destination_states(services: Any, destination: str) -> dict[str, int]:
+    """State -> rows, for one destination."""
+    return dict(
+        sql(
+            services,
+            "SELECT state, count(*) FROM outbox_message WHERE destination = %s GROUP BY 1",
+            (destination,),
+        )
+    )
+
+
+def unacked(services: Any, *queues: str) -> int:
+    """Messages fetched from ``queues`` and not acked, by every worker (Dramatiq's ack sets), read
+    in one transaction: two reads apart would count a slot twice (acked on one queue, then
+    fetched on the other)."""
+    client = redis.Redis.from_url(services.redis_url)
+    try:
+        keys = [k for q in queues for k in client.scan_iter(f"{services.namespace}:__acks__.*.{q}")]
+        if not keys:
+            return 0
+        with client.pipeline(transaction=True) as pipe:
+            for key in keys:
+                pipe.scard(key)
+            return sum(int(n) for n in pipe.execute())
+    finally:
+        client.close()
 
 
 def wait_for(predicate: Callable[[], Any], timeout_seconds: float, what: str, *, every: float = 0.05) -> Any:

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 import redis
-from helpers import relay_once, sql, wait_for, worker_thread
-from sqlalchemy.orm import Session
+from helpers import destination_states, relay_once, unacked, wait_for, worker_thread, write_rows
 
 import outbox
 from outbox import runner
@@ -37,44 +36,8 @@ class InHand:
             self.done += 1
 
 
-def write(engine: Any, destination: str, n: int) -> None:
-    with Session(engine) as s, s.begin():
-        for i in range(n):
-            outbox.write(s, key=f"{destination}:{i}", step="send", destination=destination, payload={"i": i})
-
-
 def sent(services: Any, destination: str) -> int:
-    return sql(
-        services,
-        "SELECT count(*) FROM outbox_message WHERE destination = %s AND state = 'sent'",
-        (destination,),
-    )[0][0]
-
-
-def unacked(services: Any, queue: str) -> int:
-    """Messages fetched from ``queue`` and not acked, by every worker (Dramatiq's ack sets)."""
-    client = redis.Redis.from_url(services.redis_url)
-    try:
-        keys = list(client.scan_iter(f"{services.namespace}:__acks__.*.{queue}"))
-        return sum(int(client.scard(k)) for k in keys)
-    finally:
-        client.close()
-
-
-def unacked_together(services: Any, *queues: str) -> int:
-    """Messages fetched and not acked over several queues, read in one transaction (two reads
-    apart would count a slot twice: acked on one queue, then fetched on the other)."""
-    client = redis.Redis.from_url(services.redis_url)
-    try:
-        keys = [k for q in queues for k in client.scan_iter(f"{services.namespace}:__acks__.*.{q}")]
-        if not keys:
-            return 0
-        with client.pipeline(transaction=True) as pipe:
-            for key in keys:
-                pipe.scard(key)
-            return sum(int(n) for n in pipe.execute())
-    finally:
-        client.close()
+    return destination_states(services, destination).get("sent", 0)
 
 
 def waiting(services: Any, queue: str) -> int:
@@ -101,7 +64,7 @@ def test_a_worker_fetches_no_more_messages_than_it_has_free_slots(clean, engine)
         finally:
             seen.leave()
 
-    write(engine, "payments.charge", 20)
+    write_rows(engine, "payments.charge", 20)
     assert relay_once(clean) == 20
     with worker_thread(clean, threads=4):
         wait_for(lambda: seen.now == 4, 30, "four calls in flight")
@@ -137,11 +100,11 @@ def test_a_slow_destination_leaves_slots_to_the_others(clean, engine):
         return outbox.Confirmed(ref=f"m_{d.payload['i']}")
 
     assert runner.destination_slots(8, 2) == 6
-    write(engine, "bank.transfer", 20)
+    write_rows(engine, "bank.transfer", 20)
     assert relay_once(clean) == 20
     with worker_thread(clean, threads=8):
         wait_for(lambda: slow.now == 6, 30, "the slow destination's six calls in flight")
-        write(engine, "mail.send", 30)
+        write_rows(engine, "mail.send", 30)
         assert relay_once(clean) == 30
         wait_for(lambda: sent(clean, "mail.send") == 30, 30, "the other destination's rows sent")
         assert slow.now == 6
@@ -165,7 +128,7 @@ def test_slots_per_destination_is_the_operators_cap(clean, engine):
         finally:
             slow.leave()
 
-    write(engine, "bank.transfer", 10)
+    write_rows(engine, "bank.transfer", 10)
     assert relay_once(clean) == 10
     with worker_thread(clean, threads=8, slots_per_destination=3):
         wait_for(lambda: slow.now == 3, 30, "three calls in flight")
@@ -198,7 +161,7 @@ def test_async_calls_in_flight_hold_no_thread_each(clean, engine):
             seen.leave()
 
     before = threading.active_count()
-    write(engine, "payments.charge", 100)
+    write_rows(engine, "payments.charge", 100)
     assert relay_once(clean) == 100
     with worker_thread(clean, threads=100):
         wait_for(lambda: sent(clean, "payments.charge") == 100, 60, "every row sent")
@@ -220,7 +183,7 @@ def test_one_slot_serves_every_destination(clean, engine):
             return outbox.Confirmed(ref=f"r_{d.payload['i']}")
 
     for destination in ("payments.charge", "mail.send", "sms.send"):
-        write(engine, destination, 5)
+        write_rows(engine, destination, 5)
     assert relay_once(clean) == 15
     with worker_thread(clean, threads=1):
         wait_for(
@@ -247,13 +210,13 @@ def test_two_queues_never_fetch_on_the_same_free_slots(clean, engine):
             finally:
                 seen.leave()
 
-    write(engine, "payments.charge", 20)
-    write(engine, "mail.send", 20)
+    write_rows(engine, "payments.charge", 20)
+    write_rows(engine, "mail.send", 20)
     assert relay_once(clean) == 40
     most = 0
     with worker_thread(clean, threads=4):
         while sent(clean, "payments.charge") + sent(clean, "mail.send") < 40:
-            most = max(most, unacked_together(clean, "payments.charge", "mail.send"))
+            most = max(most, unacked(clean, "payments.charge", "mail.send"))
             threading.Event().wait(0.02)
     assert seen.most <= 4
     assert 0 < most <= 4

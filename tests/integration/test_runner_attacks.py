@@ -15,38 +15,12 @@ import psycopg
 import pytest
 import redis
 from dramatiq.middleware import Middleware, SkipMessage
-from helpers import relay_once, sql, wait_for, worker_thread
-from sqlalchemy.orm import Session
+from helpers import destination_states, relay_once, unacked, wait_for, worker_thread, write_rows
 
 import outbox
 from outbox import middleware as mw
 from outbox import transport
 from outbox.settings import libpq_url
-
-
-def write(engine: Any, destination: str, n: int) -> None:
-    with Session(engine) as s, s.begin():
-        for i in range(n):
-            outbox.write(s, key=f"{destination}:{i}", step="send", destination=destination, payload={"i": i})
-
-
-def states(services: Any, destination: str) -> dict[str, int]:
-    return dict(
-        sql(
-            services,
-            "SELECT state, count(*) FROM outbox_message WHERE destination = %s GROUP BY 1",
-            (destination,),
-        )
-    )
-
-
-def unacked(services: Any, queue: str) -> int:
-    client = redis.Redis.from_url(services.redis_url)
-    try:
-        keys = list(client.scan_iter(f"{services.namespace}:__acks__.*.{queue}"))
-        return sum(int(client.scard(k)) for k in keys)
-    finally:
-        client.close()
 
 
 def delivery_threads() -> int:
@@ -100,11 +74,13 @@ def test_an_ack_that_fails_or_is_refused_stalls_no_delivery_thread(
         saved = mw.added()
         mw.worker_middleware(RaiseBeforeAck(2))
 
-    write(engine, "payments.charge", 10)
+    write_rows(engine, "payments.charge", 10)
     assert relay_once(clean) == 10
     try:
         with worker_thread(clean, threads=2):
-            wait_for(lambda: states(clean, "payments.charge") == {"sent": 10}, 30, "every row sent")
+            wait_for(
+                lambda: destination_states(clean, "payments.charge") == {"sent": 10}, 30, "every row sent"
+            )
             assert delivery_threads() == 2
     finally:
         if trigger != "readonly_ack":
@@ -151,11 +127,13 @@ def test_a_redis_outage_at_the_ack_holds_no_record(clean, engine, provider, monk
             calls.append(d.id)
             return outbox.Confirmed(ref=r.json()["id"])
 
-    write(engine, "payments.charge", 30)
+    write_rows(engine, "payments.charge", 30)
     assert relay_once(clean) == 30
     with worker_thread(clean, threads=32):
         # Every call made and recorded while Redis refuses every ack: no record waits on one.
-        wait_for(lambda: states(clean, "payments.charge") == {"sent": 30}, 30, "every row recorded")
+        wait_for(
+            lambda: destination_states(clean, "payments.charge") == {"sent": 30}, 30, "every row recorded"
+        )
         assert unacked(clean, "payments.charge") == 30
         outage.clear()
         wait_for(lambda: unacked(clean, "payments.charge") == 0, 30, "the acks sent once Redis is back")
@@ -177,7 +155,7 @@ def test_rows_locked_by_the_application_hold_no_database_thread_of_async_deliver
             r.raise_for_status()
             return outbox.Confirmed(ref=r.json()["id"])
 
-    write(engine, "payments.charge", 12)
+    write_rows(engine, "payments.charge", 12)
     relay_once(clean)
     locker = psycopg.connect(libpq_url(clean.database_url))
     try:
@@ -187,12 +165,18 @@ def test_rows_locked_by_the_application_hold_no_database_thread_of_async_deliver
         assert len(locked) == 12
         with worker_thread(clean, threads=32):
             time.sleep(2)
-            write(engine, "mail.send", 20)
+            write_rows(engine, "mail.send", 20)
             relay_once(clean)
-            wait_for(lambda: states(clean, "mail.send") == {"sent": 20}, 15, "the unlocked rows sent")
-            assert states(clean, "payments.charge") == {"dispatched": 12}
+            wait_for(
+                lambda: destination_states(clean, "mail.send") == {"sent": 20}, 15, "the unlocked rows sent"
+            )
+            assert destination_states(clean, "payments.charge") == {"dispatched": 12}
             locker.rollback()
-            wait_for(lambda: states(clean, "payments.charge") == {"sent": 12}, 30, "the locked rows sent")
+            wait_for(
+                lambda: destination_states(clean, "payments.charge") == {"sent": 12},
+                30,
+                "the locked rows sent",
+            )
     finally:
         locker.close()
 
@@ -214,13 +198,13 @@ def test_a_stop_with_async_calls_in_flight_finishes_them(clean, engine, provider
         r.raise_for_status()
         return outbox.Confirmed(ref=r.json()["id"])
 
-    write(engine, "payments.charge", 60)
+    write_rows(engine, "payments.charge", 60)
     relay_once(clean)
     t0 = time.monotonic()
     with worker_thread(clean, threads=20) as th:
         wait_for(lambda: len(started) >= 20, 30, "calls in flight")
     took = time.monotonic() - t0
-    st = states(clean, "payments.charge")
+    st = destination_states(clean, "payments.charge")
     client = redis.Redis.from_url(clean.redis_url)
     qlen = client.llen(f"{clean.namespace}:payments.charge")
     assert took < 15
@@ -247,7 +231,7 @@ def test_records_refused_by_row_locks_hold_no_database_thread(clean, engine, pro
     async def send(d: outbox.Delivery) -> outbox.Confirmed:
         return outbox.Confirmed(ref=f"m_{d.id}")
 
-    write(engine, "payments.charge", 14)
+    write_rows(engine, "payments.charge", 14)
     relay_once(clean)
     locker = psycopg.connect(libpq_url(clean.database_url))
 
@@ -265,11 +249,15 @@ def test_records_refused_by_row_locks_hold_no_database_thread(clean, engine, pro
             assert len(locked) == 14
             answer_all()
             time.sleep(1.0)  # the records meet the locks
-            write(engine, "mail.send", 20)
+            write_rows(engine, "mail.send", 20)
             relay_once(clean)
-            wait_for(lambda: states(clean, "mail.send") == {"sent": 20}, 15, "the other rows sent")
-            assert states(clean, "payments.charge") == {"in_flight": 14}
+            wait_for(
+                lambda: destination_states(clean, "mail.send") == {"sent": 20}, 15, "the other rows sent"
+            )
+            assert destination_states(clean, "payments.charge") == {"in_flight": 14}
             locker.rollback()
-            wait_for(lambda: states(clean, "payments.charge") == {"sent": 14}, 30, "the records land")
+            wait_for(
+                lambda: destination_states(clean, "payments.charge") == {"sent": 14}, 30, "the records land"
+            )
     finally:
         locker.close()

@@ -9,8 +9,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import relay_once, sql, wait_for, worker_thread
-from sqlalchemy.orm import Session
+from helpers import destination_states, relay_once, sql, wait_for, worker_thread, write_rows
 
 import outbox
 from outbox import consumer
@@ -29,22 +28,6 @@ def declare(provider: Any) -> None:
             return outbox.Confirmed(ref=r.json()["id"])
 
 
-def write(engine: Any, destination: str, n: int) -> None:
-    with Session(engine) as s, s.begin():
-        for i in range(n):
-            outbox.write(s, key=f"{destination}:{i}", step="send", destination=destination, payload={"i": i})
-
-
-def states(services: Any, destination: str) -> dict[str, int]:
-    return dict(
-        sql(
-            services,
-            "SELECT state, count(*) FROM outbox_message WHERE destination = %s GROUP BY 1",
-            (destination,),
-        )
-    )
-
-
 @pytest.mark.timeout(90)
 def test_rows_locked_by_the_application_hold_their_threads_not_the_pools(clean, engine, provider, caplog):
     """More rows locked than the worker has claim connections: every other row is still
@@ -52,7 +35,7 @@ def test_rows_locked_by_the_application_hold_their_threads_not_the_pools(clean, 
     claim waiting on a lock while it held one of three shared connections, three locked rows
     stopped every delivery of the process.)"""
     declare(provider)
-    write(engine, "payments.charge", 4)
+    write_rows(engine, "payments.charge", 4)
     relay_once(clean)
     locker = psycopg.connect(libpq_url(clean.database_url))
     try:
@@ -61,10 +44,14 @@ def test_rows_locked_by_the_application_hold_their_threads_not_the_pools(clean, 
         ).fetchall()
         assert len(locked) == 4
         with worker_thread(clean, threads=8), caplog.at_level(logging.WARNING, logger="outbox.consumer"):
-            write(engine, "mail.send", 40)
+            write_rows(engine, "mail.send", 40)
             relay_once(clean)
-            wait_for(lambda: states(clean, "mail.send") == {"sent": 40}, 30, "the unlocked rows to be sent")
-            assert states(clean, "payments.charge") == {"dispatched": 4}
+            wait_for(
+                lambda: destination_states(clean, "mail.send") == {"sent": 40},
+                30,
+                "the unlocked rows to be sent",
+            )
+            assert destination_states(clean, "payments.charge") == {"dispatched": 4}
             # Waiting for the locks, the four claims hold no connection: the pools are free.
             waiting = sql(
                 clean,
@@ -74,7 +61,9 @@ def test_rows_locked_by_the_application_hold_their_threads_not_the_pools(clean, 
             assert waiting <= 4
             locker.rollback()
             wait_for(
-                lambda: states(clean, "payments.charge") == {"sent": 4}, 30, "the locked rows to be sent"
+                lambda: destination_states(clean, "payments.charge") == {"sent": 4},
+                30,
+                "the locked rows to be sent",
             )
     finally:
         locker.close()
@@ -84,7 +73,7 @@ def test_rows_locked_by_the_application_hold_their_threads_not_the_pools(clean, 
 
 def test_a_worker_holds_few_connections_whatever_its_concurrency(clean, engine, provider):
     declare(provider)
-    write(engine, "mail.send", 200)
+    write_rows(engine, "mail.send", 200)
     mine = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
     before = {pid for (pid,) in sql(clean, mine)}
     with worker_thread(clean, threads=64):
@@ -95,7 +84,7 @@ def test_a_worker_holds_few_connections_whatever_its_concurrency(clean, engine, 
             nonlocal peak
             rows = sql(clean, mine)
             peak = max(peak, len({pid for (pid,) in rows} - before))
-            return states(clean, "mail.send") == {"sent": 200}
+            return destination_states(clean, "mail.send") == {"sent": 200}
 
         wait_for(sent, 60, "200 rows to be sent", every=0.02)
     # 3 claim + 2 record connections, the heartbeat and the failover guard.
