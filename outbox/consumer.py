@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import psycopg
 
-from . import aio, breaker, chains, db, logs, metrics, pauses, payloads, policy, store, tracing
+from . import aio, breaker, chains, logs, metrics, pauses, payloads, policy, store, tracing
 from .db import connect_raw
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -58,15 +58,11 @@ logger = logging.getLogger(__name__)
 #: A row released this many times (claims given back without a call) is reported at ERROR: a
 #: lock held for longer than a lease, or commits stalled for that long, keep it from ever running.
 RELEASE_ALERT_THRESHOLD = 3
-#: How long a worker keeps trying to settle a claim whose reply was lost (reconnect, end the old
-#: backend, release) before it gives up and leaves the row to the lease and the reconciler.
+#: How long a worker keeps trying to settle a claim whose reply was lost (reconnect, fence the
+#: claim, release) before it gives up and leaves the row to the lease and the reconciler.
 LOST_CLAIM_RECOVERY_SECONDS = 60.0
-#: How long one statement on a pooled connection waits for a row lock (PostgreSQL's
-#: ``lock_timeout``, ms) before it gives the connection back and tries again after a pause: a few
-#: rows locked by the application (``outbox.cancel`` in a slow transaction, a ``SELECT ... FOR
-#: UPDATE``) hold the threads that want them, never the pool every other thread shares. The
-#: relay's own locks last milliseconds.
-LOCK_WAIT_MS = 200
+#: How long one delivery statement waits for a row lock (store.sql.LOCK_WAIT_MS).
+LOCK_WAIT_MS = store.sql.LOCK_WAIT_MS
 #: Pauses between those tries: doubling from the first to the last.
 LOCK_RETRY_SECONDS = (0.05, 1.0)
 #: A statement still refused a row lock after this long is logged (once per statement).
@@ -476,8 +472,13 @@ class Deliverer:
         concurrency: int = DEFAULT_ASYNC_POOL_SIZE,
         claim_connections: int = DEFAULT_WORKER_CLAIM_CONNECTIONS,
         record_connections: int = DEFAULT_WORKER_RECORD_CONNECTIONS,
+        pooled: bool = False,
     ) -> None:
         self.database_url = database_url
+        #: ``database_url`` leads to a pooler in transaction mode: no startup options, no
+        #: prepared statements, and any error of a claim counts as a lost reply (the pooler may
+        #: have sent it on, or may still).
+        self.pooled = pooled
         #: The async handlers' clients, one per destination for the whole process (they belong
         #: to its one event loop), each with a pool for every call that may run at once.
         self.async_deliveries = Deliveries(pool_size=max(concurrency, DEFAULT_ASYNC_POOL_SIZE))
@@ -486,8 +487,6 @@ class Deliverer:
         self.handlers = dict(handlers)
         self._local = threading.local()
         self._pools = {"claim_conn": _Pool(claim_connections), "record_conn": _Pool(record_connections)}
-        #: Each claim connection's backend: if a claim's reply is lost, the one to end first.
-        self._backends: dict[psycopg.Connection[Any], tuple[int, Any]] = {}
         self._all: list[psycopg.Connection[Any]] = []
         self._callers: list[_CallThread] = []
         self._all_lock = threading.Lock()
@@ -503,19 +502,18 @@ class Deliverer:
             self._pools[name].discard(conn)
         conn = self._pools[name].take(lambda: self._open(name))
         setattr(self._local, name, conn)
-        if name == "claim_conn":
-            self._local.claim_backend = self._backends[conn]
         return conn
 
     def _open(self, name: str) -> psycopg.Connection[Any]:
-        options = f"-c lock_timeout={LOCK_WAIT_MS}"
-        if name == "record_conn":
-            options += " -c synchronous_commit=off"
-        conn = connect_raw(self.database_url, autocommit=True, options=options)
-        if name == "claim_conn":
-            # Known before any claim is sent: if a claim's reply is lost, this backend is the
-            # one to end before asking whether the claim committed.
-            self._backends[conn] = db.backend_identity(conn)
+        if self.pooled:
+            # The delivery statements set their lock wait (and the records their asynchronous
+            # commit) inside themselves; the others wait for their locks as long as it takes.
+            conn = connect_raw(self.database_url, autocommit=True, pooled=True)
+        else:
+            options = f"-c lock_timeout={LOCK_WAIT_MS}"
+            if name == "record_conn":
+                options += " -c synchronous_commit=off"
+            conn = connect_raw(self.database_url, autocommit=True, options=options)
         with self._all_lock:
             self._all.append(conn)
         if name == "claim_conn" and self.failover_guard is not None:
@@ -565,7 +563,6 @@ class Deliverer:
         conn = getattr(self._local, name, None)
         if conn is not None:
             setattr(self._local, name, None)
-            self._backends.pop(conn, None)
             self._pools[name].discard(conn)
 
     def _caller(self) -> _CallThread:
@@ -754,7 +751,6 @@ class Deliverer:
         locked = _LockWait(row_id)
         while True:
             conn = self._conn("claim_conn")
-            backend = self._local.claim_backend
             token = uuid.uuid4()
             # The lease is measured on this clock from here, before the claim is sent: a wait
             # for a row lock or for the commit only shortens what is left, whatever the clocks say.
@@ -777,12 +773,13 @@ class Deliverer:
                 continue
             except psycopg.OperationalError:
                 # A broken connection may have lost the reply to a committed claim; on a live one
-                # the server reported the error, so the statement rolled back.
-                lost = conn.broken or conn.closed
+                # the server reported the error, so the statement rolled back. Not through a
+                # pooler: the error may be the pooler's, about a claim it sent on or still holds.
+                lost = conn.broken or conn.closed or self.pooled
                 self._drop("claim_conn")
                 if not lost:
                     raise
-                return (yield from self._recover_lost_claim(handler, row_id, token, backend))
+                return (yield from self._recover_lost_claim(handler, row_id, token))
             break
         if isinstance(claimed, store.delivery.Aged):
             logger.warning(
@@ -1225,33 +1222,32 @@ class Deliverer:
         return DeliveryResult.RELEASED
 
     def _recover_lost_claim(
-        self, handler: Handler, row_id: int, token: uuid.UUID, backend: tuple[int, Any]
+        self, handler: Handler, row_id: int, token: uuid.UUID
     ) -> Generator[_Pause, Any, DeliveryResult]:
-        """The claim's connection broke before its reply: the claim may have committed.
+        """The claim's reply was lost: it may have committed, or may still (queued in a pooler).
 
-        End the old backend first (once it is gone it can no longer commit), then ask whether
-        this claim's token owns the row; it made no call, so it releases the row.
+        Fence it first (its token inserted as a release: once that commits, the claim can no
+        longer commit), then, if it had committed, release the row: it made no call. No backend
+        is ended: through a pooler the claim's backend is not this connection's to know.
         """
-        pid, started = backend
         give_up_at = time.monotonic() + max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds)
         delay = 0.1
         while True:
             try:
-                conn = self._conn("claim_conn")
-                gone = db.end_backend(
-                    conn, pid=pid, started=started, timeout_seconds=max(0.0, give_up_at - time.monotonic())
-                )
-                if gone:
-                    break
+                fenced = store.delivery.fence_lost_claim(self._conn("claim_conn"), row_id=row_id, token=token)
+                break
+            except psycopg.errors.LockNotAvailable:
+                # The claim is running now: its end decides, once it comes.
+                self._put_back("claim_conn")
             except psycopg.OperationalError:
                 self._drop("claim_conn")
             if time.monotonic() >= give_up_at:
                 logger.error(
                     "outbox row %s: the reply to its claim was lost and the claim could not be settled "
-                    "(backend %s not confirmed gone); if it committed, the row expires to unknown with no "
-                    "call made (claim token %s)",
+                    "(the database did not answer the fence in %.0f s); if it committed, the row expires "
+                    "to unknown with no call made (claim token %s)",
                     row_id,
-                    pid,
+                    max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds),
                     token,
                     extra={
                         "outbox_id": row_id,
@@ -1262,15 +1258,15 @@ class Deliverer:
                 return DeliveryResult.EMPTY
             yield _Pause(delay)
             delay = min(delay * 2, 2.0)
-        reason = "released without a call: the reply to the claim was lost (connection error)"
-        result = yield from self._release(handler, row_id, token, reason)
-        if result is DeliveryResult.EMPTY:
+        if fenced:
             logger.info(
-                "outbox row %s: the claim whose reply was lost did not commit",
+                "outbox row %s: the claim whose reply was lost did not commit, and now never will",
                 row_id,
                 extra={"outbox_id": row_id, "destination": handler.destination, "outbox_run": "empty"},
             )
-        return result
+            return DeliveryResult.EMPTY
+        reason = "released without a call: the reply to the claim was lost (connection error)"
+        return (yield from self._release(handler, row_id, token, reason))
 
     def _record(
         self,

@@ -1,12 +1,10 @@
-"""Engines and raw connections, with the psycopg 3 driver whatever URL form the user has, and the
-server process behind a connection (to end a claim whose reply was lost)."""
+"""Engines and raw connections, with the psycopg 3 driver whatever URL form the user has, directly
+to PostgreSQL or through a pooler in transaction mode."""
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -60,44 +58,21 @@ def make_engine(url: str, **options: Any) -> Engine:
     return create_engine(normalize_database_url(url), **options)
 
 
-def connect_raw(url: str, *, autocommit: bool = False, **options: Any) -> psycopg.Connection[Any]:
-    """A plain psycopg connection, for LISTEN and for hot paths that SQLAlchemy would slow."""
+def connect_raw(
+    url: str, *, autocommit: bool = False, pooled: bool = False, **options: Any
+) -> psycopg.Connection[Any]:
+    """A plain psycopg connection, for LISTEN and for hot paths that SQLAlchemy would slow.
+
+    ``pooled``: through a pooler in transaction mode, where consecutive transactions may run on
+    different backends. No server-side prepared statement then (a statement prepared on one
+    backend is unknown to the next; PgBouncer 1.18 does not track them), and no startup
+    ``options`` (the pooler refuses them, and they would set one backend for every client):
+    a statement that needs a setting sets it inside itself with ``set_config(…, true)``."""
+    if pooled:
+        if "options" in options:
+            raise ValueError("connect_raw: no startup options through a pooler (set_config in the statement)")
+        options["prepare_threshold"] = None
     return psycopg.connect(libpq_url(url), autocommit=autocommit, **options)
-
-
-# The backend that ran a claim whose reply was lost; `backend_start` tells it from a later
-# backend that was given the same pid.
-_BACKEND = "pid = %(pid)s AND backend_start IS NOT DISTINCT FROM %(started)s"
-_BACKEND_ALIVE = f"SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE {_BACKEND})"
-_TERMINATE_BACKEND = f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {_BACKEND}"
-
-
-def backend_identity(conn: psycopg.Connection[Any]) -> tuple[int, datetime | None]:
-    """The server process behind ``conn`` and its start time (once per connection)."""
-    row = conn.execute(
-        "SELECT pg_backend_pid(), backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
-    ).fetchone()
-    return (int(row[0]), row[1]) if row else (conn.info.backend_pid, None)
-
-
-def end_backend(
-    conn: psycopg.Connection[Any], *, pid: int, started: datetime | None, timeout_seconds: float
-) -> bool:
-    """Terminate the backend ``pid`` (started at ``started``) and wait until it is gone.
-
-    Once it is gone, whatever it was running has committed or rolled back for good: a claim
-    whose reply was lost can no longer commit behind our back. False if it outlived the wait.
-    """
-    params = {"pid": pid, "started": started}
-    conn.execute(_TERMINATE_BACKEND, params)
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        alive = conn.execute(_BACKEND_ALIVE, params).fetchone()
-        if not (alive and alive[0]):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
 
 
 def require_autocommit(conn: psycopg.Connection[Any], job: str) -> None:

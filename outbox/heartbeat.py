@@ -150,8 +150,11 @@ class Heartbeat:
         queues: Sequence[str] = (),
         interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+        pooled: bool = False,
     ) -> None:
         self.database_url = database_url
+        #: Through a pooler in transaction mode: each beat is one statement.
+        self.pooled = pooled
         self.id = uuid.uuid4()
         self.kind = kind
         self.queues = list(queues)
@@ -173,6 +176,7 @@ class Heartbeat:
             self._conn = connect_raw(
                 self.database_url,
                 autocommit=True,
+                pooled=self.pooled,
                 application_name=f"outbox-{self.kind}/{self.schema_newest}",
             )
         return self._conn

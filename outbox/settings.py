@@ -130,8 +130,17 @@ def redact_url(url: str) -> str:
 class Settings:
     """What the processes read from ``OUTBOX_*`` variables; see ``docs/configuration.md``."""
 
+    #: The connection the hot paths use: the worker's claims, records and heartbeat, the relay's
+    #: takes. May be a pooler in transaction mode (``database_pooler``).
     database_url: str | None = None
     redis_url: str | None = None
+    #: ``"transaction"`` when ``database_url`` is a connection pooler in transaction mode
+    #: (PgBouncer): then ``direct_database_url`` is required, and everything that needs one
+    #: backend for longer than a transaction connects there (docs/production.md).
+    database_pooler: str | None = None
+    #: PostgreSQL itself, not the pooler: LISTEN, advisory locks, migrate, the failover guard,
+    #: the reconciler, operator commands and the dashboard.
+    direct_database_url: str | None = None
     #: Prefix of every Redis key the broker writes; must not be shared with caches or sessions.
     namespace: str = DEFAULT_NAMESPACE
     #: Relay: fallback poll when no NOTIFY arrives (NOTIFY is not durable).
@@ -180,7 +189,20 @@ class Settings:
     #: None: no endpoint.
     metrics_port: int | None = None
 
+    @property
+    def pooled(self) -> bool:
+        """Whether ``database_url`` leads to a pooler in transaction mode."""
+        return self.database_pooler == POOLER_TRANSACTION
+
     def require_database_url(self) -> str:
+        """A connection that keeps its backend between transactions: PostgreSQL itself
+        (``OUTBOX_DIRECT_DATABASE_URL`` when a pooler is configured)."""
+        if self.pooled and self.direct_database_url:
+            return normalize_database_url(self.direct_database_url)
+        return self.require_hot_database_url()
+
+    def require_hot_database_url(self) -> str:
+        """``OUTBOX_DATABASE_URL``: the hot paths' connections (a pooler's when ``pooled``)."""
         if not self.database_url:
             raise ConfigError(
                 "no database configured: set OUTBOX_DATABASE_URL (or pass --database-url), "
@@ -203,6 +225,8 @@ class Settings:
 ENVIRONMENT: dict[str, str] = {
     "OUTBOX_DATABASE_URL": "database_url",
     "OUTBOX_REDIS_URL": "redis_url",
+    "OUTBOX_DATABASE_POOLER": "database_pooler",
+    "OUTBOX_DIRECT_DATABASE_URL": "direct_database_url",
     "OUTBOX_NAMESPACE": "namespace",
     "OUTBOX_POLL_INTERVAL": "poll_interval_seconds",
     "OUTBOX_RELAY_BATCH_SIZE": "relay_batch_size",
@@ -225,6 +249,9 @@ ENVIRONMENT: dict[str, str] = {
 }
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: The one pooler mode supported: a session pooler needs nothing of us, a statement pooler
+#: breaks every multi-statement transaction (the relay's take).
+POOLER_TRANSACTION = "transaction"
 #: Durations where 0 means "off" rather than a mistake.
 _ZERO_ALLOWED = frozenset({"relay_gather_seconds"})
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
@@ -301,6 +328,26 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
         except ConfigError as exc:
             source = "--database-url" if overrides.get("database_url") else "OUTBOX_DATABASE_URL"
             raise ConfigError(f"{source}: {exc}") from None
+    for field_name, variable in (("direct_database_url", "OUTBOX_DIRECT_DATABASE_URL"),):
+        value = getattr(settings, field_name)
+        if value:
+            try:
+                normalize_database_url(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{variable}: {exc}") from None
+    if settings.database_pooler is not None:
+        if settings.database_pooler.lower() != POOLER_TRANSACTION:
+            raise ConfigError(
+                f"OUTBOX_DATABASE_POOLER={settings.database_pooler!r}: the only pooler mode is "
+                f"{POOLER_TRANSACTION!r} (leave it unset when OUTBOX_DATABASE_URL is PostgreSQL itself "
+                "or a pooler in session mode)"
+            )
+        settings = dataclasses.replace(settings, database_pooler=POOLER_TRANSACTION)
+        if not settings.direct_database_url:
+            raise ConfigError(
+                "OUTBOX_DATABASE_POOLER=transaction needs OUTBOX_DIRECT_DATABASE_URL: PostgreSQL itself, "
+                "not the pooler (LISTEN, advisory locks, migrate and the failover guard need one backend)"
+            )
     if settings.redis_url and not settings.redis_url.startswith(_REDIS_SCHEMES):
         source = "--redis-url" if overrides.get("redis_url") else "OUTBOX_REDIS_URL"
         raise ConfigError(

@@ -56,17 +56,24 @@ def run_worker(
     slots_per_destination: int | None = None,
     heartbeat_interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
     liveness: Liveness | None = None,
+    direct_database_url: str | None = None,
+    pooled: bool = False,
 ) -> int:
     """Run one worker process until ``stop`` is set; finishes the messages in hand. While it
     runs, its heartbeat (queues served, clock) is recorded in the database, and ``liveness`` is
-    beaten while its fetch and delivery threads (and event loop) are all alive."""
+    beaten while its fetch and delivery threads (and event loop) are all alive.
+
+    ``database_url`` serves the claims, the records and the heartbeat (a pooler in transaction
+    mode when ``pooled``); the failover guard holds one backend of ``direct_database_url``."""
     destinations = list(queues or sorted(handlers))
     unknown = [q for q in destinations if q not in handlers]
     if unknown:
         raise ConfigError(f"--queues names destinations with no handler: {', '.join(unknown)}")
     broker = build_broker(redis_url, namespace, handlers)
-    guard = FailoverGuard(database_url, process="worker").start()
-    deliverer = Deliverer(database_url, handlers, failover_guard=guard, concurrency=concurrency)
+    guard = FailoverGuard(direct_database_url or database_url, process="worker").start()
+    deliverer = Deliverer(
+        database_url, handlers, failover_guard=guard, concurrency=concurrency, pooled=pooled
+    )
     # What Dramatiq's own CLI does once per process.
     broker.emit_after("process_boot")
     runner = Runner(
@@ -78,7 +85,7 @@ def run_worker(
         slots_per_destination=slots_per_destination,
     )
     runner.start()
-    heartbeat = start_heartbeat(database_url, destinations, heartbeat_interval_seconds)
+    heartbeat = start_heartbeat(database_url, destinations, heartbeat_interval_seconds, pooled=pooled)
     asynchronous = [d for d in destinations if handlers[d].is_async]
     logger.info(
         "outbox worker started: queues=%s concurrency=%s slots_per_destination=%s async=%s pid=%s",
@@ -111,9 +118,13 @@ def run_worker(
     return 0
 
 
-def start_heartbeat(database_url: str, queues: Sequence[str], interval_seconds: float) -> Heartbeat:
+def start_heartbeat(
+    database_url: str, queues: Sequence[str], interval_seconds: float, *, pooled: bool = False
+) -> Heartbeat:
     """The worker's heartbeat thread: "no consumer" alerts and the clock-skew check read it."""
-    return Heartbeat(database_url, kind="worker", queues=queues, interval_seconds=interval_seconds).start()
+    return Heartbeat(
+        database_url, kind="worker", queues=queues, interval_seconds=interval_seconds, pooled=pooled
+    ).start()
 
 
 #: A child that dies is started again after a backoff that doubles from the first of these to the

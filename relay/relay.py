@@ -178,8 +178,15 @@ class Relay:
         gather_seconds: float = settings.DEFAULT_RELAY_GATHER_SECONDS,
         parallel: int = settings.DEFAULT_RELAY_CONNECTIONS,
         failover_guard: FailoverGuard | None = None,
+        direct_database_url: str | None = None,
+        pooled: bool = False,
     ) -> None:
+        #: The takes' connections: through a pooler in transaction mode when ``pooled`` (a take
+        #: is one transaction, Redis push included).
         self.database_url = database_url
+        self.pooled = pooled
+        #: LISTEN holds one backend for as long as the relay runs: PostgreSQL itself.
+        self.direct_database_url = direct_database_url or database_url
         #: While it says ``halted`` (the database is on another history), nothing is published.
         self.failover_guard = failover_guard
         self.redis_url = redis_url
@@ -205,7 +212,7 @@ class Relay:
     @property
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            self._conn = connect_raw(self.database_url)
+            self._conn = connect_raw(self.database_url, pooled=self.pooled)
             if self.failover_guard is not None:
                 # A new connection may be to a new server: check before the first group on it.
                 self.failover_guard.check_now()
@@ -324,6 +331,8 @@ class Relay:
                     batch_size=self.batch_size,
                     parallel=1,
                     failover_guard=self.failover_guard,
+                    direct_database_url=self.direct_database_url,
+                    pooled=self.pooled,
                 )
             )
             self._helpers[-1]._refusals = self._refusals
@@ -353,7 +362,7 @@ class Relay:
 
     def _ensure_listening(self) -> psycopg.Connection[Any]:
         if self._listen is None or self._listen.closed:
-            self._listen = connect_raw(self.database_url, autocommit=True)
+            self._listen = connect_raw(self.direct_database_url, autocommit=True)
             self._listen.execute(f"LISTEN {NOTIFY_CHANNEL}")
             # Those came after the LISTEN, so the drain that follows takes their rows.
             _read_backlog(self._listen)

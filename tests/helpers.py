@@ -134,19 +134,16 @@ def worker_thread(
     """A Dramatiq worker (``run_worker``) on every registered destination, in a thread for the
     duration of the block; on exit it is told to stop and joined (30 s at most)."""
     stop = threading.Event()
-    thread = threading.Thread(
-        target=run_worker,
-        kwargs=dict(
-            database_url=services.database_url,
-            redis_url=services.redis_url,
-            namespace=services.namespace,
-            handlers=registry() if handlers is None else handlers,
-            queues=None,
-            concurrency=threads,
-            stop=stop,
-            **options,
-        ),
+    kwargs: dict[str, Any] = dict(
+        database_url=services.database_url,
+        redis_url=services.redis_url,
+        namespace=services.namespace,
+        handlers=registry() if handlers is None else handlers,
+        queues=None,
+        concurrency=threads,
+        stop=stop,
     )
+    thread = threading.Thread(target=run_worker, kwargs={**kwargs, **options})
     thread.start()
     try:
         yield thread

@@ -124,6 +124,7 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
     stop = stop_event_on_signals()
     database_url = cfg.require_database_url()
+    hot_database_url = cfg.require_hot_database_url()
     redis_url = cfg.require_redis_url()
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -136,7 +137,9 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     # relay publishes nothing until `outbox failover --accept` (outbox.failover).
     guard = FailoverGuard(database_url, process="relay").start()
     relay = Relay(
-        database_url=database_url,
+        database_url=hot_database_url,
+        direct_database_url=database_url,
+        pooled=cfg.pooled,
         redis_url=redis_url,
         namespace=cfg.namespace,
         batch_size=args.batch_size or cfg.relay_batch_size,
@@ -174,7 +177,9 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         relay.gather_seconds,
     )
     # Beats with the schema range of this code: `outbox features enable` waits for older relays.
-    heartbeat = Heartbeat(database_url, kind="relay", interval_seconds=cfg.heartbeat_interval_seconds).start()
+    heartbeat = Heartbeat(
+        hot_database_url, kind="relay", interval_seconds=cfg.heartbeat_interval_seconds, pooled=cfg.pooled
+    ).start()
     try:
         relay.run_forever(stop)
     finally:
@@ -194,6 +199,7 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
     stop = stop_event_on_signals()
     database_url = cfg.require_database_url()
+    hot_database_url = cfg.require_hot_database_url()
     redis_url = cfg.require_redis_url()
     concurrency = worker_concurrency(args, cfg)
     slots = args.slots_per_destination or cfg.worker_slots_per_destination
@@ -223,8 +229,12 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
             child_argv += ["--queues", *args.queues]
         # The children read the resolved settings from their environment, flags included.
         os.environ.update(
-            OUTBOX_DATABASE_URL=database_url, OUTBOX_REDIS_URL=redis_url, OUTBOX_NAMESPACE=cfg.namespace
+            OUTBOX_DATABASE_URL=hot_database_url, OUTBOX_REDIS_URL=redis_url, OUTBOX_NAMESPACE=cfg.namespace
         )
+        if cfg.pooled:
+            os.environ.update(
+                OUTBOX_DATABASE_POOLER=settings.POOLER_TRANSACTION, OUTBOX_DIRECT_DATABASE_URL=database_url
+            )
         # The parent serves the endpoints; a child binding the same port would fail to start.
         os.environ.pop("OUTBOX_METRICS_PORT", None)
     beats = os.environ.get(CHILD_BEATS_ENV) if args.processes == 1 else None
@@ -244,7 +254,9 @@ def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
         if args.processes > 1:
             return supervise(child_argv, args.processes, stop, liveness)
         return run_worker(
-            database_url=database_url,
+            database_url=hot_database_url,
+            direct_database_url=database_url,
+            pooled=cfg.pooled,
             redis_url=redis_url,
             namespace=cfg.namespace,
             handlers=handlers,

@@ -318,7 +318,7 @@ def _database(cfg: Settings) -> Iterator[tuple[list[Check], Connection | None]]:
         checks.append(Check("database", FAIL, str(exc)))
         yield checks, None
         return
-    shown = redact_url(cfg.database_url or url)
+    shown = redact_url(url)
     engine = make_engine(url, pool_pre_ping=False, connect_args={"connect_timeout": 5})
     try:
         try:

@@ -71,6 +71,7 @@ statement                               writes                              call
 ``delivery.free_breaker_probe``         ``outbox_destination`` (a breaker)  consumer (outbox.breaker)
 ``delivery.close_breaker``              ``outbox_destination`` (a breaker)  consumer (outbox.breaker)
 ``delivery.hold_destination``           ``outbox_destination`` (a pause)    consumer (outbox.pauses)
+``delivery.fence_lost_claim``           ``outbox_attempt`` (a fence)        consumer (a claim's reply lost)
 ``operator.pause_destination``          ``outbox_destination`` (a pause)    ``outbox pause``
 ``operator.resume_destination``         ``outbox_destination``              ``outbox resume``
 ``recovery.mark_destination_alerted``   ``outbox_destination`` (alerted)    reconciler (held)

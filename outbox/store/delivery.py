@@ -18,9 +18,11 @@ from .. import chains, db, ordering, outcomes, sanitize
 from ..schema import NOTIFY_CHANNEL
 from ..settings import DESTINATION_EPISODE_GAP_SECONDS
 from .sql import (
+    ASYNC_COMMIT_SQL,
     BREAKER_CLOSE_SET,
     DUE_SQL,
     EPISODE_START_SQL,
+    LOCK_WAIT_SQL,
     NEW_STATE_SQL,
     PAST_DEADLINE_SQL,
     Recorded,
@@ -57,7 +59,8 @@ WHERE a.message_id = %(id)s AND {outcomes.may_have_taken_effect_sql("a")}
 # A row behind the head of its ordering key is not claimed, whatever brought its message (a
 # re-dispatch, a replay): the order is kept by the claim too, not only by the relay.
 _CLAIMABLE = f"""
-    id = %(id)s AND destination = %(destination)s
+    {LOCK_WAIT_SQL}
+    AND id = %(id)s AND destination = %(destination)s
     AND (state = 'dispatched' OR (state = 'pending' AND available_at <= now()))
     AND NOT EXISTS (SELECT 1 FROM gate WHERE paused OR (open AND NOT probe_free))
     AND NOT {ordering.blocked_sql("outbox_message")}
@@ -222,7 +225,8 @@ WITH moved AS (
     -- the provider's confirmation beats the lookup's earlier "not found". Not an operator's
     -- resolve --failed ("refunded by hand"): only another operator overrules that (a forced
     -- repair or replay); the attempt row keeps the answer (superseded:sent, which the audit shows).
-    WHERE id = %(id)s AND claim_token = %(token)s
+    WHERE {LOCK_WAIT_SQL} AND {ASYNC_COMMIT_SQL}
+      AND id = %(id)s AND claim_token = %(token)s
       AND (state IN ('in_flight', 'unknown')
            OR (%(state)s = 'sent' AND state IN ('pending', 'dispatched'))
            OR (%(state)s = 'sent' AND state = 'failed'
@@ -277,7 +281,7 @@ WITH released AS (
         unknown_since = NULL,
         alerted_at = NULL,
         last_error = %(reason)s
-    WHERE id = %(id)s AND claim_token = %(token)s AND state IN ('in_flight', 'unknown')
+    WHERE {LOCK_WAIT_SQL} AND id = %(id)s AND claim_token = %(token)s AND state IN ('in_flight', 'unknown')
     RETURNING id, key, step, releases, destination, date_part('epoch', now() - created_at) AS waited
 ), fenced AS (
     UPDATE outbox_attempt
@@ -296,11 +300,31 @@ FROM released
 
 
 # For a message whose destination no handler in this deploy knows: never retried forever.
-_FAIL_UNHANDLED = """
+_FAIL_UNHANDLED = f"""
 UPDATE outbox_message
 SET state = 'failed', completed_at = now(), last_error = %(error)s
-WHERE id = %(id)s AND state IN ('pending', 'dispatched')
+WHERE {LOCK_WAIT_SQL} AND id = %(id)s AND state IN ('pending', 'dispatched')
 RETURNING id
+"""
+
+
+# A claim whose reply was lost may not have run yet: queued in a pooler, or in the network, it
+# can still commit after the worker has moved on. Its attempt row carries its token under a
+# unique index, so inserting that token first, as a release that made no call, fences it: the
+# late claim's insert then fails and the whole claim rolls back. A claim still running makes
+# this insert wait for its end. Finding the token taken by anything but this fence means the
+# claim committed.
+LOST_CLAIM_FENCE_ERROR = "fenced: the reply to this claim was lost before the claim committed; it never will"
+_FENCE_LOST_CLAIM = f"""
+WITH fence AS (
+    INSERT INTO outbox_attempt (message_id, attempt, claim_token, started_at, finished_at, outcome, error)
+    SELECT id, attempts + 1, %(token)s, now(), now(), 'released', %(error)s
+    FROM outbox_message WHERE {LOCK_WAIT_SQL} AND id = %(id)s
+    ON CONFLICT (claim_token) DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM fence)
+       OR EXISTS (SELECT 1 FROM outbox_attempt WHERE claim_token = %(token)s AND error = %(error)s)
 """
 
 
@@ -517,6 +541,15 @@ def release(
     params = {"id": row_id, "token": token, "reason": reason, "delay": retry_after_seconds}
     row = conn.execute(_RELEASE, params).fetchone()
     return Released(row[0], row[1], row[2], float(row[3] or 0.0)) if row else None
+
+
+def fence_lost_claim(conn: psycopg.Connection[Any], *, row_id: int, token: uuid.UUID) -> bool:
+    """Make sure the claim ``token`` of row ``row_id``, whose reply was lost, either committed
+    or never will: False when it committed (it owns its attempt row), True when it is fenced
+    (now, or by an earlier try of this call whose own reply was lost)."""
+    params = {"id": row_id, "token": token, "error": LOST_CLAIM_FENCE_ERROR}
+    row = conn.execute(_FENCE_LOST_CLAIM, params).fetchone()
+    return bool(row and row[0])
 
 
 def fail_unhandled(conn: psycopg.Connection[Any], *, row_id: int, error: str) -> bool:

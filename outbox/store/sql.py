@@ -14,6 +14,23 @@ from sqlalchemy import text
 from .. import chains, outcomes, sanitize
 from ..settings import DESTINATION_EPISODE_GAP_SECONDS
 
+#: How long a worker's delivery statement waits for a row lock (PostgreSQL's ``lock_timeout``,
+#: ms) before the server refuses it and the worker gives the connection back and tries again
+#: after a pause: a few rows locked by the application (``outbox.cancel`` in a slow transaction,
+#: a ``SELECT ... FOR UPDATE``) hold the deliveries that want them, never the pool every other
+#: delivery shares. The relay's own locks last milliseconds.
+LOCK_WAIT_MS = 200
+
+#: Set inside the statement, for its transaction only, so that it holds through a pooler in
+#: transaction mode (no startup options, no SET there: the next transaction may be another
+#: client's on the same backend). Put in the WHERE of the first scan that takes a row lock: an
+#: uncorrelated subquery is a one-time filter, evaluated before that scan.
+LOCK_WAIT_SQL = f"(SELECT set_config('lock_timeout', '{LOCK_WAIT_MS}', true)) IS NOT NULL"
+
+#: A record's commit does not wait for the WAL flush: a record lost in a crash of PostgreSQL
+#: leaves the row in_flight, and the lease and the lookup settle it (docs/production.md).
+ASYNC_COMMIT_SQL = "(SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
+
 
 @functools.cache
 def cached_text(sql: str) -> Any:

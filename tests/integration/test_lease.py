@@ -6,8 +6,8 @@
    reconciler expires waits one ``time_limit`` before its first lookup;
 2. two clocks: a worker or reconciler whose clock is an hour off changes nothing, since every
    instant compared in SQL is computed there from the database's clock;
-3. (class 8) a lost reply to a committed claim: the worker ends the old backend, then releases
-   the claim it owns; a claim that never committed can no longer commit behind its back.
+3. (class 8) a lost reply to a committed claim: the worker fences the claim's token, then
+   releases the claim it owns; a claim that never committed can no longer commit behind its back.
 """
 
 from __future__ import annotations
@@ -155,13 +155,14 @@ def test_claim_lease_counts_from_when_the_row_is_held(clean, engine, how):
                 lambda: store.delivery.claim(conn, row_id=row_id, destination=DEST, lease_seconds=30)
             )
             wait_until_waiting_on_a_lock(clean)
-            time.sleep(1.5)
+            # Within the claim's own lock wait (LOCK_WAIT_MS, set inside the statement).
+            time.sleep(0.1)
             (let_go,) = holder.execute("SELECT clock_timestamp()").fetchone()  # type: ignore[misc]
         thread.join(10)
     assert "error" not in out, out
     assert out["result"] is not None
     r = row(clean, row_id)
-    # 1.5 s of lock wait is not taken off the lease: it starts once the row is held.
+    # The lock wait is not taken off the lease: it starts once the row is held.
     assert r["claimed_at"] >= let_go
     assert r["lease_expires_at"] >= let_go + timedelta(seconds=30)
 
@@ -604,16 +605,19 @@ def test_a_claim_cut_off_while_it_waited_can_no_longer_commit(clean, engine, pro
     c = consumer(pg_proxy.url)
     with row_held(clean, row_id, "lock"):
         thread, out = in_thread(lambda: c.deliver(row_id, DEST))
-        thread.join(30)
-        assert pg_proxy.fired.is_set()
+        assert pg_proxy.fired.wait(30)
+        # The fence waits for the row (its insert checks the row's key) like the claim did.
+        time.sleep(1.0)
+        assert "result" not in out
     # The lock is free now: a claim still waiting for it would commit here.
+    thread.join(30)
     time.sleep(0.5)
     r = row(clean, row_id)
     assert (r["state"], r["attempts"], r["claim_token"]) == ("dispatched", 0, None)
-    assert fence_rows(clean, row_id) == []
+    # The worker fenced the claim's token before it answered: the claim can never commit; the
+    # row waits for the reconciler's re-dispatch (its message was taken).
+    assert fence_rows(clean, row_id) == [(1, "released")]
     assert provider.stats()["requests"] == 0
-    # The worker made sure the backend that ran its claim was gone before it answered; the row
-    # waits for the reconciler's re-dispatch (its message was taken).
     assert out.get("result") is DeliveryResult.EMPTY, out
 
 

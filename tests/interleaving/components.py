@@ -123,6 +123,18 @@ def install_hooks(monkeypatch: pytest.MonkeyPatch, world: Any) -> None:
         return WatchedConnection(real_connect(url, **options), world)
 
     monkeypatch.setattr(consumer_module, "connect_raw", connect, raising=False)
+    # The hot statements (the claim among them) run on a cursor of their own, not through
+    # Connection.execute: watched there too, or the claim's faults would never fire.
+    from outbox import db as outbox_db
+
+    real_statement = outbox_db.Statement.execute
+
+    def statement_execute(self: Any, conn: Any, params: Any) -> Any:
+        if isinstance(conn, WatchedConnection):
+            return conn.run_statement(self, params, real_statement)
+        return real_statement(self, conn, params)
+
+    monkeypatch.setattr(outbox_db.Statement, "execute", statement_execute)
     real_publish = outbox_transport.publish_group
 
     def publish(*args: Any, **kwargs: Any) -> Any:
@@ -146,7 +158,9 @@ def is_claim(query: Any) -> bool:
 
 class WatchedConnection:
     """A worker's psycopg connection: times each claim, and loses the reply of a committed claim
-    when its process is armed to (the connection breaks after the server committed)."""
+    when its process is armed to (the connection breaks after the server committed), or loses
+    a claim before it ran (``late_claim``: as if queued in a pooler, it runs later, when the
+    harness says, on a connection of its own)."""
 
     def __init__(self, conn: psycopg.Connection[Any], world: Any) -> None:
         self._conn = conn
@@ -154,6 +168,28 @@ class WatchedConnection:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
+
+    def run_statement(self, statement: Any, params: Any, real: Any) -> Any:
+        if not is_claim(statement.sql):
+            return real(statement, self._conn, params)
+        run = current_run()
+        token = params.get("token")
+        row_id = params.get("id")
+        if run is not None and run.proc.late_next_claim:
+            run.proc.late_next_claim = False
+            self._world.on_late_claim(run, row_id, token, lambda conn: real(statement, conn, params))
+            self._conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly (simulated pooler)")
+        started = time.monotonic()
+        cursor = real(statement, self._conn, params)
+        waited = time.monotonic() - started
+        lose = run is not None and run.proc.lose_next_claim_reply
+        self._world.on_claim(run, row_id, token, waited, lost=lose)
+        if lose:
+            run.proc.lose_next_claim_reply = False
+            self._conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly (simulated)")
+        return cursor
 
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
         if not is_claim(query):
@@ -418,6 +454,7 @@ class WorkerProcess:
         self.clock_offset = clock_offset
         self.alive = True
         self.lose_next_claim_reply = False
+        self.late_next_claim = False
         self.broker = RedisBroker(
             url=redis_url,
             namespace=namespace,

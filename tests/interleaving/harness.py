@@ -46,6 +46,7 @@ FAULTS = frozenset(
         "clock",  # worker and reconciler processes run with a clock offset
         "pg_drop",  # pg_terminate_backend of a component's backend
         "lost_reply",  # a committed claim's reply never reaches the worker
+        "late_claim",  # a claim lost before it ran (queued in a pooler) runs later, or never
         "redis_flush",  # every key of the broker namespace is deleted
         "provider",  # the provider fails, drops, hangs, is slow, or its lookup is down
         "purge",  # terminal rows purged (short retention), keys written again afterwards
@@ -313,6 +314,8 @@ class World:
         self.invalid_keys: set[tuple[str, str]] = set()
         self.claims: dict[uuid.UUID, dict[str, Any]] = {}
         self.lost_claims: list[dict[str, Any]] = []
+        #: Claims lost on their way (late_claim) that have not run yet: info, and how to run it.
+        self.late_claims: list[tuple[dict[str, Any], Callable[[psycopg.Connection[Any]], Any]]] = []
         self.operator_failed: set[int] = set()
         self.purged_then_rewritten: set[tuple[str, str]] = set()
         #: batch name -> (members, then, catch, the member ids its first transaction wrote)
@@ -358,6 +361,38 @@ class World:
             + (" (reply lost: the connection broke after the commit)" if lost else ""),
             row_id if isinstance(row_id, int) else None,
         )
+
+    def on_late_claim(
+        self, run: Run, row_id: Any, token: uuid.UUID | None, send: Callable[[psycopg.Connection[Any]], Any]
+    ) -> None:
+        info = {"row_id": row_id, "token": token, "worker": run.proc.name, "lost": True, "late": True}
+        self.late_claims.append((info, send))
+        self.log(
+            f"{run.proc.name}: claim of row {row_id} lost on its way (it may still run, later)",
+            row_id if isinstance(row_id, int) else None,
+        )
+
+    def step_late_claim(self, *, all_: bool = False) -> None:
+        """A claim lost on its way finally runs, whatever its worker did since."""
+        while self.late_claims:
+            info, send = self.late_claims.pop(self.rng.randrange(len(self.late_claims)))
+            try:
+                with psycopg.connect(libpq_url(self.database_url), autocommit=True) as conn:
+                    committed = send(conn).fetchone() is not None
+            except psycopg.Error as exc:
+                self.log(
+                    f"late claim of row {info['row_id']}: refused ({type(exc).__name__})", info["row_id"]
+                )
+            else:
+                self.log(
+                    f"late claim of row {info['row_id']}: {'committed' if committed else 'claimed nothing'}",
+                    info["row_id"],
+                )
+                if committed and info["token"] is not None:
+                    self.claims[info["token"]] = info
+                    self.lost_claims.append(info)
+            if not all_:
+                return
 
     def sql(self, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
         """The harness's own queries, on one connection of its own. The server is shared with the
@@ -558,6 +593,8 @@ class World:
                 continue
             if "lost_reply" in self.cfg.faults and not free and self.rng.random() < 0.1:
                 proc.lose_next_claim_reply = True
+            elif "late_claim" in self.cfg.faults and not free and self.rng.random() < 0.08:
+                proc.late_next_claim = True
             run = Run(self, proc, message, random.Random(self.rng.random()))
             run.free = free
             self.runs.append(run)
@@ -889,6 +926,8 @@ class World:
             steps += [(1, self.step_block), (1, self.step_unblock)]
         if "pg_drop" in f:
             steps.append((0.4, self.step_pg_drop))
+        if "late_claim" in f:
+            steps.append((0.8, self.step_late_claim))
         if "redis_flush" in f:
             steps.append((0.2, self.step_redis_flush))
         if "provider" in f:
@@ -963,6 +1002,7 @@ class World:
         self.log(f"quiescence: faults off ({len(self.events)} events so far)")
         self.cfg = dataclasses.replace(self.cfg, faults=frozenset({"operator", "purge"}) & self.cfg.faults)
         self.tracker.processing_seconds = 0.0
+        self.step_late_claim(all_=True)
         self.provider.configure(
             fail_before_rate=0.0,
             fail_after_rate=0.0,

@@ -27,6 +27,13 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
         ["mysql://app:pw@db/shop", "sqlite:///x.db", "db:5432/shop"],
     ),
     "OUTBOX_REDIS_URL": ("redis://cache:6379/2", "redis://cache:6379/2", ["http://cache:6379", "cache:6379"]),
+    "OUTBOX_DIRECT_DATABASE_URL": (
+        "postgresql://app:pw@db:5432/shop",
+        "postgresql://app:pw@db:5432/shop",
+        ["mysql://app:pw@db/shop", "db:5432/shop"],
+    ),
+    # Alone it names what it lacks: OUTBOX_DIRECT_DATABASE_URL (test_a_pooler_needs_the_direct_url).
+    "OUTBOX_DATABASE_POOLER": ("transaction", None, ["session", "statement", "yes", "transaction"]),
     "OUTBOX_NAMESPACE": ("shop-outbox.v1", "shop-outbox.v1", ["a b", "a:b", "x" * 65, " ", "ns/1"]),
     "OUTBOX_POLL_INTERVAL": ("2.5", 2.5, ["abc", "0", "-1", "1w", "s"]),
     "OUTBOX_RELAY_BATCH_SIZE": ("500", 500, ["abc", "0", "-5", "1.5", "1e3"]),
@@ -65,7 +72,30 @@ def test_defaults_without_any_variable() -> None:
             assert getattr(cfg, field.name) > 0, field.name
 
 
-@pytest.mark.parametrize("name", sorted(VARIABLES))
+def test_a_pooler_needs_the_direct_url() -> None:
+    direct = "postgresql://app:pw@db:5432/shop"
+    pooler = "postgresql://app:pw@pgbouncer:6432/shop"
+    with pytest.raises(ConfigError, match="OUTBOX_DIRECT_DATABASE_URL") as info:
+        settings.from_env({"OUTBOX_DATABASE_URL": pooler, "OUTBOX_DATABASE_POOLER": "transaction"})
+    assert "\n" not in str(info.value)
+    cfg = settings.from_env(
+        {
+            "OUTBOX_DATABASE_URL": pooler,
+            "OUTBOX_DATABASE_POOLER": "Transaction",
+            "OUTBOX_DIRECT_DATABASE_URL": direct,
+        }
+    )
+    assert cfg.pooled and cfg.database_pooler == "transaction"
+    # The hot paths go through the pooler; everything that keeps a backend goes direct.
+    assert cfg.require_hot_database_url() == settings.normalize_database_url(pooler)
+    assert cfg.require_database_url() == settings.normalize_database_url(direct)
+    # Without a pooler both are OUTBOX_DATABASE_URL.
+    plain = settings.from_env({"OUTBOX_DATABASE_URL": pooler})
+    assert not plain.pooled
+    assert plain.require_database_url() == plain.require_hot_database_url()
+
+
+@pytest.mark.parametrize("name", sorted(set(VARIABLES) - {"OUTBOX_DATABASE_POOLER"}))
 def test_each_variable_is_parsed(name: str) -> None:
     raw, expected, _ = VARIABLES[name]
     cfg = settings.from_env({name: raw})
