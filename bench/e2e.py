@@ -623,8 +623,9 @@ def run_outbox(
     workdir: Path,
     tag: str,
     profile: bool = False,
+    pgbouncer_pool_size: int | None = None,
 ) -> Result:
-    result = Result("outbox", args.n)
+    result = Result("outbox" if pgbouncer_pool_size is None else "outbox+pgbouncer", args.n)
     url = libpq_url(recreate_database(admin_url, OUTBOX_DB))
     migrate(url, ORDERS_DDL)
     clear_namespace(redis_url, NAMESPACE)
@@ -650,6 +651,17 @@ def run_outbox(
         OUTBOX_NAMESPACE=NAMESPACE,
         OUTBOX_POLL_INTERVAL="1",
     )
+    pooler = contextlib.ExitStack()
+    if pgbouncer_pool_size is not None:
+        from outbox.testing.pgbouncer import pgbouncer
+
+        # The workers' and the relay's hot paths through PgBouncer in transaction mode, this many
+        # server connections for all of them; LISTEN and the failover guards direct. PgBouncer's
+        # own CPU is in the "machine" column only.
+        pooled = pooler.enter_context(pgbouncer(url, pool_size=pgbouncer_pool_size))
+        env.update(
+            OUTBOX_DATABASE_URL=pooled, OUTBOX_DATABASE_POOLER="transaction", OUTBOX_DIRECT_DATABASE_URL=url
+        )
     if args.async_handler:
         env["BENCH_ASYNC_HANDLER"] = "1"
     worker_log = workdir / f"worker-{tag}.log"
@@ -763,6 +775,7 @@ def run_outbox(
         if relay is not None:
             stop_process(relay)
         stop_process(workers, 60)
+        pooler.close()
     result.redis_calls = {k: v - redis0.get(k, 0) for k, v in redis1.items() if v - redis0.get(k, 0)}
     if attempts != args.n:
         result.checks.append(f"{attempts} attempt rows for {args.n} rows")
@@ -975,7 +988,8 @@ def report(args: argparse.Namespace, results: list[Result], where: str, provider
             f"{r.sessions:>9}{r.worker_rss_mb:>9.0f}MB"
         )
     print()
-    for name, group in (("outbox", ob), ("procrastinate", pr)):
+    pooled = [r for r in results if r.system == "outbox+pgbouncer"]
+    for name, group in (("outbox", ob), ("outbox+pgbouncer", pooled), ("procrastinate", pr)):
         if not group:
             continue
         print(
@@ -987,6 +1001,13 @@ def report(args: argparse.Namespace, results: list[Result], where: str, provider
             f"{_med(group, lambda r: r.write_commits / r.n):.2f} commits/tx); "
             f"delivery {_med(group, lambda r: r.rate):.0f}/s first-to-last, "
             f"{_med(group, lambda r: r.wall_rate):.0f}/s wall"
+        )
+    if ob and pooled:
+        pairs = ", ".join(f"{p.rate / o.rate:.2f}" for o, p in zip(ob, pooled, strict=False))
+        print(
+            f"ratio outbox+pgbouncer/outbox deliveries/s: "
+            f"{_med(pooled, lambda r: r.rate) / _med(ob, lambda r: r.rate):.2f}x first-to-last "
+            f"(per pair: {pairs}); target 0.80x"
         )
     if ob and pr:
         ratio = _med(ob, lambda r: r.rate) / _med(pr, lambda r: r.rate)
@@ -1110,6 +1131,14 @@ def main(argv: list[str] | None = None) -> int:
         help="both systems' worker log level (default INFO, both CLIs' default)",
     )
     parser.add_argument("--only", choices=["outbox", "procrastinate"], help="run one system only")
+    parser.add_argument(
+        "--pgbouncer",
+        type=int,
+        metavar="POOL_SIZE",
+        help="also run outbox through PgBouncer in transaction mode (Debian's pgbouncer, started "
+        "here) with this many server connections for the whole deployment, right after each "
+        "direct outbox run",
+    )
     parser.add_argument("--no-count-round-trips", dest="count_round_trips", action="store_false")
     parser.add_argument(
         "--profile",
@@ -1158,6 +1187,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(line)
                 return 0
             systems = [s for s in ("outbox", "procrastinate") if args.only in (None, s)]
+            if args.pgbouncer is not None and "outbox" in systems:
+                systems.insert(systems.index("outbox") + 1, "outbox+pgbouncer")
             if args.steady:
                 from bench.steady import report_steady, run_steady
 
@@ -1193,6 +1224,16 @@ def main(argv: list[str] | None = None) -> int:
                     t = time.monotonic()
                     if system == "outbox":
                         r = run_outbox(args, admin_url, redis_url, provider_url, workdir, f"{i}")
+                    elif system == "outbox+pgbouncer":
+                        r = run_outbox(
+                            args,
+                            admin_url,
+                            redis_url,
+                            provider_url,
+                            workdir,
+                            f"{i}-pgb",
+                            pgbouncer_pool_size=args.pgbouncer,
+                        )
                     else:
                         r = run_procrastinate(args, admin_url, redis_url, provider_url, workdir, f"{i}")
                     results.append(r)

@@ -14,7 +14,6 @@ from typing import Any
 import psycopg
 import pytest
 from helpers import destination_states, sql, wait_for, worker_thread, write_rows
-from pgbouncer import MISSING, PGBOUNCER, pgbouncer
 
 import outbox
 from outbox import store
@@ -22,6 +21,7 @@ from outbox.consumer import LOCK_WAIT_MS, Deliverer, DeliveryResult
 from outbox.handlers import registry
 from outbox.relay import Relay
 from outbox.settings import libpq_url
+from outbox.testing.pgbouncer import MISSING, PGBOUNCER, pgbouncer
 
 pytestmark = pytest.mark.skipif(PGBOUNCER is None, reason=MISSING)
 

@@ -293,6 +293,22 @@ def test_bad_setting_exits_2() -> None:
     assert "OUTBOX_POLL_INTERVAL='abc'" in one_line(proc.stderr)
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["worker", "examples.shop.handlers"], ["relay"], ["reconcile", "examples.shop.handlers"], ["migrate"]],
+)
+def test_a_pooler_without_the_direct_url_exits_2_in_one_line(command: list[str]) -> None:
+    env = {
+        "OUTBOX_DATABASE_URL": "postgresql://app:s3cret@pgbouncer:6432/shop",
+        "OUTBOX_DATABASE_POOLER": "transaction",
+        "OUTBOX_REDIS_URL": "redis://127.0.0.1:1/0",
+    }
+    proc = run(*command, env=env)
+    assert proc.returncode == 2, proc
+    line = one_line(proc.stderr)
+    assert "OUTBOX_DIRECT_DATABASE_URL" in line and "s3cret" not in line
+
+
 def test_other_database_url_exits_2_without_the_password() -> None:
     proc = run("migrate", "--database-url", "mysql://app:s3cret@db/shop")
     assert proc.returncode == 2, proc

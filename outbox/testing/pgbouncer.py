@@ -2,9 +2,10 @@
 started by the tests on 127.0.0.1: the pooler deployments put between the workers and
 PostgreSQL. ``.ci/run`` installs it; without the binary the tests that need it say so and skip.
 
-PgBouncer refuses to run as root: as root it is started with ``-u nobody``. It cannot reach the
-embedded server's Unix socket then (its directory is the test's), so a small TCP forwarder on
-127.0.0.1 stands in front of that socket."""
+PgBouncer refuses to run as root: as root it is started with ``-u nobody``. Where that user
+cannot reach a server's Unix socket (a directory only its owner may enter), a small TCP
+forwarder on 127.0.0.1 stands in front of that socket; pgserver's socket directory is open to
+every user, so the embedded server is reached directly."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import glob
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
@@ -77,6 +79,19 @@ class _Forwarder:
                     s.close()
 
 
+def _open_to_others(path: str) -> bool:
+    """Whether a user other than the owner may reach the socket ``path`` (every directory on the
+    way searchable by others, the socket writable by them)."""
+    directory = os.path.dirname(path)
+    while True:
+        if not os.stat(directory).st_mode & stat.S_IXOTH:
+            return False
+        if directory == os.path.dirname(directory):
+            break
+        directory = os.path.dirname(directory)
+    return bool(os.stat(path).st_mode & stat.S_IWOTH)
+
+
 def _free_port() -> int:
     with socket.create_server(("127.0.0.1", 0)) as s:
         return int(s.getsockname()[1])
@@ -96,9 +111,12 @@ def pgbouncer(database_url: str, *, pool_size: int = 4) -> Iterator[str]:
     with contextlib.ExitStack() as stack:
         if socket_dir.startswith("/"):
             (path,) = (p for p in glob.glob(f"{socket_dir}/.s.PGSQL.*") if not p.endswith(".lock"))
-            forwarder = _Forwarder(path)
-            stack.callback(forwarder.close)
-            host, port = "127.0.0.1", forwarder.port
+            if os.geteuid() != 0 or _open_to_others(path):
+                host, port = socket_dir, int(path.rsplit(".", 1)[1])
+            else:
+                forwarder = _Forwarder(path)
+                stack.callback(forwarder.close)
+                host, port = "127.0.0.1", forwarder.port
         else:
             host, port = parts.hostname or "127.0.0.1", parts.port or 5432
         directory = tempfile.mkdtemp(prefix="outbox-pgbouncer-")
