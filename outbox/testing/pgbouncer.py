@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 PGBOUNCER = shutil.which("pgbouncer") or next(
@@ -159,10 +160,8 @@ def pgbouncer(database_url: str, *, pool_size: int = 4) -> Iterator[str]:
                 break
             except OSError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    with open(os.path.join(directory, "pgbouncer.log"), "rb") as f:
-                        raise RuntimeError(
-                            f"pgbouncer did not start: {f.read().decode(errors='replace')}"
-                        ) from None
+                    said = Path(directory, "pgbouncer.log").read_text(errors="replace")
+                    raise RuntimeError(f"pgbouncer did not start: {said}") from None
                 time.sleep(0.05)
         query = urlencode({k: v for k, v in params.items() if k != "host"})
         netloc = f"{user}@127.0.0.1:{listen}"
