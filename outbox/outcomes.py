@@ -11,6 +11,11 @@ Every claim leaves one ``outbox_attempt`` row. Its ``outcome`` falls in one of t
   limit, a handler bug), ``lease_expired`` (the worker died or overran), no outcome at all (a
   claim that never recorded), and any outcome this version does not know.
 
+A **fence** row is not a claim: attempt number 0 (no claim has it), outcome ``released``, the
+token of a claim whose reply was lost, inserted so that the claim can never commit
+(``store.delivery.fence_lost_claim``). It made no call; readers that count claims or calls leave
+it out (:func:`is_fence_sql`), and a release that does not know it still reads it as safe.
+
 ``superseded:X`` (a late worker whose row had been taken over) has the kind of ``X``. The list
 of *safe* outcomes is closed on purpose: a new outcome is ambiguous until someone decides it is
 not, so the mistake it can cause is a refused replay, never a second charge.
@@ -45,6 +50,15 @@ IDEMPOTENT_RETRY = "idempotent_retry"
 SETTLED_VALUES = (LOOKUP_NOT_FOUND, OPERATOR_NOT_SENT, OPERATOR_FORCED, IDEMPOTENT_RETRY)
 #: Marks that make an ambiguous call harmless for a replay.
 SETTLEMENTS = (LOOKUP_NOT_FOUND, OPERATOR_NOT_SENT)
+
+
+#: The attempt number of a fence row (see above): claims count from 1.
+FENCE_ATTEMPT = 0
+
+
+def is_fence_sql(alias: str) -> str:
+    """True for a fence row: no claim, no call."""
+    return f"{alias}.attempt = {FENCE_ATTEMPT}"
 
 
 def _quoted(values: tuple[str, ...]) -> str:
@@ -113,7 +127,7 @@ def recalled_without_settlement_sql(alias: str, later: str) -> str:
     both_confirmed = f"({is_confirmed_sql(alias)} AND {is_confirmed_sql(later)})"
     return (
         f"({is_confirmed_sql(alias)} OR {is_ambiguous_sql(alias)}) AND NOT {covered} "
-        f"AND NOT {both_confirmed} "
+        f"AND NOT {both_confirmed} AND NOT {is_fence_sql(later)} "
         f"AND ({later}.started_at, {later}.id) > ({alias}.started_at, {alias}.id)"
     )
 

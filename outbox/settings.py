@@ -348,6 +348,20 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
                 "OUTBOX_DATABASE_POOLER=transaction needs OUTBOX_DIRECT_DATABASE_URL: PostgreSQL itself, "
                 "not the pooler (LISTEN, advisory locks, migrate and the failover guard need one backend)"
             )
+        if settings.database_url and normalize_database_url(settings.direct_database_url) == (
+            normalize_database_url(settings.database_url)
+        ):
+            raise ConfigError(
+                "OUTBOX_DIRECT_DATABASE_URL is the same as OUTBOX_DATABASE_URL: with "
+                "OUTBOX_DATABASE_POOLER=transaction it must lead to PostgreSQL itself, not the pooler"
+            )
+    elif settings.direct_database_url:
+        # Ignored, it would hide a half-made switch to a pooler (OUTBOX_DATABASE_URL already
+        # pointing at it, and everything going through it).
+        raise ConfigError(
+            "OUTBOX_DIRECT_DATABASE_URL is only read with OUTBOX_DATABASE_POOLER=transaction: set that "
+            "too (OUTBOX_DATABASE_URL is then the pooler's), or unset OUTBOX_DIRECT_DATABASE_URL"
+        )
     if settings.redis_url and not settings.redis_url.startswith(_REDIS_SCHEMES):
         source = "--redis-url" if overrides.get("redis_url") else "OUTBOX_REDIS_URL"
         raise ConfigError(

@@ -30,7 +30,8 @@ UPDATE outbox_message
 SET state = 'cancelled', completed_at = now(), claim_token = NULL
 WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched')
   -- Not `attempts = 0`: a replay resets attempts, but its earlier claims may have charged.
-  AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id)
+  -- A fence row (outbox.outcomes) was no claim: the row was never called.
+  AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id AND a.attempt <> 0)
 RETURNING id
 """
 

@@ -310,21 +310,24 @@ RETURNING id
 
 # A claim whose reply was lost may not have run yet: queued in a pooler, or in the network, it
 # can still commit after the worker has moved on. Its attempt row carries its token under a
-# unique index, so inserting that token first, as a release that made no call, fences it: the
-# late claim's insert then fails and the whole claim rolls back. A claim still running makes
-# this insert wait for its end. Finding the token taken by anything but this fence means the
-# claim committed.
+# unique index, so inserting that token first fences it: the late claim's insert then fails and
+# the whole claim rolls back. A claim still running makes this insert wait for its end. Finding
+# the token taken by anything but this fence means the claim committed. The fence row is no
+# claim (attempt 0, outcome released: outbox.outcomes); a row gone meanwhile can be claimed by
+# nothing either.
 LOST_CLAIM_FENCE_ERROR = "fenced: the reply to this claim was lost before the claim committed; it never will"
 _FENCE_LOST_CLAIM = f"""
-WITH fence AS (
+WITH target AS (
+    SELECT id FROM outbox_message WHERE {LOCK_WAIT_SQL} AND id = %(id)s
+), fence AS (
     INSERT INTO outbox_attempt (message_id, attempt, claim_token, started_at, finished_at, outcome, error)
-    SELECT id, attempts + 1, %(token)s, now(), now(), 'released', %(error)s
-    FROM outbox_message WHERE {LOCK_WAIT_SQL} AND id = %(id)s
+    SELECT id, {outcomes.FENCE_ATTEMPT}, %(token)s, now(), now(), 'released', %(error)s FROM target
     ON CONFLICT (claim_token) DO NOTHING
     RETURNING 1
 )
-SELECT EXISTS (SELECT 1 FROM fence)
-       OR EXISTS (SELECT 1 FROM outbox_attempt WHERE claim_token = %(token)s AND error = %(error)s)
+SELECT NOT EXISTS (SELECT 1 FROM target) OR EXISTS (SELECT 1 FROM fence)
+       OR EXISTS (SELECT 1 FROM outbox_attempt a
+                  WHERE a.claim_token = %(token)s AND {outcomes.is_fence_sql("a")})
 """
 
 
@@ -548,7 +551,11 @@ def fence_lost_claim(conn: psycopg.Connection[Any], *, row_id: int, token: uuid.
     or never will: False when it committed (it owns its attempt row), True when it is fenced
     (now, or by an earlier try of this call whose own reply was lost)."""
     params = {"id": row_id, "token": token, "error": LOST_CLAIM_FENCE_ERROR}
-    row = conn.execute(_FENCE_LOST_CLAIM, params).fetchone()
+    try:
+        row = conn.execute(_FENCE_LOST_CLAIM, params).fetchone()
+    except psycopg.errors.ForeignKeyViolation:
+        # The row was deleted between the read and the insert: nothing can claim it now.
+        return True
     return bool(row and row[0])
 
 
@@ -572,13 +579,14 @@ _COUNT = f"""
 INSERT INTO outbox_destination AS d (destination, breaker_failures, breaker_window_at, breaker_opened_at,
                                      breaker_open_until, breaker_open_seconds, breaker_reason,
                                      breaker_trips, breaker_since)
-VALUES (%(destination)s, 1, now(),
-        CASE WHEN {_TRIPS_AT_ONE} THEN now() END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN now() + %(open)s * interval '1 second' END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN CAST(%(open)s AS float8) END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN %(reason)s END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN 1 ELSE 0 END,
-        CASE WHEN {_TRIPS_AT_ONE} THEN now() END)
+SELECT %(destination)s, 1, now(),
+       CASE WHEN {_TRIPS_AT_ONE} THEN now() END,
+       CASE WHEN {_TRIPS_AT_ONE} THEN now() + %(open)s * interval '1 second' END,
+       CASE WHEN {_TRIPS_AT_ONE} THEN CAST(%(open)s AS float8) END,
+       CASE WHEN {_TRIPS_AT_ONE} THEN %(reason)s END,
+       CASE WHEN {_TRIPS_AT_ONE} THEN 1 ELSE 0 END,
+       CASE WHEN {_TRIPS_AT_ONE} THEN now() END
+WHERE {LOCK_WAIT_SQL}
 ON CONFLICT (destination) DO UPDATE
 SET breaker_failures = {_NEW_COUNT},
     breaker_window_at = CASE WHEN {_WINDOW_OPEN} THEN d.breaker_window_at ELSE now() END,
@@ -598,10 +606,10 @@ WHERE d.breaker_opened_at IS NULL
 RETURNING breaker_opened_at IS NOT NULL AS tripped, breaker_failures
 """
 
-_RESET = """
+_RESET = f"""
 UPDATE outbox_destination
 SET breaker_failures = 0, breaker_window_at = NULL
-WHERE destination = %(destination)s AND breaker_opened_at IS NULL AND breaker_failures > 0
+WHERE {LOCK_WAIT_SQL} AND destination = %(destination)s AND breaker_opened_at IS NULL AND breaker_failures > 0
 """
 
 
@@ -618,7 +626,7 @@ def reset_breaker(conn: psycopg.Connection[Any], destination: str) -> None:
 
 # The probe's outcome, only while this claim still holds the probe: closed, or open again for
 # `%(factor)s` times as long as before (at most `%(max)s`).
-_SETTLE_PROBE = """
+_SETTLE_PROBE = f"""
 UPDATE outbox_destination
 SET breaker_opened_at = CASE WHEN %(close)s THEN NULL ELSE breaker_opened_at END,
     breaker_open_until = CASE WHEN %(close)s THEN NULL
@@ -631,7 +639,8 @@ SET breaker_opened_at = CASE WHEN %(close)s THEN NULL ELSE breaker_opened_at END
     breaker_reason = CASE WHEN %(close)s THEN breaker_reason ELSE %(reason)s END,
     breaker_probe_token = NULL,
     breaker_probe_until = NULL
-WHERE destination = %(destination)s AND breaker_probe_token = %(token)s AND breaker_opened_at IS NOT NULL
+WHERE {LOCK_WAIT_SQL} AND destination = %(destination)s AND breaker_probe_token = %(token)s
+  AND breaker_opened_at IS NOT NULL
 RETURNING breaker_opened_at IS NULL AS closed, breaker_open_seconds
 """
 
@@ -642,10 +651,10 @@ def settle_breaker_probe(conn: psycopg.Connection[Any], params: Mapping[str, Any
     return conn.execute(_SETTLE_PROBE, params).fetchone()
 
 
-_FREE_PROBE = """
+_FREE_PROBE = f"""
 UPDATE outbox_destination
 SET breaker_probe_token = NULL, breaker_probe_until = NULL
-WHERE destination = %(destination)s AND breaker_probe_token = %(token)s
+WHERE {LOCK_WAIT_SQL} AND destination = %(destination)s AND breaker_probe_token = %(token)s
 """
 
 
@@ -656,7 +665,7 @@ def free_breaker_probe(conn: psycopg.Connection[Any], destination: str, *, token
 
 _CLOSE = f"""
 UPDATE outbox_destination {BREAKER_CLOSE_SET}
-WHERE destination = %(destination)s AND breaker_opened_at IS NOT NULL
+WHERE {LOCK_WAIT_SQL} AND destination = %(destination)s AND breaker_opened_at IS NOT NULL
 RETURNING destination
 """
 
@@ -670,7 +679,8 @@ def close_breaker(conn: psycopg.Connection[Any], destination: str) -> bool:
 # reason, stay as they are).
 _HOLD = f"""
 INSERT INTO outbox_destination AS d (destination, paused_until, paused_at, paused_by, pause_reason)
-VALUES (%(destination)s, now() + %(seconds)s * interval '1 second', now(), %(by)s, %(reason)s)
+SELECT %(destination)s, now() + %(seconds)s * interval '1 second', now(), %(by)s, %(reason)s
+WHERE {LOCK_WAIT_SQL}
 ON CONFLICT (destination) DO UPDATE
 SET paused_until = EXCLUDED.paused_until,
     paused_at = {EPISODE_START_SQL},

@@ -961,10 +961,11 @@ def _check_assignment(where: str, assignment: str) -> None:
         return
     assert name in _known_variables(), f"{where}: {name} is not a variable outbox reads"
     if name in settings.ENVIRONMENT:
-        # A pooler is only accepted beside a direct URL (checked on its own here).
-        beside = (
-            {"OUTBOX_DIRECT_DATABASE_URL": "postgresql://db/app"} if name == "OUTBOX_DATABASE_POOLER" else {}
-        )
+        # A pooler and its direct URL are only accepted together (each checked on its own here).
+        beside = {
+            "OUTBOX_DATABASE_POOLER": {"OUTBOX_DIRECT_DATABASE_URL": "postgresql://db/app"},
+            "OUTBOX_DIRECT_DATABASE_URL": {"OUTBOX_DATABASE_POOLER": "transaction"},
+        }.get(name, {})
         settings.from_env({name: value, **beside})  # raises ConfigError for a bad value
     elif name == "OUTBOX_LOG_LEVEL":
         from outbox.cli.flags import log_level

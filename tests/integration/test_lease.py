@@ -616,7 +616,7 @@ def test_a_claim_cut_off_while_it_waited_can_no_longer_commit(clean, engine, pro
     assert (r["state"], r["attempts"], r["claim_token"]) == ("dispatched", 0, None)
     # The worker fenced the claim's token before it answered: the claim can never commit; the
     # row waits for the reconciler's re-dispatch (its message was taken).
-    assert fence_rows(clean, row_id) == [(1, "released")]
+    assert fence_rows(clean, row_id) == [(0, "released")]
     assert provider.stats()["requests"] == 0
     assert out.get("result") is DeliveryResult.EMPTY, out
 

@@ -144,7 +144,7 @@ def test_a_fenced_claim_that_arrives_late_can_never_commit(clean, engine):
         with pytest.raises(psycopg.errors.UniqueViolation):
             _claim(conn, row_id, token)
     assert sql(clean, "SELECT state, attempts, claim_token FROM outbox_message") == [("pending", 0, None)]
-    assert sql(clean, "SELECT attempt, outcome FROM outbox_attempt") == [(1, "released")]
+    assert sql(clean, "SELECT attempt, outcome FROM outbox_attempt") == [(0, "released")]
     # The row is claimed and delivered by the next claim as if nothing happened.
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
         assert _claim(conn, row_id, uuid.uuid4()) is not None
@@ -197,3 +197,70 @@ def test_any_error_of_a_pooled_claim_is_a_lost_reply(clean, engine, pooled_url, 
         deliverer.close()
     assert sql(clean, "SELECT state, attempts, releases FROM outbox_message") == [("pending", 0, 1)]
     assert sql(clean, "SELECT claim_token, outcome FROM outbox_attempt") == [(tokens[0], "released")]
+
+
+def test_a_fence_row_is_no_claim_for_cancel_audit_or_the_ledger(clean, engine):
+    """A fence row (attempt 0) marks a claim that never committed: the row was never called, so
+    the application may still cancel it, and a fence written after a real call (a duplicate
+    message whose claim's reply was lost on a row already sent) is no second call for the audit."""
+    from sqlalchemy.orm import Session
+
+    from outbox.ops.audit import audit
+
+    write_rows(engine, "payments.charge", 2)
+    fenced, charged = (r for (r,) in sql(clean, "SELECT id FROM outbox_message ORDER BY id"))
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        assert store.delivery.fence_lost_claim(conn, row_id=fenced, token=uuid.uuid4()) is True
+        token = uuid.uuid4()
+        claimed = _claim(conn, charged, token)
+        assert claimed is not None
+        # Recorded as sent (the record's own statement needs its whole decision; its effect here).
+        conn.execute(
+            "UPDATE outbox_message SET state = 'sent', completed_at = now(), provider_ref = 'ch_1' "
+            "WHERE id = %s",
+            (charged,),
+        )
+        conn.execute(
+            "UPDATE outbox_attempt SET outcome = 'sent', finished_at = now() WHERE claim_token = %s", (token,)
+        )
+        # A duplicate message of the sent row: its claim's reply lost, the worker fences it.
+        assert store.delivery.fence_lost_claim(conn, row_id=charged, token=uuid.uuid4()) is True
+    with engine.connect() as conn:
+        report = audit(conn)
+    assert report.totals.violations == 0 and report.violations == [], report
+    with Session(engine) as s, s.begin():
+        assert outbox.cancel(s, key="payments.charge:0", step="send") is True
+    assert sql(clean, "SELECT id, state FROM outbox_message ORDER BY id") == [
+        (fenced, "cancelled"),
+        (charged, "sent"),
+    ]
+
+
+def test_the_fence_of_a_row_that_is_gone_says_fenced(clean, engine):
+    write_rows(engine, "payments.charge", 1)
+    ((row_id,),) = sql(clean, "SELECT id FROM outbox_message")
+    sql(clean, "DELETE FROM outbox_message")
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        assert store.delivery.fence_lost_claim(conn, row_id=row_id, token=uuid.uuid4()) is True
+
+
+def test_the_aftercare_statements_wait_no_longer_than_the_claim_for_a_destination_row(clean, pooled_url):
+    """A breaker's count and a Retry-After hold on a destination row another transaction holds
+    (an operator's pause in a slow transaction): refused after the lock wait, as on a direct
+    connection, instead of holding one of the pooler's few server connections until the lock
+    goes (every destination's deliveries wait for those)."""
+    sql(clean, "INSERT INTO outbox_destination (destination) VALUES ('payments.charge')")
+    count = {"destination": "payments.charge", "threshold": 5, "open": 10.0, "window": 60.0, "reason": "503"}
+    hold = {"destination": "payments.charge", "seconds": 30.0, "by": "worker", "reason": "Retry-After"}
+    with psycopg.connect(libpq_url(clean.database_url)) as holder:
+        holder.execute("SELECT 1 FROM outbox_destination WHERE destination = 'payments.charge' FOR UPDATE")
+        with psycopg.connect(libpq_url(pooled_url), autocommit=True, prepare_threshold=None) as conn:
+            for statement in (
+                lambda: store.delivery.count_breaker_failure(conn, count),
+                lambda: store.delivery.hold_destination(conn, hold),
+            ):
+                started = time.monotonic()
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    statement()
+                assert time.monotonic() - started < 5
+        holder.rollback()

@@ -32,7 +32,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
         "postgresql://app:pw@db:5432/shop",
         ["mysql://app:pw@db/shop", "db:5432/shop"],
     ),
-    # Alone it names what it lacks: OUTBOX_DIRECT_DATABASE_URL (test_a_pooler_needs_the_direct_url).
+    # Alone each names what it lacks (test_a_pooler_needs_the_direct_url).
     "OUTBOX_DATABASE_POOLER": ("transaction", None, ["session", "statement", "yes", "transaction"]),
     "OUTBOX_NAMESPACE": ("shop-outbox.v1", "shop-outbox.v1", ["a b", "a:b", "x" * 65, " ", "ns/1"]),
     "OUTBOX_POLL_INTERVAL": ("2.5", 2.5, ["abc", "0", "-1", "1w", "s"]),
@@ -93,9 +93,22 @@ def test_a_pooler_needs_the_direct_url() -> None:
     plain = settings.from_env({"OUTBOX_DATABASE_URL": pooler})
     assert not plain.pooled
     assert plain.require_database_url() == plain.require_hot_database_url()
+    # A direct URL alone is a half-made switch; a direct URL that is the pooler's is no direct URL.
+    with pytest.raises(ConfigError, match="OUTBOX_DATABASE_POOLER=transaction"):
+        settings.from_env({"OUTBOX_DATABASE_URL": pooler, "OUTBOX_DIRECT_DATABASE_URL": direct})
+    with pytest.raises(ConfigError, match="same as OUTBOX_DATABASE_URL"):
+        settings.from_env(
+            {
+                "OUTBOX_DATABASE_URL": pooler,
+                "OUTBOX_DATABASE_POOLER": "transaction",
+                "OUTBOX_DIRECT_DATABASE_URL": pooler,
+            }
+        )
 
 
-@pytest.mark.parametrize("name", sorted(set(VARIABLES) - {"OUTBOX_DATABASE_POOLER"}))
+@pytest.mark.parametrize(
+    "name", sorted(set(VARIABLES) - {"OUTBOX_DATABASE_POOLER", "OUTBOX_DIRECT_DATABASE_URL"})
+)
 def test_each_variable_is_parsed(name: str) -> None:
     raw, expected, _ = VARIABLES[name]
     cfg = settings.from_env({name: raw})
