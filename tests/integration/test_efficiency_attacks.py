@@ -310,9 +310,9 @@ def test_the_cached_cursor_survives_a_cancelled_claim_and_a_refused_record(clean
         locker = psycopg.connect(libpq_url(clean.database_url))
         try:
             locker.execute("SELECT 1 FROM outbox_message WHERE id = %s FOR UPDATE", (ids[7],))
-            # The statement timeout, not the lock timeout (which waits without the connection).
-            claim_conn.execute("SET statement_timeout = 300")
-            claim_conn.execute("SET lock_timeout = 0")
+            # The statement timeout, not the lock timeout (which waits without the connection):
+            # shorter than the lock wait the claim sets inside itself.
+            claim_conn.execute("SET statement_timeout = 100")
             with pytest.raises(psycopg.errors.QueryCanceled):
                 deliverer.deliver(ids[7], DEST)
         finally:
