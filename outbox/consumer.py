@@ -506,8 +506,8 @@ class Deliverer:
 
     def _open(self, name: str) -> psycopg.Connection[Any]:
         if self.pooled:
-            # The delivery statements set their lock wait (and the records their asynchronous
-            # commit) inside themselves; the others wait for their locks as long as it takes.
+            # The delivery statements that take a row lock set their lock wait (and the records
+            # their asynchronous commit) inside themselves (store.sql.LOCK_WAIT_SQL).
             conn = connect_raw(self.database_url, autocommit=True, pooled=True)
         else:
             options = f"-c lock_timeout={LOCK_WAIT_MS}"
@@ -1230,7 +1230,8 @@ class Deliverer:
         longer commit), then, if it had committed, release the row: it made no call. No backend
         is ended: through a pooler the claim's backend is not this connection's to know.
         """
-        give_up_at = time.monotonic() + max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds)
+        window_seconds = max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds)
+        give_up_at = time.monotonic() + window_seconds
         delay = 0.1
         while True:
             try:
@@ -1247,7 +1248,7 @@ class Deliverer:
                     "(the database did not answer the fence in %.0f s); if it committed, the row expires "
                     "to unknown with no call made (claim token %s)",
                     row_id,
-                    max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds),
+                    window_seconds,
                     token,
                     extra={
                         "outbox_id": row_id,

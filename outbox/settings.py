@@ -328,13 +328,11 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
         except ConfigError as exc:
             source = "--database-url" if overrides.get("database_url") else "OUTBOX_DATABASE_URL"
             raise ConfigError(f"{source}: {exc}") from None
-    for field_name, variable in (("direct_database_url", "OUTBOX_DIRECT_DATABASE_URL"),):
-        value = getattr(settings, field_name)
-        if value:
-            try:
-                normalize_database_url(value)
-            except ConfigError as exc:
-                raise ConfigError(f"{variable}: {exc}") from None
+    if settings.direct_database_url:
+        try:
+            normalize_database_url(settings.direct_database_url)
+        except ConfigError as exc:
+            raise ConfigError(f"OUTBOX_DIRECT_DATABASE_URL: {exc}") from None
     if settings.database_pooler is not None:
         if settings.database_pooler.lower() != POOLER_TRANSACTION:
             raise ConfigError(

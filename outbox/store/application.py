@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .. import outcomes
 from .sql import cached_text
 
 if TYPE_CHECKING:
@@ -25,13 +26,14 @@ RETURNING id
 """
 
 
-_CANCEL_BY_KEY = """
+_CANCEL_BY_KEY = f"""
 UPDATE outbox_message
 SET state = 'cancelled', completed_at = now(), claim_token = NULL
 WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched')
   -- Not `attempts = 0`: a replay resets attempts, but its earlier claims may have charged.
   -- A fence row (outbox.outcomes) was no claim: the row was never called.
-  AND NOT EXISTS (SELECT 1 FROM outbox_attempt a WHERE a.message_id = outbox_message.id AND a.attempt <> 0)
+  AND NOT EXISTS (SELECT 1 FROM outbox_attempt a
+                  WHERE a.message_id = outbox_message.id AND NOT {outcomes.is_fence_sql("a")})
 RETURNING id
 """
 

@@ -343,7 +343,7 @@ RETURNING m.id
 # the row's completed_at. Rows completed after the oldest open client transaction began wait for
 # it to end. Sessions of other roles show no xact_start without pg_read_all_stats: the hold-back
 # would be blind to them, so without that privilege the reconciler does not run the purge.
-_PURGE = """
+_PURGE = f"""
 WITH gone AS (
     DELETE FROM outbox_message
     WHERE id IN (
@@ -373,11 +373,11 @@ ledgered AS (
         message_id, completed_at, attempts, confirmed, ambiguous,
         key, step, destination, payload_hash, state, provider_ref, parent_id, via, batch_id)
     SELECT g.id, g.completed_at, f.claims, f.confirmed,
-           f.ambiguous OR g.history @> '[{"action": "resolve", "from": "unknown"}]'::jsonb,
+           f.ambiguous OR g.history @> '[{{"action": "resolve", "from": "unknown"}}]'::jsonb,
            g.key, g.step, g.destination, outbox_payload_digest(g.payload),
            g.state, g.provider_ref, g.parent_id, g.via, g.batch_id
     FROM gone g CROSS JOIN LATERAL (
-        SELECT count(*) FILTER (WHERE a.attempt <> 0) AS claims,  -- a fence row is no claim
+        SELECT count(*) FILTER (WHERE NOT {outcomes.is_fence_sql("a")}) AS claims,  -- a fence is no claim
                count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,
                -- A claim that never recorded an outcome is as unknown as one that said so.
                COALESCE(bool_or(a.outcome IS NULL

@@ -50,10 +50,6 @@ def relay_through(services: Any, pooled_url: str) -> int:
         relay.close()
 
 
-def held(services: Any, destination: str) -> int:
-    return destination_states(services, destination).get("sent", 0)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_worker_delivers_every_row_once_through_the_pooler(clean, engine, pooled_url, kind):
@@ -96,7 +92,9 @@ def test_a_worker_delivers_every_row_once_through_the_pooler(clean, engine, pool
         direct_database_url=clean.database_url,
         pooled=True,
     ):
-        wait_for(lambda: held(clean, "payments.charge") == 300, 90, "every row sent")
+        wait_for(
+            lambda: destination_states(clean, "payments.charge").get("sent") == 300, 90, "every row sent"
+        )
     assert len(calls) == 300 and set(calls.values()) == {1}
     (attempts,) = sql(clean, "SELECT count(*), count(*) FILTER (WHERE outcome = 'sent') FROM outbox_attempt")
     assert attempts == (300, 300)
