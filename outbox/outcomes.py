@@ -11,10 +11,12 @@ Every claim leaves one ``outbox_attempt`` row. Its ``outcome`` falls in one of t
   limit, a handler bug), ``lease_expired`` (the worker died or overran), no outcome at all (a
   claim that never recorded), and any outcome this version does not know.
 
-A **fence** row is not a claim: attempt number 0 (no claim has it), outcome ``released``, the
-token of a claim whose reply was lost, inserted so that the claim can never commit
-(``store.delivery.fence_lost_claim``). It made no call; readers that count claims or calls leave
-it out (:func:`is_fence_sql`), and a release that does not know it still reads it as safe.
+A claim whose reply was lost before it committed gets its fence row from the worker's recovery
+instead (``store.delivery.fence_lost_claim``): attempt number 0 (a committed claim's is 1 or
+more), outcome ``released``, the claim's token, so that the claim can never commit. Every claim
+sent still leaves one row; this one made no call, so readers that count committed claims or
+calls leave it out (:func:`is_fence_sql`), and a release that does not know it still reads it as
+safe.
 
 ``superseded:X`` (a late worker whose row had been taken over) has the kind of ``X``. The list
 of *safe* outcomes is closed on purpose: a new outcome is ambiguous until someone decides it is
@@ -57,7 +59,7 @@ FENCE_ATTEMPT = 0
 
 
 def is_fence_sql(alias: str) -> str:
-    """True for a fence row: no claim, no call."""
+    """True for the fence row of a lost claim that never committed: no call."""
     return f"{alias}.attempt = {FENCE_ATTEMPT}"
 
 

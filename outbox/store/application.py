@@ -31,7 +31,7 @@ UPDATE outbox_message
 SET state = 'cancelled', completed_at = now(), claim_token = NULL
 WHERE key = :key AND step = :step AND state IN ('pending', 'dispatched')
   -- Not `attempts = 0`: a replay resets attempts, but its earlier claims may have charged.
-  -- A fence row (outbox.outcomes) was no claim: the row was never called.
+  -- The fence row of a lost claim that never committed (outbox.outcomes): no call was made.
   AND NOT EXISTS (SELECT 1 FROM outbox_attempt a
                   WHERE a.message_id = outbox_message.id AND NOT {outcomes.is_fence_sql("a")})
 RETURNING id

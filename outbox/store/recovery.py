@@ -377,7 +377,7 @@ ledgered AS (
            g.key, g.step, g.destination, outbox_payload_digest(g.payload),
            g.state, g.provider_ref, g.parent_id, g.via, g.batch_id
     FROM gone g CROSS JOIN LATERAL (
-        SELECT count(*) FILTER (WHERE NOT {outcomes.is_fence_sql("a")}) AS claims,  -- a fence is no claim
+        SELECT count(*) FILTER (WHERE NOT {outcomes.is_fence_sql("a")}) AS claims,  -- committed claims
                count(*) FILTER (WHERE a.outcome IN ('sent', 'superseded:sent')) AS confirmed,
                -- A claim that never recorded an outcome is as unknown as one that said so.
                COALESCE(bool_or(a.outcome IS NULL

@@ -278,7 +278,7 @@ def _stress(
         "FROM outbox_attempt a1 JOIN outbox_message m1 ON m1.id = a1.message_id "
         "JOIN outbox_message m2 ON m2.ordering_key = m1.ordering_key AND m2.id <> m1.id "
         "JOIN outbox_attempt a2 ON a2.message_id = m2.id "
-        # A fence row (attempt 0) is no claim: a lost claim reply's token, fenced.
+        # Attempt 0: the fence row of a lost claim that never committed, no call.
         "AND a1.attempt <> 0 AND a2.attempt <> 0 "
         "WHERE a2.started_at >= a1.started_at AND a2.started_at < COALESCE(a1.finished_at, 'infinity') "
         "LIMIT 5",

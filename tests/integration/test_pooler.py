@@ -197,7 +197,7 @@ def test_any_error_of_a_pooled_claim_is_a_lost_reply(clean, engine, pooled_url, 
     assert sql(clean, "SELECT claim_token, outcome FROM outbox_attempt") == [(tokens[0], "released")]
 
 
-def test_a_fence_row_is_no_claim_for_cancel_audit_or_the_ledger(clean, engine):
+def test_a_lost_claims_fence_row_is_no_call_for_cancel_or_the_audit(clean, engine):
     """A fence row (attempt 0) marks a claim that never committed: the row was never called, so
     the application may still cancel it, and a fence written after a real call (a duplicate
     message whose claim's reply was lost on a row already sent) is no second call for the audit."""
