@@ -33,6 +33,8 @@ DEFAULT_RETENTION_SECONDS = 7 * 86400.0
 DEFAULT_LEDGER_HORIZON_SECONDS = 90 * 86400.0
 DEFAULT_RECONCILE_INTERVAL_SECONDS = 10.0
 DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS = 3600.0
+#: Lookups of one destination the reconciler has in flight at once (outbox.settlement).
+DEFAULT_LOOKUP_CONCURRENCY = 16
 DEFAULT_HEARTBEAT_INTERVAL_SECONDS = 5.0
 #: Reconciler cycles a destination must go without a consumer before it is alerted.
 DEFAULT_NO_CONSUMER_CYCLES = 3
@@ -168,6 +170,9 @@ class Settings:
     ledger_horizon_seconds: float = DEFAULT_LEDGER_HORIZON_SECONDS
     #: Reconciler: cadence of every job.
     reconcile_interval_seconds: float = DEFAULT_RECONCILE_INTERVAL_SECONDS
+    #: Reconciler: lookups of one destination in flight at once while it settles `unknown`
+    #: rows (each destination starts at one and doubles while its lookups answer).
+    lookup_concurrency: int = DEFAULT_LOOKUP_CONCURRENCY
     #: Reconciler: an `unknown` row older than this raises an alert.
     unknown_alert_after_seconds: float = DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS
     #: Write API: largest encoded payload accepted.
@@ -239,6 +244,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_LEDGER_HORIZON": "ledger_horizon_seconds",
     "OUTBOX_RECONCILE_INTERVAL": "reconcile_interval_seconds",
     "OUTBOX_UNKNOWN_ALERT_AFTER": "unknown_alert_after_seconds",
+    "OUTBOX_LOOKUP_CONCURRENCY": "lookup_concurrency",
     "OUTBOX_MAX_PAYLOAD_BYTES": "max_payload_bytes",
     "OUTBOX_ALLOW_EVICTING_REDIS": "allow_evicting_redis",
     "OUTBOX_HEARTBEAT_INTERVAL": "heartbeat_interval_seconds",

@@ -13,15 +13,16 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
 
 import psycopg
 
-from . import aio, chains, logs, outcomes, policy, sanitize, store, tracing
+from . import aio, chains, logs, outcomes, policy, sanitize, settings, store, tracing
 from .alerts import AlertHook, AlertRow, log_alert
 from .db import require_autocommit
 from .handlers import Confirmed, Deliveries, Delivery, Handler, idempotency_key
@@ -52,6 +53,12 @@ DEFAULT_RESOLVE_BUDGET_SECONDS = 60.0
 #: Lookups of one destination that may fail in a row before the others of that destination
 #: are deferred for this run: a provider that is down answers every lookup the same way.
 LOOKUP_FAILURES_BEFORE_DEFERRING = 3
+#: Lookups of one destination in flight at once in a run (OUTBOX_LOOKUP_CONCURRENCY). A worker
+#: killed with its calls in flight leaves as many `unknown` rows, and a 300 ms provider asked one
+#: row at a time settles three a second. A destination's run starts with one lookup in flight
+#: and doubles it with each answer up to this, back to one after a failure: a provider that is
+#: down sees its failures one at a time, and is left alone after LOOKUP_FAILURES_BEFORE_DEFERRING.
+DEFAULT_LOOKUP_CONCURRENCY = settings.DEFAULT_LOOKUP_CONCURRENCY
 #: An unknown row nobody can resolve automatically is looked at again after this long.
 HUMAN_RECHECK_SECONDS = 3600.0
 
@@ -187,6 +194,10 @@ class _Due(NamedTuple):
     payload_version: int
 
 
+#: A lookup's delivery and its answer: None when the provider has no record of the call.
+_Answer = tuple[Delivery, Confirmed | None]
+
+
 @dataclass
 class _Run:
     """One run of the job: what every row's path reads, and the per-destination failure streaks."""
@@ -212,14 +223,20 @@ def resolve_unknown(
     stop: threading.Event | None = None,
     alert: AlertHook | None = None,
     only_destinations: Sequence[str] | None = None,
+    lookup_concurrency: int = DEFAULT_LOOKUP_CONCURRENCY,
 ) -> dict[str, int]:
     """Ask each due `unknown` row's provider, through the handler's lookup, whether the call
     took effect, and settle the row accordingly.
 
+    Up to ``lookup_concurrency`` lookups of a destination are in flight at once (threads; an
+    ``async def`` lookup runs on the process's event loop, outbox.aio); every row is settled on
+    ``conn``, one statement at a time, as its answer arrives.
+
     Counts: ``sent`` (found), ``pending`` / ``failed`` (not found: retried, or out of attempts
     or deadline), ``lookup_failed`` (the lookup raised; looked up again later), ``deferred``
     (not looked up: its destination's lookups keep failing, or the time budget ran out),
-    ``interrupted`` (left due because ``stop`` was set: the process is shutting down),
+    ``interrupted`` (left due because ``stop`` was set: the process is shutting down; lookups
+    already asked are settled),
     ``needs_human`` (no lookup and not idempotent, or a key no Idempotency-Key header can
     carry), ``past_key_ttl`` (not found, or idempotent without a lookup, but a call is older
     than the destination's ``key_ttl``: parked for a human, never retried automatically),
@@ -232,29 +249,94 @@ def resolve_unknown(
     helpers, :mod:`outbox.testing.delivery`); the reconciler passes None: every row.
     """
     require_autocommit(conn, "resolve_unknown")
+    if lookup_concurrency < 1:
+        raise ValueError(f"lookup_concurrency must be at least 1, got {lookup_concurrency}")
     own_clients = clients is None
     lookup_clients = LookupClients() if clients is None else clients
-    counts: Counter[str] = Counter()
     run = _Run(conn, handlers, module, lookup_clients, time_budget_seconds, stop)
+    tally = _Tally(run, alert)
     try:
         only = list(only_destinations) if only_destinations is not None else None
         rows = conn.execute(_DUE_UNKNOWN, {"limit": batch_size, "only": only}).fetchall()
+        to_ask: dict[str, deque[tuple[Handler, _Due]]] = {}
         for fields in rows:
             row = _Due(*fields)
-            try:
-                counts[_resolve_row(run, row)] += 1
-            except (psycopg.OperationalError, psycopg.InterfaceError):
-                # A lost connection is not this row's fault: the job ends, the next run retries.
-                raise
-            except Exception as exc:
-                # One row the database will not take (or a bug on its path) must not hold back
-                # the others, of any destination: it is pushed back, with the reason, and alerted.
-                counts["unsettleable"] += 1
-                _unsettleable(conn, alert, row.row_id, row.key, row.step, row.destination, row.token, exc)
+            handler = tally.count(row, _triage, run, row)
+            if isinstance(handler, Handler):
+                to_ask.setdefault(row.destination, deque()).append((handler, row))
+        if to_ask:
+            _ask_all(run, tally, to_ask, lookup_concurrency)
     finally:
         if own_clients:
             lookup_clients.close()
-    return _only_nonzero(counts)
+    return _only_nonzero(tally.counts)
+
+
+class _Tally:
+    """The counts of a run, and what becomes of a row whose path raised."""
+
+    def __init__(self, run: _Run, alert: AlertHook | None) -> None:
+        self.run = run
+        self.alert = alert
+        self.counts: Counter[str] = Counter()
+
+    def count(self, row: _Due, path: Callable[..., str | Handler], *args: Any) -> str | Handler | None:
+        """``path(*args)``, counting the name it returns (a handler is counted later, when its
+        lookup's answer settles the row)."""
+        try:
+            outcome = path(*args)
+        except (psycopg.OperationalError, psycopg.InterfaceError):
+            # A lost connection is not this row's fault: the job ends, the next run retries.
+            raise
+        except Exception as exc:
+            # One row the database will not take (or a bug on its path) must not hold back
+            # the others, of any destination: it is pushed back, with the reason, and alerted.
+            self.counts["unsettleable"] += 1
+            _unsettleable(
+                self.run.conn, self.alert, row.row_id, row.key, row.step, row.destination, row.token, exc
+            )
+            return None
+        if isinstance(outcome, str):
+            self.counts[outcome] += 1
+        return outcome
+
+
+def _ask_all(
+    run: _Run, tally: _Tally, to_ask: dict[str, deque[tuple[Handler, _Due]]], concurrency: int
+) -> None:
+    """Look up the rows of ``to_ask`` (by destination, oldest first), each destination's window
+    of lookups in flight growing from one to ``concurrency`` while its answers come, and settle
+    each row on the run's connection as its answer arrives."""
+    window = dict.fromkeys(to_ask, 1)
+    in_flight: Counter[str] = Counter()
+    asked: dict[Future[_Answer], tuple[Handler, _Due]] = {}
+    threads = min(sum(len(q) for q in to_ask.values()), concurrency * len(to_ask))
+    executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="outbox-lookup")
+    try:
+        while True:
+            for destination, queue in to_ask.items():
+                while queue and in_flight[destination] < window[destination]:
+                    handler, row = queue.popleft()
+                    if run.stop is not None and run.stop.is_set():
+                        tally.counts["interrupted"] += 1
+                    elif _out_of_turn(run, destination):
+                        tally.count(row, _push_back, run, row)
+                    else:
+                        asked[executor.submit(_ask, run.clients, handler, row)] = (handler, row)
+                        in_flight[destination] += 1
+            if not asked:
+                return
+            done, _ = wait(asked, return_when=FIRST_COMPLETED)
+            for answer in done:
+                handler, row = asked.pop(answer)
+                in_flight[row.destination] -= 1
+                grown = 1 if answer.exception() is not None else 2 * window[row.destination]
+                window[row.destination] = min(grown, concurrency)
+                tally.count(row, _settle_answer, run, handler, row, answer)
+    finally:
+        # Lookups already asked finish (bounded by their clients' timeouts); their answers are
+        # lost only when the run ends on a lost connection: the rows stay due, asked again.
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 _ONE_UNKNOWN = """
@@ -291,7 +373,19 @@ def resolve_one(
 
 
 def _resolve_row(run: _Run, row: _Due) -> str:
-    """Settle, defer or park one row; returns the count it adds to."""
+    """Settle, defer or park one row, asking its provider here when it has a lookup; returns
+    the count it adds to."""
+    found = _triage(run, row)
+    if isinstance(found, str):
+        return found
+    if _out_of_turn(run, row.destination):
+        return _push_back(run, row)
+    return _look_up(run, found, row)
+
+
+def _triage(run: _Run, row: _Due) -> str | Handler:
+    """Settle, park or leave one row that needs no lookup (the count it adds to), or the handler
+    whose lookup is to be asked."""
     conn, row_id, token, destination = run.conn, row.row_id, row.token, row.destination
     if run.stop is not None and run.stop.is_set():
         return "interrupted"
@@ -306,12 +400,6 @@ def _resolve_row(run: _Run, row: _Due) -> str:
         return "no_handler" if _park(conn, row_id, token, error) else "raced"
     if handler.lookup_fn is None:
         return _without_lookup(conn, handler, row)
-    out_of_time = time.monotonic() - run.started > run.time_budget_seconds
-    if out_of_time or run.consecutive_failures[destination] >= LOOKUP_FAILURES_BEFORE_DEFERRING:
-        # Pushed back rather than left due, or they would fill every next batch and starve
-        # the rows of healthy destinations behind them.
-        return "deferred" if _defer(conn, row_id, token, None) else "raced"
-
     if not header_safe(idempotency_key(row.key, row.step)):
         # Written before keys were checked at write: no lookup can name it to the
         # provider, and asking again every few seconds would never succeed.
@@ -321,7 +409,20 @@ def _resolve_row(run: _Run, row: _Due) -> str:
             f"outbox resolve {row_id} --sent REF or --not-sent"
         )
         return "needs_human" if _park(conn, row_id, token, error) else "raced"
-    return _look_up(run, handler, row)
+    return handler
+
+
+def _push_back(run: _Run, row: _Due) -> str:
+    # Pushed back rather than left due, or they would fill every next batch and starve the
+    # rows of healthy destinations behind them.
+    return "deferred" if _defer(run.conn, row.row_id, row.token, None) else "raced"
+
+
+def _out_of_turn(run: _Run, destination: str) -> bool:
+    """Whether a row's lookup is not to be asked this run: the time budget is spent, or its
+    destination's lookups keep failing."""
+    out_of_time = time.monotonic() - run.started > run.time_budget_seconds
+    return out_of_time or run.consecutive_failures[destination] >= LOOKUP_FAILURES_BEFORE_DEFERRING
 
 
 def _without_lookup(conn: psycopg.Connection[Any], handler: Handler, row: _Due) -> str:
@@ -408,24 +509,38 @@ def ask_provider(
     return delivery, found
 
 
+def _ask(clients: LookupClients, handler: Handler, row: _Due) -> _Answer:
+    # No transaction is open here: the connection is in autocommit mode, and lookups run
+    # outside the thread that holds it.
+    return ask_provider(
+        clients,
+        handler,
+        row_id=row.row_id,
+        key=row.key,
+        step=row.step,
+        payload=row.payload,
+        attempts=row.attempts,
+        deadline=row.deadline,
+        trace_context=row.trace_context,
+        payload_version=row.payload_version,
+    )
+
+
 def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
     """Ask the provider, then settle the row on its answer."""
-    conn, row_id, token, destination = run.conn, row.row_id, row.token, row.destination
-    # No transaction is open here: the connection is in autocommit mode.
+    answer: Future[_Answer] = Future()
     try:
-        delivery, found = ask_provider(
-            run.clients,
-            handler,
-            row_id=row_id,
-            key=row.key,
-            step=row.step,
-            payload=row.payload,
-            attempts=row.attempts,
-            deadline=row.deadline,
-            trace_context=row.trace_context,
-            payload_version=row.payload_version,
-        )
+        answer.set_result(_ask(run.clients, handler, row))
     except Exception as exc:
+        answer.set_exception(exc)
+    return _settle_answer(run, handler, row, answer)
+
+
+def _settle_answer(run: _Run, handler: Handler, row: _Due, answer: Future[_Answer]) -> str:
+    """Settle the row on its lookup's answer (found, not found, or the lookup raised)."""
+    conn, row_id, token, destination = run.conn, row.row_id, row.token, row.destination
+    exc = answer.exception()
+    if isinstance(exc, Exception):
         run.consecutive_failures[destination] += 1
         error = policy.short_error(f"lookup failed: {policy.describe_exception(exc)}")
         counted = "lookup_failed" if _defer(conn, row_id, token, error) else "raced"
@@ -439,6 +554,7 @@ def _look_up(run: _Run, handler: Handler, row: _Due) -> str:
         )
         return counted
     run.consecutive_failures[destination] = 0
+    delivery, found = answer.result()
     if found is not None:
         # The row's next steps (outbox.chains) are written by the statement that settles it.
         moved = store.recovery.settle_unknown(

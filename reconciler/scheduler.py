@@ -114,6 +114,7 @@ class Reconciler:
         retention_seconds: float = settings.DEFAULT_RETENTION_SECONDS,
         ledger_horizon_seconds: float = settings.DEFAULT_LEDGER_HORIZON_SECONDS,
         unknown_alert_after_seconds: float = settings.DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS,
+        lookup_concurrency: int = settings.DEFAULT_LOOKUP_CONCURRENCY,
         alert_hook: AlertHook = log_alert,
         redispatch_grace_seconds: float = DEFAULT_REDISPATCH_GRACE_SECONDS,
         name: str | None = None,
@@ -137,6 +138,8 @@ class Reconciler:
         self.retention_seconds = retention_seconds
         self.ledger_horizon_seconds = ledger_horizon_seconds
         self.unknown_alert_after_seconds = unknown_alert_after_seconds
+        #: Lookups of one destination in flight at once (resolve_unknown).
+        self.lookup_concurrency = lookup_concurrency
         self.alert_hook = alert_hook
         self.redispatch_grace_seconds = redispatch_grace_seconds
         self.no_consumer_cycles = no_consumer_cycles
@@ -187,6 +190,7 @@ class Reconciler:
             retention_seconds=cfg.retention_seconds,
             ledger_horizon_seconds=cfg.ledger_horizon_seconds,
             unknown_alert_after_seconds=cfg.unknown_alert_after_seconds,
+            lookup_concurrency=cfg.lookup_concurrency,
             alert_hook=alert_hook,
             name=name,
             no_consumer_cycles=cfg.no_consumer_cycles,
@@ -246,7 +250,7 @@ class Reconciler:
         return (
             ExpireLeases(ExpireLeasesConfig(handlers=self.handlers)),
             ResolveUnknown(
-                ResolveUnknownConfig(),
+                ResolveUnknownConfig(lookup_concurrency=self.lookup_concurrency),
                 handlers=self.handlers,
                 module=self.module,
                 clients=self._lookup_clients,

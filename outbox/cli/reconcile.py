@@ -24,6 +24,7 @@ _HORIZON = _d(settings.DEFAULT_LEDGER_HORIZON_SECONDS)
 _ALERT = _d(settings.DEFAULT_UNKNOWN_ALERT_AFTER_SECONDS)
 _CYCLES = settings.DEFAULT_NO_CONSUMER_CYCLES
 _INTERVAL = _d(settings.DEFAULT_RECONCILE_INTERVAL_SECONDS)
+_LOOKUPS = settings.DEFAULT_LOOKUP_CONCURRENCY
 
 DESCRIPTION = f"""\
 The reconciler: every interval it runs each job once, under a PostgreSQL advisory lock per job
@@ -31,7 +32,8 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
 
   expire_leases    in_flight rows whose lease expired -> unknown (the worker died or overran);
                    their first lookup waits one time_limit of their destination
-  resolve_unknown  asks the destination's @handler.lookup whether the call took effect:
+  resolve_unknown  asks the destination's @handler.lookup whether the call took effect
+                   (up to OUTBOX_LOOKUP_CONCURRENCY lookups of a destination at once):
                    found -> sent; no record -> pending (retry) or failed (attempts/deadline
                    exhausted); lookup error -> stays unknown, asked again later. Without a
                    lookup: idempotent destinations are retried, others wait for a human
@@ -71,7 +73,8 @@ The reconciler: every interval it runs each job once, under a PostgreSQL advisor
 Environment: OUTBOX_DATABASE_URL, OUTBOX_REDIS_URL (both required), OUTBOX_NAMESPACE,
 OUTBOX_RECONCILE_INTERVAL (default {_INTERVAL}), OUTBOX_REDISPATCH_AFTER, OUTBOX_RETENTION,
 OUTBOX_LEDGER_HORIZON (--ledger-horizon wins), OUTBOX_UNKNOWN_ALERT_AFTER,
-OUTBOX_NO_CONSUMER_CYCLES, {ALERT_HOOK_ENV} (package.module:function; --alert-hook wins).
+OUTBOX_NO_CONSUMER_CYCLES, OUTBOX_LOOKUP_CONCURRENCY (default {_LOOKUPS}; --lookup-concurrency wins),
+{ALERT_HOOK_ENV} (package.module:function; --alert-hook wins).
 Durations accept 30, 30s, 15m, 12h, 7d. SIGTERM/SIGINT finish the jobs in hand and exit 0.
 """
 
@@ -103,6 +106,14 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         "past it, writing the key again makes a new call "
         f"(default: $OUTBOX_LEDGER_HORIZON or {_d(settings.DEFAULT_LEDGER_HORIZON_SECONDS)}; "
         "at least the retention)",
+    )
+    parser.add_argument(
+        "--lookup-concurrency",
+        metavar="N",
+        type=int,
+        help="lookups of one destination in flight at once while settling unknown rows; each "
+        "destination starts at one and doubles while its lookups answer "
+        f"(default: $OUTBOX_LOOKUP_CONCURRENCY or {settings.DEFAULT_LOOKUP_CONCURRENCY})",
     )
     parser.add_argument(
         "--alert-hook",
@@ -148,7 +159,11 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     redis_url = cfg.require_redis_url()
     interval = _interval(args, cfg)
     check_metrics_environment()
-    cfg = cfg.replace(ledger_horizon_seconds=_ledger_horizon(args, cfg))
+    if args.lookup_concurrency is not None and args.lookup_concurrency < 1:
+        raise ConfigError(f"--lookup-concurrency must be at least 1, got {args.lookup_concurrency}")
+    cfg = cfg.replace(
+        ledger_horizon_seconds=_ledger_horizon(args, cfg), lookup_concurrency=args.lookup_concurrency
+    )
     hook = load_alert_hook(args.alert_hook or os.environ.get(ALERT_HOOK_ENV))
     check_database(database_url)
     # An evicting Redis loses messages on its own; the redispatch job is the remedy, but the

@@ -214,6 +214,7 @@ class _State:
         self._baseline = baseline
         self._rng = random.Random()
         self._in_flight = 0
+        self._lookups_in_flight = 0
         self._clear()
 
     def _clear(self) -> None:
@@ -234,6 +235,9 @@ class _State:
         self._faults: dict[str, int] = dict.fromkeys(FAULT_MODES, 0)
         #: The most charges served at once since the reset (the requests in flight are not reset).
         self._most_in_flight = self._in_flight
+        #: The same for lookups (``GET /charges``).
+        self._most_lookups_in_flight = self._lookups_in_flight
+        self._lookups = 0
 
     def config(self) -> _Config:
         with self._lock:
@@ -270,6 +274,8 @@ class _State:
                 "faults": dict(self._faults),
                 "traceparents": dict(self._traceparents),
                 "most_in_flight": self._most_in_flight,
+                "lookups": self._lookups,
+                "most_lookups_in_flight": self._most_lookups_in_flight,
             }
 
     def enter(self) -> None:
@@ -280,6 +286,16 @@ class _State:
     def leave(self) -> None:
         with self._lock:
             self._in_flight -= 1
+
+    def enter_lookup(self) -> None:
+        with self._lock:
+            self._lookups += 1
+            self._lookups_in_flight += 1
+            self._most_lookups_in_flight = max(self._most_lookups_in_flight, self._lookups_in_flight)
+
+    def leave_lookup(self) -> None:
+        with self._lock:
+            self._lookups_in_flight -= 1
 
     def count_request(self) -> None:
         with self._lock:
@@ -519,8 +535,16 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_charge(outcome.status, outcome.body)
 
     def _get_charge(self) -> None:
+        state = self._server.state
+        state.enter_lookup()
+        try:
+            self._look_up(state)
+        finally:
+            state.leave_lookup()
+
+    def _look_up(self, state: _State) -> None:
         self._read_body()
-        config = self._server.state.config()
+        config = state.config()
         if self._sleep(config.latency_ms / 1000):
             self._drop()
             return
@@ -709,7 +733,8 @@ class ProviderSimulator:
         (``POST /charges`` received), ``deduplicated``, ``declined``, ``double_charged``
         (sorted keys with more than one effect), ``faults`` (mode -> times injected) and
         ``traceparents`` (key -> the last ``traceparent`` header a charge carried) and
-        ``most_in_flight`` (the most charge requests it was serving at once).
+        ``most_in_flight`` (the most charge requests it was serving at once), ``lookups``
+        (``GET /charges`` received) and ``most_lookups_in_flight`` (the most it served at once).
         """
         return self._state.stats()
 

@@ -14,6 +14,7 @@ import psycopg
 from outbox.alerts import AlertHook, log_alert
 from outbox.handlers import Handler
 from outbox.settlement import (
+    DEFAULT_LOOKUP_CONCURRENCY,
     DEFAULT_RESOLVE_BATCH,
     DEFAULT_RESOLVE_BUDGET_SECONDS,
     LookupClients,
@@ -27,6 +28,8 @@ __all__ = ["ResolveUnknown", "ResolveUnknownConfig", "resolve_unknown"]
 class ResolveUnknownConfig:
     batch_size: int = DEFAULT_RESOLVE_BATCH
     time_budget_seconds: float = DEFAULT_RESOLVE_BUDGET_SECONDS
+    #: Lookups of one destination in flight at once (OUTBOX_LOOKUP_CONCURRENCY).
+    lookup_concurrency: int = DEFAULT_LOOKUP_CONCURRENCY
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class ResolveUnknown:
             clients=self.clients,
             batch_size=self.config.batch_size,
             time_budget_seconds=self.config.time_budget_seconds,
+            lookup_concurrency=self.config.lookup_concurrency,
             stop=self.stop,
             alert=self.alert,
         )

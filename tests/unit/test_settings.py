@@ -46,6 +46,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_LEDGER_HORIZON": ("30d", 2592000.0, ["30 days", "0d", "-1d", "1d"]),
     "OUTBOX_RECONCILE_INTERVAL": ("30s", 30.0, ["30sec", "0"]),
     "OUTBOX_UNKNOWN_ALERT_AFTER": ("12h", 43200.0, ["12hours", "h"]),
+    "OUTBOX_LOOKUP_CONCURRENCY": ("64", 64, ["many", "0", "-1", "2.5"]),
     "OUTBOX_MAX_PAYLOAD_BYTES": ("65536", 65536, ["64k", "0", "-1"]),
     "OUTBOX_ALLOW_EVICTING_REDIS": ("true", True, ["maybe", "2"]),
     "OUTBOX_HEARTBEAT_INTERVAL": ("10s", 10.0, ["often", "0"]),

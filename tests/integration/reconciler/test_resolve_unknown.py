@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
 from helpers import elapse
 
+import outbox
 from outbox import store
 from outbox.consumer import DeliveryResult
 from outbox.reconciler.jobs.resolve_unknown import resolve_unknown
@@ -16,6 +19,7 @@ from outbox.settings import libpq_url
 from .support import (
     DEST,
     TIME_LIMIT,
+    charge_at_provider,
     declare_charge,
     get,
     make_unknown,
@@ -93,6 +97,91 @@ def test_failing_lookups_keep_rows_unknown_with_growing_backoff(clean, engine, d
     assert resolve_unknown(db, {DEST: handler}) == {}
 
 
+def test_lookups_of_a_destination_run_at_once_up_to_the_limit(clean, engine, db, provider):
+    """A worker killed with its calls in flight leaves as many `unknown` rows: asked one at a
+    time, a 300 ms provider would settle three a second. The run asks up to
+    ``lookup_concurrency`` of them at once (one, then doubling while they answer), counted by
+    the provider itself, and settles every row on its answer."""
+    handler = declare_charge(provider)
+    ids = write_rows(engine, 40)
+    for row_id in ids:
+        make_unknown(db, row_id)
+    for i in range(0, 40, 2):
+        charge_at_provider(provider, f"order:{i}:charge")
+    elapse(db, 600)
+    provider.configure(latency_ms=300)
+
+    started = time.monotonic()
+    assert resolve_unknown(db, {DEST: handler}, lookup_concurrency=8) == {"sent": 20, "pending": 20}
+    elapsed = time.monotonic() - started
+
+    stats = provider.stats()
+    assert stats["lookups"] == 40
+    assert stats["most_lookups_in_flight"] == 8
+    # 1 + 2 + 4 + 8 rows, then 8 at a time: 7 rounds of 300 ms, where one at a time takes 12 s.
+    assert elapsed < 6.0, elapsed
+    assert {get(db, i)["state"] for i in ids[0::2]} == {"sent"}
+    assert {get(db, i)["state"] for i in ids[1::2]} == {"pending"}
+    assert stats["charges"] == 20
+
+
+def test_a_failing_destination_is_asked_one_at_a_time_beside_a_healthy_one(clean, engine, db, provider):
+    """A destination whose lookups fail goes back to one lookup in flight after each failure,
+    and is left alone after three in a row; another destination's lookups run at full width in
+    the same run."""
+    healthy = declare_charge(provider)
+    asked: list[int] = []
+
+    @outbox.handler("mail.send", time_limit=TIME_LIMIT)
+    def send(d: outbox.Delivery) -> None:
+        raise AssertionError("never called")
+
+    @send.lookup
+    def find(d: outbox.Delivery) -> outbox.Confirmed | None:
+        asked.append(d.id)
+        raise RuntimeError("the mail provider's API is down")
+
+    charged = write_rows(engine, 12)
+    mails = write_rows(engine, 6, destination="mail.send", start=12)
+    for row_id in charged:
+        make_unknown(db, row_id)
+    for row_id in mails:
+        make_unknown(db, row_id, destination="mail.send")
+    for i in range(12):
+        charge_at_provider(provider, f"order:{i}:charge")
+    elapse(db, 600)
+    provider.configure(latency_ms=100)
+
+    counts = resolve_unknown(db, {DEST: healthy, "mail.send": send}, lookup_concurrency=4)
+    assert counts == {"sent": 12, "lookup_failed": 3, "deferred": 3}
+    assert asked == mails[:3]
+    assert provider.stats()["most_lookups_in_flight"] == 4
+    down = "lookup failed: RuntimeError: the mail provider's API is down"
+    assert [get(db, i)["last_error"] for i in mails[:3]] == [down] * 3
+
+
+def test_a_stop_asks_no_more_lookups_and_settles_those_asked(clean, engine, db, provider):
+    """Shutting down: the lookups already asked are settled on their answers; the other rows are
+    left due for the next reconciler (counted ``interrupted``)."""
+    handler = declare_charge(provider)
+    stop = threading.Event()
+    ids = write_rows(engine, 5)
+    for row_id in ids:
+        make_unknown(db, row_id)
+        charge_at_provider(provider, f"order:{ids.index(row_id)}:charge")
+    elapse(db, 600)
+    lookup = handler.lookup_fn
+    assert lookup is not None
+
+    @handler.lookup
+    def stopping(d: outbox.Delivery) -> outbox.Confirmed | None:
+        stop.set()
+        return lookup(d)
+
+    assert resolve_unknown(db, {DEST: handler}, stop=stop) == {"sent": 1, "interrupted": 4}
+    assert [get(db, i)["state"] for i in ids] == ["sent"] + ["unknown"] * 4
+
+
 def test_rows_no_lookup_can_settle_wait_for_a_human(clean, engine, db, provider):
     careful = declare_charge(provider, lookup=False, idempotent=False)
     deduped = declare_charge(provider, destination="mail.send", lookup=False, idempotent=True)
@@ -123,3 +212,22 @@ def test_resolve_unknown_refuses_a_connection_inside_a_transaction(clean, servic
         pytest.raises(ValueError, match="autocommit"),
     ):
         resolve_unknown(conn, {DEST: handler})
+
+
+def test_the_lookup_concurrency_setting_reaches_the_job(clean, monkeypatch, capsys, provider):
+    from outbox import settings
+    from outbox.cli import main
+    from outbox.reconciler.jobs.resolve_unknown import ResolveUnknown
+    from outbox.reconciler.scheduler import Reconciler
+
+    cfg = settings.from_env(
+        {"OUTBOX_DATABASE_URL": clean.database_url, "OUTBOX_REDIS_URL": clean.redis_url},
+        lookup_concurrency=3,
+    )
+    with Reconciler.from_settings(cfg, handlers={DEST: declare_charge(provider)}, module="m") as reconciler:
+        [job] = [j for j in reconciler._build_jobs() if isinstance(j, ResolveUnknown)]
+        assert job.config.lookup_concurrency == 3
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", clean.database_url)
+    monkeypatch.setenv("OUTBOX_REDIS_URL", clean.redis_url)
+    assert main(["reconcile", "no.such.module", "--lookup-concurrency", "0", "--once"]) == 2
+    assert "--lookup-concurrency must be at least 1, got 0" in capsys.readouterr().err
