@@ -95,8 +95,16 @@ def in_span(
     Tracing never changes what the call does or what it returned: an error of OpenTelemetry's
     before the call runs it without a span, one after it (a span processor that raises on end)
     is logged and dropped, and the call's own exceptions pass through unchanged (recorded on the
-    span)."""
+    span).
+
+    Without a tracer provider of the application's (OpenTelemetry imported, as redis-py does,
+    but no SDK set up) a span would record nothing: the call runs in the stored context only,
+    which an instrumented client still carries to the provider, and a row without one runs as
+    it is."""
     from opentelemetry import context, propagate, trace
+
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return _in_context(fn, _carrier(trace_context), row_id)
 
     kind = trace.SpanKind.CONSUMER if operation == "process" else trace.SpanKind.CLIENT
 
@@ -156,6 +164,40 @@ def in_span(
         return result
 
     return traced
+
+
+def _in_context(fn: Callable[[Any], Any], carrier: dict[str, str], row_id: int) -> Callable[[Any], Any]:
+    """``fn`` run with the stored context (its span as the parent, its baggage) attached."""
+    if not carrier:
+        return fn
+    from opentelemetry import context, propagate
+
+    def attach() -> Any:
+        try:
+            return context.attach(propagate.extract(carrier))
+        except Exception:
+            logger.debug("outbox row %s: the stored trace context was not attached", row_id, exc_info=True)
+            return None
+
+    if inspect.iscoroutinefunction(fn):
+
+        async def propagated_async(arg: Any) -> Any:
+            token = attach()
+            try:
+                return await fn(arg)
+            finally:
+                _detach(token)
+
+        return propagated_async
+
+    def propagated(arg: Any) -> Any:
+        token = attach()
+        try:
+            return fn(arg)
+        finally:
+            _detach(token)
+
+    return propagated
 
 
 def _detach(token: Any) -> None:

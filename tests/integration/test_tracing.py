@@ -128,6 +128,39 @@ UNTRACED = HANDLER + textwrap.dedent(
 )
 
 
+# OpenTelemetry imported (the httpx instrumentation, as redis-py's import does) but no tracer
+# provider set: an application that only passes on the context its callers sent.
+PROPAGATING = HANDLER + textwrap.dedent(
+    """
+    from opentelemetry import baggage, context, propagate, trace
+    from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
+    import outbox.tracing
+
+    HTTPXClientInstrumentor().instrument()
+    seen = {}
+
+    @outbox.handler("payments.note", time_limit=10)
+    def note(d: Delivery) -> Confirmed:
+        seen[d.key] = (format(trace.get_current_span().get_span_context().trace_id, "032x"),
+                       baggage.get_baggage("tenant"))
+        return Confirmed(ref="noted")
+
+    upstream = {"traceparent": os.environ["UPSTREAM"], "baggage": "tenant=acme"}
+    token = context.attach(propagate.extract(upstream))
+    write("order:5")
+    engine = create_engine(os.environ["DATABASE_URL"])
+    with Session(engine) as session, session.begin():
+        outbox.write(session, key="order:5", step="note", destination="payments.note", payload={})
+    engine.dispose()
+    context.detach(token)
+    write("order:6")
+    results = deliver(None, database_url=os.environ["DATABASE_URL"])
+    print(json.dumps({"results": {k: v.value for k, v in results.items()}, "seen": seen,
+                      "tracer": outbox.tracing._tracer is not None}))
+    """
+)
+
+
 BROKEN_PROCESSOR = HANDLER + textwrap.dedent(
     """
     from opentelemetry import trace
@@ -235,6 +268,22 @@ def test_without_opentelemetry_nothing_is_imported_and_nothing_is_stored(
     assert list(blocked["results"].values()) == ["sent"]
     assert stored_contexts(outbox_database_url) == {"order:3:charge": None, "order:4:charge": None}
     assert provider.stats()["traceparents"] == {}
+
+
+def test_without_a_tracer_provider_the_stored_context_still_reaches_the_provider(
+    outbox_database_url: str, provider: Any
+) -> None:
+    """OpenTelemetry imported but no SDK set up (a span would record nothing): no span is
+    started, and the call still runs in the stored context, so the handler sees the writer's
+    trace and baggage and an instrumented httpx passes the trace on to the provider."""
+    trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    out = run(PROPAGATING, outbox_database_url, provider, UPSTREAM=f"00-{trace_id}-{span_id}-01")
+    assert sorted(out["results"].values()) == ["sent"] * 3
+    assert out["tracer"] is False, "a span was started with nobody to record it"
+    assert out["seen"] == {"order:5": [trace_id, "acme"]}
+    traceparents = provider.stats()["traceparents"]
+    assert traceparents["order:5:charge"].split("-")[1:3] == [trace_id, span_id]
+    assert "order:6:charge" not in traceparents
 
 
 @pytest.mark.parametrize("where", ["start", "end"])
