@@ -46,8 +46,12 @@ def _only_nonzero(counts: Counter[str]) -> dict[str, int]:
     return {k: v for k, v in counts.items() if v}
 
 
-#: Rows looked up per run, oldest due first; the rest wait for the next run.
+#: Rows read per batch, oldest due first. A run takes batch after batch while they come full,
+#: up to DEFAULT_RESOLVE_MAX_BATCHES and its time budget; the rest wait for the next run.
 DEFAULT_RESOLVE_BATCH = 100
+#: Batches a run takes at most: every row of a batch leaves it settled or pushed back, so the
+#: bound only matters where even pushing a row back failed (it would be read again).
+DEFAULT_RESOLVE_MAX_BATCHES = 20
 #: A run stops starting lookups after this long, so one slow provider cannot hold the job.
 DEFAULT_RESOLVE_BUDGET_SECONDS = 60.0
 #: Lookups of one destination that may fail in a row before the others of that destination
@@ -210,6 +214,9 @@ class _Run:
     stop: threading.Event | None
     started: float = field(default_factory=time.monotonic)
     consecutive_failures: Counter[str] = field(default_factory=Counter)
+    #: Lookups of each destination that may be in flight at once now, across the run's batches
+    #: (one at first, doubling with each answer up to the run's lookup concurrency).
+    window: Counter[str] = field(default_factory=Counter)
 
 
 def resolve_unknown(
@@ -224,9 +231,12 @@ def resolve_unknown(
     alert: AlertHook | None = None,
     only_destinations: Sequence[str] | None = None,
     lookup_concurrency: int = DEFAULT_LOOKUP_CONCURRENCY,
+    max_batches: int = DEFAULT_RESOLVE_MAX_BATCHES,
 ) -> dict[str, int]:
     """Ask each due `unknown` row's provider, through the handler's lookup, whether the call
-    took effect, and settle the row accordingly.
+    took effect, and settle the row accordingly: ``batch_size`` rows at a time, oldest due
+    first, batch after batch while they come full (at most ``max_batches``, and none begun
+    past ``time_budget_seconds``).
 
     Up to ``lookup_concurrency`` lookups of a destination are in flight at once (threads; an
     ``async def`` lookup runs on the process's event loop, outbox.aio); every row is settled on
@@ -257,15 +267,19 @@ def resolve_unknown(
     tally = _Tally(run, alert)
     try:
         only = list(only_destinations) if only_destinations is not None else None
-        rows = conn.execute(_DUE_UNKNOWN, {"limit": batch_size, "only": only}).fetchall()
-        to_ask: dict[str, deque[tuple[Handler, _Due]]] = {}
-        for fields in rows:
-            row = _Due(*fields)
-            handler = tally.count(row, _triage, run, row)
-            if isinstance(handler, Handler):
-                to_ask.setdefault(row.destination, deque()).append((handler, row))
-        if to_ask:
-            _ask_all(run, tally, to_ask, lookup_concurrency)
+        for _ in range(max_batches):
+            rows = conn.execute(_DUE_UNKNOWN, {"limit": batch_size, "only": only}).fetchall()
+            to_ask: dict[str, deque[tuple[Handler, _Due]]] = {}
+            for fields in rows:
+                row = _Due(*fields)
+                handler = tally.count(row, _triage, run, row)
+                if isinstance(handler, Handler):
+                    to_ask.setdefault(row.destination, deque()).append((handler, row))
+            if to_ask:
+                _ask_all(run, tally, to_ask, lookup_concurrency)
+            stopping = stop is not None and stop.is_set()
+            if len(rows) < batch_size or stopping or time.monotonic() - run.started > time_budget_seconds:
+                break
     finally:
         if own_clients:
             lookup_clients.close()
@@ -307,7 +321,9 @@ def _ask_all(
     """Look up the rows of ``to_ask`` (by destination, oldest first), each destination's window
     of lookups in flight growing from one to ``concurrency`` while its answers come, and settle
     each row on the run's connection as its answer arrives."""
-    window = dict.fromkeys(to_ask, 1)
+    window = run.window
+    for destination in to_ask:
+        window[destination] = window[destination] or 1
     in_flight: Counter[str] = Counter()
     asked: dict[Future[_Answer], tuple[Handler, _Due]] = {}
     threads = min(sum(len(q) for q in to_ask.values()), concurrency * len(to_ask))

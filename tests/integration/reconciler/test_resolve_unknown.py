@@ -160,6 +160,21 @@ def test_a_failing_destination_is_asked_one_at_a_time_beside_a_healthy_one(clean
     assert [get(db, i)["last_error"] for i in mails[:3]] == [down] * 3
 
 
+def test_a_run_takes_batch_after_batch_while_they_come_full(clean, engine, db, provider):
+    """A run is not one batch (at the default 10 s interval, one batch of 100 a run would settle
+    10 rows a second whatever the concurrency): of 25 due rows in batches of 10, a run of at
+    most 2 batches settles 20, and the next run, its last batch not full, the other 5."""
+    handler = declare_charge(provider)
+    ids = write_rows(engine, 25)
+    for row_id in ids:
+        make_unknown(db, row_id)
+        charge_at_provider(provider, f"order:{ids.index(row_id)}:charge")
+    elapse(db, 600)
+    assert resolve_unknown(db, {DEST: handler}, batch_size=10, max_batches=2) == {"sent": 20}
+    assert resolve_unknown(db, {DEST: handler}, batch_size=10) == {"sent": 5}
+    assert {get(db, i)["state"] for i in ids} == {"sent"}
+
+
 def test_a_stop_asks_no_more_lookups_and_settles_those_asked(clean, engine, db, provider):
     """Shutting down: the lookups already asked are settled on their answers; the other rows are
     left due for the next reconciler (counted ``interrupted``)."""
