@@ -23,8 +23,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Generator, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from typing import Any, TypeAlias
 
 import httpx
 import psycopg
@@ -272,6 +272,21 @@ class _Pause:
 
 #: A delivery run (Deliverer._steps): yields the call it needs (or a pause), is sent the call's
 #: decision and the provider's last HTTP status (or None after a pause), returns the run's result.
+class LostClaim:
+    """A group claim's reply was lost: the row's own claim (``token``) may have committed, or
+    may still, so it is fenced first (as a single claim's lost reply is)."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: uuid.UUID) -> None:
+        self.token = token
+
+
+#: What a group claim decided for one row (Deliverer.claim_group): claimed (the handler, the
+#: row, when the group's claim was sent), finished without a call (aged to unknown), or its
+#: reply lost.
+Taken: TypeAlias = "tuple[Handler, store.delivery.Claimed, float] | DeliveryResult | LostClaim"
+
 _Steps = Generator["_CallAsked | _Pause", "tuple[Decision | _NotCalled, int | None] | None", "DeliveryResult"]
 #: Runs a blocking function on a thread and awaits its result (the worker's claim and record
 #: threads: outbox.runner).
@@ -511,6 +526,11 @@ class Deliverer:
             conn = connect_raw(self.database_url, autocommit=True, pooled=True)
         else:
             options = f"-c lock_timeout={LOCK_WAIT_MS}"
+            if name == "claim_conn":
+                # A group claim's plan does not depend on its size: left to choose, the server
+                # planned it anew for every small group (about 1 ms of its CPU a time) instead of
+                # keeping one plan; the single claims' plans are generic already.
+                options += " -c plan_cache_mode=force_generic_plan"
             if name == "record_conn":
                 options += " -c synchronous_commit=off"
             conn = connect_raw(self.database_url, autocommit=True, options=options)
@@ -610,11 +630,12 @@ class Deliverer:
 
     # -- the run -------------------------------------------------------------------------------
 
-    def deliver(self, row_id: int, destination: str) -> DeliveryResult:
+    def deliver(self, row_id: int, destination: str, taken: Taken | None = None) -> DeliveryResult:
         """One delivery run on the calling thread, its call included (an async handler's call as
-        a task on the process's event loop, this thread waiting for it)."""
+        a task on the process's event loop, this thread waiting for it). ``taken``: what
+        :meth:`claim_group` decided for the row (None: the run claims it alone)."""
         observed = metrics.Observed()
-        steps = self._steps(row_id, destination, observed)
+        steps = self._steps(row_id, destination, observed, taken)
         try:
             step = next(steps)
             while True:
@@ -637,13 +658,15 @@ class Deliverer:
         destination: str,
         in_thread: InThread,
         after: Callable[[DeliveryResult], None] | None = None,
+        taken: Taken | None = None,
     ) -> DeliveryResult:
         """One delivery run as a task of the event loop, for an async handler: the claim and the
         record run on a thread ``in_thread`` gives them (they block on the database), the call
         on the loop itself, so a call in flight holds no thread and no connection. ``after``
-        runs on the record's thread once the run is over (the worker's ack: no second hop)."""
+        runs on the record's thread once the run is over (the worker's ack: no second hop).
+        ``taken``: as for :meth:`deliver`."""
         observed = metrics.Observed()
-        steps = self._steps(row_id, destination, observed)
+        steps = self._steps(row_id, destination, observed, taken)
         step = await in_thread(self._advance, steps, None, after)
         while not isinstance(step, DeliveryResult):
             if isinstance(step, _Pause):
@@ -673,11 +696,16 @@ class Deliverer:
             after(result)
         return result
 
-    def _steps(self, row_id: int, destination: str, observed: metrics.Observed) -> _Steps:
+    def _steps(
+        self, row_id: int, destination: str, observed: metrics.Observed, taken: Taken | None = None
+    ) -> _Steps:
         """The delivery run up to its call (the claim and the pre-flight), then, sent the call's
         decision, the rest (the verdict, the record and the aftercare): a generator, so that the
         thread that claims need not be the one that records, nor wait."""
-        taken = yield from self._take(row_id, destination)
+        if taken is None:
+            taken = yield from self._take(row_id, destination)
+        elif isinstance(taken, LostClaim):
+            taken = yield from self._recover_lost_claim(self.handlers[destination], row_id, taken.token)
         if isinstance(taken, DeliveryResult):
             return taken
         handler, claimed, sent_at = taken
@@ -717,6 +745,74 @@ class Deliverer:
         )
         failpoint("after_record")
         return self._aftercare(handler, claimed, decision, verdict, recorded, observed)
+
+    def claim_group(self, row_ids: Sequence[int], destination: str) -> dict[int, Taken]:
+        """Claim the rows of one fetch in one statement and one commit (store.delivery.claim_group),
+        on the calling thread: what was decided for each row (:data:`Taken`), by id, for its
+        delivery to go on from. A row left out is claimed by its delivery alone: the group did not
+        claim it, or there was no group (fewer than two rows, no handler, halted after a failover,
+        a row lock that made the statement wait too long, an error the server reported, which
+        rolled it back). A lost reply is every row's: each delivery fences its own token first.
+
+        Every row's lease is measured from when the group's claim was sent, on this clock."""
+        handler = self.handlers.get(destination)
+        ids = list(dict.fromkeys(row_ids))
+        if handler is None or len(ids) < 2:
+            return {}
+        tokens = {row_id: uuid.uuid4() for row_id in ids}
+        sent = False
+        try:
+            if self._halted():
+                return {}
+            conn = self._conn("claim_conn")
+            sent_at = time.monotonic()
+            sent = True
+            claimed = store.delivery.claim_group(
+                conn,
+                tokens=tokens,
+                destination=destination,
+                lease_seconds=handler.lease_seconds,
+                key_ttl=handler.key_ttl if handler.idempotent else None,
+                skip_when_failed=handler.on_failed_head == "skip",
+            )
+        except psycopg.errors.LockNotAvailable:
+            # Rolled back: each row waits for its lock in its own delivery, without a connection.
+            return {}
+        except psycopg.OperationalError:
+            lost = sent and (self.pooled or self._broken("claim_conn"))
+            self._drop("claim_conn")
+            if lost:
+                return {row_id: LostClaim(token) for row_id, token in tokens.items()}
+            return {}
+        except psycopg.Error as exc:
+            # Reported by the server, so rolled back; the rows' own claims meet it again, one by one.
+            logger.warning(
+                "a group claim of %s rows of %s failed (%s); each is claimed alone",
+                len(ids),
+                destination,
+                type(exc).__name__,
+                extra={"destination": destination, "error": type(exc).__name__},
+            )
+            return {}
+        finally:
+            self._put_back("claim_conn")
+        taken: dict[int, Taken] = {}
+        for row_id, got in claimed.items():
+            if isinstance(got, store.delivery.Aged):
+                logger.warning(
+                    "outbox row %s -> unknown: %s",
+                    row_id,
+                    got.error,
+                    extra={"outbox_id": row_id, "destination": destination, "outbox_run": "unknown"},
+                )
+                taken[row_id] = DeliveryResult.UNKNOWN
+            else:
+                taken[row_id] = (handler, got, sent_at)
+        return taken
+
+    def _broken(self, name: str) -> bool:
+        conn: psycopg.Connection[Any] | None = getattr(self._local, name, None)
+        return conn is None or conn.broken or conn.closed
 
     def _take(
         self, row_id: int, destination: str

@@ -46,7 +46,7 @@ from dramatiq.errors import BrokerConnectionError
 from dramatiq.message import Message
 
 from . import aio
-from .consumer import Deliverer
+from .consumer import Deliverer, Taken
 from .handlers import Handler
 from .transport import ACTOR_NAME
 
@@ -95,6 +95,22 @@ def row_id_of(message: Any, name: str) -> int | None:
         return None
     row_id: int = args[0]
     return row_id
+
+
+class _Fetched:
+    """One message fetched, on its way to its delivery: the row it names (None: not ours, logged),
+    what the fetch's group claim decided for it (None: its delivery claims it alone), whether
+    the middleware heard ``before_process_message`` already, and the error that ends it first."""
+
+    __slots__ = ("emitted", "error", "message", "name", "row_id", "taken")
+
+    def __init__(self, message: Any, name: str) -> None:
+        self.message = message
+        self.name = name
+        self.row_id = row_id_of(message, name)
+        self.taken: Taken | None = None
+        self.emitted = False
+        self.error: BaseException | None = None
 
 
 class _Slots:
@@ -163,7 +179,7 @@ class Runner:
         self._fetchers: list[threading.Thread] = []
         self._consumers: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
-        self._work: queue.SimpleQueue[tuple[Any, str] | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[_Fetched | None] = queue.SimpleQueue()
         self._misses: dict[str, int] = {}
         self._acks: queue.Queue[tuple[Any, str] | None] = queue.Queue()
         self._acker = threading.Thread(target=self._retry_acks, name="outbox-acks", daemon=True)
@@ -300,12 +316,40 @@ class Runner:
             return False
         self._misses[name] = 0
         asynchronous = self.handlers[name].is_async
-        for message in messages:
+        for fetched in self._claim_together(name, messages):
             if asynchronous:
-                aio.submit(self._run_task(message, name))
+                aio.submit(self._run_task(fetched))
             else:
-                self._work.put((message, name))
+                self._work.put(fetched)
         return True
+
+    def _claim_together(self, name: str, messages: list[Any]) -> list[_Fetched]:
+        """The messages of one fetch, their rows claimed in one group (Deliverer.claim_group):
+        one statement and one commit where each would have had its own. The middleware hears
+        ``before_process_message`` first, here, on the thread that claims."""
+        fetched = [_Fetched(message, name) for message in messages]
+        ours = [f for f in fetched if f.row_id is not None]
+        if len(ours) < 2:
+            return fetched
+        if self.broker.middleware:
+            for f in ours:
+                f.emitted = True
+                try:
+                    self.broker.emit_before("process_message", f.message)
+                except Exception as exc:
+                    f.error = exc
+            ours = [f for f in ours if f.error is None]
+        try:
+            taken = self.deliverer.claim_group([f.row_id for f in ours if f.row_id is not None], name)
+        except Exception:
+            # Never a message without its delivery: each claims its row alone.
+            logger.exception("a group claim on queue %s failed; each row is claimed alone", name)
+            taken = {}
+        for f in ours:
+            # A row named twice in one fetch (a re-dispatch beside its first message) is the group's
+            # once; the other delivery's own claim finds it taken.
+            f.taken = taken.pop(f.row_id, None) if f.row_id is not None else None
+        return fetched
 
     # -- running -------------------------------------------------------------------------------
 
@@ -314,21 +358,23 @@ class Runner:
         self.deliverer.warm_thread()
         try:
             while (item := self._work.get()) is not None:
-                message, name = item
-                error: BaseException | None = None
+                error = item.error
                 try:
-                    row_id = row_id_of(message, name)
-                    if row_id is not None:
-                        self.broker.emit_before("process_message", message)
-                        self.deliverer.deliver(row_id, name)
+                    if error is not None:
+                        raise error
+                    if item.row_id is not None:
+                        if not item.emitted:
+                            self.broker.emit_before("process_message", item.message)
+                        self.deliverer.deliver(item.row_id, item.name, item.taken)
                 except Exception as exc:
                     error = exc
-                    logger.exception("outbox delivery of message %s failed", message.message_id)
-                self._finish(message, name, error, threading.Lock())
+                    logger.exception("outbox delivery of message %s failed", item.message.message_id)
+                self._finish(item.message, item.name, error, threading.Lock())
         finally:
             self.deliverer.close_thread()
 
-    async def _run_task(self, message: Any, name: str) -> None:
+    async def _run_task(self, fetched: _Fetched) -> None:
+        message, name = fetched.message, fetched.name
         running = asyncio.get_running_loop()
 
         def in_thread(fn: Any, *args: Any) -> Any:
@@ -338,12 +384,17 @@ class Runner:
         once = threading.Lock()
         error: BaseException | None = None
         try:
-            row_id = row_id_of(message, name)
-            if row_id is not None:
-                if self.broker.middleware:
+            if fetched.error is not None:
+                raise fetched.error
+            if fetched.row_id is not None:
+                if self.broker.middleware and not fetched.emitted:
                     await in_thread(self.broker.emit_before, "process_message", message)
                 await self.deliverer.deliver_async(
-                    row_id, name, in_thread, lambda _result: self._finish(message, name, None, once)
+                    fetched.row_id,
+                    name,
+                    in_thread,
+                    lambda _result: self._finish(message, name, None, once),
+                    fetched.taken,
                 )
         except Exception as exc:
             error = exc

@@ -32,6 +32,7 @@ from .sql import (
     stored,
 )
 
+
 # The lease counts from when the row is held: the `held` CTE takes the row lock first, so the
 # `clock_timestamp()` of the UPDATE is read after any lock wait (the relay between its push and
 # its commit, an application transaction holding the row, even one that only ran SELECT … FOR
@@ -49,22 +50,30 @@ from .sql import (
 # call's Idempotency-Key, so a retry could charge twice (a pause, or an outage of the workers,
 # outlasting key_ttl between the call and its retry). It goes to `unknown` instead, where the
 # lookup (or a human) decides; the two branches are exclusive on the statement's snapshot.
-_OLD_CALL = f"""
+def _old_call(row_id: str) -> str:
+    return f"""
 SELECT 1 FROM outbox_attempt a
-WHERE a.message_id = %(id)s AND {outcomes.may_have_taken_effect_sql("a")}
+WHERE a.message_id = {row_id} AND {outcomes.may_have_taken_effect_sql("a")}
   AND a.started_at <= now() - CAST(%(key_ttl)s AS float8) * interval '1 second'
 """
 
 
+_OLD_CALL = _old_call("%(id)s")
+
+
 # A row behind the head of its ordering key is not claimed, whatever brought its message (a
 # re-dispatch, a replay): the order is kept by the claim too, not only by the relay.
-_CLAIMABLE = f"""
+def _claimable(rows: str, gate: str) -> str:
+    return f"""
     {LOCK_WAIT_SQL}
-    AND id = %(id)s AND destination = %(destination)s
+    AND {rows} AND destination = %(destination)s
     AND (state = 'dispatched' OR (state = 'pending' AND available_at <= now()))
-    AND NOT EXISTS (SELECT 1 FROM gate WHERE paused OR (open AND NOT probe_free))
+    AND NOT EXISTS (SELECT 1 FROM gate WHERE {gate})
     AND NOT {ordering.blocked_sql("outbox_message")}
 """
+
+
+_CLAIMABLE = _claimable("id = %(id)s", "paused OR (open AND NOT probe_free)")
 
 
 # The destination's row (outbox.pauses, outbox.breaker), read once: paused, breaker open (and
@@ -96,12 +105,21 @@ probe AS (
 )"""
 
 
-_CLAIMED = (
-    """
+def _claimed(token: str, probe: bool) -> str:
+    """The claim's UPDATE, its attempt row and its result; ``token``: the claim token's SQL,
+    ``probe``: whether the statement has the ``probe`` CTE (a group has none)."""
+    opened = (
+        "(NOT EXISTS (SELECT 1 FROM gate WHERE open) OR EXISTS (SELECT 1 FROM probe))"
+        if probe
+        else "NOT EXISTS (SELECT 1 FROM gate WHERE open)"
+    )
+    got_probe = "EXISTS (SELECT 1 FROM probe)" if probe else "false"
+    return (
+        f"""
 claimed AS (
     UPDATE outbox_message m
     SET state = 'in_flight',
-        claim_token = %(token)s,
+        claim_token = {token},
         attempts = m.attempts + 1,
         -- The handler's on_failed_head (outbox.ordering): whether this row, failed, lets the
         -- rows of its ordering key behind it go.
@@ -113,7 +131,7 @@ claimed AS (
       AND m.destination = %(destination)s
       AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
       -- An open breaker lets only its probe through.
-      AND (NOT EXISTS (SELECT 1 FROM gate WHERE open) OR EXISTS (SELECT 1 FROM probe))
+      AND {opened}
     RETURNING m.id, m.key, m.step, m.destination, m.payload, m.attempts, m.deadline, m.claim_token,
               m.deadline <= clock_timestamp() AS deadline_passed,
               -- For the latency metrics: since the row was written (or, on a first attempt that
@@ -137,7 +155,7 @@ claimed AS (
 )
 SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
        COALESCE(deadline_passed, false), since_written, since_published, written_to_published,
-       trace_context, EXISTS (SELECT 1 FROM probe), COALESCE((SELECT breaker_failures FROM gate), 0),
+       trace_context, {got_probe}, COALESCE((SELECT breaker_failures FROM gate), 0),
        false, payload_version,
        -- Whether an earlier claim's call may have taken effect: what decides a row that gets no
        -- call (deadline passed, payload invalid) between failed and unknown. Asked here, in the
@@ -147,10 +165,13 @@ SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
            SELECT 1 FROM outbox_attempt a
            WHERE a.message_id = claimed.id AND a.claim_token <> claimed.claim_token
              AND """
-    + outcomes.may_have_taken_effect_sql("a")
-    + """) ELSE false END
+        + outcomes.may_have_taken_effect_sql("a")
+        + """) ELSE false END
 FROM claimed"""
-)
+    )
+
+
+_CLAIMED = _claimed("%(token)s", probe=True)
 
 
 # Two statements, not one with a switch: with the key_ttl branch behind a parameter, PostgreSQL
@@ -174,6 +195,53 @@ WITH {_GATE}, aged AS (
     SELECT id FROM outbox_message WHERE {_CLAIMABLE} AND NOT EXISTS ({_OLD_CALL})
     FOR UPDATE
 ), {_PROBE}, {_CLAIMED}
+UNION ALL
+SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, false, 0, true, NULL,
+       false
+FROM aged
+"""
+
+
+# A group: the rows of one fetch claimed in one statement and one commit, each under its own
+# token (the ``rows`` CTE pairs them), locked in id order, so that two groups, or a group and the
+# relay, wait for each other rather than deadlock. A group claims nothing while its destination's
+# breaker is open: the half-open breaker's one probe is a single claim's (the rows the group left
+# are claimed one at a time). A row it does not return was not claimable, or not claimable
+# together: its delivery claims it alone, which finds out why.
+_GROUP_ROWS = (
+    "rows AS (SELECT * FROM unnest(CAST(%(ids)s AS bigint[]), CAST(%(tokens)s AS uuid[])) AS r(id, token))"
+)
+_GROUP_CLAIMABLE = _claimable("id IN (SELECT id FROM rows)", "paused OR open")
+
+
+def _group_held(also: str = "") -> str:
+    return f"""
+held AS (
+    SELECT outbox_message.id, rows.token FROM outbox_message JOIN rows USING (id)
+    WHERE {_GROUP_CLAIMABLE}{also}
+    ORDER BY outbox_message.id
+    FOR UPDATE OF outbox_message
+)"""
+
+
+_GROUP_CLAIMED = _claimed("held.token", probe=False)
+
+
+_CLAIM_GROUP = f"""
+WITH {_GATE}, {_GROUP_ROWS}, {_group_held()}, {_GROUP_CLAIMED}
+"""
+
+
+_GROUP_OLD_CALL = _old_call("outbox_message.id")
+
+
+_CLAIM_GROUP_IDEMPOTENT = f"""
+WITH {_GATE}, {_GROUP_ROWS}, aged AS (
+    UPDATE outbox_message
+    SET state = 'unknown', unknown_since = now(), available_at = now(), last_error = %(aged_error)s
+    WHERE {_GROUP_CLAIMABLE} AND EXISTS ({_GROUP_OLD_CALL})
+    RETURNING id
+), {_group_held(f" AND NOT EXISTS ({_GROUP_OLD_CALL})")}, {_GROUP_CLAIMED}
 UNION ALL
 SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, false, 0, true, NULL,
        false
@@ -411,12 +479,7 @@ def claim(
     claim committed. ``key_ttl`` (an idempotent destination's): a row whose earlier call may
     have taken effect longer ago goes to `unknown` instead (:class:`Aged`).
     """
-    aged_error = (
-        f"not called again: an earlier call may have taken effect more than key_ttl ({key_ttl:g} s) "
-        "ago, and the provider may have forgotten its Idempotency-Key; the lookup decides"
-        if key_ttl is not None
-        else None
-    )
+    aged_error = _aged_error(key_ttl)
     row = (
         (_CLAIM_STATEMENT if key_ttl is None else _CLAIM_IDEMPOTENT_STATEMENT)
         .execute(
@@ -435,6 +498,19 @@ def claim(
     )
     if row is None:
         return None
+    return _claim_result(row, aged_error)
+
+
+def _aged_error(key_ttl: float | None) -> str | None:
+    return (
+        f"not called again: an earlier call may have taken effect more than key_ttl ({key_ttl:g} s) "
+        "ago, and the provider may have forgotten its Idempotency-Key; the lookup decides"
+        if key_ttl is not None
+        else None
+    )
+
+
+def _claim_result(row: Any, aged_error: str | None) -> Claimed | Aged:
     if row[15]:
         return Aged(row[0], str(aged_error))
     row_id, key, step, destination, payload, attempt, deadline, token, passed = row[:9]
@@ -458,6 +534,47 @@ def claim(
         payload_version=int(row[16]) if row[16] is not None else 1,
         earlier_call=bool(row[17]),
     )
+
+
+_CLAIM_GROUP_STATEMENT = db.Statement(_CLAIM_GROUP)
+
+
+_CLAIM_GROUP_IDEMPOTENT_STATEMENT = db.Statement(_CLAIM_GROUP_IDEMPOTENT)
+
+
+def claim_group(
+    conn: psycopg.Connection[Any],
+    *,
+    tokens: Mapping[int, uuid.UUID],
+    destination: str,
+    lease_seconds: float,
+    key_ttl: float | None = None,
+    skip_when_failed: bool = False,
+) -> dict[int, Claimed | Aged]:
+    """Claim the rows of ``tokens`` (row id -> its claim token) in one statement and one commit,
+    as :func:`claim` claims one; the result holds the rows claimed (or aged), by id. A row left
+    out was not claimed: not claimable (as for :func:`claim`), or its destination's breaker is
+    open, whose probe only a single claim takes. Raises as :func:`claim` does, for every row:
+    a lost reply leaves each token's claim to be fenced."""
+    aged_error = _aged_error(key_ttl)
+    ids = list(tokens)
+    rows = (
+        (_CLAIM_GROUP_STATEMENT if key_ttl is None else _CLAIM_GROUP_IDEMPOTENT_STATEMENT)
+        .execute(
+            conn,
+            {
+                "ids": ids,
+                "tokens": [tokens[i] for i in ids],
+                "lease_seconds": float(lease_seconds),
+                "destination": destination,
+                "key_ttl": key_ttl,
+                "aged_error": aged_error,
+                "skip_when_failed": skip_when_failed,
+            },
+        )
+        .fetchall()
+    )
+    return {row[0]: _claim_result(row, aged_error) for row in rows}
 
 
 _RECORD_STATEMENT = db.Statement(_RECORD)

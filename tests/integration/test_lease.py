@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import consumer as consumer_module
 from outbox import policy, settlement, store
-from outbox.consumer import RELEASE_ALERT_THRESHOLD, DeliveryResult
+from outbox.consumer import RELEASE_ALERT_THRESHOLD, DeliveryResult, LostClaim
 from outbox.handlers import Handler, close_http_clients, registry
 from outbox.reconciler import Reconciler
 from outbox.reconciler.jobs import resolve_unknown as resolve_unknown_job
@@ -708,3 +708,44 @@ def test_a_confirmed_answer_settles_a_row_the_lookup_sent_back_under_the_same_cl
     assert state == "sent"
     found = row(clean, row_id)
     assert (found["state"], found["provider_ref"]) == ("sent", "ch_late")
+
+
+# -- group claims: a lost reply is every row's; the lease counts from the group's send -----------
+
+
+def test_a_lost_reply_to_a_committed_group_claim_is_every_rows(clean, engine, provider, consumer, pg_proxy):
+    declare_charge(provider)
+    ids = write_rows(engine, 3)
+    assert relay_once(clean) == 3
+    c = consumer(pg_proxy.url)
+    c.warm_thread()
+    pg_proxy.arm("after_commit")
+    taken = c.claim_group(ids, DEST)
+    assert pg_proxy.fired.is_set()
+    assert sorted(taken) == ids and all(isinstance(t, LostClaim) for t in taken.values())
+    # The claim had committed: each row is released (its own token), none called.
+    for row_id in ids:
+        assert c.deliver(row_id, DEST, taken[row_id]) is DeliveryResult.RELEASED
+    assert provider.stats()["requests"] == 0
+    assert [(row(clean, i)["state"], row(clean, i)["attempts"]) for i in ids] == [("pending", 0)] * 3
+    assert relay_once(clean) == 3
+    for row_id in ids:
+        assert c.deliver(row_id, DEST) is DeliveryResult.SENT
+    assert provider.stats()["effects"] == {f"order:{i}:charge": 1 for i in range(3)}
+
+
+def test_a_group_claim_whose_commit_ate_the_lease_calls_none_of_its_rows(
+    clean, engine, provider, consumer, slow_commits
+):
+    """The lease of every row counts from when the group's claim was sent: a commit that took
+    1.5 s of a 7 s lease leaves less than time_limit (5 s) + the margin, so no row is called."""
+    declare_charge(provider, time_limit=5, lease_seconds=7)
+    ids = write_rows(engine, 3, prefix="slowcommit")
+    assert relay_once(clean) == 3
+    c = consumer()
+    taken = c.claim_group(ids, DEST)
+    assert sorted(taken) == ids
+    for row_id in ids:
+        assert c.deliver(row_id, DEST, taken[row_id]) is DeliveryResult.RELEASED
+    assert provider.stats()["requests"] == 0
+    assert [(row(clean, i)["state"], row(clean, i)["attempts"]) for i in ids] == [("pending", 0)] * 3

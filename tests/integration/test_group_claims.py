@@ -1,0 +1,244 @@
+"""Group claims (outbox.consumer.Deliverer.claim_group, outbox.store.delivery.claim_group): the
+rows of one fetch claimed in one statement and one commit, each under its own token; what a
+group cannot claim is left to each row's own claim; a lost reply is every row's; the worker's
+loop claims its fetches together."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from dramatiq.middleware import Middleware
+from helpers import relay_once, sql, wait_for, worker_thread
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import middleware, store
+from outbox.consumer import DeliveryResult
+from outbox.settings import libpq_url
+
+DEST = "payments.charge"
+
+
+def declare_charge(provider: Any, **options: Any) -> Any:
+    @outbox.handler(DEST, **{"time_limit": 5, "backoff": (60,), **options})
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        r = d.http.post(
+            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+        )
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    return charge
+
+
+def write(engine: Any, n: int, *, prefix: str = "order", destination: str = DEST, **kw: Any) -> list[int]:
+    with Session(engine) as s, s.begin():
+        return [
+            outbox.write(
+                s,
+                key=f"{prefix}:{i}",
+                step="charge",
+                destination=destination,
+                payload={"amount_cents": 100 + i, "currency": "EUR"},
+                **kw,
+            ).id
+            for i in range(n)
+        ]
+
+
+def states(services: Any, ids: list[int]) -> list[tuple[str, int]]:
+    return [
+        (r[0], r[1])
+        for r in sql(
+            services, "SELECT state, attempts FROM outbox_message WHERE id = ANY(%s) ORDER BY id", (ids,)
+        )
+    ]
+
+
+def claim_transactions(services: Any, ids: list[int]) -> int:
+    """How many transactions wrote the rows' attempt rows (their xmin): one per claim's commit."""
+    (n,) = sql(
+        services,
+        "SELECT count(DISTINCT xmin::text) FROM outbox_attempt WHERE message_id = ANY(%s)",
+        (ids,),
+    )[0]
+    return int(n)
+
+
+def test_a_group_claims_its_rows_in_one_commit_each_under_its_own_token(clean, engine, provider, consumer):
+    declare_charge(provider)
+    ids = write(engine, 4)
+    assert relay_once(clean) == 4
+    c = consumer()
+    taken = c.claim_group(ids, DEST)
+    assert sorted(taken) == ids
+    tokens = {t[1].token for t in taken.values()}  # type: ignore[union-attr]
+    assert len(tokens) == 4
+    assert states(clean, ids) == [("in_flight", 1)] * 4
+    assert claim_transactions(clean, ids) == 1
+    owners = dict(sql(clean, "SELECT id, claim_token FROM outbox_message WHERE id = ANY(%s)", (ids,)))
+    assert {row_id: t[1].token for row_id, t in taken.items()} == owners  # type: ignore[union-attr]
+    for row_id in ids:
+        assert c.deliver(row_id, DEST, taken[row_id]) is DeliveryResult.SENT
+    assert states(clean, ids) == [("sent", 1)] * 4
+    assert provider.stats()["effects"] == {f"order:{i}:charge": 1 for i in range(4)}
+
+
+def test_what_a_group_cannot_claim_is_left_to_each_rows_own_claim(clean, engine, provider, consumer):
+    declare_charge(provider)
+    free = write(engine, 2, prefix="free")
+    (taken_already,) = write(engine, 1, prefix="taken")
+    head, behind = write(engine, 2, prefix="ordered", ordering_key="customer:7")
+    # The row behind the head of its ordering key stays pending: the relay does not publish it.
+    assert relay_once(clean) == 4
+    c = consumer()
+    assert c.deliver(taken_already, DEST) is DeliveryResult.SENT
+    taken = c.claim_group([*free, taken_already, behind], DEST)
+    # The row another claim took and the row behind the head of its ordering key stay out.
+    assert sorted(taken) == free
+    assert states(clean, [taken_already, behind]) == [("sent", 1), ("pending", 0)]
+    assert c.deliver(taken_already, DEST) is DeliveryResult.EMPTY
+    assert c.deliver(behind, DEST) is DeliveryResult.EMPTY
+    for row_id in free:
+        assert c.deliver(row_id, DEST, taken[row_id]) is DeliveryResult.SENT
+    assert c.deliver(head, DEST) is DeliveryResult.SENT
+    assert c.deliver(behind, DEST) is DeliveryResult.SENT
+    assert provider.charges() == 5
+
+
+def test_a_group_takes_no_breaker_probe_and_no_paused_row(clean, engine, provider, consumer):
+    declare_charge(provider)
+    ids = write(engine, 3)
+    assert relay_once(clean) == 3
+    c = consumer()
+    sql(clean, "INSERT INTO outbox_destination (destination) VALUES (%s) ON CONFLICT DO NOTHING", (DEST,))
+    sql(
+        clean,
+        "UPDATE outbox_destination SET paused_until = now() + interval '1 hour', paused_at = now() "
+        "WHERE destination = %s",
+        (DEST,),
+    )
+    assert c.claim_group(ids, DEST) == {}
+    # Half-open: one probe may go. A group claims nothing; the probe is one single claim's.
+    sql(
+        clean,
+        "UPDATE outbox_destination SET paused_until = NULL, breaker_opened_at = now() - interval '1 minute', "
+        "breaker_open_until = now() - interval '1 second' WHERE destination = %s",
+        (DEST,),
+    )
+    assert c.claim_group(ids, DEST) == {}
+    assert states(clean, ids) == [("dispatched", 0)] * 3
+    with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as conn:
+        first = store.delivery.claim(conn, row_id=ids[0], destination=DEST, lease_seconds=30)
+        assert isinstance(first, store.delivery.Claimed) and first.probe
+        assert store.delivery.claim(conn, row_id=ids[1], destination=DEST, lease_seconds=30) is None
+        (probes,) = conn.execute(
+            "SELECT breaker_probes FROM outbox_destination WHERE destination = %s", (DEST,)
+        ).fetchone() or (None,)
+    assert probes == 1
+    assert provider.charges() == 0
+
+
+def test_a_locked_row_rolls_the_group_back_and_each_row_waits_for_itself(clean, engine, provider, consumer):
+    declare_charge(provider)
+    ids = write(engine, 3)
+    assert relay_once(clean) == 3
+    c = consumer()
+    with psycopg.connect(libpq_url(clean.database_url)) as holder:
+        holder.execute("SELECT id FROM outbox_message WHERE id = %s FOR UPDATE", (ids[1],))
+        assert c.claim_group(ids, DEST) == {}
+        # Nothing of the group committed: no row claimed, no attempt row.
+        assert states(clean, ids) == [("dispatched", 0)] * 3
+        assert claim_transactions(clean, ids) == 0
+        assert c.deliver(ids[0], DEST) is DeliveryResult.SENT
+        holder.rollback()
+    assert c.deliver(ids[1], DEST) is DeliveryResult.SENT
+    assert c.deliver(ids[2], DEST) is DeliveryResult.SENT
+    assert provider.charges() == 3
+
+
+def test_a_group_sends_a_row_whose_earlier_call_is_older_than_key_ttl_to_unknown(
+    clean, engine, provider, consumer
+):
+    declare_charge(provider, idempotent=True, key_ttl=3600, backoff=(1,))
+    old, fresh = write(engine, 2)
+    assert relay_once(clean) == 2
+    # An earlier call of `old` may have taken effect two hours ago: its key may be forgotten.
+    sql(clean, "UPDATE outbox_message SET attempts = 1 WHERE id = %s", (old,))
+    sql(
+        clean,
+        "INSERT INTO outbox_attempt (message_id, attempt, claim_token, started_at, finished_at, outcome) "
+        "VALUES (%s, 1, %s, now() - interval '2 hours', now() - interval '2 hours', 'unknown')",
+        (old, uuid.uuid4()),
+    )
+    c = consumer()
+    taken = c.claim_group([old, fresh], DEST)
+    assert taken[old] is DeliveryResult.UNKNOWN
+    assert c.deliver(old, DEST, taken[old]) is DeliveryResult.UNKNOWN
+    assert c.deliver(fresh, DEST, taken[fresh]) is DeliveryResult.SENT
+    assert states(clean, [old, fresh]) == [("unknown", 1), ("sent", 1)]
+    assert provider.charges() == 1
+
+
+class Before(Middleware):
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.before: list[int] = []
+        self.after: list[int] = []
+
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        with self.lock:
+            self.before.append(message.args[0])
+
+    def after_process_message(
+        self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
+    ) -> None:
+        with self.lock:
+            self.after.append(message.args[0])
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_worker_claims_a_fetch_of_several_messages_together(clean, engine, provider, kind, monkeypatch):
+    """Forty rows waiting before the worker starts, eight slots: its first fetch takes eight
+    messages, and their claims are one statement; each row is charged once and the middleware
+    hears each message once before and once after."""
+    groups: list[int] = []
+    real = store.delivery.claim_group
+
+    def counted(conn: Any, **kw: Any) -> Any:
+        claimed = real(conn, **kw)
+        groups.append(len(claimed))
+        return claimed
+
+    monkeypatch.setattr(store.delivery, "claim_group", counted)
+    if kind == "sync":
+        declare_charge(provider)
+    else:
+
+        @outbox.handler(DEST, time_limit=5, backoff=(60,))
+        async def charge(d: outbox.Delivery) -> outbox.Confirmed:
+            r = await d.http.post(
+                f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+            )
+            r.raise_for_status()
+            return outbox.Confirmed(ref=r.json()["id"])
+
+    seen = Before()
+    middleware.clear()
+    outbox.worker_middleware(seen)
+    try:
+        ids = write(engine, 40)
+        assert relay_once(clean) == 40
+        with worker_thread(clean, threads=8):
+            wait_for(lambda: len(seen.after) == 40, 60, "forty deliveries")
+    finally:
+        middleware.clear()
+    assert states(clean, ids) == [("sent", 1)] * 40
+    assert provider.stats()["effects"] == {f"order:{i}:charge": 1 for i in range(40)}
+    assert sorted(seen.before) == sorted(seen.after) == ids
+    assert groups[0] == 8
+    assert sum(groups) <= 40
