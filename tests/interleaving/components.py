@@ -175,6 +175,10 @@ class WatchedConnection:
         run = current_run()
         token = params.get("token")
         row_id = params.get("id")
+        # A group claim (outbox.store.delivery.claim_group): its rows and their tokens.
+        group = list(zip(params["ids"], params["tokens"], strict=True)) if "tokens" in params else None
+        if group is not None:
+            row_id = [i for i, _ in group]
         if run is not None and run.proc.late_next_claim:
             run.proc.late_next_claim = False
             self._world.on_late_claim(run, row_id, token, lambda conn: real(statement, conn, params))
@@ -184,7 +188,8 @@ class WatchedConnection:
         cursor = real(statement, self._conn, params)
         waited = time.monotonic() - started
         lose = run is not None and run.proc.lose_next_claim_reply
-        self._world.on_claim(run, row_id, token, waited, lost=lose)
+        for one_id, one_token in group if group is not None else [(row_id, token)]:
+            self._world.on_claim(run, one_id, one_token, waited, lost=lose)
         if lose:
             run.proc.lose_next_claim_reply = False
             self._conn.close()
@@ -474,13 +479,19 @@ class WorkerProcess:
         for queue in self.queues:
             self.broker.do_fetch(queue, 0)
 
-    def fetch(self, queue: str) -> Message[Any] | None:
-        data = self.broker.do_fetch(queue, 1)
+    def fetch(self, queue: str, n: int = 1) -> list[Message[Any]]:
+        data = self.broker.do_fetch(queue, n)
         # None: the id was queued but its body is gone (a flush between the two keys); Dramatiq
         # skips it the same way.
-        return Message.decode(data[0]) if data and data[0] is not None else None
+        return [Message.decode(d) for d in data or () if d is not None]
 
-    def process(self, message: Message[Any]) -> None:
+    def claim_group(self, messages: list[Message[Any]]) -> dict[int, Any]:
+        """What the worker's loop does with a fetch of several messages before their deliveries
+        (outbox.runner): their rows claimed as one group."""
+        ids = [row_id for m in messages if (row_id := runner.row_id_of(m, m.queue_name)) is not None]
+        return self.consumer.claim_group(ids, messages[0].queue_name)
+
+    def process(self, message: Message[Any], taken: Any = None) -> None:
         """What the worker's loop (outbox.runner) does with a message, the ack excepted: a sync
         handler's delivery on this thread, an async handler's as a task on the event loop whose
         claim and record steps run where the loop is (the product runs them on a database
@@ -493,13 +504,13 @@ class WorkerProcess:
                 return
             handler = self.handlers.get(queue)
             if handler is not None and handler.is_async:
-                self._deliver_async(row_id, queue)
+                self._deliver_async(row_id, queue, taken)
             else:
-                self.consumer.deliver(row_id, queue)
+                self.consumer.deliver(row_id, queue, taken)
         finally:
             self.broker.emit_after("process_message", message)
 
-    def _deliver_async(self, row_id: int, queue: str) -> None:
+    def _deliver_async(self, row_id: int, queue: str, taken: Any = None) -> None:
         """deliver_async as the runner drives it, its claim and record steps on a thread of their
         own (the product's database threads) bound to this run: its checkpoints park there, its
         crashes end the delivery, and it keeps this worker's clock."""
@@ -511,7 +522,7 @@ class WorkerProcess:
             async def in_thread(fn: Any, *args: Any) -> Any:
                 return await asyncio.get_running_loop().run_in_executor(steps, fn, *args)
 
-            aio.run(self.consumer.deliver_async(row_id, queue, in_thread))
+            aio.run(self.consumer.deliver_async(row_id, queue, in_thread, taken=taken))
 
     def ack(self, message: Message[Any]) -> None:
         self.broker.do_ack(message.queue_name, message.options["redis_message_id"])

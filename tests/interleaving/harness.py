@@ -59,7 +59,16 @@ FAULTS = frozenset(
 #: provider could fence it), while a claim that waits on a lock is, and is modelled by real locks.
 PARK_POINTS = frozenset({"fetched", "after_post", "after_call", "before_ack"})
 CRASH_POINTS = frozenset(
-    {"fetched", "after_claim", "before_post", "after_post", "after_call", "after_record", "before_ack"}
+    {
+        "fetched",
+        "after_group_claim",
+        "after_claim",
+        "before_post",
+        "after_post",
+        "after_call",
+        "after_record",
+        "before_ack",
+    }
 )
 
 TERMINAL = frozenset({"sent", "failed", "cancelled"})
@@ -203,31 +212,51 @@ class Parkable:
 
 
 class Run(Parkable):
-    """One delivery by one worker process: fetched → the product's actor (claim, call, record)
-    → ack, parked at checkpoints."""
+    """The deliveries of one fetch by one worker process: fetched → (a group claim of its rows,
+    when it fetched several) → for each message in turn the product's actor (claim unless the
+    group took it, call, record) → ack, parked at checkpoints."""
 
     park_points = PARK_POINTS
     random_crash_points = CRASH_POINTS
 
-    def __init__(self, world: World, proc: c.WorkerProcess, message: Any, rng: random.Random) -> None:
-        row_id = message.args[0] if message.args else None
-        super().__init__(world, rng, f"{proc.name}/row {row_id}")
+    def __init__(self, world: World, proc: c.WorkerProcess, messages: list[Any], rng: random.Random) -> None:
+        ids = [m.args[0] if m.args else None for m in messages]
+        super().__init__(
+            world, rng, f"{proc.name}/row{'s' if len(ids) > 1 else ''} {','.join(map(str, ids))}"
+        )
         self.proc = proc
-        self.message = message
-        self.row_id = row_id
+        self.messages = messages
+        self.row_id = ids[0]
 
     def main(self) -> None:
         c.bind_thread(run=self, clock_offset=self.proc.clock_offset)
         try:
             self.checkpoint("fetched")
-            try:
-                self.proc.process(self.message)
-            except c.Crash:
-                raise
-            except Exception as exc:
-                self.world.log(f"{self.name}: actor raised {type(exc).__name__}: {exc}", self.row_id)
-            self.checkpoint("before_ack")
-            self.proc.ack(self.message)
+            taken: dict[int, Any] = {}
+            if len(self.messages) > 1:
+                try:
+                    taken = self.proc.claim_group(self.messages)
+                except c.Crash:
+                    raise
+                except Exception as exc:
+                    self.world.log(
+                        f"{self.name}: group claim raised {type(exc).__name__}: {exc}", self.row_id
+                    )
+                self.world.log(
+                    f"{self.name}: group claim took rows {sorted(taken)} of {len(self.messages)}", self.row_id
+                )
+                # Between a group's commit and its rows' calls: a crash leaves them all claimed.
+                self.checkpoint("after_group_claim")
+            for message in self.messages:
+                row_id = message.args[0] if message.args else None
+                try:
+                    self.proc.process(message, taken.pop(row_id, None))
+                except c.Crash:
+                    raise
+                except Exception as exc:
+                    self.world.log(f"{self.name}: actor raised {type(exc).__name__}: {exc}", row_id)
+                self.checkpoint("before_ack")
+                self.proc.ack(message)
         except c.Crash:
             self.crashed = True
             self.proc.die()
@@ -378,19 +407,23 @@ class World:
             info, send = self.late_claims.pop(self.rng.randrange(len(self.late_claims)))
             try:
                 with psycopg.connect(libpq_url(self.database_url), autocommit=True) as conn:
-                    committed = send(conn).fetchone() is not None
+                    # A group's claim returns a row per row it claimed (token in column 7).
+                    returned = send(conn).fetchall()
             except psycopg.Error as exc:
                 self.log(
                     f"late claim of row {info['row_id']}: refused ({type(exc).__name__})", info["row_id"]
                 )
             else:
+                claimed = [(r[0], r[7]) for r in returned if r[7] is not None]
                 self.log(
-                    f"late claim of row {info['row_id']}: {'committed' if committed else 'claimed nothing'}",
-                    info["row_id"],
+                    f"late claim of row {info['row_id']}: "
+                    + (f"committed rows {[r for r, _ in claimed]}" if claimed else "claimed nothing"),
+                    info["row_id"] if isinstance(info["row_id"], int) else None,
                 )
-                if committed and info["token"] is not None:
-                    self.claims[info["token"]] = info
-                    self.lost_claims.append(info)
+                for row_id, token in claimed:
+                    late = {**info, "row_id": row_id, "token": token}
+                    self.claims[token] = late
+                    self.lost_claims.append(late)
             if not all_:
                 return
 
@@ -588,17 +621,19 @@ class World:
             return None
         proc = self.rng.choice(idle)
         for queue in self.rng.sample(proc.queues, len(proc.queues)):
-            message = proc.fetch(queue)
-            if message is None:
+            # One message, or several claimed as one group (outbox.runner's fetch of free slots).
+            messages = proc.fetch(queue, self.rng.choice([1, 1, 2, 3]))
+            if not messages:
                 continue
             if "lost_reply" in self.cfg.faults and not free and self.rng.random() < 0.1:
                 proc.lose_next_claim_reply = True
             elif "late_claim" in self.cfg.faults and not free and self.rng.random() < 0.08:
                 proc.late_next_claim = True
-            run = Run(self, proc, message, random.Random(self.rng.random()))
+            run = Run(self, proc, messages, random.Random(self.rng.random()))
             run.free = free
             self.runs.append(run)
-            self.log(f"{proc.name}: fetched the message of row {run.row_id} from {queue}", run.row_id)
+            ids = [m.args[0] if m.args else None for m in messages]
+            self.log(f"{proc.name}: fetched the messages of rows {ids} from {queue}", run.row_id)
             run.thread.start()
             run.wait_parked(self._wait() if not free else 10.0)
             return run
