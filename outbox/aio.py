@@ -70,20 +70,39 @@ def on_loop() -> bool:
     return _thread is not None and threading.current_thread() is _thread
 
 
+class _Escaped(Exception):
+    """A ``KeyboardInterrupt`` or ``SystemExit`` raised by a coroutine, carried to the thread
+    that waits for it: raised in a task, asyncio lets it out of ``run_forever``, and it would end
+    the loop every async handler and lookup of the process shares."""
+
+
+async def _contained(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        return await coro
+    except (KeyboardInterrupt, SystemExit) as exc:
+        raise _Escaped(exc) from exc
+
+
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-    """Start ``coro`` as a task on the loop; cancelling the future cancels the task."""
-    return asyncio.run_coroutine_threadsafe(coro, loop())
+    """Start ``coro`` as a task on the loop; cancelling the future cancels the task. A
+    ``KeyboardInterrupt`` or ``SystemExit`` it raises ends it, not the loop."""
+    return asyncio.run_coroutine_threadsafe(_contained(coro), loop())
 
 
 def run(coro: Coroutine[Any, Any, T], *, timeout_seconds: float | None = None) -> T:
-    """``coro``'s result, raised exception included; past ``timeout_seconds`` its task is
-    cancelled and TimeoutError raised."""
+    """``coro``'s result, raised exception included (a ``KeyboardInterrupt`` or ``SystemExit``
+    too, here, the loop going on); past ``timeout_seconds`` its task is cancelled and
+    TimeoutError raised."""
     if on_loop():
         coro.close()
         raise RuntimeError("outbox: a blocking call was made from the event loop of async handlers")
     future = submit(coro)
     try:
         return future.result(timeout_seconds)
+    except _Escaped as escaped:
+        cause = escaped.__cause__
+        assert cause is not None
+        raise cause from None
     except concurrent.futures.TimeoutError:
         future.cancel()
         raise TimeoutError(f"no result within {timeout_seconds:g} s; the task was cancelled") from None
