@@ -784,15 +784,23 @@ class Deliverer:
             if lost:
                 return {row_id: LostClaim(token) for row_id, token in tokens.items()}
             return {}
-        except psycopg.Error as exc:
-            # Reported by the server, so rolled back; the rows' own claims meet it again, one by one.
+        except Exception as exc:
+            # An error the server reported (it has an SQLSTATE) rolled the statement back: the rows'
+            # own claims meet it again, one by one. Any other came after the commit, reading the
+            # rows back (a value this process cannot load: a deadline of 'infinity', a payload
+            # nested too deep for its JSON parser, written by plain SQL): every row is claimed,
+            # and claimed alone none would be; each fences its own token and is released.
+            committed = sent and not (isinstance(exc, psycopg.Error) and exc.sqlstate)
             logger.warning(
-                "a group claim of %s rows of %s failed (%s); each is claimed alone",
+                "a group claim of %s rows of %s failed (%s); %s",
                 len(ids),
                 destination,
                 type(exc).__name__,
+                "each row is released without a call" if committed else "each row is claimed alone",
                 extra={"destination": destination, "error": type(exc).__name__},
             )
+            if committed:
+                return {row_id: LostClaim(token) for row_id, token in tokens.items()}
             return {}
         finally:
             self._put_back("claim_conn")

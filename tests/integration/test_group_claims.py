@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import middleware, store
-from outbox.consumer import DeliveryResult
+from outbox.consumer import DeliveryResult, LostClaim
 from outbox.settings import libpq_url
 
 DEST = "payments.charge"
@@ -242,3 +242,26 @@ def test_the_worker_claims_a_fetch_of_several_messages_together(clean, engine, p
     assert sorted(seen.before) == sorted(seen.after) == ids
     assert groups[0] == 8
     assert sum(groups) <= 40
+
+
+def test_a_row_this_process_cannot_read_back_strands_none_of_its_group(clean, engine, provider, consumer):
+    """The group commits, then one row cannot be loaded (a deadline of 'infinity', written by
+    plain SQL): every row of the group is claimed, so none may be left for its own claim to find
+    taken. Each fences its own token and is released without a call; the others are charged once."""
+    declare_charge(provider)
+    ids = write(engine, 4)
+    poisoned = ids[2]
+    sql(clean, "UPDATE outbox_message SET deadline = 'infinity' WHERE id = %s", (poisoned,))
+    assert relay_once(clean) == 4
+    c = consumer()
+    taken = c.claim_group(ids, DEST)
+    assert sorted(taken) == ids and all(isinstance(t, LostClaim) for t in taken.values())
+    for row_id in ids:
+        assert c.deliver(row_id, DEST, taken[row_id]) is DeliveryResult.RELEASED
+    assert provider.stats()["requests"] == 0
+    assert states(clean, ids) == [("pending", 0)] * 4
+    assert relay_once(clean) == 4
+    for row_id in ids:
+        if row_id != poisoned:
+            assert c.deliver(row_id, DEST) is DeliveryResult.SENT
+    assert provider.stats()["effects"] == {f"order:{i}:charge": 1 for i in (0, 1, 3)}
