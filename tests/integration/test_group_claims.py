@@ -244,14 +244,25 @@ def test_the_worker_claims_a_fetch_of_several_messages_together(clean, engine, p
     assert sum(groups) <= 40
 
 
-def test_a_row_this_process_cannot_read_back_strands_none_of_its_group(clean, engine, provider, consumer):
-    """The group commits, then one row cannot be loaded (a deadline of 'infinity', written by
-    plain SQL): every row of the group is claimed, so none may be left for its own claim to find
-    taken. Each fences its own token and is released without a call; the others are charged once."""
+@pytest.mark.parametrize(
+    "poison",
+    [
+        "deadline = 'infinity'",
+        # Deeper than Python's JSON parser goes: a RecursionError, not a psycopg error.
+        "payload = CAST('{\"a\":' || repeat('[', 3000) || repeat(']', 3000) || '}' AS jsonb)",
+    ],
+    ids=["infinite-deadline", "deep-payload"],
+)
+def test_a_row_this_process_cannot_read_back_strands_none_of_its_group(
+    clean, engine, provider, consumer, poison
+):
+    """The group commits, then one row cannot be loaded (written by plain SQL): every row of the
+    group is claimed, so none may be left for its own claim to find taken. Each fences its own
+    token and is released without a call; the others are charged once."""
     declare_charge(provider)
     ids = write(engine, 4)
     poisoned = ids[2]
-    sql(clean, "UPDATE outbox_message SET deadline = 'infinity' WHERE id = %s", (poisoned,))
+    sql(clean, f"UPDATE outbox_message SET {poison} WHERE id = %s", (poisoned,))
     assert relay_once(clean) == 4
     c = consumer()
     taken = c.claim_group(ids, DEST)
