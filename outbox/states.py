@@ -13,13 +13,15 @@ state           meaning                             moved out by (``outbox.store
 ``pending``     committed, waiting to be published  relay: ``dispatch_due`` -> dispatched;
                 (or retried at ``available_at``)    consumer: ``claim`` -> in_flight (a redelivered
                                                     message; -> unknown when an idempotent row's
-                                                    earlier call is older than key_ttl),
+                                                    earlier call is older than key_ttl; the rows
+                                                    of one fetch at once: ``claim_group``),
                                                     ``fail_unhandled`` -> failed; reconciler:
                                                     ``fail_past_deadline`` -> failed (held back);
                                                     application: ``cancel_by_key``; operator:
                                                     ``cancel_rows`` -> cancelled
-``dispatched``  published to the broker, not yet    consumer: ``claim`` -> in_flight (or unknown, as
-                claimed                             for pending), ``fail_unhandled`` -> failed; relay:
+``dispatched``  published to the broker, not yet    consumer: ``claim``/``claim_group`` -> in_flight
+                claimed                             (or unknown, as for pending),
+                                                    ``fail_unhandled`` -> failed; relay:
                                                     ``undispatch`` -> pending (Redis refused);
                                                     reconciler: ``requeue`` -> pending (message
                                                     lost), ``fail_past_deadline`` -> failed;

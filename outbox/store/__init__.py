@@ -32,6 +32,7 @@ statement                           move                            called by
 ``relay.dispatch_due``              pending -> dispatched           relay (a batch)
 ``relay.undispatch``                dispatched -> pending           relay (Redis refused)
 ``delivery.claim``                  pending/dispatched -> in_flight consumer
+``delivery.claim_group``            pending/dispatched -> in_flight consumer (a fetch's rows at once)
 ``delivery.record``                 in_flight/unknown -> any        consumer (the outcome, next steps)
 ``delivery.release``                in_flight/unknown -> pending    consumer (no call was made)
 ``delivery.fail_unhandled``         pending/dispatched -> failed    consumer (no handler)
