@@ -270,11 +270,10 @@ class _Pause:
         self.seconds = seconds
 
 
-#: A delivery run (Deliverer._steps): yields the call it needs (or a pause), is sent the call's
-#: decision and the provider's last HTTP status (or None after a pause), returns the run's result.
 class LostClaim:
-    """A group claim's reply was lost: the row's own claim (``token``) may have committed, or
-    may still, so it is fenced first (as a single claim's lost reply is)."""
+    """A group claim whose reply was lost, or could not be read back after its commit: the
+    row's own claim (``token``) may have committed, or may still, so it is fenced first (as a
+    single claim's lost reply is)."""
 
     __slots__ = ("token",)
 
@@ -287,6 +286,8 @@ class LostClaim:
 #: reply lost.
 Taken: TypeAlias = "tuple[Handler, store.delivery.Claimed, float] | DeliveryResult | LostClaim"
 
+#: A delivery run (Deliverer._steps): yields the call it needs (or a pause), is sent the call's
+#: decision and the provider's last HTTP status (or None after a pause), returns the run's result.
 _Steps = Generator["_CallAsked | _Pause", "tuple[Decision | _NotCalled, int | None] | None", "DeliveryResult"]
 #: Runs a blocking function on a thread and awaits its result (the worker's claim and record
 #: threads: outbox.runner).
