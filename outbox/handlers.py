@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from . import aio, payloads, provider_headers
+from . import aio, netio, payloads, provider_headers
 from .exceptions import ConfigError, RetryableError
 from .ordering import ON_FAILED_HEAD
 from .settings import (
@@ -586,7 +586,11 @@ class _Shards:
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
         self.clients = [
             httpx.AsyncClient(
-                timeout=handler.timeouts(), event_hooks=hooks, verify=_ssl_context(), limits=limits
+                timeout=handler.timeouts(),
+                event_hooks=hooks,
+                verify=_ssl_context(),
+                limits=limits,
+                transport=netio.transport(_ssl_context(), limits),
             )
             for _ in range(-(-pool_size // size))
         ]

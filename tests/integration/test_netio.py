@@ -1,0 +1,255 @@
+"""The async provider clients' sockets (outbox.netio) against real servers on 127.0.0.1: the
+errors httpx raises are those of its default (anyio) backend, a connection the server closed
+while idle is not reused, flow control both ways, TLS, and the wiring into Delivery.http."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import socketserver
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from outbox import handlers, netio
+
+TLS = Path(__file__).parent / "tls"
+CRLF = b"\r\n"
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    return data
+
+
+def _answer(body: bytes = b"ok", *, close: bool = False) -> bytes:
+    head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n"
+    if close:
+        head += "Connection: close\r\n"
+    return head.encode() + CRLF + body
+
+
+@contextlib.contextmanager
+def serving(
+    behaviour: Callable[[socket.socket], None], *, tls: bool = False
+) -> Iterator[tuple[str, list[int]]]:
+    """A threaded TCP server on 127.0.0.1 running ``behaviour`` per connection; yields its URL
+    and the list of connections accepted so far (one entry each)."""
+    accepted: list[int] = []
+    context = None
+    if tls:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(TLS / "cert.pem", TLS / "key.pem")
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            accepted.append(1)
+            conn = self.request
+            if context is not None:
+                try:
+                    conn = context.wrap_socket(conn, server_side=True)
+                except (ssl.SSLError, OSError):
+                    return
+            with contextlib.suppress(OSError), conn:
+                behaviour(conn)
+
+    class Server(socketserver.ThreadingTCPServer):
+        daemon_threads = True
+        allow_reuse_address = True
+
+    server = Server(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        scheme = "https" if tls else "http"
+        yield f"{scheme}://127.0.0.1:{server.server_address[1]}", accepted
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _client(*, timeout: float = 5.0, verify: ssl.SSLContext | None = None) -> httpx.AsyncClient:
+    context = verify or ssl.create_default_context()
+    limits = httpx.Limits(max_connections=4, max_keepalive_connections=4)
+    return httpx.AsyncClient(
+        timeout=timeout, verify=context, limits=limits, transport=netio.transport(context, limits)
+    )
+
+
+def _keep_alive(conn: socket.socket) -> None:
+    while _read_request(conn):
+        conn.sendall(_answer())
+
+
+def test_requests_share_a_kept_alive_connection() -> None:
+    async def go(url: str) -> list[int]:
+        async with _client() as client:
+            return [(await client.get(url)).status_code for _ in range(5)]
+
+    with serving(_keep_alive) as (url, accepted):
+        assert asyncio.run(go(url)) == [200] * 5
+        assert len(accepted) == 1
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
+    def answer_then_close(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(_answer())  # keep-alive by default, then closed anyway
+        time.sleep(0.05)
+        conn.close()
+
+    async def go(url: str) -> list[int]:
+        async with _client() as client:
+            first = (await client.get(url)).status_code
+            await asyncio.sleep(0.3)  # the server's FIN reaches the idle connection
+            return [first, (await client.get(url)).status_code]
+
+    with serving(answer_then_close) as (url, accepted):
+        assert asyncio.run(go(url)) == [200, 200]
+        assert len(accepted) == 2
+
+
+def test_a_silent_server_is_a_read_timeout() -> None:
+    def silent(conn: socket.socket) -> None:
+        _read_request(conn)
+        time.sleep(2.0)
+
+    async def go(url: str) -> float:
+        async with _client(timeout=0.3) as client:
+            started = time.monotonic()
+            with pytest.raises(httpx.ReadTimeout):
+                await client.get(url)
+            return time.monotonic() - started
+
+    with serving(silent) as (url, _):
+        assert 0.25 < asyncio.run(go(url)) < 1.5
+
+
+def test_a_closed_port_is_a_connect_error() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def go() -> None:
+        async with _client() as client:
+            with pytest.raises(httpx.ConnectError):
+                await client.get(f"http://127.0.0.1:{port}/")
+
+    asyncio.run(go())
+
+
+def test_a_body_larger_than_the_read_buffer_arrives_whole() -> None:
+    body = bytes(range(256)) * (3 * netio.READ_BUFFER_LIMIT // 256 + 7)
+
+    def big(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(_answer(body))
+
+    async def go(url: str) -> bytes:
+        async with _client() as client, client.stream("GET", url) as response:
+            chunks = []
+            async for chunk in response.aiter_raw():
+                chunks.append(chunk)
+                await asyncio.sleep(0)  # the client reads slower than the loop fills the buffer
+            return b"".join(chunks)
+
+    with serving(big) as (url, _):
+        assert asyncio.run(go(url)) == body
+
+
+def test_a_server_that_reads_nothing_is_a_write_timeout() -> None:
+    stop = threading.Event()
+
+    def deaf(conn: socket.socket) -> None:
+        stop.wait(5.0)
+
+    async def go(url: str) -> None:
+        async with _client(timeout=0.3) as client:
+            with pytest.raises(httpx.WriteTimeout):
+                await client.post(url, content=b"x" * (64 * 1024 * 1024))
+
+    with serving(deaf) as (url, _):
+        try:
+            asyncio.run(go(url))
+        finally:
+            stop.set()
+
+
+def test_a_reset_mid_response_is_an_error_not_an_answer() -> None:
+    def reset(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc")
+        time.sleep(0.05)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    async def go(url: str) -> None:
+        async with _client() as client:
+            with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
+                await client.get(url)
+
+    with serving(reset) as (url, _):
+        asyncio.run(go(url))
+
+
+def test_a_cancelled_read_leaves_no_waiter_and_the_client_goes_on() -> None:
+    def slow_first(conn: socket.socket) -> None:
+        _read_request(conn)
+        time.sleep(1.0)
+
+    async def go(url: str) -> None:
+        async with _client() as client:
+            task = asyncio.ensure_future(client.get(url))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    with serving(slow_first) as (url, _):
+        asyncio.run(go(url))
+
+
+def test_tls_with_a_trusted_certificate_and_refused_without() -> None:
+    trusted = ssl.create_default_context(cafile=str(TLS / "cert.pem"))
+
+    async def go(url: str) -> int:
+        async with _client(verify=trusted) as client:
+            answered = (await client.get(url)).status_code
+        async with _client() as untrusting:
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await untrusting.get(url)
+        return answered
+
+    with serving(_keep_alive, tls=True) as (url, _):
+        assert asyncio.run(go(url.replace("127.0.0.1", "localhost"))) == 200
+
+
+def test_delivery_http_of_an_async_handler_uses_these_sockets() -> None:
+    with handlers.isolated_registry():
+
+        @handlers.handler("netio.wiring")
+        async def wired(d: object) -> None:
+            return None
+
+        deliveries = handlers.Deliveries()
+        handler = handlers.registered("netio.wiring")
+        assert handler is not None
+        client = deliveries.client(handler, asynchronous=True)
+        try:
+            pool = client._transport._pool  # type: ignore[attr-defined]
+            assert isinstance(pool._network_backend, netio.AsyncioBackend)
+        finally:
+            deliveries.give_back(client)
+            deliveries.close()
