@@ -270,6 +270,17 @@ class _Pause:
         self.seconds = seconds
 
 
+class _OffLoop:
+    """What a delivery run yields before its first statement when it was handed a row already
+    claimed (a group's): a driver that ran it so far on the event loop, to skip a hop to a
+    thread for a pre-flight that needs no database, moves it to a thread; others send None."""
+
+    __slots__ = ()
+
+
+_OFF_LOOP = _OffLoop()
+
+
 class LostClaim:
     """A group claim whose reply was lost, or could not be read back after its commit: the
     row's own claim (``token``) may have committed, or may still, so it is fenced first (as a
@@ -288,7 +299,9 @@ Taken: TypeAlias = "tuple[Handler, store.delivery.Claimed, float] | DeliveryResu
 
 #: A delivery run (Deliverer._steps): yields the call it needs (or a pause), is sent the call's
 #: decision and the provider's last HTTP status (or None after a pause), returns the run's result.
-_Steps = Generator["_CallAsked | _Pause", "tuple[Decision | _NotCalled, int | None] | None", "DeliveryResult"]
+_Steps = Generator[
+    "_CallAsked | _Pause | _OffLoop", "tuple[Decision | _NotCalled, int | None] | None", "DeliveryResult"
+]
 #: Runs a blocking function on a thread and awaits its result (the worker's claim and record
 #: threads: outbox.runner).
 InThread = Callable[..., Awaitable[Any]]
@@ -640,7 +653,9 @@ class Deliverer:
         try:
             step = next(steps)
             while True:
-                if isinstance(step, _Pause):
+                if isinstance(step, _OffLoop):
+                    step = steps.send(None)
+                elif isinstance(step, _Pause):
                     time.sleep(step.seconds)
                     step = steps.send(None)
                 else:
@@ -668,7 +683,16 @@ class Deliverer:
         ``taken``: as for :meth:`deliver`."""
         observed = metrics.Observed()
         steps = self._steps(row_id, destination, observed, taken)
-        step = await in_thread(self._advance, steps, None, after)
+        first: _CallAsked | _Pause | _OffLoop = _OFF_LOOP
+        if isinstance(taken, tuple):
+            # Claimed by its fetch's group: the pre-flight (no I/O) runs here, on the loop, and
+            # a call goes out without a hop to a thread and back; any other move needs one.
+            first = steps.send(None)
+        step: _CallAsked | _Pause | DeliveryResult
+        if isinstance(first, _OffLoop):
+            step = await in_thread(self._advance, steps, None, after)
+        else:
+            step = first
         while not isinstance(step, DeliveryResult):
             if isinstance(step, _Pause):
                 await asyncio.sleep(step.seconds)
@@ -688,7 +712,10 @@ class Deliverer:
         """Run ``steps`` on this thread to the call (or pause) it asks for or to its result, then
         give the thread's connections back: the next step may run on another thread."""
         try:
-            return steps.send(called)
+            step = steps.send(called)
+            while isinstance(step, _OffLoop):
+                step = steps.send(None)
+            return step
         except StopIteration as done:
             result: DeliveryResult = done.value
         finally:
@@ -716,6 +743,8 @@ class Deliverer:
         observed.since_written_seconds = claimed.since_written_seconds
         observed.written_to_published_seconds = claimed.written_to_published_seconds
         before = preflight(handler, claimed, held_seconds=claimed_at - sent_at)
+        if before is not None:
+            yield _OFF_LOOP
         if isinstance(before, _LeaveForNewer):
             return (yield from self._leave_for_newer(handler, claimed, before.reason))
         if isinstance(before, _NotCalled):

@@ -244,6 +244,48 @@ def test_the_worker_claims_a_fetch_of_several_messages_together(clean, engine, p
     assert sum(groups) <= 40
 
 
+def test_an_async_group_row_settled_before_any_call_is_recorded_off_the_event_loop(
+    clean, engine, provider, monkeypatch
+):
+    """A grouped row's pre-flight runs on the event loop (no hop to a thread before its call);
+    a row it settles without a call (its deadline passed) is recorded on a database thread, never
+    on the loop that every call in flight shares."""
+    groups: list[int] = []
+    record_threads: list[str] = []
+    real_group, real_record = store.delivery.claim_group, store.delivery.record
+
+    def counted(conn: Any, **kw: Any) -> Any:
+        claimed = real_group(conn, **kw)
+        groups.append(len(claimed))
+        return claimed
+
+    def recorded(conn: Any, **kw: Any) -> Any:
+        record_threads.append(threading.current_thread().name)
+        return real_record(conn, **kw)
+
+    monkeypatch.setattr(store.delivery, "claim_group", counted)
+    monkeypatch.setattr(store.delivery, "record", recorded)
+
+    @outbox.handler(DEST, time_limit=5, backoff=(60,))
+    async def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        r = await d.http.post(
+            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+        )
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    ids = write(engine, 24)
+    late = ids[::4]
+    sql(clean, "UPDATE outbox_message SET deadline = now() - interval '1 second' WHERE id = ANY(%s)", (late,))
+    assert relay_once(clean) == 24
+    with worker_thread(clean, threads=8):
+        wait_for(lambda: len(record_threads) == 24, 60, "twenty-four records")
+    assert groups and groups[0] == 8
+    assert states(clean, ids) == [("failed" if i in late else "sent", 1) for i in ids]
+    assert provider.stats()["effects"] == {f"order:{n}:charge": 1 for n, i in enumerate(ids) if i not in late}
+    assert "outbox-async" not in record_threads
+
+
 @pytest.mark.parametrize(
     "poison",
     [

@@ -522,6 +522,10 @@ class WorkerProcess:
             async def in_thread(fn: Any, *args: Any) -> Any:
                 return await asyncio.get_running_loop().run_in_executor(steps, fn, *args)
 
+            if isinstance(taken, tuple):
+                # A row the group claimed runs its pre-flight on the loop, whose thread belongs to
+                # no run: its after_claim point is taken here, where nothing has happened since.
+                checkpoint("after_claim")
             aio.run(self.consumer.deliver_async(row_id, queue, in_thread, taken=taken))
 
     def ack(self, message: Message[Any]) -> None:
