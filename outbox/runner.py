@@ -17,8 +17,9 @@ cost threads. Here:
   Dramatiq (outbox.consumer.Deliverer.deliver).
 - An **async** handler's delivery is a task (Deliverer.deliver_async): its claim and its record
   run on one of :data:`DATABASE_THREADS` threads, its call on the loop, holding no thread.
-- The **ack** comes last, after the record, on the thread that ran the record; then the slot is
-  free. A message whose delivery raised is acked too (its row stays where the database has it,
+- The **ack** comes last, after the record, on the thread that ran the record, together with
+  the acks other threads asked for while it acked (one round trip for them all); then the slot
+  is free. A message whose delivery raised is acked too (its row stays where the database has it,
   for the lease and the reconciler), as Dramatiq's ``Worker`` does without its ``Retries``.
 
 Dramatiq middleware (``outbox.worker_middleware``) hears ``process_boot`` (from the worker),
@@ -182,6 +183,10 @@ class Runner:
         self._work: queue.SimpleQueue[_Fetched | None] = queue.SimpleQueue()
         self._misses: dict[str, int] = {}
         self._acks: queue.Queue[tuple[Any, str] | None] = queue.Queue()
+        #: Acks asked for while another thread was acking (Runner._ack_soon).
+        self._ack_queue: list[tuple[Any, str]] = []
+        self._ack_lock = threading.Lock()
+        self._acking = False
         self._acker = threading.Thread(target=self._retry_acks, name="outbox-acks", daemon=True)
         self._database: concurrent.futures.ThreadPoolExecutor | None = None
         self.any_sync = any(not handlers[q].is_async for q in self.queues)
@@ -416,7 +421,62 @@ class Runner:
                     self.broker.emit_after("process_message", message, exception=error)
         except Exception:
             logger.exception("after_process_message of message %s raised", message.message_id)
-        if self._ack(message, name):
+        self._ack_soon(message, name)
+
+    def _ack_soon(self, message: Any, name: str) -> None:
+        """Ack now, together with the acks other threads asked for meanwhile: the first thread
+        to ask acks every one waiting, in one round trip, until none is left; the others go on
+        to their next delivery. Under load a round trip acks several messages; alone, a thread
+        acks its own, as before."""
+        with self._ack_lock:
+            self._ack_queue.append((message, name))
+            if self._acking:
+                return
+            self._acking = True
+        done = False
+        try:
+            while True:
+                with self._ack_lock:
+                    batch, self._ack_queue = self._ack_queue, []
+                    if not batch:
+                        self._acking = False
+                        done = True
+                        return
+                self._ack_batch(batch)
+        finally:
+            if not done:
+                # Left by an exception no ack raises (KeyboardInterrupt in this thread): the next
+                # thread to ask acks what is waiting.
+                with self._ack_lock:
+                    self._acking = False
+
+    def _ack_batch(self, batch: list[tuple[Any, str]]) -> None:
+        """Ack ``batch`` (one round trip when the broker can) and free each message's slot."""
+        do_acks = getattr(self.broker, "do_acks", None)
+        if do_acks is None or len(batch) == 1:
+            for message, name in batch:
+                if self._ack(message, name):
+                    self.slots.give(name)
+            return
+        for message, _name in batch:
+            try:
+                self.broker.emit_before("ack", message)
+            except Exception:
+                logger.exception("before_ack of message %s raised; acking it anyway", message.message_id)
+        try:
+            errors = do_acks([(name, message.options["redis_message_id"]) for message, name in batch])
+        except redis.ConnectionError as exc:
+            for message, name in batch:
+                if self._ack_refused(message, name, exc):
+                    self.slots.give(name)
+            return
+        except Exception as exc:
+            errors = [exc] * len(batch)
+        for (message, name), error in zip(batch, errors, strict=True):
+            if error is None:
+                self._after_ack(message)
+            else:
+                self._ack_failed(message, error)
             self.slots.give(name)
 
     def _ack(self, message: Any, name: str) -> bool:
@@ -431,38 +491,50 @@ class Runner:
         try:
             self._consumers[name].ack(message)
         except BrokerConnectionError as exc:
-            if not self._running.is_set():
-                logger.warning(
-                    "ack of message %s not sent while stopping (%s): Redis delivers it again later, "
-                    "to an empty claim",
-                    message.message_id,
-                    exc,
-                )
-                return True
-            logger.warning(
-                "ack of message %s refused (%s); trying again every %.0f s",
-                message.message_id,
-                exc,
-                ACK_RETRY_SECONDS,
-            )
-            self._acks.put((message, name))
-            return False
+            return self._ack_refused(message, name, exc)
         except Exception as exc:
-            # Not a lost connection (a read-only replica after a failover, an out-of-memory Redis):
-            # trying again would not help. The message stays fetched until this worker stops.
-            logger.error(
-                "ack of message %s failed (%s: %s); its row is settled, the message is delivered "
-                "again after this worker stops, to an empty claim",
+            self._ack_failed(message, exc)
+            return True
+        self._after_ack(message)
+        return True
+
+    def _ack_refused(self, message: Any, name: str, exc: Exception) -> bool:
+        """Redis refused the ack (a lost connection): False when the ack thread tries it again
+        (and frees the slot then); True while stopping, when it is left."""
+        if not self._running.is_set():
+            logger.warning(
+                "ack of message %s not sent while stopping (%s): Redis delivers it again later, "
+                "to an empty claim",
                 message.message_id,
-                type(exc).__name__,
                 exc,
             )
             return True
+        logger.warning(
+            "ack of message %s refused (%s); trying again every %.0f s",
+            message.message_id,
+            exc,
+            ACK_RETRY_SECONDS,
+        )
+        self._acks.put((message, name))
+        return False
+
+    @staticmethod
+    def _ack_failed(message: Any, exc: BaseException) -> None:
+        # Not a lost connection (a read-only replica after a failover, an out-of-memory Redis):
+        # trying again would not help. The message stays fetched until this worker stops.
+        logger.error(
+            "ack of message %s failed (%s: %s); its row is settled, the message is delivered "
+            "again after this worker stops, to an empty claim",
+            message.message_id,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _after_ack(self, message: Any) -> None:
         try:
             self.broker.emit_after("ack", message)
         except Exception:
             logger.exception("after_ack of message %s raised", message.message_id)
-        return True
 
     def _retry_acks(self) -> None:
         """Acks Redis refused, tried again off the delivery and database threads, so that an
