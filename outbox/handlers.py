@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import logging
 import ssl
 import threading
 import time
@@ -34,6 +35,8 @@ from .settings import (
     default_lease_seconds,
 )
 from .validation import destination_problem
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,9 @@ def _close_client(client: httpx.Client | httpx.AsyncClient) -> None:
         client.close()
         return
     if client.is_closed:
+        return
+    if aio.on_loop():
+        aio.submit(client.aclose())  # closed when the loop gets to it: this code runs on it
         return
     try:
         aio.run(client.aclose(), timeout_seconds=5.0)
@@ -574,7 +580,7 @@ class _Shards:
 
     def __init__(self, handler: Handler, pool_size: int, send_bound: bool) -> None:
         self.handler = handler
-        hooks: dict[str, list[Callable[..., Any]]] = (
+        self._hooks: dict[str, list[Callable[..., Any]]] = (
             {
                 "request": [_check_send_bound_async],
                 "response": [functools.partial(_note_status_async, handler.destination)],
@@ -582,27 +588,41 @@ class _Shards:
             if send_bound
             else {}
         )
+        self.clients = [self._client() for _ in range(-(-pool_size // ASYNC_CLIENT_CONNECTIONS))]
+        self.busy = [0] * len(self.clients)
+        #: Clients replaced because their pool was stuck (:func:`_stuck`).
+        self.replaced = 0
+
+    def _client(self) -> httpx.AsyncClient:
         size = ASYNC_CLIENT_CONNECTIONS
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        self.clients = [
-            httpx.AsyncClient(
-                timeout=handler.timeouts(),
-                event_hooks=hooks,
-                verify=_ssl_context(),
-                limits=limits,
-                transport=netio.transport(_ssl_context(), limits),
-            )
-            for _ in range(-(-pool_size // size))
-        ]
-        self.busy = [0] * len(self.clients)
-        for client in self.clients:
-            _track(client)
+        client = httpx.AsyncClient(
+            timeout=self.handler.timeouts(),
+            event_hooks=self._hooks,
+            verify=_ssl_context(),
+            limits=limits,
+            transport=netio.transport(_ssl_context(), limits),
+        )
+        _track(client)
+        return client
 
     def closed(self) -> bool:
         return any(c.is_closed for c in self.clients)
 
     def lend(self) -> httpx.AsyncClient:
         i = min(range(len(self.busy)), key=self.busy.__getitem__)
+        if self.busy[i] == 0 and _stuck(self.clients[i]):
+            # httpcore 1.0 can leave a pool's connections taken by requests that were cancelled
+            # (as a call past its end bound is): every later request of that client would wait
+            # out its pool timeout, a release without a call, for good. Nothing of ours uses it.
+            stuck, self.clients[i] = self.clients[i], self._client()
+            self.replaced += 1
+            logger.warning(
+                "the HTTP client of %s had connections held by no call; replaced with a new one",
+                self.handler.destination,
+                extra={"destination": self.handler.destination},
+            )
+            _close(stuck)
         self.busy[i] += 1
         return self.clients[i]
 
@@ -616,6 +636,19 @@ class _Shards:
     def close(self) -> None:
         for client in self.clients:
             _close(client)
+
+
+def _stuck(client: httpx.AsyncClient) -> bool:
+    """Whether ``client``, lent to no call, still has a connection in use or a request waiting
+    for one: held by requests whose tasks are gone."""
+    pool = getattr(getattr(client, "_transport", None), "_pool", None)
+    if pool is None:
+        return False
+    try:
+        busy = [c for c in pool.connections if not c.is_idle() and not c.is_closed()]
+        return bool(busy) or bool(getattr(pool, "_requests", ()))
+    except Exception:
+        return False
 
 
 def _track(client: httpx.Client | httpx.AsyncClient) -> None:

@@ -137,17 +137,23 @@ def test_a_silent_server_is_a_read_timeout() -> None:
         assert 0.25 < asyncio.run(go(url)) < 1.5
 
 
-def test_a_closed_port_is_a_connect_error() -> None:
+def test_a_closed_port_is_a_connect_error_whose_cause_on_call_can_read() -> None:
+    from outbox import policy
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
 
-    async def go() -> None:
+    async def go() -> httpx.ConnectError:
         async with _client() as client:
-            with pytest.raises(httpx.ConnectError):
+            with pytest.raises(httpx.ConnectError) as raised:
                 await client.get(f"http://127.0.0.1:{port}/")
+            return raised.value
 
-    asyncio.run(go())
+    error = asyncio.run(go())
+    outcome, text, _ = policy.classify_exception(error)
+    assert outcome is policy.Outcome.RETRY
+    assert f"127.0.0.1:{port}" in text and "refused" in text.lower()
 
 
 def test_a_body_larger_than_the_read_buffer_arrives_whole() -> None:
@@ -252,4 +258,56 @@ def test_delivery_http_of_an_async_handler_uses_these_sockets() -> None:
             assert isinstance(pool._network_backend, netio.AsyncioBackend)
         finally:
             deliveries.give_back(client)
+            deliveries.close()
+
+
+def test_a_client_left_stuck_by_cancelled_requests_is_replaced_before_its_next_call() -> None:
+    """httpcore 1.0 can leave a pool's connections taken by requests whose tasks were cancelled
+    (as a call past its end bound is): every later request of that client then waits out its
+    pool timeout. A client lent to no call that still has a connection in use is replaced."""
+    import random
+
+    from outbox import aio
+
+    def answer_late(conn: socket.socket) -> None:
+        while _read_request(conn):
+            time.sleep(0.02)
+            conn.sendall(_answer())
+
+    with handlers.isolated_registry(), serving(answer_late) as (url, _):
+
+        @handlers.handler("netio.stuck", time_limit=2)
+        async def stuck(d: object) -> None:
+            return None
+
+        handler = handlers.registered("netio.stuck")
+        assert handler is not None
+        deliveries = handlers.Deliveries(pool_size=handlers.ASYNC_CLIENT_CONNECTIONS)
+
+        async def storm() -> httpx.AsyncClient:
+            client = deliveries.client(handler, asynchronous=True)
+            chance = random.Random(1)
+            for _ in range(300):
+                task = asyncio.ensure_future(client.post(url, content=b"x"))
+                await asyncio.sleep(chance.random() * 0.03)
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            deliveries.give_back(client)
+            return client
+
+        async def next_call() -> tuple[httpx.AsyncClient, int]:
+            client = deliveries.client(handler, asynchronous=True)
+            try:
+                return client, (await client.post(url, content=b"y")).status_code
+            finally:
+                deliveries.give_back(client)
+
+        try:
+            first = aio.run(storm(), timeout_seconds=60)
+            assert handlers._stuck(first)  # the storm left it so (else this test proves nothing)
+            second, status = aio.run(next_call(), timeout_seconds=10)
+            assert second is not first and status == 200
+            assert deliveries._shards["netio.stuck"].replaced == 1
+        finally:
             deliveries.close()
