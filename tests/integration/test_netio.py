@@ -287,12 +287,16 @@ def test_a_client_left_stuck_by_cancelled_requests_is_replaced_before_its_next_c
         async def storm() -> httpx.AsyncClient:
             client = deliveries.client(handler, asynchronous=True)
             chance = random.Random(1)
-            for _ in range(300):
+            # Requests cancelled at random instants, until one left the pool stuck (the first
+            # hundred or so here; at most 1,000).
+            for i in range(1000):
                 task = asyncio.ensure_future(client.post(url, content=b"x"))
                 await asyncio.sleep(chance.random() * 0.03)
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+                if i % 50 == 49 and handlers._stuck(client):
+                    break
             deliveries.give_back(client)
             return client
 
@@ -304,7 +308,7 @@ def test_a_client_left_stuck_by_cancelled_requests_is_replaced_before_its_next_c
                 deliveries.give_back(client)
 
         try:
-            first = aio.run(storm(), timeout_seconds=60)
+            first = aio.run(storm(), timeout_seconds=90)
             assert handlers._stuck(first)  # the storm left it so (else this test proves nothing)
             second, status = aio.run(next_call(), timeout_seconds=10)
             assert second is not first and status == 200
