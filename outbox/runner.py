@@ -114,6 +114,18 @@ class _Fetched:
         self.error: BaseException | None = None
 
 
+class _Ack:
+    """One message's ack waiting for its round trip: done once sent, with Redis's error if any."""
+
+    __slots__ = ("done", "error", "message_id", "name")
+
+    def __init__(self, name: str, message_id: str) -> None:
+        self.name = name
+        self.message_id = message_id
+        self.done = False
+        self.error: BaseException | None = None
+
+
 class _Slots:
     """``total`` deliveries in hand at most, ``cap`` of one queue."""
 
@@ -183,9 +195,9 @@ class Runner:
         self._work: queue.SimpleQueue[_Fetched | None] = queue.SimpleQueue()
         self._misses: dict[str, int] = {}
         self._acks: queue.Queue[tuple[Any, str] | None] = queue.Queue()
-        #: Acks asked for while another thread was acking (Runner._ack_soon).
-        self._ack_queue: list[tuple[Any, str]] = []
-        self._ack_lock = threading.Lock()
+        #: Acks waiting for the round trip out to end (Runner._send_ack).
+        self._ack_queue: list[_Ack] = []
+        self._ack_turn = threading.Condition()
         self._acking = False
         self._acker = threading.Thread(target=self._retry_acks, name="outbox-acks", daemon=True)
         self._database: concurrent.futures.ThreadPoolExecutor | None = None
@@ -424,81 +436,61 @@ class Runner:
         self._ack_soon(message, name)
 
     def _ack_soon(self, message: Any, name: str) -> None:
-        """Ack now, together with the acks other threads asked for meanwhile: the first thread
-        to ask acks every one waiting, in one round trip, until none is left; the others go on
-        to their next delivery. Under load a round trip acks several messages; alone, a thread
-        acks its own, as before."""
-        with self._ack_lock:
-            self._ack_queue.append((message, name))
-            if self._acking:
-                return
-            self._acking = True
-        done = False
-        try:
-            while True:
-                with self._ack_lock:
-                    batch, self._ack_queue = self._ack_queue, []
-                    if not batch:
-                        self._acking = False
-                        done = True
-                        return
-                self._ack_batch(batch)
-        finally:
-            if not done:
-                # Left by an exception no ack raises (KeyboardInterrupt in this thread): the next
-                # thread to ask acks what is waiting.
-                with self._ack_lock:
-                    self._acking = False
-
-    def _ack_batch(self, batch: list[tuple[Any, str]]) -> None:
-        """Ack ``batch`` (one round trip when the broker can) and free each message's slot."""
-        do_acks = getattr(self.broker, "do_acks", None)
-        if do_acks is None or len(batch) == 1:
-            for message, name in batch:
-                if self._ack(message, name):
-                    self.slots.give(name)
-            return
-        for message, _name in batch:
-            try:
-                self.broker.emit_before("ack", message)
-            except Exception:
-                logger.exception("before_ack of message %s raised; acking it anyway", message.message_id)
-        try:
-            errors = do_acks([(name, message.options["redis_message_id"]) for message, name in batch])
-        except redis.ConnectionError as exc:
-            for message, name in batch:
-                if self._ack_refused(message, name, exc):
-                    self.slots.give(name)
-            return
-        except Exception as exc:
-            errors = [exc] * len(batch)
-        for (message, name), error in zip(batch, errors, strict=True):
-            if error is None:
-                self._after_ack(message)
-            else:
-                self._ack_failed(message, error)
-            self.slots.give(name)
-
-    def _ack(self, message: Any, name: str) -> bool:
-        """Ack once; False when Redis refused it and the ack thread tries again (it frees the
-        slot then). Its row is settled whatever happens here: a message left unacked is only
-        delivered again, to an empty claim."""
+        """The ack, on this thread: ``before_ack``, the ack itself (its round trip shared with
+        the acks other threads ask for meanwhile: :meth:`_send_ack`), ``after_ack``, then the
+        slot is free. A middleware hook that blocks holds this message's slot only."""
         try:
             self.broker.emit_before("ack", message)
         except Exception:
             # A middleware cannot keep a settled row's message from its ack.
             logger.exception("before_ack of message %s raised; acking it anyway", message.message_id)
-        try:
-            self._consumers[name].ack(message)
-        except BrokerConnectionError as exc:
-            return self._ack_refused(message, name, exc)
-        except Exception as exc:
-            self._ack_failed(message, exc)
-            return True
-        self._after_ack(message)
-        return True
+        error = self._send_ack(message, name)
+        if error is None:
+            self._after_ack(message)
+        elif isinstance(error, BrokerConnectionError | redis.ConnectionError):
+            if not self._ack_refused(message, name, error):
+                return  # the ack thread tries again, and frees the slot then
+        else:
+            self._ack_failed(message, error)
+        self.slots.give(name)
 
-    def _ack_refused(self, message: Any, name: str, exc: Exception) -> bool:
+    def _send_ack(self, message: Any, name: str) -> BaseException | None:
+        """Ack ``message``: None, or why not. Acks asked for while another thread's round trip
+        is out wait for it to end, then one of them sends them all in the next; so a round trip
+        acks every message finished meanwhile, and no thread acks more than one batch beyond
+        its own."""
+        do_acks = getattr(self.broker, "do_acks", None)
+        try:
+            if do_acks is None:
+                self._consumers[name].ack(message)
+                return None
+            waiting = _Ack(name, message.options["redis_message_id"])
+        except Exception as exc:
+            return exc
+        with self._ack_turn:
+            self._ack_queue.append(waiting)
+            while not waiting.done:
+                if not self._acking:
+                    self._acking = True
+                    batch, self._ack_queue = self._ack_queue, []
+                    break
+                self._ack_turn.wait()
+            else:
+                return waiting.error
+        errors: list[BaseException | None] = [RuntimeError("the ack was not sent")] * len(batch)
+        try:
+            errors = list(do_acks([(a.name, a.message_id) for a in batch]))
+        except Exception as exc:
+            errors = [exc] * len(batch)
+        finally:
+            with self._ack_turn:
+                for ack, error in zip(batch, errors, strict=True):
+                    ack.error, ack.done = error, True
+                self._acking = False
+                self._ack_turn.notify_all()
+        return waiting.error
+
+    def _ack_refused(self, message: Any, name: str, exc: BaseException) -> bool:
         """Redis refused the ack (a lost connection): False when the ack thread tries it again
         (and frees the slot then); True while stopping, when it is left."""
         if not self._running.is_set():

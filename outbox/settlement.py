@@ -519,7 +519,12 @@ def ask_provider(
         )
     # An async lookup runs on the process's event loop (outbox.aio), cancelled at the bound a
     # call of its handler has; a sync one is bounded by its client's timeouts.
-    found = aio.call(lookup, delivery, timeout_seconds=handler.call_deadline_seconds)
+    try:
+        found = aio.call(lookup, delivery, timeout_seconds=handler.call_deadline_seconds)
+    finally:
+        if asynchronous:
+            # Lent for this lookup: given back, a client that stayed stuck is replaced.
+            clients.give_back(delivery.http)
     if found is not None and not isinstance(found, Confirmed):
         raise TypeError(f"lookup returned {type(found).__name__}, expected Confirmed or None")
     return delivery, found

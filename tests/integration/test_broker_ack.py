@@ -4,13 +4,20 @@ real Redis, including after Redis lost the script."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import dramatiq
 import pytest
 from dramatiq.brokers.redis import RedisBroker
+from dramatiq.middleware import Middleware
+from helpers import wait_for
 
 from outbox import transport
+from outbox.runner import Runner
 from outbox.transport import Broker
 
 
@@ -115,14 +122,11 @@ def test_acks_in_one_round_trip_remove_what_each_ack_removes(
             redis_client.delete(key)
 
 
-def test_the_runner_acks_what_other_threads_asked_for_while_it_acked(clean, redis_client) -> None:
-    """The first thread to ack sends the acks the others asked for meanwhile, in one round trip;
-    the others do not wait for it; every slot comes back and Redis holds none of the messages."""
-    import threading
-
-    from outbox.runner import Runner
-
-    ns = f"{clean.namespace}-combine"
+@contextlib.contextmanager
+def fetched(clean: Any, redis_client: Any, n: int) -> Iterator[tuple[Broker, Any, list[Any], str]]:
+    """``n`` messages fetched (unacked) from a namespace of their own: our broker, its consumer,
+    the messages, and the namespace."""
+    ns = f"{clean.namespace}-{uuid.uuid4().hex[:8]}"
     queue = "payments.charge"
     theirs = RedisBroker(url=clean.redis_url, namespace=ns)
     ours = Broker(url=clean.redis_url, namespace=ns)
@@ -134,37 +138,11 @@ def test_the_runner_acks_what_other_threads_asked_for_while_it_acked(clean, redi
         def deliver(row_id: int) -> None:  # pragma: no cover - never run
             pass
 
-        for i in range(6):
+        for i in range(n):
             deliver.send(i)
-        consumer, messages = fetch_all(ours, queue, 6)
-        runner = Runner(ours, None, {}, [], concurrency=6)  # type: ignore[arg-type]
-        runner._consumers[queue] = consumer
-        runner._running.set()
-        assert runner.slots.take_open(queue) == 6
-        batches: list[int] = []
-        first_in, release = threading.Event(), threading.Event()
-        real = runner._ack_batch
-
-        def slow_first(batch: list[Any]) -> None:
-            batches.append(len(batch))
-            if len(batches) == 1:
-                first_in.set()
-                assert release.wait(10)
-            real(batch)
-
-        runner._ack_batch = slow_first  # type: ignore[method-assign]
-        leader = threading.Thread(target=runner._ack_soon, args=(messages[0], queue))
-        leader.start()
-        assert first_in.wait(10)
-        for message in messages[1:]:
-            runner._ack_soon(message, queue)  # returns at once: the leader acks it
-        assert batches == [1]
-        release.set()
-        leader.join(10)
-        assert batches == [1, 5]
-        assert runner.slots.in_hand() == 0
-        assert redis_client.scard(f"{ns}:__acks__.{ours.broker_id}.{queue}") == 0
-        assert redis_client.hlen(f"{ns}:{queue}.msgs") == 0
+        consumer, messages = fetch_all(ours, queue, n)
+        assert len(messages) == n
+        yield ours, consumer, messages, ns
         consumer.close()
     finally:
         for broker in (theirs, ours):
@@ -172,3 +150,91 @@ def test_the_runner_acks_what_other_threads_asked_for_while_it_acked(clean, redi
             broker.client.connection_pool.disconnect()
         for key in redis_client.scan_iter(f"{ns}:*"):
             redis_client.delete(key)
+
+
+def runner_for(broker: Broker, consumer: Any, queue: str, n: int) -> Runner:
+    runner = Runner(broker, None, {}, [], concurrency=n)  # type: ignore[arg-type]
+    runner._consumers[queue] = consumer
+    runner._running.set()
+    assert runner.slots.take_open(queue) == n
+    return runner
+
+
+def unacked(redis_client: Any, ns: str, broker: Broker, queue: str = "payments.charge") -> int:
+    return int(redis_client.scard(f"{ns}:__acks__.{broker.broker_id}.{queue}"))
+
+
+def test_acks_asked_for_during_a_round_trip_share_the_next(clean, redis_client, monkeypatch) -> None:
+    """While one thread's ack is out, the acks other threads ask for wait, then go out together
+    in one round trip; every slot comes back and Redis holds none of the messages."""
+    queue = "payments.charge"
+    with fetched(clean, redis_client, 6) as (broker, consumer, messages, ns):
+        runner = runner_for(broker, consumer, queue, 6)
+        batches: list[int] = []
+        first_out, release = threading.Event(), threading.Event()
+        real = broker.do_acks
+
+        def slow_first(acks: Any) -> Any:
+            batches.append(len(acks))
+            if len(batches) == 1:
+                first_out.set()
+                assert release.wait(10)
+            return real(acks)
+
+        monkeypatch.setattr(broker, "do_acks", slow_first)
+        threads = [threading.Thread(target=runner._ack_soon, args=(messages[0], queue))]
+        threads[0].start()
+        assert first_out.wait(10)
+        for message in messages[1:]:
+            threads.append(threading.Thread(target=runner._ack_soon, args=(message, queue)))
+            threads[-1].start()
+        wait_for(lambda: len(runner._ack_queue) == 5, 10, "five acks waiting")
+        assert batches == [1]
+        release.set()
+        for thread in threads:
+            thread.join(10)
+        assert batches == [1, 5]
+        assert runner.slots.in_hand() == 0
+        assert unacked(redis_client, ns, broker) == 0
+        assert redis_client.hlen(f"{ns}:{queue}.msgs") == 0
+
+
+def test_a_blocking_after_ack_hook_holds_its_own_slot_only(clean, redis_client) -> None:
+    queue = "payments.charge"
+    with fetched(clean, redis_client, 6) as (broker, consumer, messages, ns):
+        blocked, release = threading.Event(), threading.Event()
+        first = messages[0].message_id
+
+        class Stuck(Middleware):
+            def after_ack(self, broker: Any, message: Any) -> None:
+                if message.message_id == first:
+                    blocked.set()
+                    release.wait(10)
+
+        broker.add_middleware(Stuck())
+        runner = runner_for(broker, consumer, queue, 6)
+        stuck = threading.Thread(target=runner._ack_soon, args=(messages[0], queue))
+        stuck.start()
+        try:
+            assert blocked.wait(10)
+            for message in messages[1:]:
+                runner._ack_soon(message, queue)
+            assert runner.slots.in_hand() == 1
+            assert unacked(redis_client, ns, broker) == 0
+        finally:
+            release.set()
+            stuck.join(10)
+        assert runner.slots.in_hand() == 0
+
+
+def test_an_ack_that_cannot_be_sent_fails_alone(clean, redis_client, caplog) -> None:
+    queue = "payments.charge"
+    with fetched(clean, redis_client, 3) as (broker, consumer, messages, ns):
+        ids = [m.options["redis_message_id"] for m in messages]
+        assert broker.do_acks([(queue, ids[0]), (queue, None), (queue, ids[1])])[::2] == [None, None]  # type: ignore[list-item]
+        assert unacked(redis_client, ns, broker) == 1
+        runner = runner_for(broker, consumer, queue, 2)
+        del messages[2].options["redis_message_id"]  # written by hand, not by Dramatiq
+        runner._ack_soon(messages[2], queue)
+        assert runner.slots.in_hand() == 1
+        assert "KeyError" in caplog.text

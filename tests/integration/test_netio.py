@@ -315,3 +315,42 @@ def test_a_client_left_stuck_by_cancelled_requests_is_replaced_before_its_next_c
             assert deliveries._shards["netio.stuck"].replaced == 1
         finally:
             deliveries.close()
+
+
+def test_an_async_lookup_gives_its_client_back() -> None:
+    """A lookup's client is lent for the lookup only, so that a client left stuck is replaced
+    for the lookups too (it is replaced only when no call holds it)."""
+    from outbox import settlement
+
+    with handlers.isolated_registry(), serving(_keep_alive) as (url, _):
+
+        @handlers.handler("netio.lookup", time_limit=2)
+        async def charge(d: object) -> None:
+            return None
+
+        @charge.lookup  # type: ignore[attr-defined]
+        async def find(d: handlers.Delivery) -> None:
+            await d.http.get(url)
+            return None
+
+        handler = handlers.registered("netio.lookup")
+        assert handler is not None
+        clients = settlement.LookupClients()
+        try:
+            for _ in range(3):
+                _, found = settlement.ask_provider(
+                    clients,
+                    handler,
+                    row_id=1,
+                    key="order:1",
+                    step="charge",
+                    payload={},
+                    attempts=1,
+                    deadline=None,
+                    trace_context=None,
+                    payload_version=1,
+                )
+                assert found is None
+            assert set(clients._shards["netio.lookup"].busy) == {0}
+        finally:
+            clients.close()
