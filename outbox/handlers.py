@@ -488,6 +488,7 @@ class Deliveries:
                 else {}
             )
             client = httpx.Client(timeout=handler.timeouts(), event_hooks=hooks, verify=_ssl_context())
+            _skip_cookieless(client)
             self._clients[handler.destination] = (handler, client)
         _track(client)
         if known is not None:
@@ -603,6 +604,7 @@ class _Shards:
             limits=limits,
             transport=netio.transport(_ssl_context(), limits),
         )
+        _skip_cookieless(client)
         _track(client)
         return client
 
@@ -649,6 +651,21 @@ def _stuck(client: httpx.AsyncClient) -> bool:
         return bool(busy) or bool(getattr(pool, "_requests", ()))
     except Exception:
         return False
+
+
+class _Cookies(httpx.Cookies):
+    """httpx's cookie jar, which reads an answer's cookies only when it sets some: httpx builds
+    urllib's request and response wrappers for every answer to look for them, about 2% of an
+    async worker's CPU, and a provider's API answer rarely sets one. What is kept and sent is
+    the same."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        if "set-cookie" in response.headers:
+            super().extract_cookies(response)
+
+
+def _skip_cookieless(client: httpx.Client | httpx.AsyncClient) -> None:
+    client._cookies = _Cookies(client.cookies)
 
 
 def _track(client: httpx.Client | httpx.AsyncClient) -> None:

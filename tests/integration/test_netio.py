@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -354,3 +355,62 @@ def test_an_async_lookup_gives_its_client_back() -> None:
             assert set(clients._shards["netio.lookup"].busy) == {0}
         finally:
             clients.close()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_cookies_are_kept_as_httpx_keeps_them_and_not_looked_for_in_answers_without(
+    asynchronous: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import http.cookiejar
+
+    from outbox import aio
+
+    looked: list[int] = []
+    real = http.cookiejar.CookieJar.extract_cookies
+
+    def counted(self: Any, response: Any, request: Any) -> None:
+        looked.append(1)
+        real(self, response, request)
+
+    monkeypatch.setattr(http.cookiejar.CookieJar, "extract_cookies", counted)
+    sent: list[bytes] = []
+
+    def sets_then_reads(conn: socket.socket) -> None:
+        first = True
+        while request := _read_request(conn):
+            sent.append(request)
+            head = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"
+            if first:
+                head += b"Set-Cookie: route=a1; Path=/\r\n"
+                first = False
+            conn.sendall(head + b"\r\nok")
+
+    with handlers.isolated_registry(), serving(sets_then_reads) as (url, _):
+        if asynchronous:
+
+            @handlers.handler("netio.cookies", time_limit=2)
+            async def charge(d: object) -> None:
+                return None
+
+        else:
+
+            @handlers.handler("netio.cookies", time_limit=2)
+            def charge(d: object) -> None:
+                return None
+
+        handler = handlers.registered("netio.cookies")
+        assert handler is not None
+        deliveries = handlers.Deliveries()
+        client = deliveries.client(handler, asynchronous=asynchronous)
+        try:
+            for _ in range(3):
+                if asynchronous:
+                    aio.run(client.get(url))
+                else:
+                    client.get(url)
+        finally:
+            deliveries.give_back(client)
+            deliveries.close()
+    assert b"cookie: route=a1" not in sent[0].lower()
+    assert all(b"cookie: route=a1" in r.lower() for r in sent[1:])
+    assert len(looked) == 1  # the answer that set one
