@@ -17,9 +17,8 @@ cost threads. Here:
   Dramatiq (outbox.consumer.Deliverer.deliver).
 - An **async** handler's delivery is a task (Deliverer.deliver_async): its claim and its record
   run on one of :data:`DATABASE_THREADS` threads, its call on the loop, holding no thread.
-- The **ack** comes last, after the record, on the thread that ran the record, together with
-  the acks other threads asked for while it acked (one round trip for them all); then the slot
-  is free. A message whose delivery raised is acked too (its row stays where the database has it,
+- The **ack** comes last, after the record, on the thread that ran the record; then the slot is
+  free. A message whose delivery raised is acked too (its row stays where the database has it,
   for the lease and the reconciler), as Dramatiq's ``Worker`` does without its ``Retries``.
 
 Dramatiq middleware (``outbox.worker_middleware``) hears ``process_boot`` (from the worker),
@@ -114,18 +113,6 @@ class _Fetched:
         self.error: BaseException | None = None
 
 
-class _Ack:
-    """One message's ack waiting for its round trip: done once sent, with Redis's error if any."""
-
-    __slots__ = ("done", "error", "message_id", "name")
-
-    def __init__(self, name: str, message_id: str) -> None:
-        self.name = name
-        self.message_id = message_id
-        self.done = False
-        self.error: BaseException | None = None
-
-
 class _Slots:
     """``total`` deliveries in hand at most, ``cap`` of one queue."""
 
@@ -195,10 +182,6 @@ class Runner:
         self._work: queue.SimpleQueue[_Fetched | None] = queue.SimpleQueue()
         self._misses: dict[str, int] = {}
         self._acks: queue.Queue[tuple[Any, str] | None] = queue.Queue()
-        #: Acks waiting for the round trip out to end (Runner._send_ack).
-        self._ack_queue: list[_Ack] = []
-        self._ack_turn = threading.Condition()
-        self._acking = False
         self._acker = threading.Thread(target=self._retry_acks, name="outbox-acks", daemon=True)
         self._database: concurrent.futures.ThreadPoolExecutor | None = None
         self.any_sync = any(not handlers[q].is_async for q in self.queues)
@@ -436,9 +419,8 @@ class Runner:
         self._ack_soon(message, name)
 
     def _ack_soon(self, message: Any, name: str) -> None:
-        """The ack, on this thread: ``before_ack``, the ack itself (its round trip shared with
-        the acks other threads ask for meanwhile: :meth:`_send_ack`), ``after_ack``, then the
-        slot is free. A middleware hook that blocks holds this message's slot only."""
+        """The ack, on this thread: ``before_ack``, the ack itself, ``after_ack``, then the slot
+        is free. A middleware hook that blocks holds this message's slot only."""
         try:
             self.broker.emit_before("ack", message)
         except Exception:
@@ -455,40 +437,14 @@ class Runner:
         self.slots.give(name)
 
     def _send_ack(self, message: Any, name: str) -> BaseException | None:
-        """Ack ``message``: None, or why not. Acks asked for while another thread's round trip
-        is out wait for it to end, then one of them sends them all in the next; so a round trip
-        acks every message finished meanwhile, and no thread acks more than one batch beyond
-        its own."""
-        do_acks = getattr(self.broker, "do_acks", None)
+        """Ack ``message`` in its own round trip: None, or why not. (Acks sharing round trips
+        were measured and withdrawn: one connection that stopped answering held every ack
+        waiting on it, up to the socket timeout, where it holds one; bench/README.md.)"""
         try:
-            if do_acks is None:
-                self._consumers[name].ack(message)
-                return None
-            waiting = _Ack(name, message.options["redis_message_id"])
+            self._consumers[name].ack(message)
         except Exception as exc:
             return exc
-        with self._ack_turn:
-            self._ack_queue.append(waiting)
-            while not waiting.done:
-                if not self._acking:
-                    self._acking = True
-                    batch, self._ack_queue = self._ack_queue, []
-                    break
-                self._ack_turn.wait()
-            else:
-                return waiting.error
-        errors: list[BaseException | None] = [RuntimeError("the ack was not sent")] * len(batch)
-        try:
-            errors = list(do_acks([(a.name, a.message_id) for a in batch]))
-        except Exception as exc:
-            errors = [exc] * len(batch)
-        finally:
-            with self._ack_turn:
-                for ack, error in zip(batch, errors, strict=True):
-                    ack.error, ack.done = error, True
-                self._acking = False
-                self._ack_turn.notify_all()
-        return waiting.error
+        return None
 
     def _ack_refused(self, message: Any, name: str, exc: BaseException) -> bool:
         """Redis refused the ack (a lost connection): False when the ack thread tries it again

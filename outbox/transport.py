@@ -12,7 +12,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -77,36 +77,6 @@ class Broker(RedisBroker):
         if isinstance(error, redis.exceptions.NoScriptError):
             return self._dispatch("ack")(queue_name, message_id)
         raise error
-
-    def do_acks(self, acks: Sequence[tuple[str, str]]) -> list[Exception | None]:
-        """Several acks, ``(queue, message id)`` each, in one round trip: each one's error
-        (None: acked). An ack that cannot be packed (an id that is not text) fails alone. A
-        connection error raises, for all of them."""
-        errors: list[Exception | None] = [None] * len(acks)
-        packed: list[bytes] = []
-        sent: list[int] = []
-        for i, (queue_name, message_id) in enumerate(acks):
-            try:
-                packed.append(self._packed_ack(queue_name, message_id))
-            except Exception as exc:
-                errors[i] = exc
-            else:
-                sent.append(i)
-        if not sent:
-            return errors
-        replies: list[Exception | None] = list(_send_packed(self.client, b"".join(packed), len(sent)))
-        for i, error in zip(sent, replies, strict=True):
-            if isinstance(error, redis.exceptions.NoScriptError):
-                try:
-                    self._dispatch("ack")(*acks[i])
-                except redis.ConnectionError:
-                    raise
-                except Exception as exc:
-                    error = exc
-                else:
-                    error = None
-            errors[i] = error
-        return errors
 
     def _packed_ack(self, queue_name: str, message_id: str) -> bytes:
         # Dramatiq's argument order: command, timestamp, queue, broker id, heartbeat timeout,

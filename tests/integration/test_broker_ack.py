@@ -14,9 +14,7 @@ import dramatiq
 import pytest
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import Middleware
-from helpers import wait_for
 
-from outbox import transport
 from outbox.runner import Runner
 from outbox.transport import Broker
 
@@ -74,54 +72,6 @@ def test_ack_removes_exactly_what_dramatiqs_ack_removes(clean, redis_client, flu
             redis_client.delete(key)
 
 
-@pytest.mark.parametrize("flush_scripts", [False, True], ids=["script loaded", "after SCRIPT FLUSH"])
-def test_acks_in_one_round_trip_remove_what_each_ack_removes(
-    clean, redis_client, flush_scripts, monkeypatch
-) -> None:
-    ns = f"{clean.namespace}-acks"
-    queue = "payments.charge"
-    theirs = RedisBroker(url=clean.redis_url, namespace=ns)
-    ours = Broker(url=clean.redis_url, namespace=ns)
-    try:
-        for broker in (theirs, ours):
-            broker.declare_queue(queue)
-
-        @dramatiq.actor(actor_name="outbox_deliver", queue_name=queue, broker=theirs)
-        def deliver(row_id: int) -> None:  # pragma: no cover - never run
-            pass
-
-        for i in range(6):
-            deliver.send(i)
-        consumer, messages = fetch_all(ours, queue, 6)
-        assert len(messages) == 6
-        acks = f"{ns}:__acks__.{ours.broker_id}.{queue}"
-        if flush_scripts:
-            redis_client.script_flush()
-        sends: list[int] = []
-        real_send = transport._send_packed
-
-        def counted(client: Any, payload: bytes, replies: int) -> Any:
-            sends.append(replies)
-            return real_send(client, payload, replies)
-
-        monkeypatch.setattr(transport, "_send_packed", counted)
-        errors = ours.do_acks([(queue, m.options["redis_message_id"]) for m in messages[:5]])
-        assert errors == [None] * 5
-        assert sends == [5]  # one round trip (and, after a flush, Dramatiq's own path per ack)
-        assert redis_client.scard(acks) == 1
-        assert redis_client.hlen(f"{ns}:{queue}.msgs") == 1
-        assert ours.do_acks([(queue, messages[5].options["redis_message_id"])]) == [None]
-        assert redis_client.scard(acks) == 0
-        assert redis_client.hlen(f"{ns}:{queue}.msgs") == 0
-        consumer.close()
-    finally:
-        for broker in (theirs, ours):
-            broker.close()
-            broker.client.connection_pool.disconnect()
-        for key in redis_client.scan_iter(f"{ns}:*"):
-            redis_client.delete(key)
-
-
 @contextlib.contextmanager
 def fetched(clean: Any, redis_client: Any, n: int) -> Iterator[tuple[Broker, Any, list[Any], str]]:
     """``n`` messages fetched (unacked) from a namespace of their own: our broker, its consumer,
@@ -164,41 +114,6 @@ def unacked(redis_client: Any, ns: str, broker: Broker, queue: str = "payments.c
     return int(redis_client.scard(f"{ns}:__acks__.{broker.broker_id}.{queue}"))
 
 
-def test_acks_asked_for_during_a_round_trip_share_the_next(clean, redis_client, monkeypatch) -> None:
-    """While one thread's ack is out, the acks other threads ask for wait, then go out together
-    in one round trip; every slot comes back and Redis holds none of the messages."""
-    queue = "payments.charge"
-    with fetched(clean, redis_client, 6) as (broker, consumer, messages, ns):
-        runner = runner_for(broker, consumer, queue, 6)
-        batches: list[int] = []
-        first_out, release = threading.Event(), threading.Event()
-        real = broker.do_acks
-
-        def slow_first(acks: Any) -> Any:
-            batches.append(len(acks))
-            if len(batches) == 1:
-                first_out.set()
-                assert release.wait(10)
-            return real(acks)
-
-        monkeypatch.setattr(broker, "do_acks", slow_first)
-        threads = [threading.Thread(target=runner._ack_soon, args=(messages[0], queue))]
-        threads[0].start()
-        assert first_out.wait(10)
-        for message in messages[1:]:
-            threads.append(threading.Thread(target=runner._ack_soon, args=(message, queue)))
-            threads[-1].start()
-        wait_for(lambda: len(runner._ack_queue) == 5, 10, "five acks waiting")
-        assert batches == [1]
-        release.set()
-        for thread in threads:
-            thread.join(10)
-        assert batches == [1, 5]
-        assert runner.slots.in_hand() == 0
-        assert unacked(redis_client, ns, broker) == 0
-        assert redis_client.hlen(f"{ns}:{queue}.msgs") == 0
-
-
 def test_a_blocking_after_ack_hook_holds_its_own_slot_only(clean, redis_client) -> None:
     queue = "payments.charge"
     with fetched(clean, redis_client, 6) as (broker, consumer, messages, ns):
@@ -230,11 +145,10 @@ def test_a_blocking_after_ack_hook_holds_its_own_slot_only(clean, redis_client) 
 def test_an_ack_that_cannot_be_sent_fails_alone(clean, redis_client, caplog) -> None:
     queue = "payments.charge"
     with fetched(clean, redis_client, 3) as (broker, consumer, messages, ns):
-        ids = [m.options["redis_message_id"] for m in messages]
-        assert broker.do_acks([(queue, ids[0]), (queue, None), (queue, ids[1])])[::2] == [None, None]  # type: ignore[list-item]
+        runner = runner_for(broker, consumer, queue, 3)
+        del messages[1].options["redis_message_id"]  # written by hand, not by Dramatiq
+        for message in messages:
+            runner._ack_soon(message, queue)
+        assert runner.slots.in_hand() == 0
         assert unacked(redis_client, ns, broker) == 1
-        runner = runner_for(broker, consumer, queue, 2)
-        del messages[2].options["redis_message_id"]  # written by hand, not by Dramatiq
-        runner._ack_soon(messages[2], queue)
-        assert runner.slots.in_hand() == 1
         assert "KeyError" in caplog.text

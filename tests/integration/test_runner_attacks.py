@@ -69,16 +69,7 @@ def test_an_ack_that_fails_or_is_refused_stalls_no_delivery_thread(
                 raise redis.exceptions.ReadOnlyError("You can't write against a read only replica.")
             return real(self, queue_name, message_id)
 
-        real_many = transport.Broker.do_acks
-
-        def do_acks(self: Any, acks: Any) -> Any:
-            refused = min(left[0], len(acks))
-            left[0] -= refused
-            error = redis.exceptions.ReadOnlyError("You can't write against a read only replica.")
-            return [error] * refused + (real_many(self, acks[refused:]) if acks[refused:] else [])
-
         monkeypatch.setattr(transport.Broker, "do_ack", do_ack)
-        monkeypatch.setattr(transport.Broker, "do_acks", do_acks)
     else:
         saved = mw.added()
         mw.worker_middleware(RaiseBeforeAck(2))
@@ -112,15 +103,7 @@ def test_a_redis_outage_at_the_ack_holds_no_record(clean, engine, provider, monk
             raise redis.exceptions.ConnectionError("Connection refused (Redis restarting)")
         return real(self, queue_name, message_id)
 
-    real_many = transport.Broker.do_acks
-
-    def do_acks(self: Any, acks: Any) -> Any:
-        if outage.is_set():
-            raise redis.exceptions.ConnectionError("Connection refused (Redis restarting)")
-        return real_many(self, acks)
-
     monkeypatch.setattr(transport.Broker, "do_ack", do_ack)
-    monkeypatch.setattr(transport.Broker, "do_acks", do_acks)
     calls: list[int] = []
 
     if kind == "async":
