@@ -597,12 +597,13 @@ class _Shards:
     def _client(self) -> httpx.AsyncClient:
         size = ASYNC_CLIENT_CONNECTIONS
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        context = _ssl_context()
         client = httpx.AsyncClient(
             timeout=self.handler.timeouts(),
             event_hooks=self._hooks,
-            verify=_ssl_context(),
+            verify=context,
             limits=limits,
-            transport=netio.transport(_ssl_context(), limits),
+            transport=netio.transport(context, limits),
         )
         _skip_cookieless(client)
         _track(client)

@@ -416,73 +416,53 @@ class Runner:
                     self.broker.emit_after("process_message", message, exception=error)
         except Exception:
             logger.exception("after_process_message of message %s raised", message.message_id)
-        self._ack_soon(message, name)
+        if self._ack(message, name):
+            self.slots.give(name)
 
-    def _ack_soon(self, message: Any, name: str) -> None:
-        """The ack, on this thread: ``before_ack``, the ack itself, ``after_ack``, then the slot
-        is free. A middleware hook that blocks holds this message's slot only."""
+    def _ack(self, message: Any, name: str) -> bool:
+        """Ack once; False when Redis refused it and the ack thread tries again (it frees the
+        slot then). Its row is settled whatever happens here: a message left unacked is only
+        delivered again, to an empty claim."""
         try:
             self.broker.emit_before("ack", message)
         except Exception:
             # A middleware cannot keep a settled row's message from its ack.
             logger.exception("before_ack of message %s raised; acking it anyway", message.message_id)
-        error = self._send_ack(message, name)
-        if error is None:
-            self._after_ack(message)
-        elif isinstance(error, BrokerConnectionError | redis.ConnectionError):
-            if not self._ack_refused(message, name, error):
-                return  # the ack thread tries again, and frees the slot then
-        else:
-            self._ack_failed(message, error)
-        self.slots.give(name)
-
-    def _send_ack(self, message: Any, name: str) -> BaseException | None:
-        """Ack ``message`` in its own round trip: None, or why not. (Acks sharing round trips
-        were measured and withdrawn: one connection that stopped answering held every ack
-        waiting on it, up to the socket timeout, where it holds one; bench/README.md.)"""
         try:
             self._consumers[name].ack(message)
-        except Exception as exc:
-            return exc
-        return None
-
-    def _ack_refused(self, message: Any, name: str, exc: BaseException) -> bool:
-        """Redis refused the ack (a lost connection): False when the ack thread tries it again
-        (and frees the slot then); True while stopping, when it is left."""
-        if not self._running.is_set():
+        except BrokerConnectionError as exc:
+            if not self._running.is_set():
+                logger.warning(
+                    "ack of message %s not sent while stopping (%s): Redis delivers it again later, "
+                    "to an empty claim",
+                    message.message_id,
+                    exc,
+                )
+                return True
             logger.warning(
-                "ack of message %s not sent while stopping (%s): Redis delivers it again later, "
-                "to an empty claim",
+                "ack of message %s refused (%s); trying again every %.0f s",
                 message.message_id,
+                exc,
+                ACK_RETRY_SECONDS,
+            )
+            self._acks.put((message, name))
+            return False
+        except Exception as exc:
+            # Not a lost connection (a read-only replica after a failover, an out-of-memory Redis):
+            # trying again would not help. The message stays fetched until this worker stops.
+            logger.error(
+                "ack of message %s failed (%s: %s); its row is settled, the message is delivered "
+                "again after this worker stops, to an empty claim",
+                message.message_id,
+                type(exc).__name__,
                 exc,
             )
             return True
-        logger.warning(
-            "ack of message %s refused (%s); trying again every %.0f s",
-            message.message_id,
-            exc,
-            ACK_RETRY_SECONDS,
-        )
-        self._acks.put((message, name))
-        return False
-
-    @staticmethod
-    def _ack_failed(message: Any, exc: BaseException) -> None:
-        # Not a lost connection (a read-only replica after a failover, an out-of-memory Redis):
-        # trying again would not help. The message stays fetched until this worker stops.
-        logger.error(
-            "ack of message %s failed (%s: %s); its row is settled, the message is delivered "
-            "again after this worker stops, to an empty claim",
-            message.message_id,
-            type(exc).__name__,
-            exc,
-        )
-
-    def _after_ack(self, message: Any) -> None:
         try:
             self.broker.emit_after("ack", message)
         except Exception:
             logger.exception("after_ack of message %s raised", message.message_id)
+        return True
 
     def _retry_acks(self) -> None:
         """Acks Redis refused, tried again off the delivery and database threads, so that an

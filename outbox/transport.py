@@ -71,14 +71,6 @@ class Broker(RedisBroker):
     (a restart, SCRIPT FLUSH) gets it loaded again by Dramatiq's own path."""
 
     def do_ack(self, queue_name: str, message_id: str) -> Any:
-        error = _send_packed(self.client, self._packed_ack(queue_name, message_id), 1)[0]
-        if error is None:
-            return None
-        if isinstance(error, redis.exceptions.NoScriptError):
-            return self._dispatch("ack")(queue_name, message_id)
-        raise error
-
-    def _packed_ack(self, queue_name: str, message_id: str) -> bytes:
         # Dramatiq's argument order: command, timestamp, queue, broker id, heartbeat timeout,
         # dead message TTL, maintenance flag, max unpack size, message id. All but the
         # timestamp, the flag and the id are fixed per queue: packed once.
@@ -88,10 +80,16 @@ class Broker(RedisBroker):
         head, middle, unpack = parts
         stamp = str(current_millis())
         flag = "1" if self._should_do_maintenance("ack") else "0"
-        return (
+        payload = (
             f"{head}${len(stamp)}\r\n{stamp}\r\n{middle}$1\r\n{flag}\r\n{unpack}"
             f"${len(message_id.encode())}\r\n{message_id}\r\n"
         ).encode()
+        error = _send_packed(self.client, payload, 1)[0]
+        if error is None:
+            return None
+        if isinstance(error, redis.exceptions.NoScriptError):
+            return self._dispatch("ack")(queue_name, message_id)
+        raise error
 
     @functools.cached_property
     def _ack_parts(self) -> dict[str, tuple[str, str, str]]:
