@@ -31,47 +31,6 @@ def fetch_all(broker: RedisBroker, queue: str, n: int) -> list[Any]:
     return [consumer, got]
 
 
-@pytest.mark.parametrize("flush_scripts", [False, True], ids=["script loaded", "after SCRIPT FLUSH"])
-def test_ack_removes_exactly_what_dramatiqs_ack_removes(clean, redis_client, flush_scripts) -> None:
-    ns = f"{clean.namespace}-ack"
-    queue = "payments.charge"
-    theirs = RedisBroker(url=clean.redis_url, namespace=ns)
-    ours = Broker(url=clean.redis_url, namespace=ns)
-    try:
-        for broker in (theirs, ours):
-            broker.declare_queue(queue)
-
-        @dramatiq.actor(actor_name="outbox_deliver", queue_name=queue, broker=theirs)
-        def deliver(row_id: int) -> None:  # pragma: no cover - never run
-            pass
-
-        for i in range(6):
-            deliver.send(i)
-        consumer, messages = fetch_all(ours, queue, 6)
-        assert len(messages) == 6
-        acks = f"{ns}:__acks__.{ours.broker_id}.{queue}"
-        assert redis_client.scard(acks) == 6
-        if flush_scripts:
-            redis_client.script_flush()
-        for message in messages[:4]:
-            consumer.ack(message)
-        assert redis_client.scard(acks) == 2
-        assert redis_client.hlen(f"{ns}:{queue}.msgs") == 2
-        # The heartbeat the dispatch script keeps for this broker is refreshed by the ack too.
-        assert redis_client.zscore(f"{ns}:__heartbeats__", ours.broker_id) is not None
-        for message in messages[4:]:
-            consumer.ack(message)
-        assert redis_client.scard(acks) == 0
-        assert redis_client.hlen(f"{ns}:{queue}.msgs") == 0
-        consumer.close()
-    finally:
-        for broker in (theirs, ours):
-            broker.close()
-            broker.client.connection_pool.disconnect()  # close() leaves the pool's sockets
-        for key in redis_client.scan_iter(f"{ns}:*"):
-            redis_client.delete(key)
-
-
 @contextlib.contextmanager
 def fetched(clean: Any, redis_client: Any, n: int) -> Iterator[tuple[Broker, Any, list[Any], str]]:
     """``n`` messages fetched (unacked) from a namespace of their own: our broker, its consumer,
@@ -97,9 +56,29 @@ def fetched(clean: Any, redis_client: Any, n: int) -> Iterator[tuple[Broker, Any
     finally:
         for broker in (theirs, ours):
             broker.close()
-            broker.client.connection_pool.disconnect()
+            broker.client.connection_pool.disconnect()  # close() leaves the pool's sockets
         for key in redis_client.scan_iter(f"{ns}:*"):
             redis_client.delete(key)
+
+
+@pytest.mark.parametrize("flush_scripts", [False, True], ids=["script loaded", "after SCRIPT FLUSH"])
+def test_ack_removes_exactly_what_dramatiqs_ack_removes(clean, redis_client, flush_scripts) -> None:
+    queue = "payments.charge"
+    with fetched(clean, redis_client, 6) as (ours, consumer, messages, ns):
+        acks = f"{ns}:__acks__.{ours.broker_id}.{queue}"
+        assert redis_client.scard(acks) == 6
+        if flush_scripts:
+            redis_client.script_flush()
+        for message in messages[:4]:
+            consumer.ack(message)
+        assert redis_client.scard(acks) == 2
+        assert redis_client.hlen(f"{ns}:{queue}.msgs") == 2
+        # The heartbeat the dispatch script keeps for this broker is refreshed by the ack too.
+        assert redis_client.zscore(f"{ns}:__heartbeats__", ours.broker_id) is not None
+        for message in messages[4:]:
+            consumer.ack(message)
+        assert redis_client.scard(acks) == 0
+        assert redis_client.hlen(f"{ns}:{queue}.msgs") == 0
 
 
 def runner_for(broker: Broker, consumer: Any, queue: str, n: int) -> Runner:
@@ -128,12 +107,12 @@ def test_a_blocking_after_ack_hook_holds_its_own_slot_only(clean, redis_client) 
 
         broker.add_middleware(Stuck())
         runner = runner_for(broker, consumer, queue, 6)
-        stuck = threading.Thread(target=runner._ack_soon, args=(messages[0], queue))
+        stuck = threading.Thread(target=runner._finish, args=(messages[0], queue, None, threading.Lock()))
         stuck.start()
         try:
             assert blocked.wait(10)
             for message in messages[1:]:
-                runner._ack_soon(message, queue)
+                runner._finish(message, queue, None, threading.Lock())
             assert runner.slots.in_hand() == 1
             assert unacked(redis_client, ns, broker) == 0
         finally:
@@ -148,7 +127,7 @@ def test_an_ack_that_cannot_be_sent_fails_alone(clean, redis_client, caplog) -> 
         runner = runner_for(broker, consumer, queue, 3)
         del messages[1].options["redis_message_id"]  # written by hand, not by Dramatiq
         for message in messages:
-            runner._ack_soon(message, queue)
+            runner._finish(message, queue, None, threading.Lock())
         assert runner.slots.in_hand() == 0
         assert unacked(redis_client, ns, broker) == 1
         assert "KeyError" in caplog.text

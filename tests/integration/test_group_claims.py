@@ -35,6 +35,20 @@ def declare_charge(provider: Any, **options: Any) -> Any:
     return charge
 
 
+def declare_charge_async(provider: Any) -> Any:
+    """``declare_charge``'s ``async def`` twin."""
+
+    @outbox.handler(DEST, time_limit=5, backoff=(60,))
+    async def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        r = await d.http.post(
+            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+        )
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    return charge
+
+
 def write(engine: Any, n: int, *, prefix: str = "order", destination: str = DEST, **kw: Any) -> list[int]:
     with Session(engine) as s, s.begin():
         return [
@@ -218,14 +232,7 @@ def test_the_worker_claims_a_fetch_of_several_messages_together(clean, engine, p
     if kind == "sync":
         declare_charge(provider)
     else:
-
-        @outbox.handler(DEST, time_limit=5, backoff=(60,))
-        async def charge(d: outbox.Delivery) -> outbox.Confirmed:
-            r = await d.http.post(
-                f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
-            )
-            r.raise_for_status()
-            return outbox.Confirmed(ref=r.json()["id"])
+        declare_charge_async(provider)
 
     seen = Before()
     middleware.clear()
@@ -266,13 +273,7 @@ def test_an_async_group_row_settled_before_any_call_is_recorded_off_the_event_lo
     monkeypatch.setattr(store.delivery, "claim_group", counted)
     monkeypatch.setattr(store.delivery, "record", recorded)
 
-    @outbox.handler(DEST, time_limit=5, backoff=(60,))
-    async def charge(d: outbox.Delivery) -> outbox.Confirmed:
-        r = await d.http.post(
-            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
-        )
-        r.raise_for_status()
-        return outbox.Confirmed(ref=r.json()["id"])
+    declare_charge_async(provider)
 
     ids = write(engine, 24)
     late = ids[::4]
