@@ -7,7 +7,9 @@ attempt). The call has a total deadline (``time_limit`` and a short grace, see
 ``Handler.call_deadline_seconds``), after which its outcome is recorded as ambiguous while the
 lease still covers the record.
 
-Every outcome is logged as one structured line naming the row, never its payload.
+Every outcome is logged as one structured line naming the row, never its payload: failed,
+unknown, released and superseded runs at WARNING; sent and pending runs at DEBUG, the first after
+a quiet spell at INFO and the rest summed into one INFO line every :data:`RUN_LOG_SECONDS`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ LOCK_WAIT_MS = store.sql.LOCK_WAIT_MS
 LOCK_RETRY_SECONDS = (0.05, 1.0)
 #: A statement still refused a row lock after this long is logged (once per statement).
 LOCK_WAIT_WARN_SECONDS = 10.0
+#: The sent and pending runs of this long after the first one at INFO are summed into one INFO
+#: line (each is a DEBUG line): a line per run was about 5% of an async worker's CPU.
+RUN_LOG_SECONDS = 10.0
 
 
 class DeliveryResult(enum.StrEnum):
@@ -480,6 +485,22 @@ def preflight(
     return None
 
 
+def _sum_runs(counts: Mapping[Any, int], seconds: float) -> None:
+    """The INFO line summing a worker's sent and pending runs (counted by result and
+    destination) of the last ``seconds``."""
+    by_result: dict[str, int] = {}
+    by_destination: dict[str, int] = {}
+    for (result, destination), n in counts.items():
+        by_result[result] = by_result.get(result, 0) + n
+        by_destination[destination] = by_destination.get(destination, 0) + n
+    logger.info(
+        "outbox runs in the last %.1f s: %s",
+        seconds,
+        ", ".join(f"{n} {result}" for result, n in sorted(by_result.items())),
+        extra={"runs": sum(by_result.values()), "by_result": by_result, "by_destination": by_destination},
+    )
+
+
 class Deliverer:
     """Runs deliveries for the handlers of one deploy; one instance is shared by all threads.
     (Not ``Consumer``: Dramatiq has its own, which fetches the messages this one is given.)
@@ -519,6 +540,9 @@ class Deliverer:
         self._all: list[psycopg.Connection[Any]] = []
         self._callers: list[_CallThread] = []
         self._all_lock = threading.Lock()
+        #: The INFO lines of sent and pending runs (:class:`outbox.logs.Tally`); failed,
+        #: unknown, released and superseded runs are each a WARNING line of their own.
+        self.runs = logs.Tally(_sum_runs, RUN_LOG_SECONDS)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -633,6 +657,7 @@ class Deliverer:
         for conn in conns:
             conn.close()
         self.async_deliveries.close()
+        self.runs.flush()
 
     def _halted(self) -> bool:
         if self.failover_guard is None:
@@ -1007,8 +1032,14 @@ class Deliverer:
         # The record fails a retry that would fall past the deadline (decided on the database's clock).
         past_deadline = state == "failed" and nxt.state == "pending"
         error = policy.deadline_error(claimed.deadline, nxt.error) if past_deadline else nxt.error
-        log = logger.info if result in (DeliveryResult.SENT, DeliveryResult.PENDING) else logger.warning
-        log(
+        if result in (DeliveryResult.SENT, DeliveryResult.PENDING):
+            level = logging.INFO if self.runs.count((result.value, destination)) else logging.DEBUG
+        else:
+            level = logging.WARNING
+        if not logger.isEnabledFor(level):
+            return result
+        logger.log(
+            level,
             "outbox %s:%s -> %s (attempt %s)%s",
             claimed.key,
             claimed.step,

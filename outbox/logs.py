@@ -17,7 +17,10 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -137,3 +140,56 @@ def configure(level: str = "INFO", environ: Mapping[str, str] | None = None) -> 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(max(logging.WARNING, root.level))
     logging.getLogger("apscheduler").setLevel(max(logging.WARNING, root.level))
+
+
+class Tally:
+    """The INFO lines of a stream of like events (a worker's confirmed runs): the first event
+    after a quiet spell (none for ``every_seconds``) is for the caller to log at once, at INFO;
+    those that follow within the window are counted, and ``summarize(counts, seconds)`` logs
+    them as one line when the window ends (at the next event, at a ``tick``) or on ``flush``.
+    Shared by threads: ``count`` takes a lock, and ``summarize`` runs outside it."""
+
+    def __init__(
+        self,
+        summarize: Callable[[Counter[Hashable], float], None],
+        every_seconds: float,
+    ) -> None:
+        self.every_seconds = every_seconds
+        self._summarize = summarize
+        self._lock = threading.Lock()
+        self._since = float("-inf")  # when the current window began
+        self._counts: Counter[Hashable] = Counter()
+
+    def count(self, what: Hashable) -> bool:
+        """Count one event; True when it is the first after a quiet spell: log it at INFO."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._since < self.every_seconds:
+                self._counts[what] += 1
+                return False
+            ended = self._take(now)
+        if ended is not None:
+            self._summarize(*ended)
+        return True
+
+    def tick(self) -> None:
+        """Sum up a window that has ended (called while idle)."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._counts or now - self._since < self.every_seconds:
+                return
+            ended = self._take(now)
+        if ended is not None:
+            self._summarize(*ended)
+
+    def flush(self) -> None:
+        """Sum up the current window now (the process stops)."""
+        with self._lock:
+            ended = self._take(time.monotonic())
+        if ended is not None:
+            self._summarize(*ended)
+
+    def _take(self, now: float) -> tuple[Counter[Hashable], float] | None:
+        counts, since = self._counts, self._since
+        self._counts, self._since = Counter(), now
+        return (counts, now - since) if counts else None

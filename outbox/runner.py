@@ -309,6 +309,7 @@ class Runner:
         finally:
             self.slots.give(name, taken - len(messages))
         if not messages:
+            self.deliverer.runs.tick()
             self._misses[name], backoff_ms = compute_backoff(
                 self._misses.get(name, 0), max_backoff=int(FETCH_WAIT_SECONDS * 1000)
             )

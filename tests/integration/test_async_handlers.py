@@ -6,6 +6,7 @@ bound cancels the task, and the testing helpers run both kinds."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any
@@ -307,3 +308,25 @@ def test_async_calls_share_small_clients_least_busy_first(clean, provider):
     finally:
         clients.close()
     assert all(c.is_closed for c in lent)
+
+
+def test_sent_runs_are_summed_at_info_and_failed_runs_each_keep_a_warning(clean, engine, provider, caplog):
+    provider.configure(fault_keys={"order:3:charge": "decline"})
+    async_charge(provider)
+    ids = write_rows(engine, 5)
+    deliverer = Deliverer(clean.database_url, registry())
+    caplog.set_level(logging.DEBUG, logger="outbox.consumer")
+    results = [deliverer.deliver(row_id, "payments.charge") for row_id in ids]
+    deliverer.close()
+    assert results.count(DeliveryResult.SENT) == 4 and results.count(DeliveryResult.FAILED) == 1
+    runs = [r for r in caplog.records if " -> " in r.getMessage()]
+    assert [r.levelno for r in runs] == [
+        logging.INFO,
+        logging.DEBUG,
+        logging.DEBUG,
+        logging.WARNING,
+        logging.DEBUG,
+    ], [(r.levelname, r.getMessage()) for r in runs]
+    [summary] = [r for r in caplog.records if r.getMessage().startswith("outbox runs in the last")]
+    assert summary.levelno == logging.INFO and summary.getMessage().endswith(": 3 sent")
+    assert summary.by_destination == {"payments.charge": 3}

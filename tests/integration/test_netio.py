@@ -122,6 +122,32 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
         assert len(accepted) == 2
 
 
+def test_a_connection_past_its_keepalive_expiry_is_closed_and_a_new_one_opened() -> None:
+    """The pool skips httpcore's close step when there is nothing to close; when there is (a
+    connection idle past ``keepalive_expiry``), the connection is closed, not leaked."""
+    closed: list[bool] = []
+
+    def keep_alive_and_see_the_close(conn: socket.socket) -> None:
+        _keep_alive(conn)
+        closed.append(True)  # the client closed its side: the read above saw the end
+
+    async def go(url: str) -> list[int]:
+        context = ssl.create_default_context()
+        limits = httpx.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=0.1)
+        made = netio.transport(context, limits)
+        async with httpx.AsyncClient(verify=context, limits=limits, transport=made) as c:
+            first = (await c.get(url)).status_code
+            await asyncio.sleep(0.3)
+            second = (await c.get(url)).status_code
+            await asyncio.sleep(0.2)
+            assert closed == [True], "the pool closed the expired connection, before the client's close"
+            return [first, second]
+
+    with serving(keep_alive_and_see_the_close) as (url, accepted):
+        assert asyncio.run(go(url)) == [200, 200]
+        assert len(accepted) == 2
+
+
 def test_a_silent_server_is_a_read_timeout() -> None:
     def silent(conn: socket.socket) -> None:
         _read_request(conn)
