@@ -1194,7 +1194,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.pgbouncer is not None and "outbox" in systems:
                 systems.insert(systems.index("outbox") + 1, "outbox+pgbouncer")
             if args.steady:
-                from bench.steady import report_steady, run_steady
+                from bench.steady import WARMUP_SECONDS, report_steady, run_steady
 
                 steady = []
                 for offered in [r.strip() for r in args.steady.split(",") if r.strip()]:
@@ -1216,7 +1216,8 @@ def main(argv: list[str] | None = None) -> int:
                             print(
                                 f"steady {offered} run {i + 1}/{args.repeat} {system}: "
                                 f"written {s.write_rate:.0f}/s, "
-                                f"delivered {s.rate:.0f}/s, p50 {s.p50_ms:.1f} ms, p99 {s.p99_ms:.1f} ms, "
+                                f"delivered {s.rate:.0f}/s, p50 {s.p50_ms:.1f} ms, p99 {s.p99_ms:.1f} ms "
+                                f"(after {WARMUP_SECONDS:g} s {s.p99_warm_ms:.1f} ms), "
                                 f"{s.per_cpu_second:.0f} deliveries per CPU-second "
                                 f"({time.monotonic() - t:.0f} s)",
                                 flush=True,
