@@ -169,7 +169,8 @@ def _start_spies(
     targets: list[tuple[str, psutil.Process]] = []
     if system == "outbox":
         parent = psutil.Process(procs[0].pid)
-        targets.append(("worker", next(p for p in parent.children(recursive=True))))
+        # --processes 1: the worker delivers itself; more: its first child does
+        targets.append(("worker", next(iter(parent.children(recursive=True)), parent)))
         targets.append(("relay", psutil.Process(procs[1].pid)))
     else:
         targets.append(("worker", psutil.Process(procs[0].pid)))
@@ -276,6 +277,8 @@ def run_steady(
         OUTBOX_POLL_INTERVAL="1",
         BENCH_PROCRASTINATE_DSN=url,
     )
+    if args.async_handler:
+        env["BENCH_ASYNC_HANDLER"] = "1"
     procs: list[subprocess.Popen[bytes]] = []
     try:
         if system == "outbox":
@@ -452,7 +455,9 @@ def report_steady(args: argparse.Namespace, results: list[Steady], where: str) -
     print()
     print(
         f"steady state: writers commit one business transaction at a time while the system delivers; "
-        f"{args.seconds:g} s of writing per run, servers {where}, workers {args.processes} x {args.threads}"
+        f"{args.seconds:g} s of writing per run, servers {where}, workers {args.processes} x {args.threads}, "
+        f"outbox handler {'async' if args.async_handler else 'sync'}, "
+        f"procrastinate task {args.procrastinate_task}"
     )
     print(
         "deliv/s = rows / (first write -> last confirmation); latency = commit -> confirmed; "

@@ -87,7 +87,7 @@ def test_a_worker_holds_few_connections_whatever_its_concurrency(clean, engine, 
             return destination_states(clean, "mail.send") == {"sent": 200}
 
         wait_for(sent, 60, "200 rows to be sent", every=0.02)
-    # 3 claim + 2 record connections, the heartbeat and the failover guard.
+    # 2 claim + 4 record connections, the heartbeat and the failover guard.
     expected = consumer.Deliverer.__init__.__kwdefaults__
-    assert expected["claim_connections"] + expected["record_connections"] == 5
-    assert peak <= 7, peak
+    assert expected["claim_connections"] + expected["record_connections"] == 6
+    assert peak <= 8, peak
