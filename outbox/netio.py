@@ -16,6 +16,7 @@ own, as its anyio backend raises them, so httpx maps them to the same ``httpx`` 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import socket
 import ssl
@@ -182,6 +183,48 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         return None
 
 
+_Address = tuple[Any, ...]  # (family, type, proto, canonname, sockaddr), as getaddrinfo gives
+#: Name lookups under way, shared by the connects that want the same name at once.
+_resolving: dict[tuple[asyncio.AbstractEventLoop, str, int], asyncio.Task[Any]] = {}
+
+
+def _literal(host: str, port: int) -> list[_Address] | None:
+    if "%" in host:  # a scoped IPv6 address: the system's lookup reads the scope
+        return None
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if ip.version == 4:
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (str(ip), port))]
+    return [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (str(ip), port, 0, 0))]
+
+
+async def _addresses(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[_Address]:
+    """``host``'s addresses. An address needs no lookup; a name is looked up in the loop's
+    executor (a few threads), once for all the connects that want it at the same moment: a
+    worker's first calls open a connection each, and 200 lookups queued for those threads held
+    its first calls about 180 ms."""
+    literal = _literal(host, port)
+    if literal is not None:
+        return literal
+    key = (loop, host, port)
+    pending = _resolving.get(key)
+    if pending is None:
+        pending = loop.create_task(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        _resolving[key] = pending
+
+        def done(task: asyncio.Task[Any]) -> None:
+            _resolving.pop(key, None)
+            if not task.cancelled():
+                task.exception()  # retrieved: every connect that wanted it may have gone
+
+        pending.add_done_callback(done)
+    # Shielded: a connect cancelled (its call's end bound) leaves the lookup to the others.
+    addresses: list[_Address] = await asyncio.shield(pending)
+    return addresses
+
+
 class AsyncioBackend(httpcore.AsyncNetworkBackend):
     """Opens :class:`AsyncioStream` connections on the running loop."""
 
@@ -198,7 +241,7 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
         # connect cancelled inside it (a call past its end bound) leaves its socket open.
         loop = asyncio.get_running_loop()
         try:
-            addresses = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            addresses = await _addresses(loop, host, port)
         except OSError as exc:
             raise httpcore.ConnectError(str(exc)) from exc
         failure: httpcore.ConnectError | httpcore.ConnectTimeout = httpcore.ConnectError(

@@ -440,3 +440,62 @@ def test_cookies_are_kept_as_httpx_keeps_them_and_not_looked_for_in_answers_with
     assert b"cookie: route=a1" not in sent[0].lower()
     assert all(b"cookie: route=a1" in r.lower() for r in sent[1:])
     assert len(looked) == 1  # the answer that set one
+
+
+def test_an_address_is_connected_to_without_a_lookup_and_a_name_is_looked_up_once_for_many() -> None:
+    """A worker's first calls each open a connection: an address needs no lookup in the loop's
+    executor (a few threads, where 200 queued lookups held the first calls ~180 ms), and the
+    connects that want one name at the same moment share its lookup."""
+    lookups: list[str] = []
+
+    async def go(port: int) -> tuple[list[int], list[int]]:
+        loop = asyncio.get_running_loop()
+        real = loop.getaddrinfo
+
+        async def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
+            lookups.append(host)
+            await asyncio.sleep(0.05)  # a slow resolver: the connects overlap it
+            return await real(host, *args, **kwargs)
+
+        loop.getaddrinfo = counted  # type: ignore[method-assign]
+        async with _client() as client:
+            by_address = [
+                r.status_code
+                for r in await asyncio.gather(*(client.get(f"http://127.0.0.1:{port}/") for _ in range(4)))
+            ]
+        assert lookups == []
+        async with _client() as client:
+            by_name = [
+                r.status_code
+                for r in await asyncio.gather(*(client.get(f"http://localhost:{port}/") for _ in range(4)))
+            ]
+        return by_address, by_name
+
+    with serving(_keep_alive) as (url, accepted):
+        port = int(url.rsplit(":", 1)[1])
+        assert asyncio.run(go(port)) == ([200] * 4, [200] * 4)
+        assert len(accepted) == 8, "four connections each: one call each"
+    assert lookups == ["localhost"]
+
+
+def test_a_connect_cancelled_during_a_shared_lookup_leaves_the_others_their_answer() -> None:
+    async def go(port: int) -> int:
+        loop = asyncio.get_running_loop()
+        real = loop.getaddrinfo
+
+        async def slow(host: Any, *args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.1)
+            return await real(host, *args, **kwargs)
+
+        loop.getaddrinfo = slow  # type: ignore[method-assign]
+        async with _client() as client:
+            first = asyncio.create_task(client.get(f"http://localhost:{port}/"))
+            second = asyncio.create_task(client.get(f"http://localhost:{port}/"))
+            await asyncio.sleep(0.02)
+            first.cancel()  # a call past its end bound, while the name is looked up
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            return (await second).status_code
+
+    with serving(_keep_alive) as (url, _accepted):
+        assert asyncio.run(go(int(url.rsplit(":", 1)[1]))) == 200
