@@ -202,9 +202,10 @@ def _literal(host: str, port: int) -> list[_Address] | None:
 
 async def _addresses(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[_Address]:
     """``host``'s addresses. An address needs no lookup; a name is looked up in the loop's
-    executor (a few threads), once for all the connects that want it at the same moment: a
-    worker's first calls open a connection each, and 200 lookups queued for those threads held
-    its first calls about 180 ms."""
+    executor (a few threads), once for all the connects that want it at the same moment. A
+    worker's first calls open a connection each: with a lookup each, queued for those threads,
+    an async worker's first calls at 400/s reached the provider ~180 ms after their claim,
+    ~145 ms without."""
     literal = _literal(host, port)
     if literal is not None:
         return literal

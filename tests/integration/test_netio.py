@@ -444,8 +444,8 @@ def test_cookies_are_kept_as_httpx_keeps_them_and_not_looked_for_in_answers_with
 
 def test_an_address_is_connected_to_without_a_lookup_and_a_name_is_looked_up_once_for_many() -> None:
     """A worker's first calls each open a connection: an address needs no lookup in the loop's
-    executor (a few threads, where 200 queued lookups held the first calls ~180 ms), and the
-    connects that want one name at the same moment share its lookup."""
+    executor (a few threads, a queue at a worker's start), and the connects that want one name
+    at the same moment share its lookup."""
     lookups: list[str] = []
 
     async def go(port: int) -> tuple[list[int], list[int]]:
