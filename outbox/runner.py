@@ -48,7 +48,7 @@ from dramatiq.message import Message
 from . import aio
 from .consumer import Deliverer, Taken
 from .handlers import Handler
-from .transport import ACTOR_NAME
+from .transport import ACTOR_NAME, queue_key
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,13 @@ FETCH_WAIT_SECONDS = 0.5
 #: slot freed, which cost a backlog's deliveries 5% more of the worker's CPU and 20% more of
 #: Redis's (bench/README.md). An idle worker fetches at once.
 FETCH_GATHER_SECONDS = 0.005
+#: A fetch that found its queue empty sleeps its backoff (Dramatiq's: 5 ms doubling, jittered, up
+#: to FETCH_WAIT_SECONDS). From this long on (milliseconds: the queue has been empty for a few
+#: fetches) it waits instead for the queue to have a message (Runner._wait_for_message), so a
+#: message for an idle worker is fetched at once, not after up to half a second. Shorter
+#: backoffs stay plain sleeps: between a busy queue's batches one more round trip would cost
+#: more than it saves.
+WAKE_FROM_BACKOFF_MS = 20
 #: Pause between tries of an ack Redis refused (a connection error), as Dramatiq's worker does.
 ACK_RETRY_SECONDS = 1.0
 
@@ -181,6 +188,7 @@ class Runner:
         self._threads: list[threading.Thread] = []
         self._work: queue.SimpleQueue[_Fetched | None] = queue.SimpleQueue()
         self._misses: dict[str, int] = {}
+        self._blmove = True
         self._acks: queue.Queue[tuple[Any, str] | None] = queue.Queue()
         self._acker = threading.Thread(target=self._retry_acks, name="outbox-acks", daemon=True)
         self._database: concurrent.futures.ThreadPoolExecutor | None = None
@@ -313,7 +321,10 @@ class Runner:
             self._misses[name], backoff_ms = compute_backoff(
                 self._misses.get(name, 0), max_backoff=int(FETCH_WAIT_SECONDS * 1000)
             )
-            time.sleep(backoff_ms / 1000)
+            if backoff_ms >= WAKE_FROM_BACKOFF_MS:
+                self._wait_for_message(name, backoff_ms / 1000)
+            else:
+                time.sleep(backoff_ms / 1000)
             return False
         self._misses[name] = 0
         asynchronous = self.handlers[name].is_async
@@ -323,6 +334,27 @@ class Runner:
             else:
                 self._work.put(fetched)
         return True
+
+    def _wait_for_message(self, name: str, timeout_seconds: float) -> None:
+        """Until queue ``name`` holds a message or ``timeout_seconds`` pass, without taking one:
+        ``BLMOVE`` from the queue's list to its own tail, which moves its last element to where
+        it was, in one atomic command (Dramatiq's fetch takes from the head). Redis wakes every
+        waiting worker when the relay (of any release) pushes; a message pushed since the empty
+        fetch ends the wait at once. Redis before 6.2 has no ``BLMOVE``: a plain sleep, as
+        Dramatiq does. Redis failing here is the next fetch's to report."""
+        broker: Any = self.broker  # a RedisBroker (outbox.transport.Broker)
+        if self._blmove:
+            key = queue_key(broker.namespace, name)
+            try:
+                broker.client.blmove(key, key, timeout_seconds, src="RIGHT", dest="RIGHT")
+                return
+            except redis.ResponseError as exc:
+                if "unknown command" in str(exc).lower():
+                    self._blmove = False
+                    logger.info("this Redis has no BLMOVE (6.2): an idle worker polls its queues")
+            except redis.RedisError:
+                pass
+        time.sleep(timeout_seconds)
 
     def _claim_together(self, name: str, messages: list[Any]) -> list[_Fetched]:
         """The messages of one fetch, their rows claimed in one group (Deliverer.claim_group):

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
 import redis
 from helpers import destination_states, relay_once, unacked, wait_for, worker_thread, write_rows
+from sqlalchemy.orm import Session
 
 import outbox
 from outbox import runner
@@ -220,3 +222,96 @@ def test_two_queues_never_fetch_on_the_same_free_slots(clean, engine):
             threading.Event().wait(0.02)
     assert seen.most <= 4
     assert 0 < most <= 4
+
+
+def _runner(services: Any) -> runner.Runner:
+    from outbox.transport import Broker
+
+    broker = Broker(url=services.redis_url, namespace=services.namespace, middleware=[])
+    return runner.Runner(broker, None, {}, [], concurrency=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_an_idle_wait_ends_when_a_message_is_pushed_and_takes_none(clean):
+    """The idle wait (BLMOVE of the queue onto its own tail) ends when the queue gets a message,
+    at once when it has some, and after its timeout when nothing comes; the queue's messages
+    and their order are what they were."""
+    r = _runner(clean)
+    client = redis.Redis.from_url(clean.redis_url)
+    key = f"{clean.namespace}:payments.charge"
+    try:
+        started = time.monotonic()
+        r._wait_for_message("payments.charge", 0.3)
+        assert 0.25 <= time.monotonic() - started < 2.0
+
+        pusher = threading.Timer(0.2, lambda: client.rpush(key, "m1", "m2"))
+        pusher.start()
+        started = time.monotonic()
+        r._wait_for_message("payments.charge", 10.0)
+        waited = time.monotonic() - started
+        pusher.join()
+        assert 0.15 <= waited < 2.0, waited
+        assert client.lrange(key, 0, -1) == [b"m1", b"m2"]
+
+        client.rpush(key, "m3")
+        started = time.monotonic()
+        r._wait_for_message("payments.charge", 10.0)
+        assert time.monotonic() - started < 1.0
+        assert client.lrange(key, 0, -1) == [b"m1", b"m2", b"m3"]
+    finally:
+        client.close()
+        r.broker.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_worker_fetches_a_message_when_it_is_published_not_after_its_backoff(
+    clean, engine, monkeypatch
+):
+    """An empty queue's fetch backoff (here made 3 s every time) does not delay a message: a row
+    published to it 0.7 s into that backoff is called within half a second, twice. (Without
+    the wait on the queue, the second call came about 2.3 s after its row was published.)"""
+    monkeypatch.setattr(runner, "compute_backoff", lambda attempts, **_: (attempts + 1, 3000))
+    called: list[float] = []
+
+    @outbox.handler("payments.charge", time_limit=5)
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        called.append(time.monotonic())
+        return outbox.Confirmed(ref=f"ch_{d.payload['i']}")
+
+    with worker_thread(clean, threads=2):
+        for n in (1, 2):
+            threading.Event().wait(0.7)  # the worker polled its queue empty: 3 s to its next fetch
+            with Session(engine) as s, s.begin():
+                outbox.write(
+                    s, key=f"order:{n}", step="charge", destination="payments.charge", payload={"i": n}
+                )
+            published = time.monotonic()
+            assert relay_once(clean) == 1
+            wait_for(lambda n=n: len(called) == n, 10, "the call")
+            assert called[-1] - published < 0.5, called[-1] - published
+
+
+@pytest.mark.timeout(30)
+def test_a_redis_without_blmove_gets_the_plain_backoff(clean, monkeypatch, caplog):
+    """Redis before 6.2 answers BLMOVE "unknown command": the wait sleeps out its timeout, says
+    so once, and does not ask again."""
+    r = _runner(clean)
+    asked: list[str] = []
+
+    def blmove(*args: Any, **kwargs: Any) -> None:
+        asked.append(args[0])
+        raise redis.ResponseError("unknown command 'BLMOVE', with args beginning with: ")
+
+    monkeypatch.setattr(r.broker.client, "blmove", blmove)
+    try:
+        with caplog.at_level("INFO", logger="outbox.runner"):
+            for _ in range(3):
+                started = time.monotonic()
+                r._wait_for_message("payments.charge", 0.1)
+                assert time.monotonic() - started >= 0.09
+        assert len(asked) == 1
+        assert [m for m in caplog.messages if "BLMOVE" in m] == [
+            "this Redis has no BLMOVE (6.2): an idle worker polls its queues"
+        ]
+    finally:
+        r.broker.close()
