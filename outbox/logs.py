@@ -172,6 +172,21 @@ class Tally:
             self._summarize(*ended)
         return True
 
+    def add(self, counts: Mapping[Hashable, int]) -> bool:
+        """Count one event made of several counts (a relay's batch: its rows by destination);
+        True when it is the first after a quiet spell: log it at INFO, it is not counted."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._since < self.every_seconds:
+                mine = self._counts
+                for what, n in counts.items():
+                    mine[what] += n
+                return False
+            ended = self._take(now)
+        if ended is not None:
+            self._summarize(*ended)
+        return True
+
     def tick(self) -> None:
         """Sum up a window that has ended (called while idle)."""
         now = time.monotonic()

@@ -22,6 +22,7 @@ import select
 import threading
 import time
 from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ import redis
 from outbox import metrics, settings, store, transport
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
-from outbox.logs import first_line
+from outbox.logs import Tally, first_line
 from outbox.probes import Liveness
 from outbox.schema import NOTIFY_CHANNEL
 
@@ -91,56 +92,49 @@ class _RefusalLog:
 
 
 class _PublishLog:
-    """The INFO lines of what a relay published: a group after a quiet spell (nothing published
-    for ``every_seconds``) is logged at once; the groups that follow it within the window are
-    summed into one line when the window ends, or when the relay stops (``flush``)."""
+    """The INFO lines of what a relay published (a :class:`outbox.logs.Tally`): a group after a
+    quiet spell (nothing published for ``every_seconds``) is logged at once; the groups that
+    follow it within the window are summed into one line when the window ends, or when the
+    relay stops (``flush``)."""
 
     def __init__(self, every_seconds: float = PUBLISH_LOG_SECONDS) -> None:
-        self.every_seconds = every_seconds
-        self._since = float("-inf")  # when the current window began
-        self._rows = 0
-        self._batches = 0
-        self._by_destination: Counter[str] = Counter()
+        self._tally = Tally(_sum_published, every_seconds)
 
     def published(self, result: GroupResult) -> None:
-        now = time.monotonic()
-        if now - self._since >= self.every_seconds:
-            self.flush()
-            self._since = now
+        counts: dict[Hashable, int] = {_BATCHES: 1}
+        counts.update(result.by_destination)
+        if self._tally.add(counts):
             logger.info(
                 "relay published %s rows",
                 result.published,
                 extra={"published": result.published, "by_destination": dict(result.by_destination)},
             )
-            return
-        logger.debug("relay published %s rows", result.published, extra={"published": result.published})
-        self._rows += result.published
-        self._batches += 1
-        self._by_destination.update(result.by_destination)
+        else:
+            logger.debug("relay published %s rows", result.published, extra={"published": result.published})
 
     def tick(self) -> None:
         """Called while idle: a window that has ended is summed up."""
-        if self._batches and time.monotonic() - self._since >= self.every_seconds:
-            self.flush()
+        self._tally.tick()
 
     def flush(self) -> None:
-        if not self._batches:
-            return
-        seconds = time.monotonic() - self._since
-        logger.info(
-            "relay published %s rows in %s batches in the last %.1f s",
-            self._rows,
-            self._batches,
-            seconds,
-            extra={
-                "published": self._rows,
-                "batches": self._batches,
-                "by_destination": dict(self._by_destination),
-            },
-        )
-        self._rows = self._batches = 0
-        self._by_destination = Counter()
-        self._since = time.monotonic()
+        self._tally.flush()
+
+
+#: The key of a window's batch count beside its destinations' row counts (no destination's name).
+_BATCHES = ("batches",)
+
+
+def _sum_published(counts: Counter[Hashable], seconds: float) -> None:
+    batches = counts.pop(_BATCHES, 0)
+    by_destination = {str(d): n for d, n in counts.items()}
+    rows = sum(by_destination.values())
+    logger.info(
+        "relay published %s rows in %s batches in the last %.1f s",
+        rows,
+        batches,
+        seconds,
+        extra={"published": rows, "batches": batches, "by_destination": by_destination},
+    )
 
 
 def _read_notifies(listen: psycopg.Connection[Any]) -> int:
