@@ -71,6 +71,14 @@ FETCH_GATHER_SECONDS = 0.005
 #: backoffs stay plain sleeps: between a busy queue's batches one more round trip would cost
 #: more than it saves.
 WAKE_FROM_BACKOFF_MS = 20
+#: Each such wait holds a Redis connection: at most this many at once in a process (the other
+#: empty queues sleep their backoff), so a worker of forty destinations does not hold forty of
+#: Redis's ``maxclients`` while idle.
+WAKE_WAITS_PER_PROCESS = 4
+#: With a ``socket_timeout`` on the Redis client, a wait blocks in turns of at most this share of
+#: it: a blocking read past it is a timeout error and a dropped connection, and Redis ends a
+#: blocking command up to a tick of its ``hz`` (100 ms by default) after the command's timeout.
+WAKE_SOCKET_SHARE = 0.5
 #: Pause between tries of an ack Redis refused (a connection error), as Dramatiq's worker does.
 ACK_RETRY_SECONDS = 1.0
 
@@ -102,6 +110,18 @@ def row_id_of(message: Any, name: str) -> int | None:
         return None
     row_id: int = args[0]
     return row_id
+
+
+def _wake_limit_seconds(broker: Any) -> float:
+    """The longest turn of an idle wait the broker's Redis client allows: a share of its
+    ``socket_timeout`` (a URL's ``?socket_timeout=``), none under 0.1 s; unbounded without one."""
+    pool = getattr(getattr(broker, "client", None), "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None) or {}
+    socket_timeout = kwargs.get("socket_timeout")
+    if socket_timeout is None:
+        return float("inf")
+    turn = float(socket_timeout) * WAKE_SOCKET_SHARE
+    return turn if turn >= 0.1 else 0.0
 
 
 class _Fetched:
@@ -189,6 +209,8 @@ class Runner:
         self._work: queue.SimpleQueue[_Fetched | None] = queue.SimpleQueue()
         self._misses: dict[str, int] = {}
         self._blmove = True
+        self._wake_waits = threading.BoundedSemaphore(WAKE_WAITS_PER_PROCESS)
+        self._wake_limit_seconds = _wake_limit_seconds(broker)
         self._acks: queue.Queue[tuple[Any, str] | None] = queue.Queue()
         self._acker = threading.Thread(target=self._retry_acks, name="outbox-acks", daemon=True)
         self._database: concurrent.futures.ThreadPoolExecutor | None = None
@@ -340,21 +362,30 @@ class Runner:
         ``BLMOVE`` from the queue's list to its own tail, which moves its last element to where
         it was, in one atomic command (Dramatiq's fetch takes from the head). Redis wakes every
         waiting worker when the relay (of any release) pushes; a message pushed since the empty
-        fetch ends the wait at once. Redis before 6.2 has no ``BLMOVE``: a plain sleep, as
-        Dramatiq does. Redis failing here is the next fetch's to report."""
+        fetch ends the wait at once. A plain sleep instead, as Dramatiq does: when
+        :data:`WAKE_WAITS_PER_PROCESS` waits are under way, when the client's socket timeout
+        leaves too short a wait, and on a Redis before 6.2 (no ``BLMOVE``). Redis failing here
+        is the next fetch's to report."""
         broker: Any = self.broker  # a RedisBroker (outbox.transport.Broker)
-        if self._blmove:
+        until = time.monotonic() + timeout_seconds
+        shortest = WAKE_FROM_BACKOFF_MS / 1000
+        if self._blmove and self._wake_limit_seconds >= shortest and self._wake_waits.acquire(blocking=False):
             key = queue_key(broker.namespace, name)
             try:
-                broker.client.blmove(key, key, timeout_seconds, src="RIGHT", dest="RIGHT")
-                return
+                # In turns no longer than the socket timeout allows, until the wait is over.
+                while (left := until - time.monotonic()) >= shortest:
+                    turn = min(left, self._wake_limit_seconds)
+                    if broker.client.blmove(key, key, turn, src="RIGHT", dest="RIGHT") is not None:
+                        return
             except redis.ResponseError as exc:
                 if "unknown command" in str(exc).lower():
                     self._blmove = False
                     logger.info("this Redis has no BLMOVE (6.2): an idle worker polls its queues")
             except redis.RedisError:
                 pass
-        time.sleep(timeout_seconds)
+            finally:
+                self._wake_waits.release()
+        time.sleep(max(0.0, until - time.monotonic()))
 
     def _claim_together(self, name: str, messages: list[Any]) -> list[_Fetched]:
         """The messages of one fetch, their rows claimed in one group (Deliverer.claim_group):

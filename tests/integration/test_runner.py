@@ -224,10 +224,10 @@ def test_two_queues_never_fetch_on_the_same_free_slots(clean, engine):
     assert 0 < most <= 4
 
 
-def _runner(services: Any) -> runner.Runner:
+def _runner(services: Any, url: str | None = None) -> runner.Runner:
     from outbox.transport import Broker
 
-    broker = Broker(url=services.redis_url, namespace=services.namespace, middleware=[])
+    broker = Broker(url=url or services.redis_url, namespace=services.namespace, middleware=[])
     return runner.Runner(broker, None, {}, [], concurrency=1)  # type: ignore[arg-type]
 
 
@@ -314,4 +314,59 @@ def test_a_redis_without_blmove_gets_the_plain_backoff(clean, monkeypatch, caplo
             "this Redis has no BLMOVE (6.2): an idle worker polls its queues"
         ]
     finally:
+        r.broker.close()
+
+
+@pytest.mark.timeout(30)
+def test_idle_waits_hold_a_few_redis_connections_not_one_per_queue(clean):
+    """Ten empty queues waiting at once in one process: four block in Redis (each on a
+    connection of its own), the other six sleep their backoff, and every wait lasts its time."""
+    r = _runner(clean)
+    client = redis.Redis.from_url(clean.redis_url)
+    took: list[float] = []
+
+    def wait(i: int) -> None:
+        started = time.monotonic()
+        r._wait_for_message(f"queue{i}.send", 1.5)
+        took.append(time.monotonic() - started)
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(10)]
+    try:
+        for t in threads:
+            t.start()
+        threading.Event().wait(0.7)
+        blocked = [c for c in client.client_list() if c.get("cmd") == "blmove"]
+        for t in threads:
+            t.join(10)
+        assert len(blocked) == runner.WAKE_WAITS_PER_PROCESS == 4, blocked
+        assert len(took) == 10 and min(took) >= 1.4, took
+    finally:
+        client.close()
+        r.broker.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_socket_timeout_shorter_than_the_wait_cuts_it_into_turns(clean):
+    """A Redis URL with ``socket_timeout=0.3``: the wait blocks in turns shorter than that (a
+    longer one was a timeout error, a dropped connection and a blind sleep), so a message
+    pushed 0.6 s into a 3 s wait still ends it at once, and an empty queue's wait lasts its time."""
+    sep = "&" if "?" in clean.redis_url else "?"
+    r = _runner(clean, f"{clean.redis_url}{sep}socket_timeout=0.3")
+    client = redis.Redis.from_url(clean.redis_url)
+    key = f"{clean.namespace}:payments.charge"
+    try:
+        started = time.monotonic()
+        r._wait_for_message("payments.charge", 0.8)
+        assert time.monotonic() - started >= 0.75
+
+        pusher = threading.Timer(0.6, lambda: client.rpush(key, "m1"))
+        pusher.start()
+        started = time.monotonic()
+        r._wait_for_message("payments.charge", 3.0)
+        waited = time.monotonic() - started
+        pusher.join()
+        assert 0.55 <= waited < 1.0, waited
+        assert client.lrange(key, 0, -1) == [b"m1"]
+    finally:
+        client.close()
         r.broker.close()
