@@ -31,12 +31,17 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a usage error as the error document when ``--json`` was asked for."""
 
     json_errors = False
+    #: The command whose ``--help`` a usage error points to (``outbox status``), once known.
+    hint: str | None = None
 
     def error(self, message: str) -> NoReturn:
+        # One line, as every other error: argparse's usage block above it buried the message.
         if _Parser.json_errors:
             fail(f"{self.prog}: {message}", exits.CONFIG, as_json=True)
-            self.exit(exits.CONFIG)
-        super().error(message)
+        else:
+            prog = self.prog if self.prog != "outbox" else (_Parser.hint or self.prog)
+            fail(f"{message} (`{prog} --help` says more)", exits.CONFIG, as_json=False)
+        self.exit(exits.CONFIG)
 
 
 class _VersionAction(argparse.Action):
@@ -93,10 +98,30 @@ def _reject_misplaced(parser: argparse.ArgumentParser, leading: Sequence[str], c
                 parser.error(f"{option} does not apply to `outbox {command.name}`")
 
 
+def _unknown_command(argv: Sequence[str], position: int) -> str | None:
+    """The line for a command word that names no command (with the nearest names), if any."""
+    if position >= len(argv):
+        return None
+    import difflib
+
+    word = argv[position]
+    near = difflib.get_close_matches(word, BY_NAME, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(f'`outbox {n}`' for n in near)}?" if near else ""
+    return f"unknown command {word!r}{hint} (`outbox --help` lists the commands)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected, position = _selected(argv)
     _Parser.json_errors = "--json" in argv
+    _Parser.hint = f"outbox {selected.name}" if selected else None
+    if selected is None and not {"-h", "--help", "--version"} & set(argv):
+        unknown = _unknown_command(argv, position)
+        if unknown is not None:
+            return fail(unknown, exits.CONFIG, as_json=_Parser.json_errors)
+        # Bare `outbox` (or only global flags): the command list, as --help prints it.
+        build_parser([]).print_help()
+        return exits.CONFIG
     parser = build_parser([selected.name] if selected else [])
     args = parser.parse_args(argv)
     command = BY_NAME[args.command]

@@ -327,3 +327,47 @@ def test_worker_concurrency_flag_its_former_name_and_its_variable(capsys):
         resolved(["--concurrency", "0"])
     with pytest.raises(outbox.ConfigError, match="OUTBOX_WORKER_CONCURRENCY"):
         settings.from_env({"OUTBOX_WORKER_CONCURRENCY": "many"})
+
+
+def test_bare_outbox_prints_the_command_list(capsys):
+    assert cli.main([]) == exits.CONFIG
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.startswith("usage: outbox") and "worker" in out and "run the handlers of MODULE" in out
+    assert cli.main(["--log-level", "debug"]) == exits.CONFIG
+    assert "reconcile" in capsys.readouterr().out
+
+
+def test_a_mistyped_command_is_one_line_with_the_nearest_names(capsys):
+    assert cli.main(["wokrer", "shop.handlers"]) == exits.CONFIG
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "outbox: unknown command 'wokrer'; did you mean `outbox worker`? "
+        "(`outbox --help` lists the commands)\n"
+    )
+    assert cli.main(["frobnicate"]) == exits.CONFIG
+    assert (
+        capsys.readouterr().err
+        == "outbox: unknown command 'frobnicate' (`outbox --help` lists the commands)\n"
+    )
+    assert cli.main(["statsu", "--json"]) == exits.CONFIG
+    out, err = capsys.readouterr()
+    assert err == "" and "did you mean `outbox status`?" in json.loads(out)["error"]["message"]
+
+
+def test_a_usage_error_is_one_line_naming_the_commands_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["worker", "--concurrency", "x", "shop.handlers"])
+    assert exit_info.value.code == exits.CONFIG
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert (
+        err == "outbox: argument --concurrency: invalid int value: 'x' (`outbox worker --help` says more)\n"
+    )
+    with pytest.raises(SystemExit):
+        cli.main(["status", "--limit", "3"])
+    assert (
+        capsys.readouterr().err
+        == "outbox: unrecognized arguments: --limit 3 (`outbox status --help` says more)\n"
+    )
