@@ -32,7 +32,7 @@ import httpx
 import psycopg
 
 from . import aio, breaker, chains, logs, metrics, pauses, payloads, policy, store, tracing
-from .db import connect_raw
+from .db import connect_raw, tolerate_unloadable
 from .failover import FailoverGuard
 from .failpoints import failpoint
 from .handlers import (
@@ -440,7 +440,10 @@ def preflight(
             f"handler's ({handler.payload_version}): left for a worker running the newer release"
         )
     invalid: str | None = None
-    if handler.checks_payloads:
+    if isinstance(claimed.payload, payloads.Unreadable):
+        # Written by plain SQL; the same row would fail the same way at every claim: final.
+        invalid = f"the payload cannot be read: {claimed.payload.reason}"
+    elif handler.checks_payloads:
         try:
             handler.prepare(claimed.payload, claimed.payload_version)
         except payloads.PayloadInvalid as exc:
@@ -572,6 +575,7 @@ class Deliverer:
             if name == "record_conn":
                 options += " -c synchronous_commit=off"
             conn = connect_raw(self.database_url, autocommit=True, options=options)
+        tolerate_unloadable(conn)
         with self._all_lock:
             self._all.append(conn)
         if name == "claim_conn" and self.failover_guard is not None:

@@ -3,13 +3,19 @@ to PostgreSQL or through a pooler in transaction mode."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+import psycopg.types.json
+from psycopg.adapt import Loader
+from psycopg.pq import Format
 from sqlalchemy import Engine, create_engine
 
+from .payloads import Unreadable
 from .settings import libpq_url, normalize_database_url
 
 _NAMED = re.compile(r"%\((\w+)\)s")
@@ -73,6 +79,50 @@ def connect_raw(
             raise ValueError("connect_raw: no startup options through a pooler (set_config in the statement)")
         options["prepare_threshold"] = None
     return psycopg.connect(libpq_url(url), autocommit=autocommit, **options)
+
+
+def _loads(data: str | bytes) -> Any:
+    try:
+        return json.loads(data)
+    except RecursionError:
+        return Unreadable("it is nested deeper than this process's JSON parser goes")
+
+
+#: Where a timestamptz no Python datetime holds is placed: 'infinity' or a year past 9999 at the
+#: latest, '-infinity' or a year before 1 at the earliest (a day inside the range, so that a
+#: conversion to any time zone stays in it).
+LATEST = datetime(9999, 12, 30, tzinfo=UTC)
+EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
+
+_TIMESTAMPTZ_OID = psycopg.postgres.types["timestamptz"].oid
+_TIMESTAMPTZ = psycopg.adapters.get_loader(_TIMESTAMPTZ_OID, Format.TEXT)
+
+
+class _TimestamptzLoader(Loader):
+    """psycopg's own timestamptz loader, with a value it refuses placed at :data:`LATEST` or
+    :data:`EARLIEST` instead of raising (psycopg's C loader cannot be subclassed)."""
+
+    def __init__(self, oid: int, context: Any = None) -> None:
+        super().__init__(oid, context)
+        assert _TIMESTAMPTZ is not None
+        self._inner = _TIMESTAMPTZ(oid, context)
+
+    def load(self, data: Any) -> Any:
+        try:
+            return self._inner.load(data)
+        except psycopg.DataError:
+            raw = bytes(data)
+            return EARLIEST if raw.startswith(b"-") or raw.endswith(b"BC") else LATEST
+
+
+def tolerate_unloadable(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    """Make ``conn`` load what plain SQL can store and Python cannot hold: a timestamptz of
+    'infinity' (a deadline never reached) or '-infinity' (one always passed), a payload nested
+    too deep (:class:`Unreadable`). Raising instead, the claim that read such a row left it
+    claimed and unread, released, claimed again, for ever."""
+    conn.adapters.register_loader(_TIMESTAMPTZ_OID, _TimestamptzLoader)
+    psycopg.types.json.set_json_loads(_loads, conn)
+    return conn
 
 
 def require_autocommit(conn: psycopg.Connection[Any], job: str) -> None:

@@ -537,7 +537,7 @@ class Deliveries:
         names the call by its key, and an ``on_failure`` function of a row failed for it see).
         ``asynchronous``: for an ``async def`` function, whose ``http`` is an AsyncClient."""
         model = None
-        if handler.checks_payloads:
+        if handler.checks_payloads and not isinstance(payload, payloads.Unreadable):
             try:
                 prepared = handler.prepare(payload, payload_version)
             except (payloads.PayloadInvalid, payloads.PayloadTooNew):

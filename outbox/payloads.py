@@ -197,3 +197,18 @@ def _describe(exc: Exception) -> str:
             ]
             return "; ".join(parts)
     return f"{type(exc).__name__}: {exc}"
+
+
+class Unreadable:
+    """A stored value this process cannot load, in place of the value: a ``jsonb`` nested deeper
+    than Python's JSON parser goes (written by plain SQL; ``outbox.write`` cannot write one),
+    as outbox.db.tolerate_unloadable loads it. A claimed row whose payload is one is settled
+    before any call (outbox.consumer.preflight)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"Unreadable({self.reason!r})"

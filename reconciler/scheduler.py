@@ -30,7 +30,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from outbox import metrics, settings, transport
 from outbox.alerts import AlertHook, log_alert
-from outbox.db import connect_raw
+from outbox.db import connect_raw, tolerate_unloadable
 from outbox.failover import FailoverGuard
 from outbox.handlers import Handler
 from outbox.migrate import head_revision
@@ -203,11 +203,13 @@ class Reconciler:
     def _conn(self, job: str) -> psycopg.Connection[Any]:
         conn = self._conns.get(job)
         if conn is None or conn.closed:
-            conn = self._conns[job] = connect_raw(
-                self.database_url,
-                autocommit=True,
-                # The revision tells this code from a release before 0022 (outbox.features).
-                application_name=f"outbox-reconcile-{job}/{head_revision()}",
+            conn = self._conns[job] = tolerate_unloadable(
+                connect_raw(
+                    self.database_url,
+                    autocommit=True,
+                    # The revision tells this code from a release before 0022 (outbox.features).
+                    application_name=f"outbox-reconcile-{job}/{head_revision()}",
+                )
             )
             if self.failover_guard is not None:
                 # A new connection may be to a new server: check before a job acts on it.

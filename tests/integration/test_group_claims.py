@@ -297,11 +297,15 @@ def test_an_async_group_row_settled_before_any_call_is_recorded_off_the_event_lo
     ids=["infinite-deadline", "deep-payload"],
 )
 def test_a_row_this_process_cannot_read_back_strands_none_of_its_group(
-    clean, engine, provider, consumer, poison
+    clean, engine, provider, consumer, poison, monkeypatch
 ):
-    """The group commits, then one row cannot be loaded (written by plain SQL): every row of the
-    group is claimed, so none may be left for its own claim to find taken. Each fences its own
-    token and is released without a call; the others are charged once."""
+    """The group commits, then one row cannot be loaded (here: a connection without the
+    tolerant loaders of outbox.db, as for any value a loader refuses): every row of the group is
+    claimed, so none may be left for its own claim to find taken. Each fences its own token and
+    is released without a call; the others are charged once."""
+    import outbox.consumer
+
+    monkeypatch.setattr(outbox.consumer, "tolerate_unloadable", lambda conn: conn)
     declare_charge(provider)
     ids = write(engine, 4)
     poisoned = ids[2]
@@ -319,3 +323,46 @@ def test_a_row_this_process_cannot_read_back_strands_none_of_its_group(
         if row_id != poisoned:
             assert c.deliver(row_id, DEST) is DeliveryResult.SENT
     assert provider.stats()["effects"] == {f"order:{i}:charge": 1 for i in (0, 1, 3)}
+
+
+def test_what_plain_sql_stores_and_python_cannot_hold_ends_terminal(clean, engine, provider, consumer):
+    """A deadline of 'infinity' (never reached) or '-infinity' (always passed), a payload nested
+    deeper than Python's JSON parser goes: all written by plain SQL, all claimed in one group
+    with ordinary rows. Each ends terminal at its first claim (before, each was released and
+    claimed again for ever): the infinite deadline's row is charged, the others fail without a
+    call, with the reason."""
+    declare_charge(provider)
+    ids = write(engine, 5)
+    never, always, deep = ids[1], ids[2], ids[3]
+    sql(clean, "UPDATE outbox_message SET deadline = 'infinity' WHERE id = %s", (never,))
+    sql(clean, "UPDATE outbox_message SET deadline = '-infinity' WHERE id = %s", (always,))
+    sql(
+        clean,
+        "UPDATE outbox_message SET payload = "
+        "CAST('{\"a\":' || repeat('[', 3000) || repeat(']', 3000) || '}' AS jsonb) WHERE id = %s",
+        (deep,),
+    )
+    assert relay_once(clean) == 5
+    c = consumer()
+    taken = c.claim_group(ids, DEST)
+    assert sorted(taken) == ids and not any(isinstance(t, LostClaim) for t in taken.values())
+    results = {row_id: c.deliver(row_id, DEST, taken[row_id]) for row_id in ids}
+    assert results == {i: DeliveryResult.FAILED if i in (always, deep) else DeliveryResult.SENT for i in ids}
+    assert states(clean, ids) == [("failed" if i in (always, deep) else "sent", 1) for i in ids]
+    assert provider.stats()["effects"] == {f"order:{n}:charge": 1 for n in (0, 1, 4)}
+    errors = dict(
+        sql(clean, "SELECT id, last_error FROM outbox_message WHERE id = ANY(%s)", ([always, deep],))
+    )
+    assert errors[always].startswith("deadline passed before the call")
+    assert errors[deep].startswith("the payload cannot be read: it is nested deeper than")
+
+    # Claimed alone, as a fetch of one message is.
+    alone = write(engine, 2, prefix="alone")
+    sql(clean, "UPDATE outbox_message SET deadline = 'infinity' WHERE id = %s", (alone[0],))
+    sql(clean, "UPDATE outbox_message SET payload = %s::jsonb WHERE id = %s", (_deep_json(), alone[1]))
+    assert relay_once(clean) == 2
+    assert [c.deliver(row_id, DEST) for row_id in alone] == [DeliveryResult.SENT, DeliveryResult.FAILED]
+
+
+def _deep_json() -> str:
+    return '{"a":' + "[" * 3000 + "]" * 3000 + "}"
