@@ -214,7 +214,12 @@ def then_plan_for_row(handler: Handler, row: Mapping[str, Any], confirmed: Confi
     # Here, not at the top: outbox.write imports this module (through the store), and an
     # application's writer has no use for httpx.
     from .handlers import Deliveries
+    from .payloads import Unreadable
 
+    # An unreadable payload (outbox.db.tolerate_unloadable) is given as it is: a @then that
+    # reads it fails, and that is stored as this row's chain problem, not the job's crash.
+    stored: Any = row["payload"]
+    payload: Any = stored if isinstance(stored, Unreadable) else dict(stored)
     clients = Deliveries(send_bound=False)
     try:
         delivery = clients.delivery(
@@ -222,7 +227,7 @@ def then_plan_for_row(handler: Handler, row: Mapping[str, Any], confirmed: Confi
             id=int(row["id"]),
             key=str(row["key"]),
             step=str(row["step"]),
-            payload=dict(row["payload"]),
+            payload=payload,
             attempt=int(row["attempts"]),
             deadline=row["deadline"],
             payload_version=int(row["payload_version"]),

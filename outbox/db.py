@@ -86,6 +86,9 @@ def _loads(data: str | bytes) -> Any:
         return json.loads(data)
     except RecursionError:
         return Unreadable("it is nested deeper than this process's JSON parser goes")
+    except ValueError as exc:
+        # A number of more digits than int() converts (sys.get_int_max_str_digits).
+        return Unreadable(f"this process's JSON parser refuses it: {exc}")
 
 
 #: Where a timestamptz no Python datetime holds is placed: 'infinity' or a year past 9999 at the

@@ -356,12 +356,21 @@ def test_what_plain_sql_stores_and_python_cannot_hold_ends_terminal(clean, engin
     assert errors[always].startswith("deadline passed before the call")
     assert errors[deep].startswith("the payload cannot be read: it is nested deeper than")
 
-    # Claimed alone, as a fetch of one message is.
-    alone = write(engine, 2, prefix="alone")
+    # Claimed alone, as a fetch of one message is; a number of more digits than int() converts.
+    alone = write(engine, 3, prefix="alone")
     sql(clean, "UPDATE outbox_message SET deadline = 'infinity' WHERE id = %s", (alone[0],))
     sql(clean, "UPDATE outbox_message SET payload = %s::jsonb WHERE id = %s", (_deep_json(), alone[1]))
-    assert relay_once(clean) == 2
-    assert [c.deliver(row_id, DEST) for row_id in alone] == [DeliveryResult.SENT, DeliveryResult.FAILED]
+    sql(
+        clean, """UPDATE outbox_message SET payload = '{"amount_cents": 1e5000}' WHERE id = %s""", (alone[2],)
+    )
+    assert relay_once(clean) == 3
+    assert [c.deliver(row_id, DEST) for row_id in alone] == [
+        DeliveryResult.SENT,
+        DeliveryResult.FAILED,
+        DeliveryResult.FAILED,
+    ]
+    (error,) = sql(clean, "SELECT last_error FROM outbox_message WHERE id = %s", (alone[2],))[0]
+    assert error.startswith("the payload cannot be read: this process's JSON parser refuses it")
 
 
 def _deep_json() -> str:
