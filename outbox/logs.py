@@ -162,15 +162,7 @@ class Tally:
 
     def count(self, what: Hashable) -> bool:
         """Count one event; True when it is the first after a quiet spell: log it at INFO."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._since < self.every_seconds:
-                self._counts[what] += 1
-                return False
-            ended = self._take(now)
-        if ended is not None:
-            self._summarize(*ended)
-        return True
+        return self.add({what: 1})
 
     def add(self, counts: Mapping[Hashable, int]) -> bool:
         """Count one event made of several counts (a relay's batch: its rows by destination);
