@@ -21,6 +21,7 @@ import enum
 import logging
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -69,6 +70,11 @@ LOCK_WAIT_MS = store.sql.LOCK_WAIT_MS
 LOCK_RETRY_SECONDS = (0.05, 1.0)
 #: A statement still refused a row lock after this long is logged (once per statement).
 LOCK_WAIT_WARN_SECONDS = 10.0
+#: A claim its destination's in-flight limit refused is tried again after these pauses (doubling
+#: from the first to the last), its message not acked; after HOLD_MAX_SECONDS of that the message
+#: is acked and the row waits `dispatched` for the reconciler's re-dispatch (outbox.limits).
+HOLD_RETRY_SECONDS = (0.05, 1.0)
+HOLD_MAX_SECONDS = 30.0
 #: The sent and pending runs of this long after the first one at INFO are summed into one INFO
 #: line (each is a DEBUG line): a line per run was about 5% of an async worker's CPU.
 RUN_LOG_SECONDS = 10.0
@@ -85,6 +91,7 @@ class DeliveryResult(enum.StrEnum):
     RELEASED = "released"  # claimed, then given back without a call
     HALTED = "halted"  # not claimed: the database is on another history (outbox.failover)
     PAUSED = "paused"  # not claimed: an operator paused the destination (outbox.pauses)
+    HELD = "held"  # not claimed: its destination stayed at its in-flight limit (outbox.limits)
 
 
 class _Abandoned(BaseException):
@@ -386,6 +393,43 @@ class _LockWait:
             )
         delay = self.delay
         self.delay = min(self.delay * 2, LOCK_RETRY_SECONDS[1])
+        return delay
+
+
+class _Hold:
+    """The pauses of one claim its destination's in-flight limit keeps refusing: doubling, given
+    up after :data:`HOLD_MAX_SECONDS` (the message is then acked, the row left `dispatched`)."""
+
+    __slots__ = ("delay", "destination", "limit", "row_id", "since")
+
+    def __init__(self, row_id: int, destination: str, limit: int) -> None:
+        self.row_id = row_id
+        self.destination = destination
+        self.limit = limit
+        self.since = time.monotonic()
+        self.delay = HOLD_RETRY_SECONDS[0]
+        logger.debug(
+            "outbox row %s held: destination %s is at its in-flight limit (%d)",
+            row_id,
+            destination,
+            limit,
+            extra={"outbox_id": row_id, "destination": destination, "outbox_run": "held"},
+        )
+
+    def next_pause(self) -> float | None:
+        if time.monotonic() - self.since >= HOLD_MAX_SECONDS:
+            logger.info(
+                "outbox row %s not claimed: destination %s stayed at its in-flight limit (%d) for "
+                "%.0f s; the row waits dispatched for its re-dispatch",
+                self.row_id,
+                self.destination,
+                self.limit,
+                HOLD_MAX_SECONDS,
+                extra={"outbox_id": self.row_id, "destination": self.destination, "outbox_run": "held"},
+            )
+            return None
+        delay = self.delay * random.uniform(0.8, 1.2)
+        self.delay = min(self.delay * 2, HOLD_RETRY_SECONDS[1])
         return delay
 
 
@@ -912,6 +956,7 @@ class Deliverer:
             )
             return DeliveryResult.UNHANDLED
         locked = _LockWait(row_id)
+        held: _Hold | None = None
         while True:
             conn = self._conn("claim_conn")
             token = uuid.uuid4()
@@ -943,7 +988,17 @@ class Deliverer:
                 if not lost:
                     raise
                 return (yield from self._recover_lost_claim(handler, row_id, token))
-            break
+            if claimed is not None:
+                break
+            limit = store.delivery.held_by_limit(conn, row_id=row_id, destination=destination)
+            if limit is None:
+                break
+            held = held or _Hold(row_id, destination, limit)
+            delay = held.next_pause()
+            if delay is None:
+                return DeliveryResult.HELD
+            self._put_back("claim_conn")
+            yield _Pause(delay)
         if isinstance(claimed, store.delivery.Aged):
             logger.warning(
                 "outbox row %s -> unknown: %s",

@@ -270,6 +270,9 @@ class Handler:
     upgrades: Mapping[int, payloads.Upgrade] | None = field(default=None, compare=False)
     #: A failed row of an ordering key: "block" its key (default) or "skip" it (outbox.ordering).
     on_failed_head: str = "block"
+    #: At most this many calls of the destination at once over every worker (outbox.limits), or
+    #: None: no limit declared. The lowest that live workers declare holds; `outbox limit` over it.
+    max_in_flight: int | None = None
 
     def __call__(self, delivery: Delivery) -> Any:
         return self.fn(delivery)
@@ -703,6 +706,7 @@ def handler(
     payload_model: Any = None,
     upgrades: Mapping[int, payloads.Upgrade] | None = None,
     on_failed_head: str = "block",
+    max_in_flight: int | None = None,
 ) -> Callable[[Callable[[Delivery], Any]], Handler]:
     """Declare the handler of ``destination`` (all timings in seconds).
 
@@ -724,6 +728,9 @@ def handler(
     ``on_failed_head="skip"``: a row written with an ``ordering_key`` that fails for certain lets
     the rows of its key behind it go; by default ("block") the key waits for an operator
     (outbox.ordering, docs/ordering.md). An ``unknown`` or ``in_flight`` row always blocks.
+    ``max_in_flight=N``: at most N calls of the destination at once, over every worker process
+    (outbox.limits, docs/flow-control.md); the lowest that live workers declare holds, and
+    ``outbox limit D --in-flight N`` overrides it without a deploy.
     A declaration with any of :meth:`Handler.problems` raises ConfigError listing them all.
     """
     valid_limit = isinstance(time_limit, int | float) and time_limit > 0
@@ -747,6 +754,10 @@ def handler(
     problems.extend(f"{destination}: {p}" for p in payloads.declaration_problems(payload_model, upgrades))
     if on_failed_head not in ON_FAILED_HEAD:
         problems.append(f"on_failed_head must be 'block' or 'skip', got {on_failed_head!r}")
+    if max_in_flight is not None and (
+        isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
+    ):
+        problems.append(f"max_in_flight must be a positive int or None, got {max_in_flight!r}")
     if problems:
         raise ConfigError("handler " + "; ".join(problems))
     assert lease is not None
@@ -767,6 +778,7 @@ def handler(
             payload_model=payload_model,
             upgrades=dict(upgrades) if upgrades else None,
             on_failed_head=on_failed_head,
+            max_in_flight=max_in_flight,
         )
         with _registry_lock:
             existing = _registry.get(destination)

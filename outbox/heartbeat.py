@@ -18,12 +18,13 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from . import store
 from .db import connect_raw
@@ -33,18 +34,14 @@ from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
 logger = logging.getLogger(__name__)
 
 #: A process is live while it was heard from within ``LIVE_INTERVALS`` of its own interval plus
-#: ``LIVE_SLACK_SECONDS``: one late beat (a GC pause, a slow commit) does not make it dead.
-LIVE_INTERVALS = 3
-LIVE_SLACK_SECONDS = 5
+#: ``LIVE_SLACK_SECONDS`` (outbox.store.processes, whose beat reads it too).
+LIVE_INTERVALS = store.processes.LIVE_INTERVALS
+LIVE_SLACK_SECONDS = store.processes.LIVE_SLACK_SECONDS
 #: Rows of processes not heard from for this long are deleted by the reconciler.
 HEARTBEAT_RETENTION_SECONDS = 86400
 
-#: SQL condition on ``outbox_process``: the process is running and was heard from recently
-#: (its own interval is stored on the row, so every reader judges it alike).
-LIVE = (
-    "stopped_at IS NULL AND last_seen_at > now() - "
-    f"(interval_seconds * {LIVE_INTERVALS} + {LIVE_SLACK_SECONDS}) * interval '1 second'"
-)
+#: SQL condition on ``outbox_process``: the process is running and was heard from recently.
+LIVE = store.processes.LIVE
 
 # Rows waiting (pending or dispatched) per destination that no live worker serves. `since` is
 # when a worker serving it was last heard from, else when its oldest waiting row was written.
@@ -151,8 +148,11 @@ class Heartbeat:
         interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         pooled: bool = False,
+        declared_in_flight: Mapping[str, int] | None = None,
     ) -> None:
         self.database_url = database_url
+        #: The in-flight limits this process's handlers declare, by destination (outbox.limits).
+        self.declared_in_flight = dict(declared_in_flight or {})
         #: Through a pooler in transaction mode: each beat is one statement.
         self.pooled = pooled
         self.id = uuid.uuid4()
@@ -195,6 +195,7 @@ class Heartbeat:
                 "clock": self.clock(),
                 "schema_oldest": self.schema_oldest,
                 "schema_newest": self.schema_newest,
+                "declared": Jsonb(self.declared_in_flight) if self.declared_in_flight else None,
             },
         )
 
@@ -221,6 +222,12 @@ class Heartbeat:
                 return
 
     def start(self) -> Heartbeat:
+        if self.declared_in_flight:
+            # A declared limit holds from this process's first claim: its first beat writes it.
+            try:
+                self.beat()
+            except psycopg.Error:
+                self._close()  # the thread tries again and says why
         self._thread = threading.Thread(target=self._run, name=f"outbox-heartbeat-{self.kind}", daemon=True)
         self._thread.start()
         return self

@@ -446,3 +446,28 @@ outbox_dashboard_session_end = Table(
 # CHECK outbox_message_step_colon_check: strpos(step, ':') = 0 OR id <= <highest id at upgrade>,
 # NOT VALID. Not declared here: its bound is each database's own (rows stored before the upgrade
 # keep their step), and check constraints are not part of the metadata comparison.
+
+# -- Issue 33 part 1 (migration 0023): in-flight limits (outbox.limits) ----------------------------
+# The operator's limit (`outbox limit D --in-flight N`), and the lowest its live workers' handlers
+# declare (their heartbeats write it); the claim trigger holds the first set of the two.
+outbox_destination.append_column(Column("limit_in_flight", Integer, nullable=True))
+outbox_destination.append_column(Column("limit_reason", Text, nullable=True))
+outbox_destination.append_column(Column("limit_set_by", Text, nullable=True))
+outbox_destination.append_column(Column("limit_set_at", DateTime(timezone=True), nullable=True))
+outbox_destination.append_column(Column("declared_in_flight", Integer, nullable=True))
+outbox_destination.append_constraint(
+    CheckConstraint(
+        "(limit_in_flight IS NULL OR limit_in_flight > 0)"
+        " AND (declared_in_flight IS NULL OR declared_in_flight > 0)",
+        name="outbox_destination_limit_in_flight_check",
+    )
+)
+# What each process's handlers declare, by destination ({"payments.charge": 10}); NULL: none, or
+# a release before 0023.
+outbox_process.append_column(Column("declared_in_flight", JSONB, nullable=True))
+#: The claim trigger's count of a destination's calls in flight.
+Index(
+    "outbox_message_destination_in_flight_idx",
+    outbox_message.c.destination,
+    postgresql_where=text("state = 'in_flight'"),
+)

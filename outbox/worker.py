@@ -84,8 +84,18 @@ def run_worker(
         concurrency=concurrency,
         slots_per_destination=slots_per_destination,
     )
-    runner.start()
-    heartbeat = start_heartbeat(database_url, destinations, heartbeat_interval_seconds, pooled=pooled)
+    # Before the first fetch: its first beat writes the in-flight limits the handlers declare.
+    declared = {
+        d: h.max_in_flight for d, h in handlers.items() if h.max_in_flight is not None and d in destinations
+    }
+    heartbeat = start_heartbeat(
+        database_url, destinations, heartbeat_interval_seconds, pooled=pooled, declared_in_flight=declared
+    )
+    try:
+        runner.start()
+    except BaseException:
+        heartbeat.stop()
+        raise
     asynchronous = [d for d in destinations if handlers[d].is_async]
     logger.info(
         "outbox worker started: queues=%s concurrency=%s slots_per_destination=%s async=%s pid=%s",
@@ -119,11 +129,22 @@ def run_worker(
 
 
 def start_heartbeat(
-    database_url: str, queues: Sequence[str], interval_seconds: float, *, pooled: bool = False
+    database_url: str,
+    queues: Sequence[str],
+    interval_seconds: float,
+    *,
+    pooled: bool = False,
+    declared_in_flight: Mapping[str, int] | None = None,
 ) -> Heartbeat:
-    """The worker's heartbeat thread: "no consumer" alerts and the clock-skew check read it."""
+    """The worker's heartbeat thread: "no consumer" alerts and the clock-skew check read it, and
+    it writes the in-flight limits the worker's handlers declare (outbox.limits)."""
     return Heartbeat(
-        database_url, kind="worker", queues=queues, interval_seconds=interval_seconds, pooled=pooled
+        database_url,
+        kind="worker",
+        queues=queues,
+        interval_seconds=interval_seconds,
+        pooled=pooled,
+        declared_in_flight=declared_in_flight,
     ).start()
 
 

@@ -168,6 +168,13 @@ COMMANDS: tuple[Command, ...] = (
         _LOOK,
     ),
     Command(
+        "limit",
+        "cap a destination's calls in flight over every worker: limit D --in-flight N --reason R | --clear",
+        "outbox.cli.limits:arguments",
+        "outbox.cli.limits:run",
+        _LOOK,
+    ),
+    Command(
         "doctor",
         "check the contract's invariants against the database and Redis",
         "outbox.cli.operator:doctor_arguments",

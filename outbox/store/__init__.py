@@ -75,6 +75,10 @@ statement                               writes                              call
 ``delivery.fence_lost_claim``           ``outbox_attempt`` (a fence)        consumer (a claim's reply lost)
 ``operator.pause_destination``          ``outbox_destination`` (a pause)    ``outbox pause``
 ``operator.resume_destination``         ``outbox_destination``              ``outbox resume``
+``operator.set_limit``                  ``outbox_destination`` (a limit)    ``outbox limit D --in-flight N``
+``operator.clear_limit``                ``outbox_destination`` (a limit)    ``outbox limit D --clear``
+``operator.limits``                     nothing (reads the limits)          ``outbox limit``
+``delivery.held_by_limit``              nothing (reads a limit)             consumer (outbox.limits)
 ``recovery.mark_destination_alerted``   ``outbox_destination`` (alerted)    reconciler (held)
 ``recovery.clear_destination_alert``    ``outbox_destination`` (alerted)    reconciler (held)
 ``recovery.drop_ledger``                ``outbox_key_ledger``               reconciler (purge)

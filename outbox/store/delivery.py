@@ -453,6 +453,28 @@ class Released:
     waited_seconds: float = 0.0
 
 
+# A claim the in-flight limit refused (migration 0023's trigger) leaves the row as it was: still
+# claimable, its destination limited. Paused rows, a row behind its ordering key and a row of a
+# payload version not enabled yet are refused for their own reasons and are not held here.
+_HELD_BY_LIMIT = f"""
+SELECT COALESCE(d.limit_in_flight, d.declared_in_flight)
+FROM outbox_destination d JOIN outbox_message m ON m.destination = d.destination
+WHERE d.destination = %(destination)s AND m.id = %(id)s
+  AND COALESCE(d.limit_in_flight, d.declared_in_flight) IS NOT NULL
+  AND COALESCE(d.paused_until <= now(), true) AND d.breaker_opened_at IS NULL
+  AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
+  AND NOT {ordering.blocked_sql("m")}
+  AND (m.payload_version = 1 OR EXISTS (SELECT 1 FROM outbox_feature WHERE name = 'payload_versions'))
+"""
+
+
+def held_by_limit(conn: psycopg.Connection[Any], *, row_id: int, destination: str) -> int | None:
+    """The in-flight limit that holds ``row_id`` back after an empty claim (the row is still
+    claimable and its destination has a limit), or None: the claim was empty for another reason."""
+    row = conn.execute(_HELD_BY_LIMIT, {"destination": destination, "id": row_id}).fetchone()
+    return int(row[0]) if row else None
+
+
 _CLAIM_STATEMENT = db.Statement(_CLAIM)
 
 

@@ -394,6 +394,60 @@ def resume_destination(connection: Connection, destination: str, *, by: str) -> 
     return row, closed
 
 
+# == destinations (outbox_destination): in-flight limits, `outbox limit` ======================
+
+# The limit that holds is the operator's, else the lowest its live workers declare (the claim's
+# trigger, migration 0023, reads the same COALESCE). In flight: rows ``in_flight`` now.
+_LIMITS = """
+    SELECT d.destination, d.limit_in_flight, d.declared_in_flight,
+           COALESCE(d.limit_in_flight, d.declared_in_flight) AS holds,
+           d.limit_reason, d.limit_set_by, d.limit_set_at,
+           (SELECT count(*) FROM outbox_message m
+            WHERE m.destination = d.destination AND m.state = 'in_flight') AS in_flight,
+           (SELECT count(*) FROM outbox_message m
+            WHERE m.destination = d.destination AND m.state = 'dispatched') AS waiting
+    FROM outbox_destination d
+    WHERE (d.limit_in_flight IS NOT NULL OR d.declared_in_flight IS NOT NULL)
+      AND (CAST(:destination AS text) IS NULL OR d.destination = :destination)
+    ORDER BY d.destination
+"""
+
+_SET_LIMIT = text(
+    """
+    INSERT INTO outbox_destination AS d
+        (destination, limit_in_flight, limit_reason, limit_set_by, limit_set_at)
+    VALUES (:destination, :in_flight, :reason, :by, now())
+    ON CONFLICT (destination) DO UPDATE
+    SET limit_in_flight = EXCLUDED.limit_in_flight, limit_reason = EXCLUDED.limit_reason,
+        limit_set_by = EXCLUDED.limit_set_by, limit_set_at = EXCLUDED.limit_set_at
+    """
+)
+
+_CLEAR_LIMIT = text(
+    """
+    UPDATE outbox_destination
+    SET limit_in_flight = NULL, limit_reason = NULL, limit_set_by = :by, limit_set_at = now()
+    WHERE destination = :destination AND limit_in_flight IS NOT NULL
+    RETURNING destination
+    """
+)
+
+
+def limits(connection: Connection, destination: str | None = None) -> list[Any]:
+    """Destinations with an in-flight limit (outbox.limits), or ``destination``'s only."""
+    return list(connection.execute(text(_LIMITS), {"destination": destination}).all())
+
+
+def set_limit(connection: Connection, params: Mapping[str, Any]) -> None:
+    """``outbox limit D --in-flight N``: the operator's limit, over any declared one."""
+    connection.execute(_SET_LIMIT, params)
+
+
+def clear_limit(connection: Connection, destination: str, *, by: str) -> bool:
+    """``outbox limit D --clear``: whether there was an operator's limit to clear."""
+    return connection.execute(_CLEAR_LIMIT, {"destination": destination, "by": by}).first() is not None
+
+
 # == the database identity (outbox_db_identity): `outbox failover --accept` ========================
 
 _ACCEPT = """

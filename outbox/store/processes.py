@@ -8,15 +8,49 @@ from typing import Any
 
 import psycopg
 
-_BEAT = """
-INSERT INTO outbox_process AS p
-    (id, kind, hostname, pid, queues, interval_seconds, started_at, last_seen_at, process_clock,
-     schema_oldest, schema_newest)
-VALUES (%(id)s, %(kind)s, %(hostname)s, %(pid)s, %(queues)s, %(interval)s,
-        clock_timestamp(), clock_timestamp(), %(clock)s, %(schema_oldest)s, %(schema_newest)s)
-ON CONFLICT (id) DO UPDATE
-SET last_seen_at = clock_timestamp(), process_clock = EXCLUDED.process_clock,
-    queues = EXCLUDED.queues, interval_seconds = EXCLUDED.interval_seconds, stopped_at = NULL
+#: A process is live while it was heard from within ``LIVE_INTERVALS`` of its own interval plus
+#: ``LIVE_SLACK_SECONDS``: one late beat (a GC pause, a slow commit) does not make it dead.
+LIVE_INTERVALS = 3
+LIVE_SLACK_SECONDS = 5
+
+#: SQL condition on ``outbox_process``: the process is running and was heard from recently
+#: (its own interval is stored on the row, so every reader judges it alike).
+LIVE = (
+    "stopped_at IS NULL AND last_seen_at > now() - "
+    f"(interval_seconds * {LIVE_INTERVALS} + {LIVE_SLACK_SECONDS}) * interval '1 second'"
+)
+
+# The beat, and the in-flight limits declared by live processes' handlers written to their
+# destinations (outbox.limits): the lowest for each, NULL where no live process declares one any
+# more. This beat's own declaration joins the others' (its upsert is not visible to its own
+# statement); a destination whose value did not change is not written, so not locked.
+_BEAT = f"""
+WITH beat AS (
+    INSERT INTO outbox_process AS p
+        (id, kind, hostname, pid, queues, interval_seconds, started_at, last_seen_at, process_clock,
+         schema_oldest, schema_newest, declared_in_flight)
+    VALUES (%(id)s, %(kind)s, %(hostname)s, %(pid)s, %(queues)s, %(interval)s,
+            clock_timestamp(), clock_timestamp(), %(clock)s, %(schema_oldest)s, %(schema_newest)s,
+            CAST(%(declared)s AS jsonb))
+    ON CONFLICT (id) DO UPDATE
+    SET last_seen_at = clock_timestamp(), process_clock = EXCLUDED.process_clock,
+        queues = EXCLUDED.queues, interval_seconds = EXCLUDED.interval_seconds, stopped_at = NULL,
+        declared_in_flight = EXCLUDED.declared_in_flight
+), live AS (
+    SELECT d.key AS destination, min(CAST(d.value AS integer)) AS n
+    FROM (SELECT declared_in_flight FROM outbox_process WHERE {LIVE} AND id <> %(id)s
+          UNION ALL SELECT CAST(%(declared)s AS jsonb)) AS p(declared_in_flight),
+         jsonb_each_text(p.declared_in_flight) AS d
+    GROUP BY d.key
+), gone AS (
+    UPDATE outbox_destination SET declared_in_flight = NULL
+    WHERE declared_in_flight IS NOT NULL AND destination NOT IN (SELECT destination FROM live)
+)
+INSERT INTO outbox_destination AS o (destination, declared_in_flight)
+SELECT destination, n FROM live l
+WHERE NOT EXISTS (SELECT 1 FROM outbox_destination e
+                  WHERE e.destination = l.destination AND e.declared_in_flight = l.n)
+ON CONFLICT (destination) DO UPDATE SET declared_in_flight = EXCLUDED.declared_in_flight
 """
 
 _STOP = """
@@ -28,7 +62,7 @@ WHERE id = %(id)s
 
 def beat(conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> None:
     """One heartbeat of a process (outbox.heartbeat): its row written, or refreshed."""
-    conn.execute(_BEAT, params)
+    conn.execute(_BEAT, {"declared": None, **params})
 
 
 def stopped(conn: psycopg.Connection[Any], *, process_id: Any, clock: Any) -> None:

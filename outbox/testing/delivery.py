@@ -110,7 +110,7 @@ def deliver(handlers: Handlers = None, *, database_url: Database) -> dict[int, D
                 for row_id, destination in due:
                     result = deliverer.deliver(int(row_id), str(destination))
                     results[int(row_id)] = result
-                    ran += result not in (DeliveryResult.EMPTY, DeliveryResult.PAUSED)
+                    ran += result not in (DeliveryResult.EMPTY, DeliveryResult.PAUSED, DeliveryResult.HELD)
                 if not ran:
                     break
     finally:

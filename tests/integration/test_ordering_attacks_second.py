@@ -307,10 +307,12 @@ def _stress(
     assert not provider.stats()["double_charged"]
 
 
+@pytest.mark.stress
 def test_stress_two_relays_two_workers_idempotent(clean, engine, provider, consumer, db):
     _stress(clean, engine, provider, consumer, db, idempotent=True)
 
 
+@pytest.mark.stress
 def test_stress_two_relays_two_workers_with_lookup(clean, engine, provider, consumer, db):
     _stress(clean, engine, provider, consumer, db, idempotent=False)
 
@@ -456,5 +458,6 @@ def test_replaying_a_blocking_head_after_a_row_behind_it_was_cancelled(clean, en
     assert consumer().deliver(third, DEST) is DeliveryResult.SENT
 
 
+@pytest.mark.stress
 def test_stress_with_hung_calls_and_killed_connections(clean, engine, provider, consumer, db):
     _stress(clean, engine, provider, consumer, db, idempotent=False, chaos=True)

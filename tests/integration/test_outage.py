@@ -62,6 +62,7 @@ def relay_and_reconciler(services: Any, db: Any, redis_client: Any) -> Iterator[
         thread.join(10)
 
 
+@pytest.mark.stress
 @pytest.mark.parametrize("with_breaker", [True, False], ids=["breaker", "no-breaker"])
 def test_a_30_second_outage(clean, engine, provider, redis_client, with_breaker):
     import psycopg

@@ -176,6 +176,7 @@ def test_reconcile_help_explains_itself(services):
         assert word in done.stdout, word
 
 
+@pytest.mark.stress
 def test_reconcile_loop_resolves_rows_and_stops_cleanly_on_sigterm(clean, engine, provider, tmp_path):
     (row_id,) = write_rows(engine, 1)
     with psycopg.connect(libpq_url(clean.database_url), autocommit=True) as db:

@@ -98,6 +98,7 @@ def test_an_unreachable_redis_never_means_the_message_is_gone(
 # -- Redis flushed under 5,000 dispatched rows -----------------------------------------------------
 
 
+@pytest.mark.stress
 @pytest.mark.timeout(90)
 def test_redis_flushed_under_5000_dispatched_rows_loses_nothing_and_charges_once(
     clean, engine, db, provider, redis_client, reconcilers

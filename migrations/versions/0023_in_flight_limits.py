@@ -1,0 +1,107 @@
+"""Flow control, part 1: a destination's in-flight limit, enforced at the claim by the database.
+
+* ``outbox_destination`` gains the operator's limit (``outbox limit D --in-flight N``):
+  ``limit_in_flight`` (calls, > 0), ``limit_reason``, ``limit_set_by``, ``limit_set_at``; and
+  ``declared_in_flight``, the lowest ``max_in_flight`` its live workers' handlers declare
+  (written by their heartbeats, from ``outbox_process.declared_in_flight``, new here: what each
+  process declares; an older release's beat leaves it NULL). The limit that holds: the operator's, else the declared one.
+
+* ``outbox_message_in_flight_limit``, a BEFORE UPDATE trigger on the claim (pending/dispatched ->
+  in_flight, restricted by ``WHEN``): when the row's destination has a limit, it locks the
+  destination's row, counts the destination's calls in flight (rows ``in_flight``) on a snapshot
+  taken after that lock, and refuses the claim (returns NULL: the statement moves nothing) when
+  the count has reached the limit. The lock serialises the claims of a limited destination until
+  each commits, so two claims cannot both take the last slot; a later row of the same group claim
+  sees the rows its statement claimed before it (a row-level BEFORE trigger does). Destinations
+  without a limit pay one primary-key read of their row per claim, no lock.
+
+  Enforced, not gated: a worker of an older release claims through the same trigger. It reads a
+  refused claim as "someone else moved it", acks its message and leaves the row ``dispatched``,
+  which the reconciler re-queues after ``OUTBOX_REDISPATCH_AFTER``: later, never lost. A worker of
+  this release waits for a free slot instead, its message not acked (outbox.consumer).
+
+* ``outbox_message_destination_in_flight_idx``: the count's index.
+
+Revision ID: 0023
+Revises: 0022
+Create Date: 2026-12-05
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+from sqlalchemy.dialects import postgresql
+
+from outbox.migrations.helpers import create_index_concurrently
+
+revision = "0023"
+down_revision = "0022"
+branch_labels = None
+depends_on = None
+
+_IN_FLIGHT_LIMIT = """
+CREATE OR REPLACE FUNCTION outbox_message_in_flight_limit() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    cap integer;
+BEGIN
+    SELECT COALESCE(limit_in_flight, declared_in_flight) INTO cap
+    FROM outbox_destination WHERE destination = NEW.destination;
+    IF cap IS NULL THEN
+        RETURN NEW;
+    END IF;
+    -- Each statement of a plpgsql function takes its own snapshot: the count below sees every
+    -- claim committed before this lock was granted.
+    SELECT COALESCE(limit_in_flight, declared_in_flight) INTO cap
+    FROM outbox_destination WHERE destination = NEW.destination FOR NO KEY UPDATE;
+    IF cap IS NOT NULL AND (
+        SELECT count(*) FROM outbox_message
+        WHERE destination = NEW.destination AND state = 'in_flight'
+    ) >= cap THEN
+        RETURN NULL;
+    END IF;
+    RETURN NEW;
+END
+$$
+"""
+
+
+def upgrade() -> None:
+    op.add_column("outbox_destination", sa.Column("limit_in_flight", sa.Integer(), nullable=True))
+    op.add_column("outbox_destination", sa.Column("limit_reason", sa.Text(), nullable=True))
+    op.add_column("outbox_destination", sa.Column("limit_set_by", sa.Text(), nullable=True))
+    op.add_column("outbox_destination", sa.Column("limit_set_at", sa.DateTime(timezone=True), nullable=True))
+    op.add_column("outbox_destination", sa.Column("declared_in_flight", sa.Integer(), nullable=True))
+    op.add_column("outbox_process", sa.Column("declared_in_flight", postgresql.JSONB(), nullable=True))
+    op.create_check_constraint(
+        "outbox_destination_limit_in_flight_check",
+        "outbox_destination",
+        "(limit_in_flight IS NULL OR limit_in_flight > 0) AND (declared_in_flight IS NULL OR declared_in_flight > 0)",
+    )
+    create_index_concurrently(
+        op,
+        "outbox_message_destination_in_flight_idx",
+        "outbox_message",
+        ["destination"],
+        postgresql_where=sa.text("state = 'in_flight'"),
+    )
+    op.execute(_IN_FLIGHT_LIMIT)
+    op.execute(
+        """
+        CREATE TRIGGER outbox_message_in_flight_limit
+        BEFORE UPDATE ON outbox_message FOR EACH ROW
+        WHEN (NEW.state = 'in_flight' AND OLD.state IN ('pending', 'dispatched'))
+        EXECUTE FUNCTION outbox_message_in_flight_limit()
+        """
+    )
+
+
+def downgrade() -> None:
+    op.execute("DROP TRIGGER IF EXISTS outbox_message_in_flight_limit ON outbox_message")
+    op.execute("DROP FUNCTION IF EXISTS outbox_message_in_flight_limit()")
+    op.drop_index("outbox_message_destination_in_flight_idx", table_name="outbox_message", if_exists=True)
+    op.drop_constraint("outbox_destination_limit_in_flight_check", "outbox_destination")
+    op.drop_column("outbox_process", "declared_in_flight")
+    for column in ("declared_in_flight", "limit_set_at", "limit_set_by", "limit_reason", "limit_in_flight"):
+        op.drop_column("outbox_destination", column)

@@ -1,0 +1,89 @@
+"""``outbox limit [D] [--in-flight N --reason R | --clear]`` (outbox.limits holds the rules)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import settings
+from ..exceptions import ConfigError
+from . import exits
+from .operator import _connection, _describe
+from .output import err, out, print_json
+from .pauses import _destination
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    _describe(
+        p,
+        """
+        Cap how many calls of a destination may be in flight at once, over every worker process
+        on every machine: from the next claim on, a claim that would exceed it moves nothing (the
+        database's claim trigger counts the destination's rows in_flight under a lock). A worker
+        holds such a delivery, its message not acked, and claims it once a call ends; no attempt
+        is spent. Calls already in flight finish. The operator's limit overrides one the
+        handlers declare (@outbox.handler(..., max_in_flight=N)); --clear ends it.
+        Without --in-flight or --clear: the limits that hold, with the calls in flight now.
+
+        outbox limit payments.charge --in-flight 10 --reason "provider allows 10 connections"
+        outbox limit payments.charge --clear
+        outbox limit
+        """,
+    )
+    p.add_argument("destination", nargs="?", help="the destination (queue); none: list every limit")
+    p.add_argument("--in-flight", type=int, metavar="N", help="at most N calls at once (1 or more)")
+    p.add_argument("--clear", action="store_true", help="end the operator's limit")
+    p.add_argument("--reason", help="why (required with --in-flight): shown by outbox limit and status")
+    p.add_argument("--by", help="who (default: $USER or the login name)")
+
+
+def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..limits import clear_limit, limits, set_limit
+    from ..ops.actions import default_actor
+
+    if args.clear and args.in_flight is not None:
+        raise ConfigError("--clear or --in-flight N, not both")
+    if args.destination is None:
+        if args.in_flight is not None or args.clear:
+            raise ConfigError("which destination? outbox limit D --in-flight N --reason R")
+        with _connection(cfg) as conn:
+            found = limits(conn)
+        if args.json:
+            return print_json({"limits": [lim.to_dict() for lim in found]})
+        if not found:
+            out("no destination has an in-flight limit")
+        for lim in found:
+            out(lim.describe())
+        return exits.OK
+    destination = _destination(args.destination)
+    if args.clear:
+        with _connection(cfg, write=True) as conn:
+            cleared = clear_limit(conn, destination, by=args.by or default_actor())
+            left = limits(conn, destination)
+        body = {"destination": destination, "cleared": cleared, "holds": left[0].holds if left else None}
+        if not cleared:
+            problem = f"{destination} has no operator's limit"
+            if args.json:
+                return print_json(body, error=problem, exit_code=exits.FAILED)
+            err(problem)
+            return exits.FAILED
+        if args.json:
+            return print_json(body)
+        after = f"its handlers' declared limit ({left[0].holds}) holds" if left else "no limit holds now"
+        out(f"cleared the in-flight limit of {destination}: {after}")
+        return exits.OK
+    if args.in_flight is None:
+        with _connection(cfg) as conn:
+            found = limits(conn, destination)
+        if args.json:
+            return print_json({"limits": [lim.to_dict() for lim in found]})
+        out(found[0].describe() if found else f"{destination} has no in-flight limit")
+        return exits.OK
+    if not (args.reason or "").strip():
+        raise ConfigError("--reason is required: it is shown to whoever finds the destination limited")
+    with _connection(cfg, write=True) as conn:
+        by = args.by or default_actor()
+        done = set_limit(conn, destination, in_flight=args.in_flight, by=by, reason=args.reason)
+    if args.json:
+        return print_json(done.to_dict())
+    out(f"limited {done.describe()}")
+    return exits.OK
