@@ -1,4 +1,4 @@
-"""What migration 0022's triggers cost a delivery (issue 30): the claim -> record cycle of this
+"""What migrations 0022's and 0023's triggers cost a delivery (issue 30): the claim -> record cycle of this
 code's own statements (``outbox.store``), with the triggers enabled and disabled, in one
 run, alternating blocks, on one database:
 
@@ -6,7 +6,11 @@ run, alternating blocks, on one database:
 * **ordered** rows (10 per ordering key, claimed head first): the ordered-claim trigger probes
   the key's earlier rows once more (the claim's own WHERE already did);
 * **old settle**: a row moved to ``sent`` by a statement that does not set ``chains_known_at``
-  (a release before 0022): the chains mark, per row.
+  (a release before 0022): the chains mark, per row;
+* **limited**: plain rows of a destination with an in-flight limit (migration 0023; a limit no
+  claim reaches): the limit trigger locks the destination's row and counts its calls in flight.
+  A plain row's claim runs that function too (its WHEN cannot know the destination's limit): it
+  reads the destination's row and returns.
 
 Each figure is microseconds per row, median of the blocks; the ratio is enabled / disabled.
 One connection, autocommit, as the worker sends them: round trips dominate both sides, so the
@@ -39,6 +43,7 @@ TRIGGERS = (
     "outbox_message_chains_unknown",
     "outbox_message_payload_versions_claim",
     "outbox_message_payload_versions_gate",
+    "outbox_message_in_flight_limit",
 )
 #: The functions they call, as pg_stat_user_functions names them.
 FUNCTIONS = [
@@ -47,8 +52,10 @@ FUNCTIONS = [
     "outbox_message_chains_unknown",
     "outbox_message_payload_versions_claim",
     "outbox_payload_versions_gate",
+    "outbox_message_in_flight_limit",
 ]
 ROWS_PER_KEY = 10
+KINDS = ("plain", "ordered", "old settle", "limited")
 
 
 def write(conn: Any, n: int, ordered: bool, tag: str) -> list[int]:
@@ -120,9 +127,16 @@ def main() -> None:
             # Superuser only: the functions' own time, which the wall clock of a busy machine hides.
             conn.execute("SET track_functions = 'pl'")
             for block in range(args.blocks):
-                for kind in ("plain", "ordered", "old settle"):
+                for kind in KINDS:
                     for enabled in (True, False) if block % 2 == 0 else (False, True):
                         set_triggers(conn, enabled)
+                        limit = 1_000_000 if kind == "limited" else None
+                        conn.execute(
+                            "INSERT INTO outbox_destination (destination, limit_in_flight) "
+                            "VALUES (%s, %s) ON CONFLICT (destination) "
+                            "DO UPDATE SET limit_in_flight = EXCLUDED.limit_in_flight",
+                            (DEST, limit),
+                        )
                         ids = write(
                             conn, args.n, kind == "ordered", f"b{block}{kind.replace(' ', '')}{int(enabled)}"
                         )
@@ -142,14 +156,14 @@ def main() -> None:
         print(
             f"{args.n} rows per block, {args.blocks} blocks per side; µs per row (median), enabled / disabled"
         )
-        for kind in ("plain", "ordered", "old settle"):
+        for kind in KINDS:
             on = statistics.median(results[(kind, True)])
             off = statistics.median(results[(kind, False)])
             print(f"  {kind:<11} enabled {on:8.1f}  disabled {off:8.1f}  ratio {on / off:.3f}")
         print("the trigger functions themselves, timed by PostgreSQL (track_functions = 'pl'):")
         for name, calls, self_ms in functions:
             print(f"  {name:<40} {calls:7d} calls {self_ms * 1000 / max(calls, 1):8.1f} µs per call")
-        print("  a plain row settled by this code calls none of them: their WHEN is false")
+        print("  a plain row's claim calls outbox_message_in_flight_limit only (a primary-key read)")
     finally:
         drop_database(admin_url, DATABASE)
 

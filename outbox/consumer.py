@@ -990,7 +990,7 @@ class Deliverer:
                 return (yield from self._recover_lost_claim(handler, row_id, token))
             if claimed is not None:
                 break
-            limit = store.delivery.held_by_limit(conn, row_id=row_id, destination=destination)
+            limit = store.delivery.held_by_limit(conn, row_id=row_id, destination=destination, token=token)
             if limit is None:
                 break
             held = held or _Hold(row_id, destination, limit)

@@ -456,7 +456,15 @@ class Released:
 # A claim the in-flight limit refused (migration 0023's trigger) leaves the row as it was: still
 # claimable, its destination limited. Paused rows, a row behind its ordering key and a row of a
 # payload version not enabled yet are refused for their own reasons and are not held here.
+# The claim statement reserves a half-open breaker's probe before its UPDATE meets the trigger:
+# a probe reserved under the refused claim's token is freed here, or the breaker would wait out
+# that lease for a probe nobody makes.
 _HELD_BY_LIMIT = f"""
+WITH freed AS (
+    UPDATE outbox_destination SET breaker_probe_token = NULL, breaker_probe_until = NULL
+    WHERE destination = %(destination)s AND breaker_probe_token = %(token)s
+    RETURNING destination
+)
 SELECT COALESCE(d.limit_in_flight, d.declared_in_flight)
 FROM outbox_destination d JOIN outbox_message m ON m.destination = d.destination
 WHERE d.destination = %(destination)s AND m.id = %(id)s
@@ -468,10 +476,14 @@ WHERE d.destination = %(destination)s AND m.id = %(id)s
 """
 
 
-def held_by_limit(conn: psycopg.Connection[Any], *, row_id: int, destination: str) -> int | None:
-    """The in-flight limit that holds ``row_id`` back after an empty claim (the row is still
-    claimable and its destination has a limit), or None: the claim was empty for another reason."""
-    row = conn.execute(_HELD_BY_LIMIT, {"destination": destination, "id": row_id}).fetchone()
+def held_by_limit(
+    conn: psycopg.Connection[Any], *, row_id: int, destination: str, token: uuid.UUID | None = None
+) -> int | None:
+    """The in-flight limit that holds ``row_id`` back after an empty claim under ``token`` (the
+    row is still claimable and its destination has a limit), or None: the claim was empty for
+    another reason. Frees a breaker probe that claim reserved."""
+    params = {"destination": destination, "id": row_id, "token": token}
+    row = conn.execute(_HELD_BY_LIMIT, params).fetchone()
     return int(row[0]) if row else None
 
 

@@ -783,6 +783,11 @@ def check_timings(run: PageRun, shop: Shop) -> None:
     assert all(r[0] != "order:44" for r in rows), "the naive deadline must not have written a row"
 
 
+def check_flow_control(run: PageRun, shop: Shop) -> None:
+    handler = run.namespace["send"]
+    assert handler.destination == "mail.send" and handler.max_in_flight == 10
+
+
 def check_not_a_queue(run: PageRun, shop: Shop) -> None:
     with shop.engine.begin() as conn:
         conn.execute(text("CREATE TABLE users (id bigint PRIMARY KEY, email text UNIQUE NOT NULL)"))
@@ -853,6 +858,7 @@ PAGE_CHECKS: dict[str, Callable[[PageRun, Shop], None]] = {
     "docs/payloads.md": check_payloads,
     "docs/ordering.md": check_ordering,
     "docs/timings.md": check_timings,
+    "docs/flow-control.md": check_flow_control,
     "docs/not-a-queue.md": check_not_a_queue,
     "docs/runbook.md": check_runbook,
     "docs/dashboard.md": check_dashboard,

@@ -305,3 +305,34 @@ def test_a_declared_limit_holds_for_the_worker_and_the_operator_overrides_it(
         assert most == 1, most
     stats = provider.stats()
     assert stats["charges"] == 30 and stats["double_charged"] == []
+
+
+def test_a_refused_claim_frees_the_half_open_breaker_probe_it_reserved(clean, engine, db, provider):
+    """The claim statement reserves a half-open breaker's probe before the limit refuses its
+    UPDATE: the probe is given back, so the next claim after a free slot probes at once instead
+    of waiting out the refused claim's lease."""
+    declare_charge(provider)
+    ids = write_rows(engine, 2)
+    limit(engine, 1)
+    assert claim(db, ids[0]) is not None
+    db.execute(
+        "UPDATE outbox_destination SET breaker_opened_at = now() - interval '1 min', "
+        "breaker_open_until = now() - interval '1 s', breaker_open_seconds = 10 WHERE destination = %s",
+        (DEST,),
+    )
+    token = uuid.uuid4()
+    assert store.delivery.claim(db, row_id=ids[1], destination=DEST, lease_seconds=30, token=token) is None
+    reserved = db.execute(
+        "SELECT breaker_probe_token FROM outbox_destination WHERE destination = %s", (DEST,)
+    ).fetchone()[0]
+    assert reserved == token, "the statement reserved the probe before the trigger refused the claim"
+    assert store.delivery.held_by_limit(db, row_id=ids[1], destination=DEST, token=token) is None
+    assert (
+        db.execute(
+            "SELECT breaker_probe_token FROM outbox_destination WHERE destination = %s", (DEST,)
+        ).fetchone()[0]
+        is None
+    )
+    db.execute("UPDATE outbox_message SET state = 'sent', provider_ref = 'x' WHERE id = %s", (ids[0],))
+    probe = claim(db, ids[1])
+    assert probe is not None and probe.probe, "the next claim is the probe"

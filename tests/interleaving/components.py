@@ -42,7 +42,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import aio, ops, outcomes, pauses, runner, store
+from outbox import aio, limits, ops, outcomes, pauses, runner, store
 from outbox import transport as outbox_transport
 from outbox.consumer import Deliverer
 from outbox.exceptions import ConfigError
@@ -720,6 +720,17 @@ def operator_pause(engine: Engine, destination: str, *, for_seconds: float | Non
 def operator_resume(engine: Engine, destination: str) -> bool:
     with engine.begin() as conn:
         return pauses.resume(conn, destination, by=OPERATOR).pause is not None
+
+
+def operator_limit(engine: Engine, destination: str, in_flight: int | None) -> str:
+    """``outbox limit D --in-flight N --reason …`` (issue 33), or ``--clear`` (None), as the CLI
+    calls it."""
+    with engine.begin() as conn:
+        if in_flight is None:
+            return f"cleared: {limits.clear_limit(conn, destination, by=OPERATOR)}"
+        return limits.set_limit(
+            conn, destination, in_flight=in_flight, by=OPERATOR, reason="provider allows few"
+        ).describe()
 
 
 # -- provider ------------------------------------------------------------------------------------

@@ -935,6 +935,18 @@ class World:
             )
         )
 
+    def step_operator_limit(self) -> None:
+        """``outbox limit D --in-flight N`` (issue 33), 1 to 3 calls at once, or ``--clear``: claims
+        past it move nothing, and a held delivery waits in its worker without an attempt."""
+        destination = self.rng.choice(c.DESTINATIONS).name
+        in_flight = self.rng.choice([None, 1, 2, 3])
+        self.side_threads.append(
+            self._thread(
+                f"operator limit {destination} to {in_flight or 'none'}",
+                lambda: c.operator_limit(self.operator_engine, destination, in_flight),
+            )
+        )
+
     # -- the schedule ------------------------------------------------------------------------------
 
     def _wait(self) -> float:
@@ -970,6 +982,7 @@ class World:
         if "operator" in f:
             steps += [(1, self.step_operator_resolve), (0.6, self.step_operator_replay)]
             steps += [(0.4, self.step_operator_pause), (0.6, self.step_operator_resume)]
+            steps.append((0.5, self.step_operator_limit))
             steps.append((0.6, self.step_operator_repair))
             steps.append((0.4, self.step_old_release_replay))
         return steps
@@ -1054,6 +1067,7 @@ class World:
             thread.join(5.0)
         for destination in c.DESTINATIONS:
             c.operator_resume(self.operator_engine, destination.name)
+            c.operator_limit(self.operator_engine, destination.name, None)
         for run in self.runs:
             run.release()
         if self.relay_run is not None:
@@ -1376,6 +1390,7 @@ class World:
             thread.join(5.0)
         for destination in c.DESTINATIONS:
             c.operator_resume(self.operator_engine, destination.name)
+            c.operator_limit(self.operator_engine, destination.name, None)
         for run in self.runs:
             run.release()
         if self.relay_run is not None:
