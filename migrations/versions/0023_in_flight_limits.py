@@ -4,7 +4,8 @@
   ``limit_in_flight`` (calls, > 0), ``limit_reason``, ``limit_set_by``, ``limit_set_at``; and
   ``declared_in_flight``, the lowest ``max_in_flight`` its live workers' handlers declare
   (written by their heartbeats, from ``outbox_process.declared_in_flight``, new here: what each
-  process declares; an older release's beat leaves it NULL). The limit that holds: the operator's, else the declared one.
+  process declares; an older release's beat leaves it NULL). The limit that holds: the
+  operator's, else the declared one.
 
 * ``outbox_message_in_flight_limit``, a BEFORE UPDATE trigger on the claim (pending/dispatched ->
   in_flight, restricted by ``WHEN``): when the row's destination has a limit, it locks the
@@ -77,7 +78,8 @@ def upgrade() -> None:
     op.create_check_constraint(
         "outbox_destination_limit_in_flight_check",
         "outbox_destination",
-        "(limit_in_flight IS NULL OR limit_in_flight > 0) AND (declared_in_flight IS NULL OR declared_in_flight > 0)",
+        "(limit_in_flight IS NULL OR limit_in_flight > 0)"
+        " AND (declared_in_flight IS NULL OR declared_in_flight > 0)",
     )
     create_index_concurrently(
         op,
