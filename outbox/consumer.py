@@ -581,6 +581,9 @@ class Deliverer:
         self.async_deliveries = Deliveries(pool_size=max(concurrency, DEFAULT_ASYNC_POOL_SIZE))
         #: Read before every claim (an attribute, no I/O); set by the worker.
         self.failover_guard = failover_guard
+        #: Set when the worker stops: a delivery its destination's in-flight limit holds gives its
+        #: message up at once (the row waits `dispatched` for the re-dispatch) instead of waiting.
+        self.stopping = threading.Event()
         self.handlers = dict(handlers)
         self._local = threading.local()
         self._pools = {"claim_conn": _Pool(claim_connections), "record_conn": _Pool(record_connections)}
@@ -995,7 +998,7 @@ class Deliverer:
                 break
             held = held or _Hold(row_id, destination, limit)
             delay = held.next_pause()
-            if delay is None:
+            if delay is None or self.stopping.is_set():
                 return DeliveryResult.HELD
             self._put_back("claim_conn")
             yield _Pause(delay)

@@ -28,6 +28,7 @@ from psycopg.types.json import Jsonb
 
 from . import store
 from .db import connect_raw
+from .exceptions import OutboxError
 from .logs import first_line
 from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
 
@@ -37,6 +38,9 @@ logger = logging.getLogger(__name__)
 #: ``LIVE_SLACK_SECONDS`` (outbox.store.processes, whose beat reads it too).
 LIVE_INTERVALS = store.processes.LIVE_INTERVALS
 LIVE_SLACK_SECONDS = store.processes.LIVE_SLACK_SECONDS
+#: A worker whose handlers declare in-flight limits tries its first beat this many times, a second
+#: apart, before it gives up starting (outbox.limits).
+FIRST_BEAT_TRIES = 30
 #: Rows of processes not heard from for this long are deleted by the reconciler.
 HEARTBEAT_RETENTION_SECONDS = 86400
 
@@ -223,11 +227,24 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         if self.declared_in_flight:
-            # A declared limit holds from this process's first claim: its first beat writes it.
-            try:
-                self.beat()
-            except psycopg.Error:
-                self._close()  # the thread tries again and says why
+            # A declared limit holds from this process's first claim: no claim before the first
+            # beat that writes it has committed.
+            for attempt in range(FIRST_BEAT_TRIES):
+                try:
+                    self.beat()
+                    break
+                except psycopg.Error as exc:
+                    self._close()
+                    if attempt + 1 == FIRST_BEAT_TRIES:
+                        raise OutboxError(
+                            f"cannot record the in-flight limits this worker's handlers declare "
+                            f"({type(exc).__name__}: {first_line(exc)}); not starting without them"
+                        ) from exc
+                    logger.warning(
+                        "cannot record the declared in-flight limits yet (%s); trying again in 1 s",
+                        first_line(exc),
+                    )
+                    self._stop.wait(1.0)
         self._thread = threading.Thread(target=self._run, name=f"outbox-heartbeat-{self.kind}", daemon=True)
         self._thread.start()
         return self

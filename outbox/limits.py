@@ -40,7 +40,7 @@ class Limit:
     destination: str
     #: The operator's limit (``outbox limit``), or None.
     in_flight: int | None
-    #: The lowest ``max_in_flight`` that live workers' handlers declare, or None.
+    #: The lowest ``max_in_flight`` that live processes' handlers declare, or None.
     declared_in_flight: int | None
     #: The limit that holds: the operator's, else the declared one.
     holds: int

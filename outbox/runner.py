@@ -256,6 +256,7 @@ class Runner:
         running then is left to its lease; its message, unacked, to Dramatiq's requeue once this
         process's Redis heartbeat stops."""
         self._running.clear()
+        self.deliverer.stopping.set()
         for fetcher in self._fetchers:
             fetcher.join()
         deadline = time.monotonic() + timeout_seconds

@@ -2,14 +2,15 @@
 
 * ``outbox_destination`` gains the operator's limit (``outbox limit D --in-flight N``):
   ``limit_in_flight`` (calls, > 0), ``limit_reason``, ``limit_set_by``, ``limit_set_at``; and
-  ``declared_in_flight``, the lowest ``max_in_flight`` its live workers' handlers declare
-  (written by their heartbeats, from ``outbox_process.declared_in_flight``, new here: what each
-  process declares; an older release's beat leaves it NULL). The limit that holds: the
-  operator's, else the declared one.
+  ``declared_in_flight``, set by the heartbeats of this release's workers whose handlers declare
+  ``max_in_flight`` (the lowest they saw): a hint that the claim must look for declarations.
+  ``outbox_process.declared_in_flight`` (new here) holds what each process declares (an older
+  release's beat leaves it NULL). The limit that holds: the operator's, else the lowest that a
+  live process declares, read by the trigger itself.
 
 * ``outbox_message_in_flight_limit``, a BEFORE UPDATE trigger on the claim (pending/dispatched ->
-  in_flight, restricted by ``WHEN``): when the row's destination has a limit, it locks the
-  destination's row, counts the destination's calls in flight (rows ``in_flight``) on a snapshot
+  in_flight, restricted by ``WHEN``): when the row's destination has a limit (or a declaration
+  hint), it locks the destination's row, reads the limit that holds, counts the destination's calls in flight (rows ``in_flight``) on a snapshot
   taken after that lock, and refuses the claim (returns NULL: the statement moves nothing) when
   the count has reached the limit. The lock serialises the claims of a limited destination until
   each commits, so two claims cannot both take the last slot; a later row of the same group claim
@@ -41,21 +42,34 @@ down_revision = "0022"
 branch_labels = None
 depends_on = None
 
-_IN_FLIGHT_LIMIT = """
+# heartbeat.LIVE as it stands: a process heard from within three of its intervals plus 5 s.
+_LIVE = "p.stopped_at IS NULL AND p.last_seen_at > now() - (p.interval_seconds * 3 + 5) * interval '1 second'"
+
+# declared_in_flight on the destination's row only says that some process declared a limit: the
+# lowest live declaration is read here, under the lock, so a declaring process that stopped or
+# went quiet stops holding the limit whoever beats (an older release's processes do not
+# recompute the hint), and two first beats racing cannot leave the higher value in force.
+_IN_FLIGHT_LIMIT = f"""
 CREATE OR REPLACE FUNCTION outbox_message_in_flight_limit() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     cap integer;
+    declared integer;
 BEGIN
-    SELECT COALESCE(limit_in_flight, declared_in_flight) INTO cap
+    SELECT limit_in_flight, declared_in_flight INTO cap, declared
     FROM outbox_destination WHERE destination = NEW.destination;
-    IF cap IS NULL THEN
+    IF cap IS NULL AND declared IS NULL THEN
         RETURN NEW;
     END IF;
-    -- Each statement of a plpgsql function takes its own snapshot: the count below sees every
+    -- Each statement of a plpgsql function takes its own snapshot: what follows sees every
     -- claim committed before this lock was granted.
-    SELECT COALESCE(limit_in_flight, declared_in_flight) INTO cap
+    SELECT limit_in_flight INTO cap
     FROM outbox_destination WHERE destination = NEW.destination FOR NO KEY UPDATE;
+    IF cap IS NULL THEN
+        SELECT min(CAST(p.declared_in_flight ->> NEW.destination AS integer)) INTO cap
+        FROM outbox_process p
+        WHERE p.declared_in_flight ? NEW.destination AND {_LIVE};
+    END IF;
     IF cap IS NOT NULL AND (
         SELECT count(*) FROM outbox_message
         WHERE destination = NEW.destination AND state = 'in_flight'

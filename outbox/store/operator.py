@@ -16,6 +16,7 @@ from ..schema import FLOOR_TABLE
 from .sql import (
     BREAKER_CLOSE_SET,
     EPISODE_START_SQL,
+    LIVE,
     cached_text,
     follow_sql,
     for_sqlalchemy,
@@ -396,20 +397,29 @@ def resume_destination(connection: Connection, destination: str, *, by: str) -> 
 
 # == destinations (outbox_destination): in-flight limits, `outbox limit` ======================
 
-# The limit that holds is the operator's, else the lowest its live workers declare (the claim's
-# trigger, migration 0023, reads the same COALESCE). In flight: rows ``in_flight`` now.
-_LIMITS = """
-    SELECT d.destination, d.limit_in_flight, d.declared_in_flight,
-           COALESCE(d.limit_in_flight, d.declared_in_flight) AS holds,
-           d.limit_reason, d.limit_set_by, d.limit_set_at,
+# The limit that holds is the operator's, else the lowest that live processes declare (what the
+# claim's trigger, migration 0023, reads under its lock). In flight: rows ``in_flight`` now.
+_LIMITS = f"""
+    WITH declared AS (
+        SELECT d.key AS destination, min(CAST(d.value AS integer)) AS n
+        FROM outbox_process p, jsonb_each_text(p.declared_in_flight) AS d
+        WHERE {LIVE}
+        GROUP BY d.key
+    )
+    SELECT COALESCE(o.destination, declared.destination) AS destination, o.limit_in_flight,
+           declared.n AS declared_in_flight,
+           COALESCE(o.limit_in_flight, declared.n) AS holds,
+           o.limit_reason, o.limit_set_by, o.limit_set_at,
            (SELECT count(*) FROM outbox_message m
-            WHERE m.destination = d.destination AND m.state = 'in_flight') AS in_flight,
+            WHERE m.destination = COALESCE(o.destination, declared.destination)
+              AND m.state = 'in_flight') AS in_flight,
            (SELECT count(*) FROM outbox_message m
-            WHERE m.destination = d.destination AND m.state = 'dispatched') AS waiting
-    FROM outbox_destination d
-    WHERE (d.limit_in_flight IS NOT NULL OR d.declared_in_flight IS NOT NULL)
-      AND (CAST(:destination AS text) IS NULL OR d.destination = :destination)
-    ORDER BY d.destination
+            WHERE m.destination = COALESCE(o.destination, declared.destination)
+              AND m.state = 'dispatched') AS waiting
+    FROM (SELECT * FROM outbox_destination WHERE limit_in_flight IS NOT NULL) AS o
+    FULL JOIN declared ON declared.destination = o.destination
+    WHERE CAST(:destination AS text) IS NULL OR COALESCE(o.destination, declared.destination) = :destination
+    ORDER BY 1
 """
 
 _SET_LIMIT = text(

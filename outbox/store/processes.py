@@ -8,22 +8,15 @@ from typing import Any
 
 import psycopg
 
-#: A process is live while it was heard from within ``LIVE_INTERVALS`` of its own interval plus
-#: ``LIVE_SLACK_SECONDS``: one late beat (a GC pause, a slow commit) does not make it dead.
-LIVE_INTERVALS = 3
-LIVE_SLACK_SECONDS = 5
+from .sql import LIVE, LIVE_INTERVALS, LIVE_SLACK_SECONDS
 
-#: SQL condition on ``outbox_process``: the process is running and was heard from recently
-#: (its own interval is stored on the row, so every reader judges it alike).
-LIVE = (
-    "stopped_at IS NULL AND last_seen_at > now() - "
-    f"(interval_seconds * {LIVE_INTERVALS} + {LIVE_SLACK_SECONDS}) * interval '1 second'"
-)
+# The beat, and the hint that a destination has in-flight limits declared by live processes'
+# handlers (outbox.limits; migration 0023): the claim's trigger looks for declarations only where
+# the hint is set, and reads the lowest live one itself. This beat's own declaration joins the
+# others' (its upsert is not visible to its own statement); a hint that is already right is not
+# written, so not locked.
+__all__ = ["LIVE", "LIVE_INTERVALS", "LIVE_SLACK_SECONDS"]
 
-# The beat, and the in-flight limits declared by live processes' handlers written to their
-# destinations (outbox.limits): the lowest for each, NULL where no live process declares one any
-# more. This beat's own declaration joins the others' (its upsert is not visible to its own
-# statement); a destination whose value did not change is not written, so not locked.
 _BEAT = f"""
 WITH beat AS (
     INSERT INTO outbox_process AS p
@@ -42,15 +35,32 @@ WITH beat AS (
           UNION ALL SELECT CAST(%(declared)s AS jsonb)) AS p(declared_in_flight),
          jsonb_each_text(p.declared_in_flight) AS d
     GROUP BY d.key
-), gone AS (
-    UPDATE outbox_destination SET declared_in_flight = NULL
-    WHERE declared_in_flight IS NOT NULL AND destination NOT IN (SELECT destination FROM live)
 )
 INSERT INTO outbox_destination AS o (destination, declared_in_flight)
 SELECT destination, n FROM live l
 WHERE NOT EXISTS (SELECT 1 FROM outbox_destination e
                   WHERE e.destination = l.destination AND e.declared_in_flight = l.n)
 ON CONFLICT (destination) DO UPDATE SET declared_in_flight = EXCLUDED.declared_in_flight
+"""
+
+# Hints no live process backs any more (the declaring process stopped or went quiet, or a deploy
+# dropped the declaration), cleared under the rows' lock and on a snapshot taken after it: a
+# process whose first beat commits meanwhile writes its hint after this, never before it.
+_ANY_STALE_HINT = f"""
+SELECT EXISTS (
+    SELECT 1 FROM outbox_destination e
+    WHERE e.declared_in_flight IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM outbox_process p WHERE p.declared_in_flight ? e.destination AND {LIVE})
+)
+"""
+_STALE_HINTS = """
+SELECT destination FROM outbox_destination
+WHERE declared_in_flight IS NOT NULL ORDER BY destination FOR NO KEY UPDATE
+"""
+_CLEAR_STALE_HINTS = f"""
+UPDATE outbox_destination e SET declared_in_flight = NULL
+WHERE e.declared_in_flight IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM outbox_process p WHERE p.declared_in_flight ? e.destination AND {LIVE})
 """
 
 _STOP = """
@@ -61,8 +71,15 @@ WHERE id = %(id)s
 
 
 def beat(conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> None:
-    """One heartbeat of a process (outbox.heartbeat): its row written, or refreshed."""
+    """One heartbeat of a process (outbox.heartbeat): its row written, or refreshed, with the
+    in-flight limits its handlers declare; and the hints of declarations no live process backs
+    any more cleared (on an autocommit connection: the clearing is its own transaction)."""
     conn.execute(_BEAT, {"declared": None, **params})
+    stale = conn.execute(_ANY_STALE_HINT).fetchone()
+    if stale is not None and stale[0]:
+        with conn.transaction():
+            conn.execute(_STALE_HINTS)
+            conn.execute(_CLEAR_STALE_HINTS)
 
 
 def stopped(conn: psycopg.Connection[Any], *, process_id: Any, clock: Any) -> None:

@@ -161,3 +161,16 @@ SET breaker_opened_at = NULL, breaker_open_until = NULL, breaker_open_seconds = 
     breaker_probe_token = NULL, breaker_probe_until = NULL, breaker_failures = 0,
     breaker_window_at = NULL, breaker_closed_at = now(), breaker_since = NULL
 """
+
+
+#: A process is live while it was heard from within ``LIVE_INTERVALS`` of its own interval plus
+#: ``LIVE_SLACK_SECONDS``: one late beat (a GC pause, a slow commit) does not make it dead.
+LIVE_INTERVALS = 3
+LIVE_SLACK_SECONDS = 5
+
+#: SQL condition on ``outbox_process``: the process is running and was heard from recently
+#: (its own interval is stored on the row, so every reader judges it alike).
+LIVE = (
+    "stopped_at IS NULL AND last_seen_at > now() - "
+    f"(interval_seconds * {LIVE_INTERVALS} + {LIVE_SLACK_SECONDS}) * interval '1 second'"
+)

@@ -336,3 +336,38 @@ def test_a_refused_claim_frees_the_half_open_breaker_probe_it_reserved(clean, en
     db.execute("UPDATE outbox_message SET state = 'sent', provider_ref = 'x' WHERE id = %s", (ids[0],))
     probe = claim(db, ids[1])
     assert probe is not None and probe.probe, "the next claim is the probe"
+
+
+def test_a_declaration_holds_only_while_its_process_is_live_whoever_beats(clean, engine, db):
+    """The claim's trigger reads the live declarations itself: a declaring worker that stopped
+    (or went quiet) stops limiting even when no process of this release beats again to clear
+    the hint (only older releases left, after a rollback)."""
+    from outbox.heartbeat import Heartbeat
+
+    ids = write_rows(engine, 3)
+    one = Heartbeat(clean.database_url, kind="worker", queues=[DEST], declared_in_flight={DEST: 1}).start()
+    try:
+        assert claim(db, ids[0]) is not None
+        assert claim(db, ids[1]) is None, "the live declaration holds"
+    finally:
+        one.stop()
+    assert declared(db) == 1, "nobody beat since: the hint is still there"
+    assert claim(db, ids[1]) is not None and claim(db, ids[2]) is not None
+    with engine.begin() as conn:
+        assert limits.limits(conn, DEST) == []
+
+
+def test_a_stopping_worker_gives_a_held_delivery_up_at_once(clean, engine, db, provider):
+    declare_charge(provider)
+    ids = write_rows(engine, 2)
+    limit(engine, 1)
+    assert claim(db, ids[0]) is not None
+    deliverer = Deliverer(clean.database_url, registry())
+    deliverer.stopping.set()
+    try:
+        started = time.monotonic()
+        assert deliverer.deliver(ids[1], DEST) is DeliveryResult.HELD
+        assert time.monotonic() - started < 2
+    finally:
+        deliverer.close()
+    assert get(db, ids[1])["attempts"] == 0
