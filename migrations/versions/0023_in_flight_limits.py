@@ -11,11 +11,12 @@
 * ``outbox_message_in_flight_limit``, a BEFORE UPDATE trigger on the claim (pending/dispatched ->
   in_flight, restricted by ``WHEN``): when the row's destination has a limit (or a declaration
   hint), it locks the destination's row, reads the limit that holds, counts the destination's
-  calls in flight (rows ``in_flight``) on a snapshot taken after that lock, and refuses the claim (returns NULL: the statement moves nothing) when
-  the count has reached the limit. The lock serialises the claims of a limited destination until
-  each commits, so two claims cannot both take the last slot; a later row of the same group claim
-  sees the rows its statement claimed before it (a row-level BEFORE trigger does). Destinations
-  without a limit pay one primary-key read of their row per claim, no lock.
+  calls in flight (rows ``in_flight``) on a snapshot taken after that lock, and refuses the claim
+  (returns NULL: the statement moves nothing) when the count has reached the limit. The lock
+  serialises the claims of a limited destination until each commits, so two claims cannot both
+  take the last slot; a later row of the same group claim sees the rows its statement claimed
+  before it (a row-level BEFORE trigger does). Destinations without a limit pay one primary-key
+  read of their row per claim, no lock.
 
   Enforced, not gated: a worker of an older release claims through the same trigger. It reads a
   refused claim as "someone else moved it", acks its message and leaves the row ``dispatched``,
