@@ -465,9 +465,3 @@ outbox_destination.append_constraint(
 # What each process's handlers declare, by destination ({"payments.charge": 10}); NULL: none, or
 # a release before 0023.
 outbox_process.append_column(Column("declared_in_flight", JSONB, nullable=True))
-#: The claim trigger's count of a destination's calls in flight.
-Index(
-    "outbox_message_destination_in_flight_idx",
-    outbox_message.c.destination,
-    postgresql_where=text("state = 'in_flight'"),
-)
