@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .ordering import BLOCKED_SUMMARY_SQL
+from .store.sql import LIVE
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -268,6 +269,15 @@ FROM outbox_message WHERE state = 'failed' GROUP BY destination
 
 PAUSED_SQL = "SELECT destination FROM outbox_destination WHERE paused_until > now() ORDER BY 1"
 BREAKERS_SQL = "SELECT destination FROM outbox_destination WHERE breaker_opened_at IS NOT NULL ORDER BY 1"
+# The in-flight limit that holds (outbox.limits): the operator's, else the lowest live declaration.
+LIMITS_SQL = f"""
+SELECT d.destination, COALESCE(d.limit_in_flight, (
+    SELECT min(CAST(p.declared_in_flight ->> d.destination AS integer)) FROM outbox_process p
+    WHERE p.declared_in_flight ? d.destination AND {LIVE}))
+FROM outbox_destination d
+WHERE d.limit_in_flight IS NOT NULL OR d.declared_in_flight IS NOT NULL
+ORDER BY 1
+"""
 
 GAUGE_STATES = ("pending", "dispatched", "in_flight", "unknown", "failed")
 AGE_STATES = ("pending", "dispatched", "in_flight", "unknown")
@@ -285,6 +295,8 @@ class DatabaseReading:
     paused: list[str] = field(default_factory=list)
     #: destinations whose circuit breaker is open or half-open now (outbox.breaker)
     breakers: list[str] = field(default_factory=list)
+    #: destination -> the in-flight limit that holds (outbox.limits)
+    limits: dict[str, int] = field(default_factory=dict)
     #: every destination to export, zeros included (the handlers' and the table's)
     destinations: list[str] = field(default_factory=list)
     #: ordering keys held back by their head, and for how long the longest (outbox.ops.ordering)
@@ -307,6 +319,7 @@ def read_database(conn: Any) -> DatabaseReading:
     reading.no_consumer = sorted({g.destination for g in gaps})
     reading.paused = [r[0] for r in conn.execute(PAUSED_SQL).fetchall()]
     reading.breakers = [r[0] for r in conn.execute(BREAKERS_SQL).fetchall()]
+    reading.limits = {d: int(n) for d, n in conn.execute(LIMITS_SQL).fetchall() if n is not None}
     keys, oldest = conn.execute(BLOCKED_SUMMARY_SQL).fetchone()
     reading.blocked_keys = int(keys)
     reading.oldest_block_seconds = float(oldest) if oldest is not None else None
@@ -390,6 +403,15 @@ class _DatabaseCollector(Collector):
             ),
         ):
             yield _destination_flags(name, help_text, destinations, flagged)
+        limits = GaugeMetricFamily(
+            "outbox_destination_in_flight_limit",
+            "The most calls of a destination in flight at once over every worker (outbox limit, "
+            "or the lowest max_in_flight live workers declare); 0 when none holds.",
+            labels=["destination"],
+        )
+        for d in sorted(set(destinations) | set(reading.limits)):
+            limits.add_metric([d], reading.limits.get(d, 0))
+        yield limits
         blocked = GaugeMetricFamily(
             "outbox_ordering_blocked_keys",
             "Ordering keys held back by their head (failed, unknown, in flight, or waiting for a "

@@ -75,6 +75,7 @@ def to_json(data: Any) -> str:
 
 def render_status(report: StatusReport) -> str:
     held = [p.describe() for p in report.paused] + [b.describe() for b in report.breakers]
+    held += [f"limited: {lim.describe()}" for lim in report.limits]
     paused = "".join(f"\n{line}" for line in held)
     if not report.counts:
         return f"no outbox rows{paused}"

@@ -14,10 +14,11 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import breaker, chains, heartbeat, pauses, settings, states
+from .. import breaker, chains, heartbeat, limits, pauses, settings, states
 from ..breaker import OpenBreaker
 from ..exceptions import ConfigError, NotFound
 from ..heartbeat import NoConsumer
+from ..limits import Limit
 from ..ordering import HOLDING_SQL
 from ..pauses import Pause
 from .values import seconds
@@ -56,6 +57,8 @@ class StatusReport:
     #: Ordering keys held back by their head (outbox.ops.ordering), and for how long the longest.
     blocked_keys: int = 0
     oldest_block_seconds: float | None = None
+    #: Destinations with an in-flight limit that holds (outbox limit, or declared by handlers).
+    limits: list[Limit] = field(default_factory=list)
 
     def totals(self) -> dict[str, int]:
         return {s: sum(c[s] for c in self.counts.values()) for s in states.ALL}
@@ -87,6 +90,7 @@ class StatusReport:
             "breakers": [b.to_dict() for b in self.breakers],
             "blocked_ordering_keys": self.blocked_keys,
             "oldest_block_seconds": self.oldest_block_seconds,
+            "limits": [lim.to_dict() for lim in self.limits],
         }
 
 
@@ -115,6 +119,7 @@ def status(connection: Connection) -> StatusReport:
         breaker.open_breakers(connection),
         blocked,
         oldest_block,
+        limits.limits(connection),
     )
 
 

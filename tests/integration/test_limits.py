@@ -371,3 +371,24 @@ def test_a_stopping_worker_gives_a_held_delivery_up_at_once(clean, engine, db, p
     finally:
         deliverer.close()
     assert get(db, ids[1])["attempts"] == 0
+
+
+def test_status_and_the_metrics_show_the_limit_that_holds(clean, engine, db, capsys):
+    from outbox import metrics
+
+    write_rows(engine, 2)
+    limit(engine, 7)
+    code, out, _ = cli(clean, capsys, "status")
+    assert code == 0 and f"limited: {DEST}: at most 7 calls in flight" in out, out
+    code, out, _ = cli(clean, capsys, "status", "--json")
+    assert code == 0 and json.loads(out)["limits"][0]["holds"] == 7
+    reading = metrics.read_database(db)
+    assert reading.limits == {DEST: 7}
+    reading.destinations = [DEST, "mail.send"]
+    metrics.DATABASE.update(reading, fresh_for_seconds=60)
+    try:
+        sample = metrics.REGISTRY.get_sample_value
+        assert sample("outbox_destination_in_flight_limit", {"destination": DEST}) == 7
+        assert sample("outbox_destination_in_flight_limit", {"destination": "mail.send"}) == 0
+    finally:
+        metrics.DATABASE.update(metrics.DatabaseReading(), fresh_for_seconds=0)
