@@ -392,3 +392,9 @@ def test_status_and_the_metrics_show_the_limit_that_holds(clean, engine, db, cap
         assert sample("outbox_destination_in_flight_limit", {"destination": "mail.send"}) == 0
     finally:
         metrics.DATABASE.update(metrics.DatabaseReading(), fresh_for_seconds=0)
+
+
+def test_limiting_a_name_nobody_uses_warns_with_the_likely_one(clean, engine, capsys):
+    write_rows(engine, 1)
+    code, _, err = cli(clean, capsys, "limit", DEST + "x", "--in-flight", "2", "--reason", "typo")
+    assert code == 0 and f"did you mean {DEST}?" in err, err
