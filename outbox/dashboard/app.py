@@ -432,6 +432,7 @@ class Dashboard:
 
                 from ..breaker import open_breakers
                 from ..heartbeat import NO_CONSUMER_SQL, no_consumer
+                from ..limits import limits as in_flight_limits
                 from ..ops.ordering import blocked_summary
 
                 counts = queries.counts(conn)
@@ -443,6 +444,7 @@ class Dashboard:
                     "no_consumer": no_consumer(conn.execute(text(NO_CONSUMER_SQL))),
                     "paused": pauses.paused(conn),
                     "breakers": open_breakers(conn),
+                    "limits": in_flight_limits(conn),
                     "blocked": blocked_summary(conn),
                 }
 

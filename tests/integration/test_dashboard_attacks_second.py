@@ -597,3 +597,12 @@ def test_a_repair_fingerprint_of_one_key_does_not_confirm_another(
     )
     assert r.status_code == 409
     assert state_of(clean, a) == state_of(clean, b) == "unknown"
+
+
+def test_the_overview_lists_an_in_flight_limit(app: Starlette, engine: Any, clean: Any) -> None:
+    write(engine, "order:1")
+    with engine.begin() as c:
+        outbox.limits.set_limit(c, DEST, in_flight=4, by="otto", reason="provider allows 4")
+    client = login(app, "rita")
+    page = client.get("/").text
+    assert f"limited: {DEST}: at most 4 calls in flight" in page and "provider allows 4" in page
