@@ -11,7 +11,8 @@
 * ``outbox_message_in_flight_limit``, a BEFORE UPDATE trigger on the claim (pending/dispatched ->
   in_flight, restricted by ``WHEN``): when the row's destination has a limit (or a declaration
   hint), it locks the destination's row, reads the limit that holds, counts the destination's
-  calls in flight (rows ``in_flight``) on a snapshot taken after that lock, and refuses the claim
+  calls in flight (rows ``in_flight``, and rows whose lease expired while the wait before their
+  first lookup lasts: such a call may still land) on a snapshot taken after that lock, and refuses the claim
   (returns NULL: the statement moves nothing) when the count has reached the limit. The lock
   serialises the claims of a limited destination until each commits, so two claims cannot both
   take the last slot; a later row of the same group claim sees the rows its statement claimed
@@ -46,6 +47,22 @@ depends_on = None
 # heartbeat.LIVE as it stands: a process heard from within three of its intervals plus 5 s.
 _LIVE = "p.stopped_at IS NULL AND p.last_seen_at > now() - (p.interval_seconds * 3 + 5) * interval '1 second'"
 
+# The calls of a destination that may be under way at its provider: rows in flight, and rows
+# whose lease expired (the reconciler moved them to unknown, its attempt row `lease_expired` in
+# the same statement) while the wait before their first lookup lasts: the call may still land.
+_CALLS_IN_FLIGHT = """((
+        SELECT count(*) FROM outbox_message
+        WHERE destination = {destination} AND state = 'in_flight'
+    ) + (
+        SELECT count(*) FROM outbox_message m
+        WHERE m.destination = {destination} AND m.state = 'unknown' AND m.available_at > now()
+          AND EXISTS (SELECT 1 FROM outbox_attempt a
+                      WHERE a.message_id = m.id AND a.outcome = 'lease_expired'
+                        AND a.finished_at = m.unknown_since)
+    ))"""
+
+_NEW_ROWS_CALLS = _CALLS_IN_FLIGHT.format(destination="NEW.destination")
+
 # declared_in_flight on the destination's row only says that some process declared a limit: the
 # lowest live declaration is read here, under the lock, so a declaring process that stopped or
 # went quiet stops holding the limit whoever beats (an older release's processes do not
@@ -71,10 +88,7 @@ BEGIN
         FROM outbox_process p
         WHERE p.declared_in_flight ? NEW.destination AND {_LIVE};
     END IF;
-    IF cap IS NOT NULL AND (
-        SELECT count(*) FROM outbox_message
-        WHERE destination = NEW.destination AND state = 'in_flight'
-    ) >= cap THEN
+    IF cap IS NOT NULL AND {_NEW_ROWS_CALLS} >= cap THEN
         RETURN NULL;
     END IF;
     RETURN NEW;

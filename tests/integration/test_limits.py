@@ -398,3 +398,21 @@ def test_limiting_a_name_nobody_uses_warns_with_the_likely_one(clean, engine, ca
     write_rows(engine, 1)
     code, _, err = cli(clean, capsys, "limit", DEST + "x", "--in-flight", "2", "--reason", "typo")
     assert code == 0 and f"did you mean {DEST}?" in err, err
+
+
+def test_an_expired_lease_counts_while_its_call_may_still_land(clean, engine, db):
+    """A worker SIGKILLed mid-call: its row counts while in flight, and once the reconciler
+    moved it to unknown, until the wait before its first lookup is over."""
+    ids = write_rows(engine, 2)
+    limit(engine, 1)
+    assert claim(db, ids[0]) is not None
+    db.execute("UPDATE outbox_message SET lease_expires_at = now() - interval '1 s' WHERE id = %s", (ids[0],))
+    moved = store.recovery.expire_leases(
+        db, waits_seconds={DEST: 30}, default_wait_seconds=30, error="lease expired: the worker died"
+    )
+    assert moved == 1 and get(db, ids[0])["state"] == "unknown"
+    assert claim(db, ids[1]) is None, "the expired call may still land"
+    with engine.begin() as conn:
+        assert limits.limits(conn, DEST)[0].calls_in_flight == 1
+    db.execute("UPDATE outbox_message SET available_at = now() - interval '1 s' WHERE id = %s", (ids[0],))
+    assert claim(db, ids[1]) is not None, "the landing wait is over"
