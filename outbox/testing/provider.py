@@ -274,6 +274,7 @@ class _State:
                 "faults": dict(self._faults),
                 "traceparents": dict(self._traceparents),
                 "most_in_flight": self._most_in_flight,
+                "in_flight": self._in_flight,
                 "lookups": self._lookups,
                 "most_lookups_in_flight": self._most_lookups_in_flight,
             }
@@ -733,7 +734,8 @@ class ProviderSimulator:
         (``POST /charges`` received), ``deduplicated``, ``declined``, ``double_charged``
         (sorted keys with more than one effect), ``faults`` (mode -> times injected) and
         ``traceparents`` (key -> the last ``traceparent`` header a charge carried) and
-        ``most_in_flight`` (the most charge requests it was serving at once), ``lookups``
+        ``most_in_flight`` (the most charge requests it was serving at once), ``in_flight`` (how
+        many it is serving now), ``lookups``
         (``GET /charges`` received) and ``most_lookups_in_flight`` (the most it served at once).
         """
         return self._state.stats()
