@@ -10,9 +10,9 @@ the claim again after a pause (outbox.consumer.HOLD_RETRY_SECONDS), its message 
 attempt and no fence row spent, and gives the message up to the re-dispatch only after
 HOLD_MAX_SECONDS.
 
-A call counts from its claim until its row leaves ``in_flight`` (recorded, or released). A
-SIGKILLed worker's calls count until their leases expire, and then, moved to ``unknown`` by the
-reconciler, while the wait before their first lookup lasts: the call may still land.
+A call counts from its claim until its row leaves ``in_flight`` (recorded, or released), and an
+``unknown`` one (timed out, or its lease expired) until its first lookup is due
+(``landing_until``): the call may still land at the provider until then.
 
 Who moves a limit: ``outbox limit`` (set, ``--clear``); nothing else. Destinations without a limit
 pay one primary-key read of their row per claim, no lock.

@@ -57,8 +57,10 @@ def current_revision(connection: Connection) -> str | None:
 #: ``batches`` job use; 0016 ``payload_version``, which ``write`` inserts and the claim returns;
 #: 0017 the ordering columns and triggers (outbox.ordering) that the relay and the claim read;
 #: 0022 the heartbeat's schema range and ``outbox_feature`` (outbox.features), which every
-#: process's beat writes and ``write`` relies on to refuse a feature an older process would break.
-SCHEMA_OLDEST = "0022"
+#: process's beat writes and ``write`` relies on to refuse a feature an older process would break;
+#: 0023 the in-flight limits (``declared_in_flight``, ``landing_until``) that the heartbeat, the
+#: record and the lease expiry write (outbox.limits).
+SCHEMA_OLDEST = "0023"
 
 #: Advisory lock serialising concurrent migrations: held for the session by :func:`upgrade`, for
 #: the transaction by env.py (which also serves a plain ``alembic`` run).

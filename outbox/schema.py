@@ -465,3 +465,6 @@ outbox_destination.append_constraint(
 # What each process's handlers declare, by destination ({"payments.charge": 10}); NULL: none, or
 # a release before 0023.
 outbox_process.append_column(Column("declared_in_flight", JSONB, nullable=True))
+# Until when an unknown row's call may still land at the provider (a lease that expired, a call
+# that timed out): counted as in flight by the claim trigger until then (outbox.limits).
+outbox_message.append_column(Column("landing_until", DateTime(timezone=True), nullable=True))

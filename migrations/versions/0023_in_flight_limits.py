@@ -24,6 +24,11 @@
   which the reconciler re-queues after ``OUTBOX_REDISPATCH_AFTER``: later, never lost. A worker of
   this release waits for a free slot instead, its message not acked (outbox.consumer).
 
+* ``outbox_message.landing_until``: until when an unknown row's call may still land at the
+  provider (set by this release's lease expiry and by its record of an ambiguous outcome, to the
+  first lookup's due time); the trigger counts such rows as in flight until then. An older
+  release's reconciler or worker leaves it NULL: their unknown rows are not counted.
+
 * No index of its own: the count reads ``outbox_message_in_flight_idx`` (every row in flight,
   of any destination; a few thousand at most), where an index by destination cost every claim of
   every destination one more index entry (+70 bytes of WAL a delivery, bench/README.md).
@@ -47,18 +52,17 @@ depends_on = None
 # heartbeat.LIVE as it stands: a process heard from within three of its intervals plus 5 s.
 _LIVE = "p.stopped_at IS NULL AND p.last_seen_at > now() - (p.interval_seconds * 3 + 5) * interval '1 second'"
 
-# The calls of a destination that may be under way at its provider: rows in flight, and rows
-# whose lease expired (the reconciler moved them to unknown, its attempt row `lease_expired` in
-# the same statement) while the wait before their first lookup lasts: the call may still land.
+# The calls of a destination that may be under way at its provider: rows in flight, and unknown
+# rows until their landing_until (the wait before their first lookup, set with it where a call
+# may still land: a lease that expired, a call that timed out); available_at, which that wait
+# set to the same instant, lets the count use the unknown rows' index.
 _CALLS_IN_FLIGHT = """((
         SELECT count(*) FROM outbox_message
         WHERE destination = {destination} AND state = 'in_flight'
     ) + (
-        SELECT count(*) FROM outbox_message m
-        WHERE m.destination = {destination} AND m.state = 'unknown' AND m.available_at > now()
-          AND EXISTS (SELECT 1 FROM outbox_attempt a
-                      WHERE a.message_id = m.id AND a.outcome = 'lease_expired'
-                        AND a.finished_at = m.unknown_since)
+        SELECT count(*) FROM outbox_message
+        WHERE destination = {destination} AND state = 'unknown'
+          AND available_at > now() AND landing_until > now()
     ))"""
 
 _NEW_ROWS_CALLS = _CALLS_IN_FLIGHT.format(destination="NEW.destination")
@@ -104,6 +108,7 @@ def upgrade() -> None:
     op.add_column("outbox_destination", sa.Column("limit_set_at", sa.DateTime(timezone=True), nullable=True))
     op.add_column("outbox_destination", sa.Column("declared_in_flight", sa.Integer(), nullable=True))
     op.add_column("outbox_process", sa.Column("declared_in_flight", postgresql.JSONB(), nullable=True))
+    op.add_column("outbox_message", sa.Column("landing_until", sa.DateTime(timezone=True), nullable=True))
     op.create_check_constraint(
         "outbox_destination_limit_in_flight_check",
         "outbox_destination",
@@ -126,5 +131,6 @@ def downgrade() -> None:
     op.execute("DROP FUNCTION IF EXISTS outbox_message_in_flight_limit()")
     op.drop_constraint("outbox_destination_limit_in_flight_check", "outbox_destination")
     op.drop_column("outbox_process", "declared_in_flight")
+    op.drop_column("outbox_message", "landing_until")
     for column in ("declared_in_flight", "limit_set_at", "limit_set_by", "limit_reason", "limit_in_flight"):
         op.drop_column("outbox_destination", column)

@@ -284,6 +284,8 @@ WITH moved AS (
         available_at = COALESCE({DUE_SQL}, available_at),
         completed_at = CASE WHEN {NEW_STATE_SQL} IN ('sent', 'failed') THEN now() END,
         unknown_since = CASE WHEN %(state)s = 'unknown' THEN COALESCE(unknown_since, now()) END,
+        -- An ambiguous call may still land until its first lookup: an in-flight limit counts it.
+        landing_until = CASE WHEN %(state)s = 'unknown' THEN COALESCE({DUE_SQL}, available_at) END,
         dispatched_at = CASE WHEN %(state)s = 'pending' THEN NULL ELSE dispatched_at END,
         -- A row alerted while unknown and then settled must be able to alert again (failed).
         alerted_at = NULL,

@@ -399,7 +399,7 @@ def resume_destination(connection: Connection, destination: str, *, by: str) -> 
 
 # The limit that holds is the operator's, else the lowest that live processes declare (what the
 # claim's trigger, migration 0023, reads under its lock). In flight: as the trigger counts (rows
-# ``in_flight``, and expired leases while the wait before their first lookup lasts).
+# ``in_flight``, and unknown rows until their ``landing_until``).
 _LIMITS = f"""
     WITH declared AS (
         SELECT d.key AS destination, min(CAST(d.value AS integer)) AS n
@@ -414,10 +414,8 @@ _LIMITS = f"""
            (SELECT count(*) FROM outbox_message m
             WHERE m.destination = COALESCE(o.destination, declared.destination)
               AND (m.state = 'in_flight'
-                   OR (m.state = 'unknown' AND m.available_at > now() AND EXISTS (
-                       SELECT 1 FROM outbox_attempt a
-                       WHERE a.message_id = m.id AND a.outcome = 'lease_expired'
-                         AND a.finished_at = m.unknown_since)))) AS in_flight,
+                   OR (m.state = 'unknown' AND m.available_at > now()
+                       AND m.landing_until > now()))) AS in_flight,
            (SELECT count(*) FROM outbox_message m
             WHERE m.destination = COALESCE(o.destination, declared.destination)
               AND m.state = 'dispatched') AS waiting

@@ -13,8 +13,9 @@ from .sql import LIVE, LIVE_INTERVALS, LIVE_SLACK_SECONDS
 # The beat, and the hint that a destination has in-flight limits declared by live processes'
 # handlers (outbox.limits; migration 0023): the claim's trigger looks for declarations only where
 # the hint is set, and reads the lowest live one itself. This beat's own declaration joins the
-# others' (its upsert is not visible to its own statement); a hint that is already right is not
-# written, so not locked.
+# others' (its upsert is not visible to its own statement). Every beat writes each hint, right or
+# not: the write waits for a clearing under way (below) and puts the hint back after it, so a
+# clearing that could not see this process yet never leaves its declaration without a hint.
 __all__ = ["LIVE", "LIVE_INTERVALS", "LIVE_SLACK_SECONDS"]
 
 _BEAT = f"""
@@ -38,8 +39,6 @@ WITH beat AS (
 )
 INSERT INTO outbox_destination AS o (destination, declared_in_flight)
 SELECT destination, n FROM live l
-WHERE NOT EXISTS (SELECT 1 FROM outbox_destination e
-                  WHERE e.destination = l.destination AND e.declared_in_flight = l.n)
 ON CONFLICT (destination) DO UPDATE SET declared_in_flight = EXCLUDED.declared_in_flight
 """
 

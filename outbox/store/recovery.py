@@ -203,6 +203,10 @@ WITH waits AS (
         available_at = now() + COALESCE(
             (SELECT w.seconds FROM waits w WHERE w.destination = m.destination),
             %(default_wait)s) * interval '1 second',
+        -- Its call may still land until then: an in-flight limit counts it (outbox.limits).
+        landing_until = now() + COALESCE(
+            (SELECT w.seconds FROM waits w WHERE w.destination = m.destination),
+            %(default_wait)s) * interval '1 second',
         lease_expires_at = NULL,
         last_error = %(error)s
     WHERE state = 'in_flight' AND lease_expires_at < now()

@@ -416,3 +416,25 @@ def test_an_expired_lease_counts_while_its_call_may_still_land(clean, engine, db
         assert limits.limits(conn, DEST)[0].calls_in_flight == 1
     db.execute("UPDATE outbox_message SET available_at = now() - interval '1 s' WHERE id = %s", (ids[0],))
     assert claim(db, ids[1]) is not None, "the landing wait is over"
+
+
+def test_a_timed_out_call_counts_until_its_first_lookup_and_a_parked_row_does_not(clean, engine, db):
+    """A live worker's call that timed out is recorded unknown; the provider may still be
+    executing it until the first lookup is due, so it counts until then. A later wait (a lookup
+    that found nothing, parked the row) does not make it count again."""
+    ids = write_rows(engine, 2)
+    limit(engine, 1)
+    claimed = claim(db, ids[0])
+    assert claimed is not None
+    store.delivery.record(
+        db, row_id=ids[0], token=claimed.token, state="unknown", outcome="timeout", delay_seconds=30
+    )
+    assert get(db, ids[0])["state"] == "unknown"
+    assert claim(db, ids[1]) is None, "the timed-out call may still land"
+    # The first lookup found nothing and parked the row for later: its landing wait is over.
+    db.execute(
+        "UPDATE outbox_message SET landing_until = now() - interval '1 s', "
+        "available_at = now() + interval '1 hour' WHERE id = %s",
+        (ids[0],),
+    )
+    assert claim(db, ids[1]) is not None
