@@ -584,6 +584,10 @@ class Deliverer:
         #: Set when the worker stops: a delivery its destination's in-flight limit holds gives its
         #: message up at once (the row waits `dispatched` for the re-dispatch) instead of waiting.
         self.stopping = threading.Event()
+        #: Whether the in-flight limits this process's handlers declare are still on record (its
+        #: heartbeat's last beat is recent): a claim of such a destination waits while they are
+        #: not, or the database would stop counting the declaration (outbox.limits).
+        self.declarations_fresh: Callable[[], bool] | None = None
         self.handlers = dict(handlers)
         self._local = threading.local()
         self._pools = {"claim_conn": _Pool(claim_connections), "record_conn": _Pool(record_connections)}
@@ -709,6 +713,10 @@ class Deliverer:
             conn.close()
         self.async_deliveries.close()
         self.runs.flush()
+
+    def _declarations_fresh(self) -> bool:
+        fresh = self.declarations_fresh
+        return fresh is None or fresh()
 
     def _halted(self) -> bool:
         if self.failover_guard is None:
@@ -961,6 +969,13 @@ class Deliverer:
         locked = _LockWait(row_id)
         held: _Hold | None = None
         while True:
+            if handler.max_in_flight is not None and not self._declarations_fresh():
+                held = held or _Hold(row_id, destination, handler.max_in_flight)
+                delay = held.next_pause()
+                if delay is None or self.stopping.is_set():
+                    return DeliveryResult.HELD
+                yield _Pause(delay)
+                continue
             conn = self._conn("claim_conn")
             token = uuid.uuid4()
             # The lease is measured on this clock from here, before the claim is sent: a wait

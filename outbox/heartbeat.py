@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -174,6 +175,15 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        #: This process's clock at its last beat that committed (None: none yet).
+        self.last_beat_at: float | None = None
+
+    def declarations_fresh(self) -> bool:
+        """Whether this process's last committed beat is recent enough that every claim trigger
+        still counts it live (its declared in-flight limits hold): two of its intervals, well
+        inside the LIVE_INTERVALS + LIVE_SLACK_SECONDS the database allows."""
+        last = self.last_beat_at
+        return last is not None and time.monotonic() - last < 2 * self.interval_seconds
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
@@ -187,6 +197,7 @@ class Heartbeat:
 
     def beat(self) -> None:
         """One beat; raises psycopg errors (the thread logs them)."""
+        sent_at = time.monotonic()
         store.processes.beat(
             self._connection(),
             {
@@ -202,6 +213,7 @@ class Heartbeat:
                 "declared": Jsonb(self.declared_in_flight) if self.declared_in_flight else None,
             },
         )
+        self.last_beat_at = sent_at
 
     def _run(self) -> None:
         while True:

@@ -91,6 +91,8 @@ def run_worker(
     heartbeat = start_heartbeat(
         database_url, destinations, heartbeat_interval_seconds, pooled=pooled, declared_in_flight=declared
     )
+    if declared:
+        deliverer.declarations_fresh = heartbeat.declarations_fresh
     try:
         runner.start()
     except BaseException:

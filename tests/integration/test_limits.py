@@ -438,3 +438,27 @@ def test_a_timed_out_call_counts_until_its_first_lookup_and_a_parked_row_does_no
         (ids[0],),
     )
     assert claim(db, ids[1]) is not None
+
+
+def test_a_worker_whose_declaration_is_no_longer_on_record_does_not_claim(
+    clean, engine, db, provider, monkeypatch
+):
+    """Its heartbeat stopped committing (the database refuses its beats): its declaration is
+    about to stop counting, so its claims of that destination wait instead of going past it."""
+    import outbox
+    from outbox import consumer
+
+    monkeypatch.setattr(consumer, "HOLD_MAX_SECONDS", 0.3)
+
+    @outbox.handler(DEST, time_limit=10, max_in_flight=2)
+    def charge(d: outbox.Delivery) -> outbox.Confirmed:
+        raise AssertionError("no call may start")
+
+    [row] = write_rows(engine, 1)
+    deliverer = Deliverer(clean.database_url, registry())
+    deliverer.declarations_fresh = lambda: False
+    try:
+        assert deliverer.deliver(row, DEST) is DeliveryResult.HELD
+    finally:
+        deliverer.close()
+    assert get(db, row)["attempts"] == 0 and get(db, row)["state"] == "pending"
