@@ -335,7 +335,9 @@ def test_idle_waits_hold_a_few_redis_connections_not_one_per_queue(clean):
         for t in threads:
             t.start()
         threading.Event().wait(0.7)
-        blocked = [c for c in client.client_list() if c.get("cmd") == "blmove"]
+        # This test's database only: other processes may wait on other databases of the server.
+        db = str(client.connection_pool.connection_kwargs.get("db", 0))
+        blocked = [c for c in client.client_list() if c.get("cmd") == "blmove" and c.get("db") == db]
         for t in threads:
             t.join(10)
         assert len(blocked) == runner.WAKE_WAITS_PER_PROCESS == 4, blocked
