@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 
 from .. import settings
 from ..exceptions import ConfigError
 from . import exits
 from .operator import _connection, _describe
 from .output import err, out, print_json
-from .pauses import _destination
+from .pauses import _destination, warn_if_unknown
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +39,6 @@ def arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..limits import clear_limit, limits, set_limit
     from ..ops.actions import default_actor
-    from ..pauses import known_destinations
 
     if args.clear and args.in_flight is not None:
         raise ConfigError("--clear or --in-flight N, not both")
@@ -85,16 +83,7 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     with _connection(cfg, write=True) as conn:
         by = args.by or default_actor()
         done = set_limit(conn, destination, in_flight=args.in_flight, by=by, reason=args.reason)
-        known = known_destinations(conn)
-    warning = None
-    if known and destination not in known:
-        close = difflib.get_close_matches(destination, sorted(known), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        warning = (
-            f"warning: no worker seen in the last day serves {destination} and no row of it waits"
-            f"{hint} (limited anyway: a limit may come before the destination's first row)"
-        )
-        err(warning)
+        warning = warn_if_unknown(conn, destination, "limited anyway: a limit")
     if args.json:
         return print_json({**done.to_dict(), "warning": warning})
     out(f"limited {done.describe()}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 from datetime import datetime
+from typing import Any
 
 from .. import settings
 from ..exceptions import ConfigError, InvalidMessage
@@ -86,9 +87,28 @@ def _destination(raw: str) -> str:
     return raw
 
 
+def warn_if_unknown(conn: Any, destination: str, anyway: str) -> str | None:
+    """Warn (stderr) when no worker seen in the last day serves ``destination`` and no row of it
+    waits, naming the likely one: a typo is paused or limited happily while the real destination
+    goes on. ``anyway``: what was done all the same ("paused anyway: a pause"). The warning, or
+    None."""
+    from ..pauses import known_destinations
+
+    known = known_destinations(conn)
+    if not known or destination in known:
+        return None
+    close = difflib.get_close_matches(destination, sorted(known), n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    warning = (
+        f"warning: no worker seen in the last day serves {destination} and no row of it waits"
+        f"{hint} ({anyway} may come before the destination's first row)"
+    )
+    err(warning)
+    return warning
+
+
 def pause(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.actions import default_actor
-    from ..pauses import known_destinations
     from ..pauses import pause as pause_destination
 
     destination = _destination(args.destination)
@@ -104,16 +124,7 @@ def pause(args: argparse.Namespace, cfg: settings.Settings) -> int:
             until=until,
             for_seconds=for_seconds,
         )
-        known = known_destinations(conn)
-    warning = None
-    if known and destination not in known:
-        close = difflib.get_close_matches(destination, sorted(known), n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        warning = (
-            f"warning: no worker seen in the last day serves {destination} and no row of it waits"
-            f"{hint} (paused anyway: a pause may come before the destination's first row)"
-        )
-        err(warning)
+        warning = warn_if_unknown(conn, destination, "paused anyway: a pause")
     if args.json:
         return print_json({**done.to_dict(), "warning": warning})
     ends = f"until {done.until:%Y-%m-%d %H:%M:%S %Z}" if done.until else "until outbox resume"
