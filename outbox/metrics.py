@@ -27,7 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .ordering import BLOCKED_SUMMARY_SQL
-from .store.sql import LIVE
+from .store.sql import LIVE_DECLARATIONS_SQL
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -271,11 +271,10 @@ PAUSED_SQL = "SELECT destination FROM outbox_destination WHERE paused_until > no
 BREAKERS_SQL = "SELECT destination FROM outbox_destination WHERE breaker_opened_at IS NOT NULL ORDER BY 1"
 # The in-flight limit that holds (outbox.limits): the operator's, else the lowest live declaration.
 LIMITS_SQL = f"""
-SELECT d.destination, COALESCE(d.limit_in_flight, (
-    SELECT min(CAST(p.declared_in_flight ->> d.destination AS integer)) FROM outbox_process p
-    WHERE p.declared_in_flight ? d.destination AND {LIVE}))
-FROM outbox_destination d
-WHERE d.limit_in_flight IS NOT NULL OR d.declared_in_flight IS NOT NULL
+WITH declared AS ({LIVE_DECLARATIONS_SQL})
+SELECT COALESCE(o.destination, declared.destination), COALESCE(o.limit_in_flight, declared.n)
+FROM (SELECT destination, limit_in_flight FROM outbox_destination WHERE limit_in_flight IS NOT NULL) AS o
+FULL JOIN declared ON declared.destination = o.destination
 ORDER BY 1
 """
 

@@ -16,7 +16,7 @@ from ..schema import FLOOR_TABLE
 from .sql import (
     BREAKER_CLOSE_SET,
     EPISODE_START_SQL,
-    LIVE,
+    LIVE_DECLARATIONS_SQL,
     cached_text,
     follow_sql,
     for_sqlalchemy,
@@ -401,12 +401,7 @@ def resume_destination(connection: Connection, destination: str, *, by: str) -> 
 # claim's trigger, migration 0023, reads under its lock). In flight: as the trigger counts (rows
 # ``in_flight``, and unknown rows until their ``landing_until``).
 _LIMITS = f"""
-    WITH declared AS (
-        SELECT d.key AS destination, min(CAST(d.value AS integer)) AS n
-        FROM outbox_process p, jsonb_each_text(p.declared_in_flight) AS d
-        WHERE {LIVE}
-        GROUP BY d.key
-    )
+    WITH declared AS ({LIVE_DECLARATIONS_SQL})
     SELECT COALESCE(o.destination, declared.destination) AS destination, o.limit_in_flight,
            declared.n AS declared_in_flight,
            COALESCE(o.limit_in_flight, declared.n) AS holds,

@@ -45,22 +45,14 @@ ON CONFLICT (destination) DO UPDATE SET declared_in_flight = EXCLUDED.declared_i
 # Hints no live process backs any more (the declaring process stopped or went quiet, or a deploy
 # dropped the declaration), cleared under the rows' lock and on a snapshot taken after it: a
 # process whose first beat commits meanwhile writes its hint after this, never before it.
-_ANY_STALE_HINT = f"""
-SELECT EXISTS (
-    SELECT 1 FROM outbox_destination e
-    WHERE e.declared_in_flight IS NOT NULL
-      AND NOT EXISTS (SELECT 1 FROM outbox_process p WHERE p.declared_in_flight ? e.destination AND {LIVE})
-)
-"""
+_STALE_HINT = f"""e.declared_in_flight IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM outbox_process p WHERE p.declared_in_flight ? e.destination AND {LIVE})"""
+_ANY_STALE_HINT = f"SELECT EXISTS (SELECT 1 FROM outbox_destination e WHERE {_STALE_HINT})"
 _STALE_HINTS = """
 SELECT destination FROM outbox_destination
 WHERE declared_in_flight IS NOT NULL ORDER BY destination FOR NO KEY UPDATE
 """
-_CLEAR_STALE_HINTS = f"""
-UPDATE outbox_destination e SET declared_in_flight = NULL
-WHERE e.declared_in_flight IS NOT NULL
-  AND NOT EXISTS (SELECT 1 FROM outbox_process p WHERE p.declared_in_flight ? e.destination AND {LIVE})
-"""
+_CLEAR_STALE_HINTS = f"UPDATE outbox_destination e SET declared_in_flight = NULL WHERE {_STALE_HINT}"
 
 _STOP = """
 UPDATE outbox_process

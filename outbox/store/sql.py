@@ -174,3 +174,13 @@ LIVE = (
     "stopped_at IS NULL AND last_seen_at > now() - "
     f"(interval_seconds * {LIVE_INTERVALS} + {LIVE_SLACK_SECONDS}) * interval '1 second'"
 )
+
+#: The in-flight limits that live processes' handlers declare (outbox.limits): the lowest for each
+#: destination, as ``(destination, n)`` rows. Migration 0023's claim trigger reads the same, for
+#: its one destination.
+LIVE_DECLARATIONS_SQL = f"""
+SELECT d.key AS destination, min(CAST(d.value AS integer)) AS n
+FROM outbox_process p, jsonb_each_text(p.declared_in_flight) AS d
+WHERE {LIVE}
+GROUP BY d.key
+"""
