@@ -1,5 +1,5 @@
-"""What migrations 0022's and 0023's triggers cost a delivery (issue 30): the claim -> record cycle of this
-code's own statements (``outbox.store``), with the triggers enabled and disabled, in one
+"""What migrations 0022's, 0023's and 0024's triggers cost a delivery (issue 30): the claim ->
+record cycle of this code's own statements (``outbox.store``), with the triggers enabled and disabled, in one
 run, alternating blocks, on one database:
 
 * **plain** rows (no ordering key): the triggers' ``WHEN`` is all they meet;
@@ -11,6 +11,9 @@ run, alternating blocks, on one database:
   claim reaches): the limit trigger locks the destination's row and counts its calls in flight.
   A plain row's claim runs that function too (its WHEN cannot know the destination's limit): it
   reads the destination's row and returns.
+* **paced**: plain rows of a destination with a calls-per-second limit (migration 0024; a rate so
+  high that no claim waits): the trigger locks the destination's row and books each start,
+  one more UPDATE of that row per claim.
 
 Each figure is microseconds per row, median of the blocks; the ratio is enabled / disabled.
 One connection, autocommit, as the worker sends them: round trips dominate both sides, so the
@@ -55,7 +58,7 @@ FUNCTIONS = [
     "outbox_message_in_flight_limit",
 ]
 ROWS_PER_KEY = 10
-KINDS = ("plain", "ordered", "old settle", "limited")
+KINDS = ("plain", "ordered", "old settle", "limited", "paced")
 
 
 def write(conn: Any, n: int, ordered: bool, tag: str) -> list[int]:
@@ -131,11 +134,13 @@ def main() -> None:
                     for enabled in (True, False) if block % 2 == 0 else (False, True):
                         set_triggers(conn, enabled)
                         limit = 1_000_000 if kind == "limited" else None
+                        rate = 1_000_000 if kind == "paced" else None
                         conn.execute(
-                            "INSERT INTO outbox_destination (destination, limit_in_flight) "
-                            "VALUES (%s, %s) ON CONFLICT (destination) "
-                            "DO UPDATE SET limit_in_flight = EXCLUDED.limit_in_flight",
-                            (DEST, limit),
+                            "INSERT INTO outbox_destination (destination, limit_in_flight, limit_per_second) "
+                            "VALUES (%s, %s, %s) ON CONFLICT (destination) "
+                            "DO UPDATE SET limit_in_flight = EXCLUDED.limit_in_flight, "
+                            "limit_per_second = EXCLUDED.limit_per_second",
+                            (DEST, limit, rate),
                         )
                         ids = write(
                             conn, args.n, kind == "ordered", f"b{block}{kind.replace(' ', '')}{int(enabled)}"

@@ -32,7 +32,7 @@ from typing import Any, TypeAlias
 import httpx
 import psycopg
 
-from . import aio, breaker, chains, logs, metrics, pauses, payloads, policy, store, tracing
+from . import aio, breaker, chains, limits, logs, metrics, pauses, payloads, policy, store, tracing
 from .db import connect_raw, tolerate_unloadable
 from .failover import FailoverGuard
 from .failpoints import failpoint
@@ -261,14 +261,19 @@ async def _task(call: _Call) -> None:
 
 class _CallAsked:
     """What a delivery run asks of its driver before it goes on: this handler's call for this
-    claimed row, bounded from ``sent_at`` (Deliverer._call or Deliverer._call_on_loop)."""
+    claimed row, bounded from ``sent_at`` (Deliverer._call or Deliverer._call_on_loop), started
+    no earlier than ``not_before`` (this process's monotonic clock: the start its paced
+    destination booked, outbox.limits)."""
 
-    __slots__ = ("claimed", "handler", "sent_at")
+    __slots__ = ("claimed", "handler", "not_before", "sent_at")
 
-    def __init__(self, handler: Handler, claimed: store.delivery.Claimed, sent_at: float) -> None:
+    def __init__(
+        self, handler: Handler, claimed: store.delivery.Claimed, sent_at: float, not_before: float = 0.0
+    ) -> None:
         self.handler = handler
         self.claimed = claimed
         self.sent_at = sent_at
+        self.not_before = not_before
 
 
 class _Pause:
@@ -396,39 +401,51 @@ class _LockWait:
         return delay
 
 
+def _limits_text(in_flight: int | None, per_second: float | None) -> str:
+    parts = [
+        f"{in_flight} calls in flight" if in_flight is not None else "",
+        f"{per_second:g} calls/s" if per_second else "",
+    ]
+    return " and ".join(p for p in parts if p) or "its limits"
+
+
 class _Hold:
-    """The pauses of one claim its destination's in-flight limit keeps refusing: doubling, given
-    up after :data:`HOLD_MAX_SECONDS` (the message is then acked, the row left `dispatched`)."""
+    """The pauses of one claim its destination's limits keep refusing: doubling, and never shorter
+    than the wait until a paced destination's next start can be booked; given up after
+    :data:`HOLD_MAX_SECONDS` (the message is then acked, the row left `dispatched`)."""
 
-    __slots__ = ("delay", "destination", "limit", "row_id", "since")
+    __slots__ = ("delay", "destination", "limits", "row_id", "since")
 
-    def __init__(self, row_id: int, destination: str, limit: int) -> None:
+    def __init__(self, row_id: int, destination: str, limits: str) -> None:
         self.row_id = row_id
         self.destination = destination
-        self.limit = limit
+        self.limits = limits
         self.since = time.monotonic()
         self.delay = HOLD_RETRY_SECONDS[0]
         logger.debug(
-            "outbox row %s held: destination %s is at its in-flight limit (%d)",
+            "outbox row %s held: destination %s is at its limit (%s)",
             row_id,
             destination,
-            limit,
+            limits,
             extra={"outbox_id": row_id, "destination": destination, "outbox_run": "held"},
         )
 
-    def next_pause(self) -> float | None:
+    def next_pause(self, at_least: float = 0.0) -> float | None:
+        """The pause before the next try, or None: give the message up. ``at_least``: seconds
+        until the limit can let the claim through (a paced destination's booked starts)."""
         if time.monotonic() - self.since >= HOLD_MAX_SECONDS:
             logger.info(
-                "outbox row %s not claimed: destination %s stayed at its in-flight limit (%d) for "
+                "outbox row %s not claimed: destination %s stayed at its limit (%s) for "
                 "%.0f s; the row waits dispatched for its re-dispatch",
                 self.row_id,
                 self.destination,
-                self.limit,
+                self.limits,
                 HOLD_MAX_SECONDS,
                 extra={"outbox_id": self.row_id, "destination": self.destination, "outbox_run": "held"},
             )
             return None
-        delay = self.delay * random.uniform(0.8, 1.2)
+        # Jittered, so that the deliveries a limit holds do not all try again at one instant.
+        delay = max(self.delay, at_least) * random.uniform(0.8, 1.2)
         self.delay = min(self.delay * 2, HOLD_RETRY_SECONDS[1])
         return delay
 
@@ -655,8 +672,8 @@ class Deliverer:
                 self._pools[name].give(conn)
 
     def warm_thread(self) -> None:
-        """Open the pools' connections (as far as the threads booting at once take them) and
-        start the calling thread's call thread before its first message: a worker's first
+        """Open the pools' connections (as far as the threads booting at once take them), start
+        the calling thread's call thread and make its HTTP clients before its first message: a worker's first
         deliveries otherwise paid for them all at once, its threads contending for one
         interpreter (a few hundred milliseconds after a start). Best effort: a failure is left
         for the first delivery to meet, and report, as it would have."""
@@ -664,7 +681,12 @@ class Deliverer:
             self._conn("claim_conn")
             self._conn("record_conn")
             self._put_back("claim_conn", "record_conn")
-            self._caller()
+            caller = self._caller()
+            # And its HTTP clients: on a paced destination a call that starts late bunches with
+            # the next ones on time.
+            for handler in self.handlers.values():
+                if not handler.is_async:
+                    caller.deliveries.client(handler)
         except Exception as exc:
             logger.debug(
                 "worker thread not warmed up (%s); its first delivery connects",
@@ -743,6 +765,9 @@ class Deliverer:
                     time.sleep(step.seconds)
                     step = steps.send(None)
                 else:
+                    wait = step.not_before - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
                     step = steps.send(self._call(step.handler, step.claimed, step.sent_at))
         except StopIteration as done:
             result: DeliveryResult = done.value
@@ -782,6 +807,9 @@ class Deliverer:
                 await asyncio.sleep(step.seconds)
                 step = await in_thread(self._advance, steps, None, after)
             else:
+                wait = step.not_before - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
                 called = await self._call_on_loop(step.handler, step.claimed, step.sent_at)
                 step = await in_thread(self._advance, steps, called, after)
         metrics.count_delivery(destination, step.value, observed)
@@ -838,7 +866,10 @@ class Deliverer:
         else:
             # Not held across the call: another delivery's claim or record may use them meanwhile.
             self._put_back("claim_conn", "record_conn")
-            answer = yield _CallAsked(handler, claimed, sent_at)
+            # A paced destination's start, counted from here: after the claim's reply came, so
+            # never before the start the database booked.
+            not_before = claimed_at + claimed.pace_seconds
+            answer = yield _CallAsked(handler, claimed, sent_at, not_before)
             assert answer is not None  # a call is answered with its outcome
             called, http_status = answer
             if isinstance(called, _NotCalled):
@@ -846,7 +877,7 @@ class Deliverer:
             decision, chosen = called, None
             observed.called = True
             observed.http_status = http_status
-            observed.call_seconds = time.monotonic() - claimed_at
+            observed.call_seconds = time.monotonic() - max(claimed_at, not_before)
         failpoint("after_call")
         verdict = self._verdict(handler, claimed, decision, chosen, observed)
         recorded = yield from self._record(
@@ -888,6 +919,7 @@ class Deliverer:
                 lease_seconds=handler.lease_seconds,
                 key_ttl=handler.key_ttl if handler.idempotent else None,
                 skip_when_failed=handler.on_failed_head == "skip",
+                pace_ahead_seconds=handler.pace_ahead_seconds,
             )
         except psycopg.errors.LockNotAvailable:
             # Rolled back: each row waits for its lock in its own delivery, without a connection.
@@ -969,8 +1001,10 @@ class Deliverer:
         locked = _LockWait(row_id)
         held: _Hold | None = None
         while True:
-            if handler.max_in_flight is not None and not self._declarations_fresh():
-                held = held or _Hold(row_id, destination, handler.max_in_flight)
+            if handler.declares_limits and not self._declarations_fresh():
+                held = held or _Hold(
+                    row_id, destination, _limits_text(handler.max_in_flight, handler.max_calls_per_second)
+                )
                 delay = held.next_pause()
                 if delay is None or self.stopping.is_set():
                     return DeliveryResult.HELD
@@ -990,6 +1024,7 @@ class Deliverer:
                     token=token,
                     key_ttl=handler.key_ttl if handler.idempotent else None,
                     skip_when_failed=handler.on_failed_head == "skip",
+                    pace_ahead_seconds=handler.pace_ahead_seconds,
                 )
             except psycopg.errors.LockNotAvailable:
                 # The server refused the wait: the claim rolled back. Wait without the connection
@@ -1011,8 +1046,10 @@ class Deliverer:
             limit = store.delivery.held_by_limit(conn, row_id=row_id, destination=destination, token=token)
             if limit is None:
                 break
-            held = held or _Hold(row_id, destination, limit)
-            delay = held.next_pause()
+            held = held or _Hold(row_id, destination, _limits_text(limit.in_flight, limit.per_second))
+            delay = held.next_pause(
+                limits.rebook_seconds(limit.booked_ahead_seconds, handler.pace_ahead_seconds)
+            )
             if delay is None or self.stopping.is_set():
                 return DeliveryResult.HELD
             self._put_back("claim_conn")

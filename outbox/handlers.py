@@ -30,8 +30,10 @@ from .settings import (
     DEFAULT_KEY_TTL_SECONDS,
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_TIME_LIMIT_SECONDS,
+    MAX_CALLS_PER_SECOND,
     MAX_START_MARGIN_SECONDS,
     MIN_LEASE_MARGIN_SECONDS,
+    PACE_AHEAD_SECONDS,
     default_lease_seconds,
 )
 from .validation import destination_problem
@@ -273,9 +275,17 @@ class Handler:
     #: At most this many calls of the destination at once over every worker (outbox.limits), or
     #: None: no limit declared. The lowest that live workers declare holds; `outbox limit` over it.
     max_in_flight: int | None = None
+    #: At most this many calls of the destination a second over every worker, their starts
+    #: spaced 1/rate apart (outbox.limits), or None. The lowest that live workers declare holds.
+    max_calls_per_second: float | None = None
 
     def __call__(self, delivery: Delivery) -> Any:
         return self.fn(delivery)
+
+    @property
+    def declares_limits(self) -> bool:
+        """Whether the handler declares a limit that its worker's heartbeat must keep alive."""
+        return self.max_in_flight is not None or self.max_calls_per_second is not None
 
     @property
     def is_async(self) -> bool:
@@ -327,6 +337,14 @@ class Handler:
         ``time_limit`` plus this left, by its own clock since it sent the claim. Half the lease's
         margin over ``time_limit``, at most 5 s; the other half absorbs the claim's own wait."""
         return min(MAX_START_MARGIN_SECONDS, (self.lease_seconds - self.time_limit) / 2)
+
+    @property
+    def pace_ahead_seconds(self) -> float:
+        """How far ahead a claim may book its call's start on a paced destination
+        (outbox.limits): a second, or half the room the start bound leaves if less, so that a
+        booked call always starts within its bound."""
+        room = self.lease_seconds - self.time_limit - self.start_margin_seconds
+        return max(0.0, min(PACE_AHEAD_SECONDS, room / 2))
 
     @property
     def call_deadline_seconds(self) -> float:
@@ -707,6 +725,7 @@ def handler(
     upgrades: Mapping[int, payloads.Upgrade] | None = None,
     on_failed_head: str = "block",
     max_in_flight: int | None = None,
+    max_calls_per_second: float | None = None,
 ) -> Callable[[Callable[[Delivery], Any]], Handler]:
     """Declare the handler of ``destination`` (all timings in seconds).
 
@@ -731,6 +750,9 @@ def handler(
     ``max_in_flight=N``: at most N calls of the destination at once, over every worker process
     (outbox.limits, docs/flow-control.md); the lowest that live workers declare holds, and
     ``outbox limit D --in-flight N`` overrides it without a deploy.
+    ``max_calls_per_second=R`` (may be fractional: 0.5 is one call every 2 s): the calls of the
+    destination start at most R a second over every worker, spaced 1/R s apart, a group's calls
+    included; the lowest live declaration holds, ``outbox limit D --per-second R`` overrides it.
     A declaration with any of :meth:`Handler.problems` raises ConfigError listing them all.
     """
     valid_limit = isinstance(time_limit, int | float) and time_limit > 0
@@ -758,6 +780,15 @@ def handler(
         isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1
     ):
         problems.append(f"max_in_flight must be a positive int or None, got {max_in_flight!r}")
+    if max_calls_per_second is not None and (
+        isinstance(max_calls_per_second, bool)
+        or not isinstance(max_calls_per_second, int | float)
+        or not 0 < max_calls_per_second <= MAX_CALLS_PER_SECOND
+    ):
+        problems.append(
+            f"max_calls_per_second must be a number above 0 and at most {MAX_CALLS_PER_SECOND}, "
+            f"or None, got {max_calls_per_second!r}"
+        )
     if problems:
         raise ConfigError("handler " + "; ".join(problems))
     assert lease is not None
@@ -779,6 +810,7 @@ def handler(
             upgrades=dict(upgrades) if upgrades else None,
             on_failed_head=on_failed_head,
             max_in_flight=max_in_flight,
+            max_calls_per_second=float(max_calls_per_second) if max_calls_per_second is not None else None,
         )
         with _registry_lock:
             existing = _registry.get(destination)

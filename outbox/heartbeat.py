@@ -154,10 +154,13 @@ class Heartbeat:
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         pooled: bool = False,
         declared_in_flight: Mapping[str, int] | None = None,
+        declared_per_second: Mapping[str, float] | None = None,
     ) -> None:
         self.database_url = database_url
         #: The in-flight limits this process's handlers declare, by destination (outbox.limits).
         self.declared_in_flight = dict(declared_in_flight or {})
+        #: The calls a second this process's handlers declare, by destination (outbox.limits).
+        self.declared_per_second = dict(declared_per_second or {})
         #: Through a pooler in transaction mode: each beat is one statement.
         self.pooled = pooled
         self.id = uuid.uuid4()
@@ -211,6 +214,7 @@ class Heartbeat:
                 "schema_oldest": self.schema_oldest,
                 "schema_newest": self.schema_newest,
                 "declared": Jsonb(self.declared_in_flight) if self.declared_in_flight else None,
+                "declared_rates": Jsonb(self.declared_per_second) if self.declared_per_second else None,
             },
         )
         self.last_beat_at = sent_at
@@ -238,7 +242,7 @@ class Heartbeat:
                 return
 
     def start(self) -> Heartbeat:
-        if self.declared_in_flight:
+        if self.declared_in_flight or self.declared_per_second:
             # A declared limit holds from this process's first claim: no claim before the first
             # beat that writes it has committed.
             for attempt in range(FIRST_BEAT_TRIES):

@@ -269,11 +269,13 @@ FROM outbox_message WHERE state = 'failed' GROUP BY destination
 
 PAUSED_SQL = "SELECT destination FROM outbox_destination WHERE paused_until > now() ORDER BY 1"
 BREAKERS_SQL = "SELECT destination FROM outbox_destination WHERE breaker_opened_at IS NOT NULL ORDER BY 1"
-# The in-flight limit that holds (outbox.limits): the operator's, else the lowest live declaration.
+# The limits that hold (outbox.limits): the operator's, else the lowest live declaration.
 LIMITS_SQL = f"""
 WITH declared AS ({LIVE_DECLARATIONS_SQL})
-SELECT COALESCE(o.destination, declared.destination), COALESCE(o.limit_in_flight, declared.n)
-FROM (SELECT destination, limit_in_flight FROM outbox_destination WHERE limit_in_flight IS NOT NULL) AS o
+SELECT COALESCE(o.destination, declared.destination), COALESCE(o.limit_in_flight, declared.n),
+       COALESCE(o.limit_per_second, declared.rate)
+FROM (SELECT destination, limit_in_flight, limit_per_second FROM outbox_destination
+      WHERE limit_in_flight IS NOT NULL OR limit_per_second IS NOT NULL) AS o
 FULL JOIN declared ON declared.destination = o.destination
 ORDER BY 1
 """
@@ -296,6 +298,8 @@ class DatabaseReading:
     breakers: list[str] = field(default_factory=list)
     #: destination -> the in-flight limit that holds (outbox.limits)
     limits: dict[str, int] = field(default_factory=dict)
+    #: destination -> the calls a second that hold (outbox.limits)
+    rates: dict[str, float] = field(default_factory=dict)
     #: every destination to export, zeros included (the handlers' and the table's)
     destinations: list[str] = field(default_factory=list)
     #: ordering keys held back by their head, and for how long the longest (outbox.ops.ordering)
@@ -318,7 +322,9 @@ def read_database(conn: Any) -> DatabaseReading:
     reading.no_consumer = sorted({g.destination for g in gaps})
     reading.paused = [r[0] for r in conn.execute(PAUSED_SQL).fetchall()]
     reading.breakers = [r[0] for r in conn.execute(BREAKERS_SQL).fetchall()]
-    reading.limits = {d: int(n) for d, n in conn.execute(LIMITS_SQL).fetchall() if n is not None}
+    limit_rows = conn.execute(LIMITS_SQL).fetchall()
+    reading.limits = {d: int(n) for d, n, _ in limit_rows if n is not None}
+    reading.rates = {d: float(r) for d, _, r in limit_rows if r is not None}
     keys, oldest = conn.execute(BLOCKED_SUMMARY_SQL).fetchone()
     reading.blocked_keys = int(keys)
     reading.oldest_block_seconds = float(oldest) if oldest is not None else None
@@ -411,6 +417,16 @@ class _DatabaseCollector(Collector):
         for d in sorted(set(destinations) | set(reading.limits)):
             limits.add_metric([d], reading.limits.get(d, 0))
         yield limits
+        rates = GaugeMetricFamily(
+            "outbox_destination_calls_per_second_limit",
+            "The most calls of a destination a second over every worker, their starts spaced "
+            "evenly (outbox limit --per-second, or the lowest max_calls_per_second live workers "
+            "declare); 0 when none holds.",
+            labels=["destination"],
+        )
+        for d in sorted(set(destinations) | set(reading.rates)):
+            rates.add_metric([d], reading.rates.get(d, 0.0))
+        yield rates
         blocked = GaugeMetricFamily(
             "outbox_ordering_blocked_keys",
             "Ordering keys held back by their head (failed, unknown, in flight, or waiting for a "

@@ -59,8 +59,9 @@ def current_revision(connection: Connection) -> str | None:
 #: 0022 the heartbeat's schema range and ``outbox_feature`` (outbox.features), which every
 #: process's beat writes and ``write`` relies on to refuse a feature an older process would break;
 #: 0023 the in-flight limits (``declared_in_flight``, ``landing_until``) that the heartbeat, the
-#: record and the lease expiry write (outbox.limits).
-SCHEMA_OLDEST = "0023"
+#: record and the lease expiry write (outbox.limits); 0024 the rates (``declared_per_second``,
+#: ``call_at``) that the heartbeat writes and the claim returns.
+SCHEMA_OLDEST = "0024"
 
 #: Advisory lock serialising concurrent migrations: held for the session by :func:`upgrade`, for
 #: the transaction by env.py (which also serves a plain ``alembic`` run).

@@ -468,3 +468,21 @@ outbox_process.append_column(Column("declared_in_flight", JSONB, nullable=True))
 # Until when an unknown row's call may still land at the provider (a lease that expired, a call
 # that timed out): counted as in flight by the claim trigger until then (outbox.limits).
 outbox_message.append_column(Column("landing_until", DateTime(timezone=True), nullable=True))
+
+# -- Issue 33 part 2 (migration 0024): calls per second (outbox.limits) ---------------------------
+# The operator's rate (`outbox limit D --per-second R`), the hint that live processes declare one,
+# and the earliest start the destination's next call may have (the claim trigger books it).
+outbox_destination.append_column(Column("limit_per_second", DOUBLE_PRECISION, nullable=True))
+outbox_destination.append_column(Column("declared_per_second", DOUBLE_PRECISION, nullable=True))
+outbox_destination.append_column(Column("next_call_at", DateTime(timezone=True), nullable=True))
+outbox_destination.append_constraint(
+    CheckConstraint(
+        "(limit_per_second IS NULL OR (limit_per_second > 0 AND limit_per_second <= 1000000))"
+        " AND (declared_per_second IS NULL OR (declared_per_second > 0 AND declared_per_second <= 1000000))",
+        name="outbox_destination_limit_per_second_check",
+    )
+)
+# What each process's handlers declare, by destination ({"payments.charge": 50.0}).
+outbox_process.append_column(Column("declared_per_second", JSONB, nullable=True))
+# When the claimed call may start (a paced destination's claim books it; NULL otherwise).
+outbox_message.append_column(Column("call_at", DateTime(timezone=True), nullable=True))

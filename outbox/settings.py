@@ -42,6 +42,12 @@ DEFAULT_NO_CONSUMER_CYCLES = 3
 #: by itself continues its episode (outbox.pauses, outbox.breaker): a provider answering "503,
 #: Retry-After: 55" to every probe makes a chain of short holds, which is one outage, alerted once.
 DESTINATION_EPISODE_GAP_SECONDS = 300
+#: The highest rate a destination may be given (``max_calls_per_second``, ``outbox limit
+#: --per-second``), as migration 0024's CHECK has it: far above any provider's.
+MAX_CALLS_PER_SECOND = 1_000_000
+#: How far ahead a paced destination's claim may book its call's start (migration 0024's trigger
+#: has the same): a second, or a quarter of the claim's lease if shorter.
+PACE_AHEAD_SECONDS = 1.0
 DEFAULT_CLOCK_SKEW_WARN_SECONDS = 2.0
 DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS = 30.0
 #: Connections an async handler's client keeps to its provider at most, per process and

@@ -84,14 +84,24 @@ def run_worker(
         concurrency=concurrency,
         slots_per_destination=slots_per_destination,
     )
-    # Before the first fetch: its first beat writes the in-flight limits the handlers declare.
+    # Before the first fetch: its first beat writes the limits the handlers declare.
     declared = {
         d: h.max_in_flight for d, h in handlers.items() if h.max_in_flight is not None and d in destinations
     }
+    rates = {
+        d: h.max_calls_per_second
+        for d, h in handlers.items()
+        if h.max_calls_per_second is not None and d in destinations
+    }
     heartbeat = start_heartbeat(
-        database_url, destinations, heartbeat_interval_seconds, pooled=pooled, declared_in_flight=declared
+        database_url,
+        destinations,
+        heartbeat_interval_seconds,
+        pooled=pooled,
+        declared_in_flight=declared,
+        declared_per_second=rates,
     )
-    if declared:
+    if declared or rates:
         deliverer.declarations_fresh = heartbeat.declarations_fresh
     try:
         runner.start()
@@ -137,9 +147,10 @@ def start_heartbeat(
     *,
     pooled: bool = False,
     declared_in_flight: Mapping[str, int] | None = None,
+    declared_per_second: Mapping[str, float] | None = None,
 ) -> Heartbeat:
     """The worker's heartbeat thread: "no consumer" alerts and the clock-skew check read it, and
-    it writes the in-flight limits the worker's handlers declare (outbox.limits)."""
+    it writes the limits the worker's handlers declare (outbox.limits)."""
     return Heartbeat(
         database_url,
         kind="worker",
@@ -147,6 +158,7 @@ def start_heartbeat(
         interval_seconds=interval_seconds,
         pooled=pooled,
         declared_in_flight=declared_in_flight,
+        declared_per_second=declared_per_second,
     ).start()
 
 

@@ -1,4 +1,5 @@
-"""``outbox limit [D] [--in-flight N --reason R | --clear]`` (outbox.limits holds the rules)."""
+"""``outbox limit [D] [--in-flight N] [--per-second R] --reason R | --clear`` (outbox.limits holds the
+rules)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,18 @@ def arguments(p: argparse.ArgumentParser) -> None:
     _describe(
         p,
         """
-        Cap how many calls of a destination may be in flight at once, over every worker process
-        on every machine: from the next claim on, a claim that would exceed it moves nothing (the
-        database's claim trigger counts the destination's rows in_flight under a lock). A worker
-        holds such a delivery, its message not acked, and claims it once a call ends; no attempt
-        is spent. Calls already in flight finish. The operator's limit overrides one the
-        handlers declare (@outbox.handler(..., max_in_flight=N)); --clear ends it.
-        Without --in-flight or --clear: the limits that hold, with the calls in flight now.
+        Cap a destination's calls over every worker process on every machine, from the next
+        claim on. --in-flight N: at most N calls under way at once (the database's claim trigger
+        counts the destination's rows in_flight under a lock). --per-second R: call starts
+        spaced 1/R seconds apart (R may be fractional: 0.5 is one call every 2 s); each claim
+        books its start, at most a second ahead. A worker holds a delivery a limit refuses, its
+        message not acked, and claims it once the limit lets it; no attempt is spent. Calls
+        already under way finish. The operator's limits override what the handlers declare
+        (@outbox.handler(..., max_in_flight=N, max_calls_per_second=R)); setting one kind keeps
+        the other; --clear ends both. Without a limit or --clear: the limits that hold, with the
+        calls in flight now and the rows waiting.
 
+        outbox limit payments.charge --per-second 50 --reason "provider allows 50 requests/s"
         outbox limit payments.charge --in-flight 10 --reason "provider allows 10 connections"
         outbox limit payments.charge --clear
         outbox limit
@@ -31,8 +36,11 @@ def arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("destination", nargs="?", help="the destination (queue); none: list every limit")
     p.add_argument("--in-flight", type=int, metavar="N", help="at most N calls at once (1 or more)")
-    p.add_argument("--clear", action="store_true", help="end the operator's limit")
-    p.add_argument("--reason", help="why (required with --in-flight): shown by outbox limit and status")
+    p.add_argument(
+        "--per-second", type=float, metavar="R", help="at most R calls a second, starts spaced 1/R s apart"
+    )
+    p.add_argument("--clear", action="store_true", help="end the operator's limits (both kinds)")
+    p.add_argument("--reason", help="why (required with a limit): shown by outbox limit and status")
     p.add_argument("--by", help="who (default: $USER or the login name)")
 
 
@@ -40,17 +48,18 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..limits import clear_limit, limits, set_limit
     from ..ops.actions import default_actor
 
-    if args.clear and args.in_flight is not None:
-        raise ConfigError("--clear or --in-flight N, not both")
+    setting = args.in_flight is not None or args.per_second is not None
+    if args.clear and setting:
+        raise ConfigError("--clear or a limit (--in-flight N, --per-second R), not both")
     if args.destination is None:
-        if args.in_flight is not None or args.clear:
-            raise ConfigError("which destination? outbox limit D --in-flight N --reason R")
+        if setting or args.clear:
+            raise ConfigError("which destination? outbox limit D --per-second R --reason R")
         with _connection(cfg) as conn:
             found = limits(conn)
         if args.json:
             return print_json({"limits": [lim.to_dict() for lim in found]})
         if not found:
-            out("no destination has an in-flight limit")
+            out("no destination has a limit")
         for lim in found:
             out(lim.describe())
         return exits.OK
@@ -59,7 +68,12 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         with _connection(cfg, write=True) as conn:
             cleared = clear_limit(conn, destination, by=args.by or default_actor())
             left = limits(conn, destination)
-        body = {"destination": destination, "cleared": cleared, "holds": left[0].holds if left else None}
+        body = {
+            "destination": destination,
+            "cleared": cleared,
+            "holds": left[0].holds if left else None,
+            "holds_per_second": left[0].holds_per_second if left else None,
+        }
         if not cleared:
             problem = f"{destination} has no operator's limit"
             if args.json:
@@ -68,21 +82,23 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
             return exits.FAILED
         if args.json:
             return print_json(body)
-        after = f"its handlers' declared limit ({left[0].holds}) holds" if left else "no limit holds now"
-        out(f"cleared the in-flight limit of {destination}: {after}")
+        after = f"what its handlers declare holds: {left[0].describe()}" if left else "no limit holds now"
+        out(f"cleared the limits of {destination}: {after}")
         return exits.OK
-    if args.in_flight is None:
+    if not setting:
         with _connection(cfg) as conn:
             found = limits(conn, destination)
         if args.json:
             return print_json({"limits": [lim.to_dict() for lim in found]})
-        out(found[0].describe() if found else f"{destination} has no in-flight limit")
+        out(found[0].describe() if found else f"{destination} has no limit")
         return exits.OK
     if not (args.reason or "").strip():
         raise ConfigError("--reason is required: it is shown to whoever finds the destination limited")
     with _connection(cfg, write=True) as conn:
         by = args.by or default_actor()
-        done = set_limit(conn, destination, in_flight=args.in_flight, by=by, reason=args.reason)
+        done = set_limit(
+            conn, destination, in_flight=args.in_flight, per_second=args.per_second, by=by, reason=args.reason
+        )
         warning = warn_if_unknown(conn, destination, "limited anyway: a limit")
     if args.json:
         return print_json({**done.to_dict(), "warning": warning})

@@ -16,7 +16,7 @@ import psycopg
 
 from .. import chains, db, ordering, outcomes, sanitize
 from ..schema import NOTIFY_CHANNEL
-from ..settings import DESTINATION_EPISODE_GAP_SECONDS
+from ..settings import DESTINATION_EPISODE_GAP_SECONDS, PACE_AHEAD_SECONDS
 from .sql import (
     ASYNC_COMMIT_SQL,
     BREAKER_CLOSE_SET,
@@ -125,7 +125,10 @@ claimed AS (
         -- rows of its ordering key behind it go.
         skip_when_failed = %(skip_when_failed)s,
         claimed_at = clock_timestamp(),
-        lease_expires_at = clock_timestamp() + %(lease_seconds)s * interval '1 second'
+        lease_expires_at = clock_timestamp() + %(lease_seconds)s * interval '1 second',
+        -- The latest start this claim accepts, should its destination be paced: the trigger of
+        -- migration 0024 books the start (or refuses the claim) and puts it here, else NULL.
+        call_at = clock_timestamp() + %(pace_ahead_seconds)s * interval '1 second'
     FROM held
     WHERE m.id = held.id
       AND m.destination = %(destination)s
@@ -145,7 +148,7 @@ claimed AS (
               CASE WHEN m.attempts = 1 AND m.releases = 0 THEN date_part('epoch', m.dispatched_at -
                   CASE WHEN m.last_error IS NULL THEN GREATEST(m.created_at, m.available_at)
                   ELSE m.created_at END) END AS written_to_published,
-              m.trace_context, m.payload_version
+              m.trace_context, m.payload_version, m.call_at
 ), fence AS (
     -- started_at is the clock now, not now(): now() is when the statement arrived, before it
     -- was planned and took the snapshot that let the row go; a claim of the next row of an
@@ -166,7 +169,10 @@ SELECT id, key, step, destination, payload, attempts, deadline, claim_token,
            WHERE a.message_id = claimed.id AND a.claim_token <> claimed.claim_token
              AND """
         + outcomes.may_have_taken_effect_sql("a")
-        + """) ELSE false END
+        + """) ELSE false END,
+       -- A paced destination's booked start (outbox.limits): seconds from now, on the database's
+       -- clock, so that no two machines' clocks need agree.
+       date_part('epoch', call_at - clock_timestamp())
 FROM claimed"""
     )
 
@@ -197,7 +203,7 @@ WITH {_GATE}, aged AS (
 ), {_PROBE}, {_CLAIMED}
 UNION ALL
 SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, false, 0, true, NULL,
-       false
+       false, NULL
 FROM aged
 """
 
@@ -244,7 +250,7 @@ WITH {_GATE}, {_GROUP_ROWS}, aged AS (
 ), {_group_held(f" AND NOT EXISTS ({_GROUP_OLD_CALL})")}, {_GROUP_CLAIMED}
 UNION ALL
 SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL, NULL, NULL, NULL, false, 0, true, NULL,
-       false
+       false, NULL
 FROM aged
 """
 
@@ -434,6 +440,9 @@ class Claimed:
     #: An earlier claim of the row made a call the provider may hold (outbox.outcomes), as the
     #: claim saw it: False for a first attempt.
     earlier_call: bool = False
+    #: Seconds to wait before the call, from when the claim's reply came: its paced destination
+    #: booked this start (outbox.limits); 0 when unpaced or already due.
+    pace_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -455,22 +464,25 @@ class Released:
     waited_seconds: float = 0.0
 
 
-# A claim the in-flight limit refused (migration 0023's trigger) leaves the row as it was: still
+# A claim a limit refused (the trigger of migrations 0023/0024) leaves the row as it was: still
 # claimable, its destination limited. Paused rows, a row behind its ordering key and a row of a
 # payload version not enabled yet are refused for their own reasons and are not held here.
 # The claim statement reserves a half-open breaker's probe before its UPDATE meets the trigger:
 # a probe reserved under the refused claim's token is freed here, or the breaker would wait out
-# that lease for a probe nobody makes.
+# that lease for a probe nobody makes. The rate is the operator's or the hint's (the lowest
+# declared when the hint was written): for the log and the wait, not for the decision.
 _HELD_BY_LIMIT = f"""
 WITH freed AS (
     UPDATE outbox_destination SET breaker_probe_token = NULL, breaker_probe_until = NULL
     WHERE destination = %(destination)s AND breaker_probe_token = %(token)s
     RETURNING destination
 )
-SELECT COALESCE(d.limit_in_flight, d.declared_in_flight)
+SELECT COALESCE(d.limit_in_flight, d.declared_in_flight),
+       COALESCE(d.limit_per_second, d.declared_per_second),
+       date_part('epoch', d.next_call_at - clock_timestamp())
 FROM outbox_destination d JOIN outbox_message m ON m.destination = d.destination
 WHERE d.destination = %(destination)s AND m.id = %(id)s
-  AND COALESCE(d.limit_in_flight, d.declared_in_flight) IS NOT NULL
+  AND COALESCE(d.limit_in_flight, d.declared_in_flight, d.limit_per_second, d.declared_per_second) IS NOT NULL
   AND COALESCE(d.paused_until <= now(), true) AND d.breaker_opened_at IS NULL
   AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
   AND NOT {ordering.blocked_sql("m")}
@@ -478,15 +490,34 @@ WHERE d.destination = %(destination)s AND m.id = %(id)s
 """
 
 
+@dataclass(frozen=True)
+class Held:
+    """Why a claim of a claimable row moved nothing: its destination's limits."""
+
+    #: The in-flight limit, or None.
+    in_flight: int | None
+    #: The calls a second, or None.
+    per_second: float | None
+    #: Seconds until the destination's next call may start (its booked starts run that far
+    #: ahead); None or <= 0: not paced, or no start booked ahead.
+    booked_ahead_seconds: float | None
+
+
 def held_by_limit(
     conn: psycopg.Connection[Any], *, row_id: int, destination: str, token: uuid.UUID | None = None
-) -> int | None:
-    """The in-flight limit that holds ``row_id`` back after an empty claim under ``token`` (the
-    row is still claimable and its destination has a limit), or None: the claim was empty for
-    another reason. Frees a breaker probe that claim reserved."""
+) -> Held | None:
+    """The limits that hold ``row_id`` back after an empty claim under ``token`` (the row is still
+    claimable and its destination has a limit), or None: the claim was empty for another
+    reason. Frees a breaker probe that claim reserved."""
     params = {"destination": destination, "id": row_id, "token": token}
     row = conn.execute(_HELD_BY_LIMIT, params).fetchone()
-    return int(row[0]) if row else None
+    if row is None:
+        return None
+    return Held(
+        int(row[0]) if row[0] is not None else None,
+        float(row[1]) if row[1] is not None else None,
+        float(row[2]) if row[2] is not None else None,
+    )
 
 
 _CLAIM_STATEMENT = db.Statement(_CLAIM)
@@ -504,6 +535,7 @@ def claim(
     token: uuid.UUID | None = None,
     key_ttl: float | None = None,
     skip_when_failed: bool = False,
+    pace_ahead_seconds: float = PACE_AHEAD_SECONDS,
 ) -> Claimed | Aged | None:
     """Move the row to `in_flight` under a new claim token and insert its attempt row.
 
@@ -514,6 +546,8 @@ def claim(
     to know it before the statement is sent: if its reply is lost, the token says whether the
     claim committed. ``key_ttl`` (an idempotent destination's): a row whose earlier call may
     have taken effect longer ago goes to `unknown` instead (:class:`Aged`).
+    ``pace_ahead_seconds``: on a paced destination, the latest start the call may be booked for
+    (outbox.limits), from now; a later one refuses the claim.
     """
     aged_error = _aged_error(key_ttl)
     row = (
@@ -528,6 +562,7 @@ def claim(
                 "key_ttl": key_ttl,
                 "aged_error": aged_error,
                 "skip_when_failed": skip_when_failed,
+                "pace_ahead_seconds": float(pace_ahead_seconds),
             },
         )
         .fetchone()
@@ -569,6 +604,7 @@ def _claim_result(row: Any, aged_error: str | None) -> Claimed | Aged:
         breaker_failures=int(failures),
         payload_version=int(row[16]) if row[16] is not None else 1,
         earlier_call=bool(row[17]),
+        pace_seconds=max(float(row[18]), 0.0) if row[18] is not None else 0.0,
     )
 
 
@@ -586,6 +622,7 @@ def claim_group(
     lease_seconds: float,
     key_ttl: float | None = None,
     skip_when_failed: bool = False,
+    pace_ahead_seconds: float = PACE_AHEAD_SECONDS,
 ) -> dict[int, Claimed | Aged]:
     """Claim the rows of ``tokens`` (row id -> its claim token) in one statement and one commit,
     as :func:`claim` claims one; the result holds the rows claimed (or aged), by id. A row left
@@ -606,6 +643,7 @@ def claim_group(
                 "key_ttl": key_ttl,
                 "aged_error": aged_error,
                 "skip_when_failed": skip_when_failed,
+                "pace_ahead_seconds": float(pace_ahead_seconds),
             },
         )
         .fetchall()

@@ -395,38 +395,48 @@ def resume_destination(connection: Connection, destination: str, *, by: str) -> 
     return row, closed
 
 
-# == destinations (outbox_destination): in-flight limits, `outbox limit` ======================
+# == destinations (outbox_destination): limits, `outbox limit` ====================================
 
-# The limit that holds is the operator's, else the lowest that live processes declare (what the
-# claim's trigger, migration 0023, reads under its lock). In flight: as the trigger counts (rows
-# ``in_flight``, and unknown rows until their ``landing_until``).
+# The limits that hold are the operator's, else the lowest that live processes declare (what the
+# claim's trigger, migrations 0023/0024, reads under its lock), each kind apart. In flight: as
+# the trigger counts (rows ``in_flight``, and unknown rows until their ``landing_until``).
+# Waiting: rows published and not claimed yet, and since when the oldest of them waits.
 _LIMITS = f"""
     WITH declared AS ({LIVE_DECLARATIONS_SQL})
-    SELECT COALESCE(o.destination, declared.destination) AS destination, o.limit_in_flight,
-           declared.n AS declared_in_flight,
+    SELECT COALESCE(o.destination, declared.destination) AS destination,
+           o.limit_in_flight, declared.n AS declared_in_flight,
            COALESCE(o.limit_in_flight, declared.n) AS holds,
+           o.limit_per_second, declared.rate AS declared_per_second,
+           COALESCE(o.limit_per_second, declared.rate) AS holds_per_second,
            o.limit_reason, o.limit_set_by, o.limit_set_at,
            (SELECT count(*) FROM outbox_message m
             WHERE m.destination = COALESCE(o.destination, declared.destination)
               AND (m.state = 'in_flight'
                    OR (m.state = 'unknown' AND m.available_at > now()
                        AND m.landing_until > now()))) AS in_flight,
-           (SELECT count(*) FROM outbox_message m
-            WHERE m.destination = COALESCE(o.destination, declared.destination)
-              AND m.state = 'dispatched') AS waiting
-    FROM (SELECT * FROM outbox_destination WHERE limit_in_flight IS NOT NULL) AS o
+           w.waiting, w.waiting_since
+    FROM (SELECT * FROM outbox_destination
+          WHERE limit_in_flight IS NOT NULL OR limit_per_second IS NOT NULL) AS o
     FULL JOIN declared ON declared.destination = o.destination
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS waiting, min(m.dispatched_at) AS waiting_since FROM outbox_message m
+        WHERE m.destination = COALESCE(o.destination, declared.destination)
+          AND m.state = 'dispatched'
+    ) AS w
     WHERE CAST(:destination AS text) IS NULL OR COALESCE(o.destination, declared.destination) = :destination
     ORDER BY 1
 """
 
+# A kind not given keeps the operator's value it had; the reason, who and when are the latest.
 _SET_LIMIT = text(
     """
     INSERT INTO outbox_destination AS d
-        (destination, limit_in_flight, limit_reason, limit_set_by, limit_set_at)
-    VALUES (:destination, :in_flight, :reason, :by, now())
+        (destination, limit_in_flight, limit_per_second, limit_reason, limit_set_by, limit_set_at)
+    VALUES (:destination, :in_flight, :per_second, :reason, :by, now())
     ON CONFLICT (destination) DO UPDATE
-    SET limit_in_flight = EXCLUDED.limit_in_flight, limit_reason = EXCLUDED.limit_reason,
+    SET limit_in_flight = COALESCE(EXCLUDED.limit_in_flight, d.limit_in_flight),
+        limit_per_second = COALESCE(EXCLUDED.limit_per_second, d.limit_per_second),
+        limit_reason = EXCLUDED.limit_reason,
         limit_set_by = EXCLUDED.limit_set_by, limit_set_at = EXCLUDED.limit_set_at
     """
 )
@@ -434,25 +444,26 @@ _SET_LIMIT = text(
 _CLEAR_LIMIT = text(
     """
     UPDATE outbox_destination
-    SET limit_in_flight = NULL, limit_reason = NULL, limit_set_by = :by, limit_set_at = now()
-    WHERE destination = :destination AND limit_in_flight IS NOT NULL
+    SET limit_in_flight = NULL, limit_per_second = NULL, limit_reason = NULL, limit_set_by = :by,
+        limit_set_at = now()
+    WHERE destination = :destination AND (limit_in_flight IS NOT NULL OR limit_per_second IS NOT NULL)
     RETURNING destination
     """
 )
 
 
 def limits(connection: Connection, destination: str | None = None) -> list[Any]:
-    """Destinations with an in-flight limit (outbox.limits), or ``destination``'s only."""
+    """Destinations with a limit (outbox.limits), or ``destination``'s only."""
     return list(connection.execute(text(_LIMITS), {"destination": destination}).all())
 
 
 def set_limit(connection: Connection, params: Mapping[str, Any]) -> None:
-    """``outbox limit D --in-flight N``: the operator's limit, over any declared one."""
+    """``outbox limit D --in-flight N --per-second R``: the operator's limits, over any declared."""
     connection.execute(_SET_LIMIT, params)
 
 
 def clear_limit(connection: Connection, destination: str, *, by: str) -> bool:
-    """``outbox limit D --clear``: whether there was an operator's limit to clear."""
+    """``outbox limit D --clear``: whether there was an operator's limit to clear (both kinds)."""
     return connection.execute(_CLEAR_LIMIT, {"destination": destination, "by": by}).first() is not None
 
 

@@ -175,12 +175,20 @@ LIVE = (
     f"(interval_seconds * {LIVE_INTERVALS} + {LIVE_SLACK_SECONDS}) * interval '1 second'"
 )
 
-#: The in-flight limits that live processes' handlers declare (outbox.limits): the lowest for each
-#: destination, as ``(destination, n)`` rows. Migration 0023's claim trigger reads the same, for
-#: its one destination.
+#: The limits that live processes' handlers declare (outbox.limits): the lowest of each kind for
+#: each destination, as ``(destination, n, rate)`` rows (``n``: calls in flight, ``rate``: calls a
+#: second; None where no live process declares that kind). Migrations 0023/0024's claim trigger
+#: reads the same, for its one destination.
 LIVE_DECLARATIONS_SQL = f"""
-SELECT d.key AS destination, min(CAST(d.value AS integer)) AS n
-FROM outbox_process p, jsonb_each_text(p.declared_in_flight) AS d
-WHERE {LIVE}
-GROUP BY d.key
+SELECT destination, min(n) AS n, min(rate) AS rate
+FROM (
+    SELECT d.key AS destination, CAST(d.value AS integer) AS n, CAST(NULL AS float8) AS rate
+    FROM outbox_process p, jsonb_each_text(p.declared_in_flight) AS d
+    WHERE {LIVE}
+    UNION ALL
+    SELECT d.key, NULL, CAST(d.value AS float8)
+    FROM outbox_process p, jsonb_each_text(p.declared_per_second) AS d
+    WHERE {LIVE}
+) AS declared
+GROUP BY destination
 """

@@ -21,6 +21,7 @@ Command line::
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import email.utils
 import json
@@ -64,6 +65,10 @@ _GARBAGE_BODY: Final = b"not json{"
 _MAX_BODY_BYTES: Final = 1 << 20
 # Bounded so that stop() returns even if a handler is stuck somewhere unexpected.
 _STOP_JOIN_SECONDS: Final = 5.0
+
+
+#: How many charge arrival times the simulator keeps (ProviderSimulator.arrivals).
+ARRIVALS_KEPT = 100_000
 
 
 class _BadRequest(Exception):
@@ -235,6 +240,12 @@ class _State:
         self._faults: dict[str, int] = dict.fromkeys(FAULT_MODES, 0)
         #: The most charges served at once since the reset (the requests in flight are not reset).
         self._most_in_flight = self._in_flight
+        #: The charge requests that arrived within the last second (monotonic times), and the
+        #: most that any sliding one-second window held since the reset.
+        self._last_second: collections.deque[float] = collections.deque()
+        self._most_in_one_second = 0
+        #: When each charge request arrived (monotonic), the latest ARRIVALS_KEPT of them.
+        self._arrivals: collections.deque[float] = collections.deque(maxlen=ARRIVALS_KEPT)
         #: The same for lookups (``GET /charges``).
         self._most_lookups_in_flight = self._lookups_in_flight
         self._lookups = 0
@@ -275,18 +286,30 @@ class _State:
                 "traceparents": dict(self._traceparents),
                 "most_in_flight": self._most_in_flight,
                 "in_flight": self._in_flight,
+                "most_in_one_second": self._most_in_one_second,
                 "lookups": self._lookups,
                 "most_lookups_in_flight": self._most_lookups_in_flight,
             }
 
     def enter(self) -> None:
+        now = time.monotonic()
         with self._lock:
             self._in_flight += 1
             self._most_in_flight = max(self._most_in_flight, self._in_flight)
+            window = self._last_second
+            while window and window[0] <= now - 1.0:
+                window.popleft()
+            window.append(now)
+            self._most_in_one_second = max(self._most_in_one_second, len(window))
+            self._arrivals.append(now)
 
     def leave(self) -> None:
         with self._lock:
             self._in_flight -= 1
+
+    def arrivals(self) -> list[float]:
+        with self._lock:
+            return list(self._arrivals)
 
     def enter_lookup(self) -> None:
         with self._lock:
@@ -735,10 +758,16 @@ class ProviderSimulator:
         (sorted keys with more than one effect), ``faults`` (mode -> times injected) and
         ``traceparents`` (key -> the last ``traceparent`` header a charge carried) and
         ``most_in_flight`` (the most charge requests it was serving at once), ``in_flight`` (how
-        many it is serving now), ``lookups``
+        many it is serving now), ``most_in_one_second`` (the most charge requests that arrived
+        within any sliding one-second window), ``lookups``
         (``GET /charges`` received) and ``most_lookups_in_flight`` (the most it served at once).
         """
         return self._state.stats()
+
+    def arrivals(self) -> list[float]:
+        """When each charge request arrived since the reset, on this process's monotonic clock
+        (the latest ARRIVALS_KEPT): for tests of rates, in-process only."""
+        return self._state.arrivals()
 
     def configure(self, **fields: Any) -> dict[str, Any]:
         """Same as ``POST /_config``: update fields, return the whole config.

@@ -786,6 +786,9 @@ def check_timings(run: PageRun, shop: Shop) -> None:
 def check_flow_control(run: PageRun, shop: Shop) -> None:
     handler = run.namespace["send"]
     assert handler.destination == "mail.send" and handler.max_in_flight == 10
+    paced = run.namespace["charge"]
+    assert paced.destination == "payments.charge" and paced.max_calls_per_second == 50
+    assert paced.max_in_flight is None and paced.idempotent
 
 
 def check_not_a_queue(run: PageRun, shop: Shop) -> None:

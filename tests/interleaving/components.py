@@ -722,14 +722,21 @@ def operator_resume(engine: Engine, destination: str) -> bool:
         return pauses.resume(conn, destination, by=OPERATOR).pause is not None
 
 
-def operator_limit(engine: Engine, destination: str, in_flight: int | None) -> str:
-    """``outbox limit D --in-flight N --reason …`` (issue 33), or ``--clear`` (None), as the CLI
-    calls it."""
+def operator_limit(
+    engine: Engine, destination: str, in_flight: int | None, per_second: float | None = None
+) -> str:
+    """``outbox limit D --in-flight N --per-second R --reason …`` (issue 33), or ``--clear``
+    (neither), as the CLI calls it."""
     with engine.begin() as conn:
-        if in_flight is None:
+        if in_flight is None and per_second is None:
             return f"cleared: {limits.clear_limit(conn, destination, by=OPERATOR)}"
         return limits.set_limit(
-            conn, destination, in_flight=in_flight, by=OPERATOR, reason="provider allows few"
+            conn,
+            destination,
+            in_flight=in_flight,
+            per_second=per_second,
+            by=OPERATOR,
+            reason="provider allows few",
         ).describe()
 
 

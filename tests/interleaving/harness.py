@@ -936,14 +936,16 @@ class World:
         )
 
     def step_operator_limit(self) -> None:
-        """``outbox limit D --in-flight N`` (issue 33), 1 to 3 calls at once, or ``--clear``: claims
-        past it move nothing, and a held delivery waits in its worker without an attempt."""
+        """``outbox limit D --in-flight N --per-second R`` (issue 33), 1 to 3 calls at once and/or
+        2 or 10 starts a second, or ``--clear``: claims past it move nothing, a held delivery
+        waits in its worker without an attempt, a paced call starts no earlier than booked."""
         destination = self.rng.choice(c.DESTINATIONS).name
         in_flight = self.rng.choice([None, 1, 2, 3])
+        per_second = self.rng.choice([None, None, 2.0, 10.0])
         self.side_threads.append(
             self._thread(
-                f"operator limit {destination} to {in_flight or 'none'}",
-                lambda: c.operator_limit(self.operator_engine, destination, in_flight),
+                f"operator limit {destination} to {in_flight or 'none'} in flight, {per_second or 'any'}/s",
+                lambda: c.operator_limit(self.operator_engine, destination, in_flight, per_second),
             )
         )
 
