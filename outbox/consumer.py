@@ -444,8 +444,10 @@ class _Hold:
                 extra={"outbox_id": self.row_id, "destination": self.destination, "outbox_run": "held"},
             )
             return None
-        # Jittered, so that the deliveries a limit holds do not all try again at one instant.
-        delay = max(self.delay, at_least) * random.uniform(0.8, 1.2)
+        # Jittered, so that the deliveries a limit holds do not all try again at one instant;
+        # never past the end of the hold (a slow rate's next start may be minutes away).
+        left = HOLD_MAX_SECONDS - (time.monotonic() - self.since)
+        delay = min(max(self.delay, at_least) * random.uniform(0.8, 1.2), max(left, 0.01))
         self.delay = min(self.delay * 2, HOLD_RETRY_SECONDS[1])
         return delay
 

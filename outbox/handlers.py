@@ -32,6 +32,7 @@ from .settings import (
     DEFAULT_TIME_LIMIT_SECONDS,
     MAX_CALLS_PER_SECOND,
     MAX_START_MARGIN_SECONDS,
+    MIN_CALLS_PER_SECOND,
     MIN_LEASE_MARGIN_SECONDS,
     PACE_AHEAD_SECONDS,
     default_lease_seconds,
@@ -341,10 +342,11 @@ class Handler:
     @property
     def pace_ahead_seconds(self) -> float:
         """How far ahead a claim may book its call's start on a paced destination
-        (outbox.limits): a second, or half the room the start bound leaves if less, so that a
-        booked call always starts within its bound."""
+        (outbox.limits): a second, or a quarter of the room the start bound leaves if less: the
+        booking counts from the claim's UPDATE, after any row-lock wait, and the start bound from
+        when the claim was sent, so the rest is for that wait, the commit and the reply."""
         room = self.lease_seconds - self.time_limit - self.start_margin_seconds
-        return max(0.0, min(PACE_AHEAD_SECONDS, room / 2))
+        return max(0.0, min(PACE_AHEAD_SECONDS, room / 4))
 
     @property
     def call_deadline_seconds(self) -> float:
@@ -783,10 +785,10 @@ def handler(
     if max_calls_per_second is not None and (
         isinstance(max_calls_per_second, bool)
         or not isinstance(max_calls_per_second, int | float)
-        or not 0 < max_calls_per_second <= MAX_CALLS_PER_SECOND
+        or not MIN_CALLS_PER_SECOND <= max_calls_per_second <= MAX_CALLS_PER_SECOND
     ):
         problems.append(
-            f"max_calls_per_second must be a number above 0 and at most {MAX_CALLS_PER_SECOND}, "
+            f"max_calls_per_second must be a number from {MIN_CALLS_PER_SECOND} to {MAX_CALLS_PER_SECOND}, "
             f"or None, got {max_calls_per_second!r}"
         )
     if problems:

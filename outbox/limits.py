@@ -15,8 +15,9 @@ In flight: a call counts from its claim until its row leaves ``in_flight`` (reco
 released), and an ``unknown`` one (timed out, or its lease expired) until its first lookup is due
 (``landing_until``): the call may still land at the provider until then.
 
-Per second: each claim books its call's start in the destination's row (``next_call_at``, moved
-on by 1/rate per claim: a GCRA scheduler, the "theoretical arrival time" of the next call), at
+Per second: each claim books its call's start in the destination's row, 1/rate after the last
+one booked (``last_call_at``: a GCRA scheduler with no burst; a new rate spaces the very next
+start), at
 most a second ahead, or less where the handler's start bound needs it (else the claim is
 refused), and the worker starts the call no
 earlier than that (``call_at``, returned by the claim). Starts are spaced 1/rate apart over every
@@ -41,7 +42,7 @@ from sqlalchemy import Connection
 
 from . import sanitize, store
 from .exceptions import ConfigError
-from .settings import MAX_CALLS_PER_SECOND
+from .settings import MAX_CALLS_PER_SECOND, MIN_CALLS_PER_SECOND
 
 #: A limit's reason is kept whole up to this length.
 REASON_CHARS = 2000
@@ -145,8 +146,10 @@ def check_in_flight(value: int) -> int:
 
 def check_per_second(value: float) -> float:
     # Written so that NaN fails too.
-    if not 0 < value <= MAX_CALLS_PER_SECOND:
-        raise ConfigError(f"a rate must be above 0 and at most {MAX_CALLS_PER_SECOND} calls/s, not {value:g}")
+    if not MIN_CALLS_PER_SECOND <= value <= MAX_CALLS_PER_SECOND:
+        raise ConfigError(
+            f"a rate must be from {MIN_CALLS_PER_SECOND} to {MAX_CALLS_PER_SECOND} calls/s, not {value:g}"
+        )
     return float(value)
 
 

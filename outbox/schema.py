@@ -471,14 +471,15 @@ outbox_message.append_column(Column("landing_until", DateTime(timezone=True), nu
 
 # -- Issue 33 part 2 (migration 0024): calls per second (outbox.limits) ---------------------------
 # The operator's rate (`outbox limit D --per-second R`), the hint that live processes declare one,
-# and the earliest start the destination's next call may have (the claim trigger books it).
+# and the latest start booked so far (the claim trigger books the next 1/rate after it).
 outbox_destination.append_column(Column("limit_per_second", DOUBLE_PRECISION, nullable=True))
 outbox_destination.append_column(Column("declared_per_second", DOUBLE_PRECISION, nullable=True))
-outbox_destination.append_column(Column("next_call_at", DateTime(timezone=True), nullable=True))
+outbox_destination.append_column(Column("last_call_at", DateTime(timezone=True), nullable=True))
 outbox_destination.append_constraint(
     CheckConstraint(
-        "(limit_per_second IS NULL OR (limit_per_second > 0 AND limit_per_second <= 1000000))"
-        " AND (declared_per_second IS NULL OR (declared_per_second > 0 AND declared_per_second <= 1000000))",
+        "(limit_per_second IS NULL OR (limit_per_second >= 0.001 AND limit_per_second <= 1000000))"
+        " AND (declared_per_second IS NULL"
+        " OR (declared_per_second >= 0.001 AND declared_per_second <= 1000000))",
         name="outbox_destination_limit_per_second_check",
     )
 )

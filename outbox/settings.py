@@ -42,8 +42,10 @@ DEFAULT_NO_CONSUMER_CYCLES = 3
 #: by itself continues its episode (outbox.pauses, outbox.breaker): a provider answering "503,
 #: Retry-After: 55" to every probe makes a chain of short holds, which is one outage, alerted once.
 DESTINATION_EPISODE_GAP_SECONDS = 300
-#: The highest rate a destination may be given (``max_calls_per_second``, ``outbox limit
-#: --per-second``), as migration 0024's CHECK has it: far above any provider's.
+#: The rates a destination may be given (``max_calls_per_second``, ``outbox limit --per-second``),
+#: as migration 0024's CHECK has them: from one call in about 17 minutes to far above any
+#: provider's.
+MIN_CALLS_PER_SECOND = 0.001
 MAX_CALLS_PER_SECOND = 1_000_000
 #: How far ahead a paced destination's claim may book its call's start (migration 0024's trigger
 #: has the same): a second, or a quarter of the claim's lease if shorter.

@@ -4,8 +4,10 @@
   ``limit_per_second`` (calls a second, > 0; the reason, who and when are the in-flight limit's
   columns, one set for the destination's limits), ``declared_per_second`` (the hint that live
   processes' handlers declare ``max_calls_per_second``, as ``declared_in_flight`` is for
-  ``max_in_flight``) and ``next_call_at``: the earliest start the destination's next call may
-  have (the "theoretical arrival time" of a GCRA scheduler). ``outbox_process.declared_per_second``
+  ``max_in_flight``) and ``last_call_at``: the latest start booked so far (the next may be no
+  earlier than 1/rate after it: a GCRA scheduler, with no burst). The last start is kept, not
+  the next one, so that a new rate spaces the very next start: after a slow rate, a faster one
+  would otherwise wait out the slow rate's period. ``outbox_process.declared_per_second``
   holds what each process declares.
 
 * ``outbox_message.call_at``: when the claimed call may start, set by the trigger on a claim of a
@@ -14,8 +16,8 @@
   leaves that much room), which the trigger reads and replaces.
 
 * ``outbox_message_in_flight_limit`` (0023's trigger function, replaced): after the in-flight
-  check, a paced destination's claim books the next start: ``greatest(next_call_at, now)``, and
-  moves ``next_call_at`` on by ``1 / rate`` seconds. A start later than the claim accepts
+  check, a paced destination's claim books the next start: ``greatest(last_call_at + 1 / rate,
+  now)``, and records it in ``last_call_at``. A start later than the claim accepts
   refuses the claim instead, so a claimed row never waits past its call's start bound: the
   claim's ``call_at`` when it set one (at most a second ahead), else (an older release's claim)
   a second or a quarter of its lease, whichever is shorter. Starts are spaced 1/rate apart
@@ -77,7 +79,7 @@ DECLARE
     declared integer;
     rate float8;
     declared_rate float8;
-    next_at timestamptz;
+    last_at timestamptz;
     slot timestamptz;
     latest timestamptz;
 BEGIN
@@ -90,8 +92,8 @@ BEGIN
     END IF;
     latest := {_LATEST_START};
     NEW.call_at := NULL;
-    SELECT limit_in_flight, declared_in_flight, limit_per_second, declared_per_second, next_call_at
-    INTO cap, declared, rate, declared_rate, next_at
+    SELECT limit_in_flight, declared_in_flight, limit_per_second, declared_per_second, last_call_at
+    INTO cap, declared, rate, declared_rate, last_at
     FROM outbox_destination WHERE destination = NEW.destination FOR NO KEY UPDATE;
     IF cap IS NULL AND declared IS NOT NULL THEN
         SELECT min(CAST(p.declared_in_flight ->> NEW.destination AS integer)) INTO cap
@@ -107,12 +109,11 @@ BEGIN
         WHERE p.declared_per_second ? NEW.destination AND {_LIVE};
     END IF;
     IF rate IS NOT NULL THEN
-        slot := greatest(next_at, clock_timestamp());
+        slot := greatest(last_at + interval '1 second' / rate, clock_timestamp());
         IF slot > latest THEN
             RETURN NULL;
         END IF;
-        UPDATE outbox_destination SET next_call_at = slot + interval '1 second' / rate
-        WHERE destination = NEW.destination;
+        UPDATE outbox_destination SET last_call_at = slot WHERE destination = NEW.destination;
         NEW.call_at := slot;
     END IF;
     RETURN NEW;
@@ -148,21 +149,23 @@ END
 $$
 """
 
-#: The highest rate accepted (outbox.limits.MAX_PER_SECOND).
+#: The rates accepted (settings.MIN_CALLS_PER_SECOND, MAX_CALLS_PER_SECOND): one call in about
+#: 17 minutes at least, so that a period is always a valid interval.
+_MIN_PER_SECOND = 0.001
 _MAX_PER_SECOND = 1_000_000
 
 
 def upgrade() -> None:
     for column in ("limit_per_second", "declared_per_second"):
         op.add_column("outbox_destination", sa.Column(column, postgresql.DOUBLE_PRECISION(), nullable=True))
-    op.add_column("outbox_destination", sa.Column("next_call_at", sa.DateTime(timezone=True), nullable=True))
+    op.add_column("outbox_destination", sa.Column("last_call_at", sa.DateTime(timezone=True), nullable=True))
     op.add_column("outbox_process", sa.Column("declared_per_second", postgresql.JSONB(), nullable=True))
     op.add_column("outbox_message", sa.Column("call_at", sa.DateTime(timezone=True), nullable=True))
     op.create_check_constraint(
         "outbox_destination_limit_per_second_check",
         "outbox_destination",
         " AND ".join(
-            f"({c} IS NULL OR ({c} > 0 AND {c} <= {_MAX_PER_SECOND}))"
+            f"({c} IS NULL OR ({c} >= {_MIN_PER_SECOND} AND {c} <= {_MAX_PER_SECOND}))"
             for c in ("limit_per_second", "declared_per_second")
         ),
     )
@@ -174,5 +177,5 @@ def downgrade() -> None:
     op.drop_constraint("outbox_destination_limit_per_second_check", "outbox_destination")
     op.drop_column("outbox_message", "call_at")
     op.drop_column("outbox_process", "declared_per_second")
-    for column in ("next_call_at", "declared_per_second", "limit_per_second"):
+    for column in ("last_call_at", "declared_per_second", "limit_per_second"):
         op.drop_column("outbox_destination", column)

@@ -128,6 +128,8 @@ def status(connection: Connection) -> StatusReport:
 # Every column but the payload, whose size and top-level keys stand in for it: what is in it may
 # be personal data, and an operator rarely needs more than its shape.
 # With an ordering key: the earlier row of that key that holds this one back (outbox.ordering).
+# A row waiting for its claim: its destination's limits, should it have any (outbox.limits; the
+# declared ones as the heartbeats' hints have them).
 _ROW_COLUMNS = f"""
     id, key, step, destination, state, attempts, available_at, deadline, created_at,
     dispatched_at, claimed_at, lease_expires_at, completed_at, unknown_since, alerted_at,
@@ -138,6 +140,13 @@ _ROW_COLUMNS = f"""
        AND e.state NOT IN ('sent', 'cancelled') AND {HOLDING_SQL}
      ORDER BY e.id LIMIT 1) AS held_back_by,
     order_skipped_at,
+    (SELECT concat_ws(', ',
+                'at most ' || COALESCE(d.limit_in_flight, d.declared_in_flight) || ' calls in flight',
+                'at most ' || COALESCE(d.limit_per_second, d.declared_per_second) || ' calls/s')
+     FROM outbox_destination d
+     WHERE d.destination = outbox_message.destination AND outbox_message.state IN ('pending', 'dispatched')
+       AND COALESCE(d.limit_in_flight, d.declared_in_flight, d.limit_per_second, d.declared_per_second)
+           IS NOT NULL) AS limited_by,
     octet_length(payload::text) AS payload_bytes,
     CASE WHEN jsonb_typeof(payload) = 'object'
          THEN ARRAY(SELECT jsonb_object_keys(payload) ORDER BY 1) END AS payload_keys

@@ -479,11 +479,18 @@ WITH freed AS (
 )
 SELECT COALESCE(d.limit_in_flight, d.declared_in_flight),
        COALESCE(d.limit_per_second, d.declared_per_second),
-       date_part('epoch', d.next_call_at - clock_timestamp())
+       date_part('epoch', d.last_call_at
+                 + interval '1 second' / COALESCE(d.limit_per_second, d.declared_per_second)
+                 - clock_timestamp())
 FROM outbox_destination d JOIN outbox_message m ON m.destination = d.destination
 WHERE d.destination = %(destination)s AND m.id = %(id)s
   AND COALESCE(d.limit_in_flight, d.declared_in_flight, d.limit_per_second, d.declared_per_second) IS NOT NULL
-  AND COALESCE(d.paused_until <= now(), true) AND d.breaker_opened_at IS NULL
+  AND COALESCE(d.paused_until <= now(), true)
+  -- A half-open breaker whose probe this claim had reserved (freed above, after this snapshot)
+  -- or nobody has: the claim is held to be the probe once the limit lets it.
+  AND (d.breaker_opened_at IS NULL
+       OR (d.breaker_open_until <= now()
+           AND (NOT COALESCE(d.breaker_probe_until > now(), false) OR d.breaker_probe_token = %(token)s)))
   AND (m.state = 'dispatched' OR (m.state = 'pending' AND m.available_at <= now()))
   AND NOT {ordering.blocked_sql("m")}
   AND (m.payload_version = 1 OR EXISTS (SELECT 1 FROM outbox_feature WHERE name = 'payload_versions'))

@@ -519,15 +519,17 @@ def requeue(conn: psycopg.Connection[Any], rows: Sequence[tuple[int, datetime]])
     return len(conn.execute(_REQUEUE, params).fetchall())
 
 
-# A destination held back (paused, or its breaker open) has no claim to fail its rows whose
-# deadline passes (the claim would, "deadline passed before the call"): the reconciler does,
-# so that the failure is reported when it happens, not when the provider is back. No call
-# follows a deadline either way. A row whose earlier call may have taken effect (an idempotent
-# destination's ambiguous call, retried) is not failed but sent to `unknown`: the lookup (or a
-# human) says whether the provider holds it (attack on issue 13, F1: failed, it hid a charge).
+# A destination held back (paused, its breaker open, or limited: outbox.limits) may have no claim
+# to fail its rows whose deadline passes (the claim would, "deadline passed before the call"):
+# the reconciler does, so that the failure is reported when it happens, not when the provider
+# is back. No call follows a deadline either way. A row whose earlier call may have taken effect
+# (an idempotent destination's ambiguous call, retried) is not failed but sent to `unknown`: the
+# lookup (or a human) says whether the provider holds it (attack on issue 13, F1: failed, it hid
+# a charge).
 _HELD_BACK_BECAUSE = (
     "' passed while its destination was held back ('"
-    " || CASE WHEN d.paused_until > now() THEN 'paused' ELSE 'its breaker open' END || ')'"
+    " || CASE WHEN d.paused_until > now() THEN 'paused'"
+    " WHEN d.breaker_opened_at IS NOT NULL THEN 'its breaker open' ELSE 'limited' END || ')'"
 )
 
 
@@ -561,7 +563,9 @@ FROM due, outbox_destination d
 WHERE m.id = due.id
   AND m.state IN ('pending', 'dispatched')
   AND d.destination = m.destination
-  AND (d.paused_until > now() OR d.breaker_opened_at IS NOT NULL)
+  AND (d.paused_until > now() OR d.breaker_opened_at IS NOT NULL
+       OR COALESCE(d.limit_in_flight, d.declared_in_flight, d.limit_per_second, d.declared_per_second)
+          IS NOT NULL)
 RETURNING m.state
 """
 
@@ -581,8 +585,8 @@ def fail_past_deadline(
     skip_when_failed: Sequence[str] = (),
 ) -> PastDeadline:
     """``pending``/``dispatched`` -> ``failed`` for up to ``limit`` rows of ``destinations`` whose
-    deadline has passed while their destination is held back (paused, or its breaker open:
-    no claim comes to fail them); -> ``unknown`` instead for a row whose earlier call may have
+    deadline has passed while their destination is held back (paused, its breaker open, or
+    limited: no claim may come to fail them); -> ``unknown`` instead for a row whose earlier call may have
     taken effect. ``skip_when_failed``: the destinations whose handler says
     ``on_failed_head="skip"`` (their failed rows let their ordering keys go on)."""
     if not destinations:

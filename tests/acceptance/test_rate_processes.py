@@ -20,7 +20,7 @@ from .support import Processes, kill, states
 pytestmark = pytest.mark.timeout(300)
 
 DEST = "payments.charge"
-ROWS = 1500
+ROWS = 2500
 
 
 def most_in_one_second(arrivals: list[float], since: float, until: float) -> int:
@@ -70,8 +70,16 @@ def test_a_rate_holds_over_worker_processes_killed_added_raised_and_lowered(
     try:
         limit("--per-second", "50", "--reason", "provider allows 50/s")
         workers = [procs.worker(threads=16) for _ in range(4)]
-        procs.relay()
         procs.reconciler()
+        # The four start before any row is published: five interpreters booting at once on a
+        # small machine start their first calls late, which is not what this measures (the
+        # worker added below boots beside the others' deliveries).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+            "outbox worker started" in procs.log_of(w) for w in workers
+        ):
+            time.sleep(0.1)
+        procs.relay()
         deadline = time.monotonic() + 60
         while not provider.arrivals() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -115,5 +123,6 @@ def test_a_rate_holds_over_worker_processes_killed_added_raised_and_lowered(
     assert per_second(arrivals, raised_at + 2, lowering) >= 80, f"raised: used within 2 s; {report}"
     assert most_in_one_second(arrivals, raising, lowering) <= 110, report
     assert most_in_one_second(arrivals, lowered_at + 2, clearing) <= 23, f"lowered: within 2 s; {report}"
+    assert per_second(arrivals, lowered_at + 2, clearing) >= 18, report
     stats = provider.stats()
     assert stats["double_charged"] == [] and stats["charges"] == ROWS

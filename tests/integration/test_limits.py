@@ -326,7 +326,8 @@ def test_a_refused_claim_frees_the_half_open_breaker_probe_it_reserved(clean, en
         "SELECT breaker_probe_token FROM outbox_destination WHERE destination = %s", (DEST,)
     ).fetchone()[0]
     assert reserved == token, "the statement reserved the probe before the trigger refused the claim"
-    assert store.delivery.held_by_limit(db, row_id=ids[1], destination=DEST, token=token) is None
+    held = store.delivery.held_by_limit(db, row_id=ids[1], destination=DEST, token=token)
+    assert held is not None and held.in_flight == 1, "held, to be the probe once a slot is free"
     assert (
         db.execute(
             "SELECT breaker_probe_token FROM outbox_destination WHERE destination = %s", (DEST,)
