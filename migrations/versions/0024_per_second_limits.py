@@ -17,7 +17,8 @@
 
 * ``outbox_message_in_flight_limit`` (0023's trigger function, replaced): after the in-flight
   check, a paced destination's claim books the next start: ``greatest(last_call_at + 1 / rate,
-  now)``, and records it in ``last_call_at``. A start later than the claim accepts
+  now + lead)`` (the lead, 0.1 s at most, lets the claim's reply arrive before the start), and
+  records it in ``last_call_at``. A start later than the claim accepts
   refuses the claim instead, so a claimed row never waits past its call's start bound: the
   claim's ``call_at`` when it set one (at most a second ahead), else (an older release's claim)
   a second or a quarter of its lease, whichever is shorter. Starts are spaced 1/rate apart
@@ -66,6 +67,12 @@ _LATEST_START = """CASE WHEN NEW.call_at IS DISTINCT FROM OLD.call_at THEN NEW.c
         ELSE clock_timestamp()
              + least(interval '1 second', (NEW.lease_expires_at - NEW.claimed_at) / 4) END"""
 
+# A start is booked a little ahead of now (0.1 s, or a quarter of what the claim accepts if
+# less), so that the claim's reply reaches its worker before the start: a call started late
+# shares its second with the next ones on time, and the first calls after an idle spell, which
+# find every worker's thread cold, are the latest. Under load the booked starts run ahead anyway.
+_LEAD = "least(interval '0.1 second', (latest - clock_timestamp()) / 4)"
+
 # The hints (declared_*) say only that some process declared a limit; the lowest live one is
 # read here, under the lock (0023). Each statement of a plpgsql function takes its own snapshot:
 # what follows the lock sees every claim committed before it was granted. The booking's UPDATE
@@ -109,7 +116,7 @@ BEGIN
         WHERE p.declared_per_second ? NEW.destination AND {_LIVE};
     END IF;
     IF rate IS NOT NULL THEN
-        slot := greatest(last_at + interval '1 second' / rate, clock_timestamp());
+        slot := greatest(last_at + interval '1 second' / rate, clock_timestamp() + {_LEAD});
         IF slot > latest THEN
             RETURN NULL;
         END IF;

@@ -69,7 +69,9 @@ def test_a_rate_holds_over_worker_processes_killed_added_raised_and_lowered(
 
     try:
         limit("--per-second", "50", "--reason", "provider allows 50/s")
-        workers = [procs.worker(threads=16) for _ in range(4)]
+        # A lease that leaves a second to start a call (the suite's default, 3 s for a 2 s time
+        # limit, leaves 0.5 s: bookings 0.125 s ahead at most).
+        workers = [procs.worker(threads=16, SHOP_LEASE_SECONDS="10") for _ in range(4)]
         procs.reconciler()
         # The four start before any row is published: five interpreters booting at once on a
         # small machine start their first calls late, which is not what this measures (the
@@ -88,7 +90,7 @@ def test_a_rate_holds_over_worker_processes_killed_added_raised_and_lowered(
         time.sleep(5)
         killed_at = time.monotonic()
         kill(workers[0])
-        workers.append(procs.worker(threads=16))
+        workers.append(procs.worker(threads=16, SHOP_LEASE_SECONDS="10"))
         time.sleep(6)
         raising, raised_at = limit("--per-second", "100", "--reason", "provider allows 100/s")
         time.sleep(5)
