@@ -684,11 +684,13 @@ class Deliverer:
             self._conn("record_conn")
             self._put_back("claim_conn", "record_conn")
             caller = self._caller()
-            # And its HTTP clients: on a paced destination a call that starts late bunches with
-            # the next ones on time.
+            # And its HTTP clients, and the IDNA codec every first request of a process imports
+            # (10 ms, under the import lock): on a paced destination a call that starts late
+            # bunches with the next ones on time.
             for handler in self.handlers.values():
                 if not handler.is_async:
                     caller.deliveries.client(handler)
+            "localhost".encode("idna")
         except Exception as exc:
             logger.debug(
                 "worker thread not warmed up (%s); its first delivery connects",
