@@ -108,7 +108,7 @@ def test_a_redis_outage_at_the_ack_holds_no_record(clean, engine, provider, monk
 
     if kind == "async":
 
-        @outbox.handler("payments.charge", time_limit=2, lease_seconds=6, backoff=(1,))
+        @outbox.handler("payments.charge", time_limit=10, lease_seconds=30, backoff=(1,))
         async def charge(d: outbox.Delivery) -> outbox.Confirmed:
             r = await d.http.post(
                 f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
@@ -118,7 +118,7 @@ def test_a_redis_outage_at_the_ack_holds_no_record(clean, engine, provider, monk
             return outbox.Confirmed(ref=r.json()["id"])
     else:
 
-        @outbox.handler("payments.charge", time_limit=2, lease_seconds=6, backoff=(1,))
+        @outbox.handler("payments.charge", time_limit=10, lease_seconds=30, backoff=(1,))
         def charge(d: outbox.Delivery) -> outbox.Confirmed:
             r = d.http.post(
                 f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
@@ -132,7 +132,7 @@ def test_a_redis_outage_at_the_ack_holds_no_record(clean, engine, provider, monk
     with worker_thread(clean, threads=32):
         # Every call made and recorded while Redis refuses every ack: no record waits on one.
         wait_for(
-            lambda: destination_states(clean, "payments.charge") == {"sent": 30}, 30, "every row recorded"
+            lambda: destination_states(clean, "payments.charge") == {"sent": 30}, 60, "every row recorded"
         )
         assert unacked(clean, "payments.charge") == 30
         outage.clear()
