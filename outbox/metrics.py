@@ -335,9 +335,17 @@ def _destination_flags(
     name: str, help_text: str, destinations: list[str], flagged: list[str]
 ) -> GaugeMetricFamily:
     """A 0/1 gauge per destination: every known destination, and any flagged one besides."""
+    return _destination_values(name, help_text, destinations, dict.fromkeys(flagged, 1.0))
+
+
+def _destination_values(
+    name: str, help_text: str, destinations: list[str], values: dict[str, float] | dict[str, int]
+) -> GaugeMetricFamily:
+    """A gauge per destination: every known destination (0 where it has no value), and any
+    other with a value besides."""
     family = GaugeMetricFamily(name, help_text, labels=["destination"])
-    for d in sorted(set(destinations) | set(flagged)):
-        family.add_metric([d], 1.0 if d in flagged else 0.0)
+    for d in sorted(set(destinations) | set(values)):
+        family.add_metric([d], float(values.get(d, 0)))
     return family
 
 
@@ -408,25 +416,21 @@ class _DatabaseCollector(Collector):
             ),
         ):
             yield _destination_flags(name, help_text, destinations, flagged)
-        limits = GaugeMetricFamily(
+        yield _destination_values(
             "outbox_destination_in_flight_limit",
             "The most calls of a destination in flight at once over every worker (outbox limit, "
             "or the lowest max_in_flight live workers declare); 0 when none holds.",
-            labels=["destination"],
+            destinations,
+            reading.limits,
         )
-        for d in sorted(set(destinations) | set(reading.limits)):
-            limits.add_metric([d], reading.limits.get(d, 0))
-        yield limits
-        rates = GaugeMetricFamily(
+        yield _destination_values(
             "outbox_destination_calls_per_second_limit",
             "The most calls of a destination a second over every worker, their starts spaced "
             "evenly (outbox limit --per-second, or the lowest max_calls_per_second live workers "
             "declare); 0 when none holds.",
-            labels=["destination"],
+            destinations,
+            reading.rates,
         )
-        for d in sorted(set(destinations) | set(reading.rates)):
-            rates.add_metric([d], reading.rates.get(d, 0.0))
-        yield rates
         blocked = GaugeMetricFamily(
             "outbox_ordering_blocked_keys",
             "Ordering keys held back by their head (failed, unknown, in flight, or waiting for a "

@@ -21,6 +21,7 @@ from ..heartbeat import NoConsumer
 from ..limits import Limit
 from ..ordering import HOLDING_SQL
 from ..pauses import Pause
+from ..store.sql import LIMITED_SQL
 from .values import seconds
 
 DEFAULT_LIST_LIMIT = settings.DEFAULT_LIST_LIMIT
@@ -145,8 +146,7 @@ _ROW_COLUMNS = f"""
                 'at most ' || COALESCE(d.limit_per_second, d.declared_per_second) || ' calls/s')
      FROM outbox_destination d
      WHERE d.destination = outbox_message.destination AND outbox_message.state IN ('pending', 'dispatched')
-       AND COALESCE(d.limit_in_flight, d.declared_in_flight, d.limit_per_second, d.declared_per_second)
-           IS NOT NULL) AS limited_by,
+       AND {LIMITED_SQL}) AS limited_by,
     octet_length(payload::text) AS payload_bytes,
     CASE WHEN jsonb_typeof(payload) = 'object'
          THEN ARRAY(SELECT jsonb_object_keys(payload) ORDER BY 1) END AS payload_keys

@@ -22,6 +22,7 @@ from .sql import (
     BREAKER_CLOSE_SET,
     DUE_SQL,
     EPISODE_START_SQL,
+    LIMITED_SQL,
     LOCK_WAIT_SQL,
     NEW_STATE_SQL,
     PAST_DEADLINE_SQL,
@@ -484,7 +485,7 @@ SELECT COALESCE(d.limit_in_flight, d.declared_in_flight),
                  - clock_timestamp())
 FROM outbox_destination d JOIN outbox_message m ON m.destination = d.destination
 WHERE d.destination = %(destination)s AND m.id = %(id)s
-  AND COALESCE(d.limit_in_flight, d.declared_in_flight, d.limit_per_second, d.declared_per_second) IS NOT NULL
+  AND {LIMITED_SQL}
   AND COALESCE(d.paused_until <= now(), true)
   -- A half-open breaker whose probe this claim had reserved (freed above, after this snapshot)
   -- or nobody has: the claim is held to be the probe once the limit lets it.

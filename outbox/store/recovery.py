@@ -16,6 +16,7 @@ import psycopg
 from .. import chains, outcomes, sanitize
 from .sql import (
     DUE_SQL,
+    LIMITED_SQL,
     NEW_STATE_SQL,
     PAST_DEADLINE_SQL,
     Recorded,
@@ -564,8 +565,7 @@ WHERE m.id = due.id
   AND m.state IN ('pending', 'dispatched')
   AND d.destination = m.destination
   AND (d.paused_until > now() OR d.breaker_opened_at IS NOT NULL
-       OR COALESCE(d.limit_in_flight, d.declared_in_flight, d.limit_per_second, d.declared_per_second)
-          IS NOT NULL)
+       OR {LIMITED_SQL})
 RETURNING m.state
 """
 

@@ -175,6 +175,12 @@ LIVE = (
     f"(interval_seconds * {LIVE_INTERVALS} + {LIVE_SLACK_SECONDS}) * interval '1 second'"
 )
 
+#: SQL condition on ``outbox_destination d``: the destination has a limit of either kind, the
+#: operator's or the hint that a live process declares one (outbox.limits).
+LIMITED_SQL = (
+    "COALESCE(d.limit_in_flight, d.declared_in_flight, d.limit_per_second, d.declared_per_second) IS NOT NULL"
+)
+
 #: The limits that live processes' handlers declare (outbox.limits): the lowest of each kind for
 #: each destination, as ``(destination, n, rate)`` rows (``n``: calls in flight, ``rate``: calls a
 #: second; None where no live process declares that kind). Migrations 0023/0024's claim trigger
