@@ -17,10 +17,9 @@ released), and an ``unknown`` one (timed out, or its lease expired) until its fi
 
 Per second: each claim books its call's start in the destination's row, 1/rate after the last
 one booked (``last_call_at``: a GCRA scheduler with no burst; a new rate spaces the very next
-start), at
-most a second ahead, or less where the handler's start bound needs it (else the claim is
-refused), and the worker starts the call no
-earlier than that (``call_at``, returned by the claim). Starts are spaced 1/rate apart over every
+start), at most a second ahead, or less where the handler's start bound needs it (else the
+claim is refused), and the worker starts the call no earlier than that (``call_at``, returned by
+the claim). Starts are spaced 1/rate apart over every
 process, a group claim's rows included, so no one-second window holds more than rate + 1 booked
 starts, and nothing is held on anyone's behalf: a killed process's booked start passes unused.
 Dramatiq's rate limiters count fixed wall-clock buckets per worker (a burst of twice the rate at
