@@ -20,7 +20,9 @@ import sqlalchemy as sa
 from outbox.migrate import FLOOR_TABLE
 
 
-def create_index_concurrently(op: Any, name: str, table: str, columns: Sequence[str], **kw: Any) -> None:
+def create_index_concurrently(
+    op: Any, name: str, table: str, columns: Sequence[str | sa.TextClause], **kw: Any
+) -> None:
     """``CREATE INDEX CONCURRENTLY IF NOT EXISTS`` on a live table: a plain CREATE INDEX holds a
     SHARE lock, which stops every insert and state change for as long as the build takes.
 

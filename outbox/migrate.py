@@ -60,8 +60,10 @@ def current_revision(connection: Connection) -> str | None:
 #: process's beat writes and ``write`` relies on to refuse a feature an older process would break;
 #: 0023 the in-flight limits (``declared_in_flight``, ``landing_until``) that the heartbeat, the
 #: record and the lease expiry write (outbox.limits); 0024 the rates (``declared_per_second``,
-#: ``call_at``) that the heartbeat writes and the claim returns.
-SCHEMA_OLDEST = "0024"
+#: ``call_at``) that the heartbeat writes and the claim returns; 0025 ``priority`` and
+#: ``fairness_key``, which ``write`` inserts and the next steps inherit (0026's indexes only make
+#: the relay's windowed take cheaper: the code works without them).
+SCHEMA_OLDEST = "0025"
 
 #: Advisory lock serialising concurrent migrations: held for the session by :func:`upgrade`, for
 #: the transaction by env.py (which also serves a plain ``alembic`` run).

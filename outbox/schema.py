@@ -487,3 +487,36 @@ outbox_destination.append_constraint(
 outbox_process.append_column(Column("declared_per_second", JSONB, nullable=True))
 # When the claimed call may start (a paced destination's claim books it; NULL otherwise).
 outbox_message.append_column(Column("call_at", DateTime(timezone=True), nullable=True))
+
+# -- Issue 33 part 3 (migrations 0025, 0026): priority and fairness (outbox.windows) ---------------
+# Ordering the relay's take of a limited destination: priority first (1 high, 0 normal, -1 low),
+# then one row of each fairness key in turn. CHECKs (added NOT VALID, validated):
+# outbox_message_priority_check, outbox_message_fairness_key_check.
+outbox_message.append_column(Column("priority", SmallInteger, nullable=False, server_default=text("0")))
+outbox_message.append_column(Column("fairness_key", Text, nullable=True))
+outbox_message.append_constraint(
+    CheckConstraint("priority IN (-1, 0, 1)", name="outbox_message_priority_check")
+)
+outbox_message.append_constraint(
+    CheckConstraint(
+        "fairness_key IS NULL OR char_length(fairness_key) BETWEEN 1 AND 200",
+        name="outbox_message_fairness_key_check",
+    )
+)
+# A limited destination's published rows, counted by its dispatch window.
+Index(
+    "outbox_message_dispatched_destination_idx",
+    outbox_message.c.destination,
+    postgresql_where=text("state = 'dispatched'"),
+)
+# The head of each fairness key and priority of a destination's pending rows; rows with neither
+# are not in it (their take reads outbox_message_pending_idx).
+Index(
+    "outbox_message_fair_idx",
+    outbox_message.c.destination,
+    text("COALESCE(fairness_key, '')"),
+    outbox_message.c.priority,
+    outbox_message.c.available_at,
+    outbox_message.c.id,
+    postgresql_where=text("state = 'pending' AND (fairness_key IS NOT NULL OR priority <> 0)"),
+)

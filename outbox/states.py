@@ -10,8 +10,10 @@ refuses them and ``requeue`` leaves them alone until the pause ends (the breaker
 ==============  ==================================  =================================================
 state           meaning                             moved out by (``outbox.store`` function)
 ==============  ==================================  =================================================
-``pending``     committed, waiting to be published  relay: ``dispatch_due`` -> dispatched;
-                (or retried at ``available_at``)    consumer: ``claim`` -> in_flight (a redelivered
+``pending``     committed, waiting to be published  relay: ``dispatch_due`` -> dispatched (a
+                (or retried at ``available_at``)    limited destination's rows: ``dispatch_window``,
+                                                    while its window has room; outbox.windows);
+                                                    consumer: ``claim`` -> in_flight (a redelivered
                                                     message; -> unknown when an idempotent row's
                                                     earlier call is older than key_ttl; the rows
                                                     of one fetch at once: ``claim_group``),

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, text
 from sqlalchemy.orm import Session
 
-from . import features, store, tracing
+from . import features, store, tracing, windows
 from . import settings as _settings
 from .batches import Batch
 from .exceptions import BatchConflict, InvalidMessage, KeyConflict
@@ -35,15 +35,18 @@ class Written:
 
 
 # Compared in the database so that jsonb's normalisation (key order, whitespace) decides; the
-# same payload at another payload_version is another operation (its fields mean something else).
-# A purged key answers from the ledger (which keeps no version), by the hash of the same
-# canonical jsonb text the purge stored. One statement, one snapshot: a purge commits the row's
-# deletion and its ledger entry together, so exactly one of the two branches finds the key.
+# same payload at another payload_version is another operation (its fields mean something else),
+# and so is one at another priority or fairness key (which would change its turn). A purged key
+# answers from the ledger (which keeps no version, priority or fairness key), by the hash of the
+# same canonical jsonb text the purge stored. One statement, one snapshot: a purge commits the
+# row's deletion and its ledger entry together, so exactly one of the two branches finds the key.
 _EXISTING = text(
     """
     (SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb)
                 AND payload_version = :payload_version
-                AND ordering_key IS NOT DISTINCT FROM CAST(:ordering_key AS text) AS same
+                AND ordering_key IS NOT DISTINCT FROM CAST(:ordering_key AS text)
+                AND priority = :priority
+                AND fairness_key IS NOT DISTINCT FROM CAST(:fairness_key AS text) AS same
      FROM outbox_message WHERE key = :key AND step = :step)
     UNION ALL
     (SELECT message_id, destination = :destination
@@ -59,6 +62,8 @@ _EXISTING_MEMBER = text(
     (SELECT id, destination = :destination AND payload = CAST(:payload AS jsonb)
                 AND payload_version = :payload_version
                 AND ordering_key IS NOT DISTINCT FROM CAST(:ordering_key AS text)
+                AND priority = :priority
+                AND fairness_key IS NOT DISTINCT FROM CAST(:fairness_key AS text)
                 AND batch_id IS NOT DISTINCT FROM :batch_id AS same
      FROM outbox_message WHERE key = :key AND step = :step)
     UNION ALL
@@ -98,9 +103,13 @@ def _params(
     payload_version: int | None = None,
     validate: bool = False,
     ordering_key: str | None = None,
+    priority: str = windows.NORMAL,
+    fairness_key: str | None = None,
 ) -> dict[str, Any]:
     check_key_step(key, step)
     _check_ordering_key(ordering_key)
+    rank = windows.priority_rank(priority)
+    windows.check_fairness_key(fairness_key)
     check_destination(destination)
     check_aware("available_at", available_at)
     check_aware("deadline", deadline)
@@ -116,6 +125,8 @@ def _params(
         "trace_context": tracing.current_context_json(),
         "payload_version": version,
         "ordering_key": ordering_key,
+        "priority": rank,
+        "fairness_key": fairness_key,
     }
 
 
@@ -202,6 +213,8 @@ def write(
     payload_version: int | None = None,
     validate: bool = False,
     ordering_key: str | None = None,
+    priority: str = windows.NORMAL,
+    fairness_key: str | None = None,
 ) -> Written:
     """Add the outbox row ``(key, step)`` to the caller's transaction; never commits.
 
@@ -220,6 +233,11 @@ def write(
     ``ordering_key``: the rows of one ordering key (e.g. ``customer:7``, independent of ``key``)
     are claimed one at a time, in commit order (outbox.ordering; docs/ordering.md). The writers of
     one ordering key wait for each other: the database serialises them until each commits.
+
+    ``priority`` (``"high"``, ``"normal"``, ``"low"``) and ``fairness_key`` (e.g. ``tenant:42``):
+    the relay publishes a limited destination's rows by priority, then one row of each fairness key
+    in turn, so that one tenant's backlog does not hold another's rows behind it
+    (outbox.windows; docs/flow-control.md). Its next steps inherit both.
     """
     params = _params(
         key,
@@ -232,6 +250,8 @@ def write(
         payload_version,
         validate,
         ordering_key,
+        priority,
+        fairness_key,
     )
     ensure_schema(target)
     if batch is not None:
@@ -277,6 +297,8 @@ async def write_async(
     payload_version: int | None = None,
     validate: bool = False,
     ordering_key: str | None = None,
+    priority: str = windows.NORMAL,
+    fairness_key: str | None = None,
 ) -> Written:
     """The :func:`write` twin for ``AsyncSession`` / ``AsyncConnection`` (psycopg async)."""
     params = _params(
@@ -290,6 +312,8 @@ async def write_async(
         payload_version,
         validate,
         ordering_key,
+        priority,
+        fairness_key,
     )
     await ensure_schema_async(target)
     if batch is not None:

@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 import redis
 
-from outbox import metrics, settings, store, transport
+from outbox import metrics, settings, store, transport, windows
 from outbox.db import connect_raw
 from outbox.failover import FailoverGuard
 from outbox.logs import Tally, first_line
@@ -196,10 +196,22 @@ class Relay:
         self._listen: psycopg.Connection[Any] | None = None
         self._redis: redis.Redis | None = None
         self._helpers: list[Relay] = []
+        #: The relay whose drain this one helps (None: a relay of its own).
+        self.parent: Relay | None = None
         self._refusals = _RefusalLog()
         self._log = _PublishLog()
         #: Beaten by the loop (each group, each wait slice): ``/healthz`` (outbox.probes).
         self.liveness: Liveness | None = None
+        #: Whether this relay fills the limited destinations' windows (outbox.windows); a
+        #: drain's helpers do not (they leave those destinations' rows to it).
+        self.fills_windows = True
+        #: The limited destinations as last read, and when (time.monotonic()); re-read at every
+        #: take while there are some, else once per windows.LIMITS_REFRESH_SECONDS.
+        self._windowed: tuple[str, ...] = ()
+        self._windowed_read_at = float("-inf")
+        #: A window was found full, or filled to the brim, at the last take: rows may be waiting
+        #: for room, and the loop comes back after windows.REFILL_SECONDS.
+        self.windows_waiting = False
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -247,7 +259,7 @@ class Relay:
             # commit() or rollback() rather than psycopg's transaction() block, whose savepoint
             # bookkeeping showed in the profile of one-row takes.
             try:
-                rows = store.relay.dispatch_due(conn, limit=self.batch_size)
+                rows = self._take(conn)
                 # Inside the transaction: if the publish raises, the move rolls back and the
                 # rows stay pending.
                 published = transport.publish_group(self.redis, self.namespace, rows)
@@ -278,6 +290,32 @@ class Relay:
         if rows:
             metrics.count_relay_group(result.by_destination, result.refused)
         return result
+
+    def _take(self, conn: psycopg.Connection[Any]) -> list[Any]:
+        """The take of one group: the due rows of the destinations without a limit, then, when
+        this relay fills them, the limited destinations' windows (outbox.windows)."""
+        now = time.monotonic()
+        limited: list[Any] = []
+        if self.fills_windows and (
+            self._windowed or now - self._windowed_read_at >= windows.LIMITS_REFRESH_SECONDS
+        ):
+            limited = store.relay.limited_destinations(conn)
+            self._windowed = tuple(r[0] for r in limited)
+            self._windowed_read_at = now
+        elif not self.fills_windows and self.parent is not None:
+            self._windowed = self.parent._windowed
+        rows = store.relay.dispatch_due(conn, limit=self.batch_size, windowed=self._windowed)
+        waiting = False
+        for destination, in_flight, per_second, ours in limited:
+            size = windows.window_size(in_flight, per_second)
+            if not ours or size is None:
+                continue
+            room, taken = store.relay.dispatch_window(conn, destination=destination, size=size)
+            rows.extend(taken)
+            # Full, or filled to the brim: rows may be waiting for room.
+            waiting = waiting or len(taken) >= room
+        self.windows_waiting = waiting
+        return rows
 
     def drain(self, stop: threading.Event | None = None) -> int:
         """Publish groups while they come back full; returns how many rows went out.
@@ -330,6 +368,8 @@ class Relay:
                 )
             )
             self._helpers[-1]._refusals = self._refusals
+            self._helpers[-1].fills_windows = False
+            self._helpers[-1].parent = self
         totals: list[int] = []
         errors: list[BaseException] = []
 
@@ -417,7 +457,12 @@ class Relay:
                     outage_started, delay = None, 0.5
                 if stop.is_set():
                     break
-                self._wait_for_notify(self.poll_interval_seconds, stop)
+                self._wait_for_notify(
+                    min(self.poll_interval_seconds, windows.REFILL_SECONDS)
+                    if self.windows_waiting
+                    else self.poll_interval_seconds,
+                    stop,
+                )
             except (psycopg.Error, redis.RedisError, OSError) as exc:
                 metrics.count_relay_failure()
                 if self.liveness is not None:

@@ -30,6 +30,7 @@ statement                           move                            called by
 ``recovery.strip_batches``          (a finished batch's payloads)   reconciler (purge)
 ``recovery.drop_batches``           (a finished batch, at horizon)  reconciler (purge)
 ``relay.dispatch_due``              pending -> dispatched           relay (a batch)
+``relay.dispatch_window``           pending -> dispatched           relay (a limited destination)
 ``relay.undispatch``                dispatched -> pending           relay (Redis refused)
 ``delivery.claim``                  pending/dispatched -> in_flight consumer
 ``delivery.claim_group``            pending/dispatched -> in_flight consumer (a fetch's rows at once)
@@ -79,6 +80,7 @@ statement                               writes                              call
 ``operator.clear_limit``                ``outbox_destination`` (a limit)    ``outbox limit D --clear``
 ``operator.limits``                     nothing (reads the limits)          ``outbox limit``
 ``delivery.held_by_limit``              nothing (reads a limit)             consumer (outbox.limits)
+``relay.limited_destinations``          nothing (reads limits, locks)       relay (outbox.windows)
 ``recovery.mark_destination_alerted``   ``outbox_destination`` (alerted)    reconciler (held)
 ``recovery.clear_destination_alert``    ``outbox_destination`` (alerted)    reconciler (held)
 ``recovery.drop_ledger``                ``outbox_key_ledger``               reconciler (purge)

@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 
 _INSERT = """
 INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context,
-                            payload_version, ordering_key)
+                            payload_version, ordering_key, priority, fairness_key)
 VALUES (:key, :step, :destination, CAST(:payload AS jsonb),
         COALESCE(CAST(:available_at AS timestamptz), now()), :deadline, CAST(:trace_context AS jsonb),
-        :payload_version, :ordering_key)
+        :payload_version, :ordering_key, :priority, :fairness_key)
 ON CONFLICT (key, step) DO NOTHING
 RETURNING id
 """
@@ -73,10 +73,11 @@ RETURNING id
 # every reader. Casts: in a SELECT list a bare parameter would be text.
 _INSERT_MEMBER = """
 INSERT INTO outbox_message (key, step, destination, payload, available_at, deadline, trace_context, batch_id,
-                            payload_version, ordering_key)
+                            payload_version, ordering_key, priority, fairness_key)
 SELECT CAST(:key AS text), CAST(:step AS text), CAST(:destination AS text), CAST(:payload AS jsonb),
        COALESCE(CAST(:available_at AS timestamptz), now()), CAST(:deadline AS timestamptz),
-       CAST(:trace_context AS jsonb), b.id, CAST(:payload_version AS integer), CAST(:ordering_key AS text)
+       CAST(:trace_context AS jsonb), b.id, CAST(:payload_version AS integer), CAST(:ordering_key AS text),
+       CAST(:priority AS smallint), CAST(:fairness_key AS text)
 FROM outbox_batch b
 WHERE b.id = :batch_id AND b.created_txid = txid_current()
 ON CONFLICT (key, step) DO NOTHING

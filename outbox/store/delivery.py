@@ -308,7 +308,7 @@ WITH moved AS (
            OR (%(state)s = 'sent' AND state IN ('pending', 'dispatched'))
            OR (%(state)s = 'sent' AND state = 'failed'
                AND NOT {outcomes.operator_failed_unknown_sql("outbox_message")}))
-    RETURNING id, key, state, last_error, trace_context{chain_returning}
+    RETURNING id, key, state, last_error, trace_context, priority, fairness_key{chain_returning}
 ){follow_cte}
 UPDATE outbox_attempt
 SET finished_at = now(),

@@ -51,7 +51,7 @@ WITH moved AS (
     WHERE m.id = %(id)s AND m.state = 'failed' AND m.completed_at IS NOT DISTINCT FROM %(version)s
       AND NOT {chains.COMPENSATED_SQL}
       AND (CAST(%(overrule)s AS boolean) OR NOT {outcomes.operator_failed_unknown_sql("m")})
-    RETURNING m.id, m.key, m.state, m.trace_context
+    RETURNING m.id, m.key, m.state, m.trace_context, m.priority, m.fairness_key
 ){follow_sql("moved")}
 SELECT (SELECT count(*) FROM followed) FROM moved
 """
@@ -187,7 +187,7 @@ WITH moved AS (
         chain_problem = {for_sqlalchemy(problem_sql("outbox_message", "'sent'"))},
     {HISTORY_ENTRY}
     WHERE id = :id AND state = 'unknown'
-    RETURNING id, key, state, trace_context
+    RETURNING id, key, state, trace_context, priority, fairness_key
 ){for_sqlalchemy(follow_sql("moved"))}
 SELECT id, (SELECT count(*) FROM followed) FROM moved
 """

@@ -43,16 +43,20 @@ LATE_RECORD_SQL = """SELECT 1 FROM outbox_message m
 
 _FINISH_BATCH = f"""
 WITH members AS (
-    SELECT m.state FROM outbox_message m WHERE m.batch_id = %(id)s FOR SHARE
+    SELECT m.state, m.priority, m.fairness_key FROM outbox_message m WHERE m.batch_id = %(id)s FOR SHARE
 ), counts AS (
     SELECT count(*) AS total,
            count(*) FILTER (WHERE state = 'sent') AS sent,
            count(*) FILTER (WHERE state = 'failed') AS failed,
-           count(*) FILTER (WHERE state = 'cancelled') AS cancelled
+           count(*) FILTER (WHERE state = 'cancelled') AS cancelled,
+           -- What the then/catch row inherits (outbox.windows): the members' highest priority,
+           -- and their fairness key when they all share one.
+           COALESCE(max(priority), 0) AS priority,
+           CASE WHEN count(DISTINCT COALESCE(fairness_key, '')) = 1 THEN max(fairness_key) END AS fairness_key
     FROM members
 ), due AS (
     -- The batch row, locked: a second finisher waits here, then finds finished_at set.
-    SELECT b.id, b.name, c.total, c.sent, c.failed, c.cancelled,
+    SELECT b.id, b.name, c.total, c.sent, c.failed, c.cancelled, c.priority, c.fairness_key,
            CASE WHEN c.failed > 0 THEN 'catch' ELSE 'then' END AS outcome,
            CASE WHEN c.failed > 0 THEN b.catch_step ELSE b.then_step END AS next_step
     FROM outbox_batch b, counts c
@@ -60,9 +64,11 @@ WITH members AS (
       AND NOT EXISTS ({LATE_RECORD_SQL})
     FOR UPDATE OF b
 ), written AS (
-    INSERT INTO outbox_message (key, step, destination, payload, via, payload_version)
+    INSERT INTO outbox_message (key, step, destination, payload, via, payload_version, priority,
+                                fairness_key)
     SELECT d.name, d.next_step->>'step', d.next_step->>'destination', d.next_step->'payload',
-           'batch_' || d.outcome, COALESCE(CAST(d.next_step->>'payload_version' AS integer), 1)
+           'batch_' || d.outcome, COALESCE(CAST(d.next_step->>'payload_version' AS integer), 1),
+           d.priority, d.fairness_key
     FROM due d WHERE d.next_step IS NOT NULL
     ON CONFLICT (key, step) DO NOTHING
     RETURNING id
@@ -284,7 +290,7 @@ SET state = {NEW_STATE_SQL},
 WHERE id = %(id)s AND state = 'unknown'
   AND claim_token IS NOT DISTINCT FROM CAST(%(token)s AS uuid)
   AND (CAST(%(key_ttl)s AS float8) IS NULL OR NOT EXISTS ({CALL_OLDER_THAN_KEY_TTL_SQL}))
-RETURNING id, key, state, trace_context
+RETURNING id, key, state, trace_context, priority, fairness_key
 ){follow_cte}, settled AS (
     UPDATE outbox_attempt a SET settled = %(settled)s, settled_at = now()
     FROM moved
@@ -608,7 +614,7 @@ WITH moved AS (
         -- A new problem is alerted (again).
         alerted_at = NULL
     WHERE id = %(id)s AND state = 'sent' AND chain_problem IS NOT DISTINCT FROM %(expected)s
-    RETURNING id, key, state, trace_context, chain_problem
+    RETURNING id, key, state, trace_context, priority, fairness_key, chain_problem
 ){follow_sql("moved")}
 SELECT (SELECT count(*) FROM followed), chain_problem FROM moved
 """

@@ -1,5 +1,5 @@
-"""The relay's statements: take a batch of due rows (``pending -> dispatched``), or give them
-back when Redis refused them."""
+"""The relay's statements: take a batch of due rows (``pending -> dispatched``), fill a limited
+destination's dispatch window (outbox.windows), or give rows back when Redis refused them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import psycopg
 
-from .. import db, ordering, sanitize
+from .. import db, ordering, sanitize, windows
+from .sql import LIMITED_SQL, LIVE_DECLARATIONS_SQL
 
 # The ids are locked first (SKIP LOCKED, so several relays share the load) and handed to the
 # UPDATE as an array, which keeps the UPDATE a primary-key lookup whatever the statistics say.
@@ -47,15 +48,138 @@ WHERE id = ANY(%(ids)s) AND state = 'dispatched'
 """
 
 
+# The same, without the destinations whose windows the relay fills (their rows are taken by
+# _DISPATCH_WINDOW, in their own order). Their due backlog is read past, not taken: the cost of a
+# limited destination's backlog in PostgreSQL (docs/flow-control.md).
+DISPATCH_DUE_EXCEPT_SQL = DISPATCH_DUE_SQL.replace(
+    "AND NOT {blocked}".format(blocked=ordering.blocked_sql("outbox_message")),
+    "AND destination <> ALL(%(windowed)s) AND NOT {blocked}".format(
+        blocked=ordering.blocked_sql("outbox_message")
+    ),
+)
+
 _DISPATCH_DUE_STATEMENT = db.Statement(DISPATCH_DUE_SQL)
+_DISPATCH_DUE_EXCEPT_STATEMENT = db.Statement(DISPATCH_DUE_EXCEPT_SQL)
 
 
-def dispatch_due(conn: psycopg.Connection[Any], *, limit: int) -> list[Any]:
+def dispatch_due(conn: psycopg.Connection[Any], *, limit: int, windowed: Sequence[str] = ()) -> list[Any]:
     """``pending`` -> ``dispatched`` for up to ``limit`` due rows, oldest due first; returns
     ``(id, destination, dispatched_at)`` per row. Run it in the transaction that publishes the
     rows: if the publish raises, the move rolls back with it. (The relay "takes" rows; only a
-    consumer "claims" one.)"""
-    return _DISPATCH_DUE_STATEMENT.execute(conn, {"limit": limit}).fetchall()
+    consumer "claims" one.) ``windowed``: destinations left to :func:`dispatch_window`."""
+    if not windowed:
+        return _DISPATCH_DUE_STATEMENT.execute(conn, {"limit": limit}).fetchall()
+    return _DISPATCH_DUE_EXCEPT_STATEMENT.execute(
+        conn, {"limit": limit, "windowed": list(windowed)}
+    ).fetchall()
+
+
+# The limits in force of each limited destination (the operator's, else the lowest a live process
+# declares; outbox.limits), each with whether this transaction holds its window: an advisory lock
+# per destination, so that two relays never fill one window at once from the same count. Held to
+# the end of the take's transaction; the window's count, read by the next statement, sees every
+# take committed before the lock was granted.
+_WINDOWS = f"""
+SELECT d.destination, COALESCE(d.limit_in_flight, l.n), COALESCE(d.limit_per_second, l.rate),
+       pg_try_advisory_xact_lock(hashtextextended('outbox.window:' || d.destination, 0)) AS ours
+FROM outbox_destination d
+LEFT JOIN ({LIVE_DECLARATIONS_SQL}) AS l ON l.destination = d.destination
+WHERE {LIMITED_SQL} AND COALESCE(d.limit_in_flight, l.n, d.limit_per_second, l.rate) IS NOT NULL
+ORDER BY d.destination
+"""
+
+
+def limited_destinations(conn: psycopg.Connection[Any]) -> list[Any]:
+    """``(destination, in_flight, per_second, ours)`` per destination with a limit in force;
+    ``ours``: this transaction may fill its window (another relay's take is filling it now when
+    not). Run in the take's transaction."""
+    return conn.execute(_WINDOWS).fetchall()
+
+
+_FAIR = "(m.fairness_key IS NOT NULL OR m.priority <> 0)"
+_DUE = f"m.state = 'pending' AND m.available_at <= now() AND NOT {ordering.blocked_sql('m')}"
+
+# The window's take. Candidates: for each fairness key (a skip scan of outbox_message_fair_idx,
+# one probe per key) and each priority, its oldest due rows, at most the window's size; and the
+# oldest due rows with neither a fairness key nor a priority (along outbox_message_pending_idx).
+# No candidate left out could make the cut: each is preceded by as many of its own key and
+# priority. Then the order of outbox.windows: aged priority, turn within the key, due time, id;
+# as many as the window has room for. The rows are locked SKIP LOCKED and moved by id, with their
+# place in that order (the publication follows it).
+_DISPATCH_WINDOW = f"""
+WITH RECURSIVE fair_keys AS (
+    (SELECT COALESCE(m.fairness_key, '') AS k FROM outbox_message m
+     WHERE m.destination = %(destination)s AND m.state = 'pending' AND {_FAIR}
+     ORDER BY COALESCE(m.fairness_key, '') LIMIT 1)
+    UNION ALL
+    SELECT (SELECT COALESCE(m.fairness_key, '') FROM outbox_message m
+            WHERE m.destination = %(destination)s AND m.state = 'pending' AND {_FAIR}
+              AND COALESCE(m.fairness_key, '') > f.k
+            ORDER BY COALESCE(m.fairness_key, '') LIMIT 1)
+    FROM fair_keys f WHERE f.k IS NOT NULL
+), room AS (
+    SELECT CAST(%(size)s AS bigint)
+           - (SELECT count(*) FROM outbox_message
+              WHERE destination = %(destination)s AND state = 'dispatched')
+           - (SELECT count(*) FROM outbox_message
+              WHERE destination = %(destination)s AND state = 'in_flight') AS n
+), candidates AS (
+    SELECT c.id, f.k, c.priority, c.available_at
+    FROM fair_keys f CROSS JOIN (VALUES (1), (0), (-1)) AS p(priority)
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.priority, m.available_at FROM outbox_message m
+        WHERE m.destination = %(destination)s AND {_FAIR}
+          AND COALESCE(m.fairness_key, '') = f.k AND m.priority = p.priority AND {_DUE}
+        ORDER BY m.available_at, m.id LIMIT %(size)s
+    ) c
+    WHERE f.k IS NOT NULL AND (SELECT n FROM room) > 0
+    UNION ALL
+    SELECT m.id, '', 0, m.available_at FROM (
+        SELECT m.id, m.available_at FROM outbox_message m
+        WHERE m.destination = %(destination)s AND m.fairness_key IS NULL AND m.priority = 0 AND {_DUE}
+          AND (SELECT n FROM room) > 0
+        ORDER BY m.available_at, m.id LIMIT %(size)s
+    ) m
+), ranked AS (
+    SELECT id, k, available_at,
+           least(1, priority + floor(extract(epoch FROM now() - available_at) / %(aging)s)) AS rank
+    FROM candidates
+), picked AS (
+    SELECT array_agg(id ORDER BY place) AS ids FROM (
+        SELECT id, row_number() OVER (ORDER BY rank DESC, turn, available_at, id) AS place
+        FROM (SELECT id, rank, available_at,
+                     row_number() OVER (PARTITION BY k, rank ORDER BY available_at, id) AS turn
+              FROM ranked) t
+    ) o WHERE place <= (SELECT n FROM room)
+), moved AS (
+    UPDATE outbox_message
+    SET state = 'dispatched', dispatched_at = now()
+    WHERE id = ANY(ARRAY(
+        SELECT id FROM outbox_message
+        WHERE id = ANY((SELECT ids FROM picked)) AND state = 'pending'
+        FOR UPDATE SKIP LOCKED
+    ))
+    RETURNING id, destination, dispatched_at, array_position((SELECT ids FROM picked), id) AS place
+)
+-- The room is returned even when nothing moved: the relay comes back sooner to a full window.
+SELECT (SELECT n FROM room), moved.id, moved.destination, moved.dispatched_at, moved.place
+FROM (SELECT 1) AS one LEFT JOIN moved ON true
+"""
+
+_DISPATCH_WINDOW_STATEMENT = db.Statement(_DISPATCH_WINDOW)
+
+
+def dispatch_window(conn: psycopg.Connection[Any], *, destination: str, size: int) -> tuple[int, list[Any]]:
+    """``pending`` -> ``dispatched`` for as many due rows of ``destination`` as its window of
+    ``size`` has room for (``size`` minus its rows ``dispatched`` or ``in_flight``), in the order
+    of outbox.windows. Returns the room the window had and ``(id, destination, dispatched_at)``
+    per row taken, in that order. In the take's transaction, after :func:`limited_destinations`
+    said ``ours``."""
+    params = {"destination": destination, "size": size, "aging": windows.PRIORITY_AGING_SECONDS}
+    result = _DISPATCH_WINDOW_STATEMENT.execute(conn, params).fetchall()
+    room = int(result[0][0])
+    rows = sorted((r for r in result if r[1] is not None), key=lambda r: r[4])
+    return room, [r[1:4] for r in rows]
 
 
 def undispatch(

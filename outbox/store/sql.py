@@ -47,16 +47,17 @@ PLANNED = (
 
 def follow_sql(moved: str, *, certain: str = "false") -> str:
     """The CTE (``, followed AS (…)``) that writes the plan's rows after the row of CTE ``moved``
-    (which returns ``id, key, state, trace_context``): the ``then`` steps when it moved to
+    (which returns ``id, key, state, trace_context, priority, fairness_key``: the steps
+    inherit the last two): the ``then`` steps when it moved to
     ``sent``, the ``on_failure`` steps when it moved to ``failed`` and ``certain`` (an SQL
     expression over ``moved``) holds. ``ON CONFLICT DO NOTHING`` and the key ledger's guard make
     a step that exists already a no-op; :func:`conflict_sql` tells whether it differs."""
     return f"""
 , followed AS (
     INSERT INTO outbox_message (key, step, destination, payload, parent_id, via, trace_context,
-                                payload_version)
+                                payload_version, priority, fairness_key)
     SELECT {moved}.key, n.step, n.destination, n.payload, {moved}.id, n.via, {moved}.trace_context,
-           COALESCE(n.payload_version, 1)
+           COALESCE(n.payload_version, 1), {moved}.priority, {moved}.fairness_key
     FROM {moved}, {PLANNED}
     WHERE (n.via = '{chains.THEN}' AND {moved}.state = 'sent')
        OR (n.via = '{chains.ON_FAILURE}' AND {moved}.state = 'failed' AND {certain})

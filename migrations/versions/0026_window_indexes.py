@@ -1,0 +1,52 @@
+"""Flow control, part 3: the indexes of the relay's dispatch window (outbox.windows).
+
+* ``outbox_message_dispatched_destination_idx`` (destination) of ``dispatched`` rows: a limited
+  destination's window counts its published rows without reading every destination's.
+* ``outbox_message_fair_idx`` (destination, fairness key, priority, available_at, id) of
+  ``pending`` rows that carry a fairness key or a priority other than normal: the windowed take
+  reads the head of each fairness key and priority without reading a large tenant's backlog.
+  Rows with neither (most) are not in it, so their writing pays nothing more; the take reads
+  them along ``outbox_message_pending_idx``.
+
+A revision of its own, after 0025's columns: an interrupted concurrent build is simply run again
+(see 0011). The code works without them, only slower (SCHEMA_OLDEST stays 0025).
+
+Revision ID: 0026
+Revises: 0025
+Create Date: 2026-12-05
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+from outbox.migrations.helpers import create_index_concurrently
+
+revision = "0026"
+down_revision = "0025"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    create_index_concurrently(
+        op,
+        "outbox_message_dispatched_destination_idx",
+        "outbox_message",
+        ["destination"],
+        postgresql_where=sa.text("state = 'dispatched'"),
+    )
+    create_index_concurrently(
+        op,
+        "outbox_message_fair_idx",
+        "outbox_message",
+        ["destination", sa.text("COALESCE(fairness_key, '')"), "priority", "available_at", "id"],
+        postgresql_where=sa.text("state = 'pending' AND (fairness_key IS NOT NULL OR priority <> 0)"),
+    )
+
+
+def downgrade() -> None:
+    # Not CONCURRENTLY: a downgrade runs in the migration's transaction, and the drops are brief.
+    op.drop_index("outbox_message_fair_idx", table_name="outbox_message", if_exists=True)
+    op.drop_index("outbox_message_dispatched_destination_idx", table_name="outbox_message", if_exists=True)
