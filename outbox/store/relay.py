@@ -156,7 +156,7 @@ WITH RECURSIVE fair_keys AS (
     SET state = 'dispatched', dispatched_at = now()
     WHERE id = ANY(ARRAY(
         SELECT id FROM outbox_message
-        WHERE id = ANY((SELECT ids FROM picked)) AND state = 'pending'
+        WHERE id = ANY(CAST((SELECT ids FROM picked) AS bigint[])) AND state = 'pending'
         FOR UPDATE SKIP LOCKED
     ))
     RETURNING id, destination, dispatched_at, array_position((SELECT ids FROM picked), id) AS place

@@ -1,0 +1,263 @@
+"""Priority, fairness keys and the dispatch window (issue 33, part 3; outbox.windows): what
+``outbox.write`` accepts and compares, what next steps inherit, and the order and amount the
+relay publishes of a limited destination, against real PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import published_row_ids, sql
+from sqlalchemy.orm import Session
+
+import outbox
+from outbox import limits, store, windows
+from outbox.consumer import DeliveryResult
+from outbox.exceptions import InvalidMessage, KeyConflict
+from outbox.reconciler.jobs.batches import finish_batches
+from outbox.relay import Relay
+from outbox.settings import libpq_url
+
+from .test_chains import declare
+
+pytestmark = pytest.mark.timeout(120)
+
+DEST = "mail.send"
+OTHER = "crm.sync"
+
+
+def write(engine: Any, key: str, *, destination: str = DEST, step: str = "send", **kw: Any) -> int:
+    with Session(engine) as s, s.begin():
+        return outbox.write(s, key=key, step=step, destination=destination, payload={"k": key}, **kw).id
+
+
+def write_many(engine: Any, prefix: str, n: int, *, destination: str = DEST, **kw: Any) -> list[int]:
+    with Session(engine) as s, s.begin():
+        return [
+            outbox.write(s, key=f"{prefix}:{i}", step="send", destination=destination, payload={"i": i}, **kw).id
+            for i in range(n)
+        ]
+
+
+def limit(engine: Any, destination: str = DEST, **kinds: Any) -> None:
+    with engine.begin() as conn:
+        limits.set_limit(conn, destination, by="test", reason="the provider's quota", **kinds)
+
+
+def take(services: Any) -> list[int]:
+    """One take of one relay (``run_once``); the ids it published, in the order consumers get them."""
+    before = set(published_row_ids(redis_of(services), services.namespace, [DEST, OTHER]))
+    relay = Relay(database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace)
+    try:
+        relay.run_once()
+    finally:
+        relay.close()
+    return [i for i in published_row_ids(redis_of(services), services.namespace, [DEST, OTHER]) if i not in before]
+
+
+def redis_of(services: Any) -> Any:
+    from outbox import transport
+
+    return transport.connect(services.redis_url)
+
+
+def settle(services: Any, ids: list[int]) -> None:
+    sql(
+        services,
+        "UPDATE outbox_message SET state = 'sent', provider_ref = 'r', completed_at = now() WHERE id = ANY(%s)",
+        (ids,),
+    )
+
+
+# -- outbox.write ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"priority": "urgent"}, "priority must be one of 'high', 'normal', 'low'"),
+        ({"priority": 1}, "priority must be one of"),
+        ({"priority": None}, "priority must be one of"),
+        ({"fairness_key": ""}, "fairness_key must be 1 to 200 characters"),
+        ({"fairness_key": "t" * 201}, "fairness_key must be 1 to 200 characters"),
+        ({"fairness_key": 42}, "fairness_key must be a str"),
+        ({"fairness_key": "tenant\n42"}, "control character"),
+    ],
+)
+def test_bad_priorities_and_fairness_keys_are_refused_before_any_statement(clean, engine, options, message):
+    with pytest.raises(InvalidMessage, match=message):
+        write(engine, "order:1", **options)
+    assert sql(clean, "SELECT count(*) FROM outbox_message") == [(0,)]
+
+
+def test_a_row_stores_its_priority_and_fairness_key_and_a_rewrite_must_match(clean, engine):
+    row_id = write(engine, "order:1", priority="high", fairness_key="tenant:42")
+    assert sql(clean, "SELECT priority, fairness_key FROM outbox_message WHERE id = %s", (row_id,)) == [
+        (1, "tenant:42")
+    ]
+    with Session(engine) as s, s.begin():
+        again = outbox.write(
+            s, key="order:1", step="send", destination=DEST, payload={"k": "order:1"},
+            priority="high", fairness_key="tenant:42",
+        )  # fmt: skip
+    assert (again.id, again.created) == (row_id, False)
+    for other in ({"priority": "low", "fairness_key": "tenant:42"}, {"priority": "high"},
+                  {"priority": "high", "fairness_key": "tenant:43"}):  # fmt: skip
+        with pytest.raises(KeyConflict), Session(engine) as s, s.begin():
+            outbox.write(s, key="order:1", step="send", destination=DEST, payload={"k": "order:1"}, **other)
+    assert write(engine, "order:2") and sql(
+        clean, "SELECT priority, fairness_key FROM outbox_message WHERE key = 'order:2'"
+    ) == [(0, None)]
+
+
+def test_the_database_refuses_a_priority_or_fairness_key_out_of_range(clean):
+    for column, value in (("priority", 2), ("fairness_key", "")):
+        with pytest.raises(psycopg.errors.CheckViolation):
+            sql(
+                clean,
+                f"INSERT INTO outbox_message (key, step, destination, payload, {column}) "
+                "VALUES ('k', 's', 'd', '{}', %s)",
+                (value,),
+            )
+
+
+def test_next_steps_and_a_batch_then_row_inherit_priority_and_fairness_key(clean, engine, provider, consumer, db):
+    charge = declare(provider, "payments.charge")
+    declare(provider, "mail.notify")
+
+    @charge.then
+    def after(d: outbox.Delivery, c: outbox.Confirmed) -> list[outbox.Next]:
+        return [outbox.Next("notify", "mail.notify", {"charge": c.ref})]
+
+    row_id = write(engine, "invoice:9", destination="payments.charge", step="charge",
+                   priority="low", fairness_key="tenant:9")  # fmt: skip
+    assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.SENT
+    assert sql(clean, "SELECT priority, fairness_key, via FROM outbox_message WHERE key = 'invoice:9' "
+               "AND step = 'notify'") == [(-1, "tenant:9", "then")]  # fmt: skip
+
+    with Session(engine) as s, s.begin():
+        b = outbox.batch(s, name="import:3", then=outbox.Next("report", "mail.notify", {"import": 3}))
+        members = [
+            outbox.write(s, key="import:3", step=f"chunk-{n}", destination="mail.notify", payload={"n": n},
+                         batch=b, priority=p, fairness_key="tenant:3").id
+            for n, p in enumerate(("low", "high", "normal"))
+        ]  # fmt: skip
+    for member in members:
+        assert consumer().deliver(member, "mail.notify") is DeliveryResult.SENT
+    assert finish_batches(db) == {"then": 1, "written": 1}
+    # The members' highest priority, and the fairness key they all share.
+    assert sql(clean, "SELECT priority, fairness_key FROM outbox_message WHERE step = 'report'") == [
+        (1, "tenant:3")
+    ]
+
+
+# -- the relay's window --------------------------------------------------------------------------
+
+
+def test_without_a_limit_every_due_row_goes_at_once_in_due_order(clean, engine):
+    big = write_many(engine, "a", 30, fairness_key="tenant:a")
+    small = write_many(engine, "b", 3, fairness_key="tenant:b", priority="high")
+    assert take(clean) == big + small
+
+
+def test_a_limited_destination_gets_its_window_in_turns_of_fairness_keys(clean, engine):
+    limit(engine, per_second=10)  # window: 15 rows (1.5 s)
+    size = windows.window_size(None, 10)
+    assert size == 15
+    big = write_many(engine, "a", 40, fairness_key="tenant:a")
+    small = write_many(engine, "b", 3, fairness_key="tenant:b")
+    plain = write_many(engine, "c", 2)
+    unlimited = write_many(engine, "u", 5, destination=OTHER)
+    published = take(clean)
+    # The other destination's rows are not held by the window.
+    assert [i for i in published if i in unlimited] == unlimited
+    windowed = [i for i in published if i not in unlimited]
+    assert len(windowed) == size
+    # Turns: the first of each key, oldest first (rows without a key are one more key), then the
+    # second of each...
+    assert windowed[:3] == [big[0], small[0], plain[0]]
+    assert windowed[3:6] == [big[1], small[1], plain[1]]
+    assert windowed[6:8] == [big[2], small[2]]
+    assert windowed[8:] == big[3:10]
+    # The window is full: the next take publishes nothing of it...
+    assert take(clean) == []
+    # ...until rows settle: as many as settled.
+    settle(clean, windowed[:4])
+    assert take(clean) == big[10:14]
+
+
+def test_priority_comes_first_and_a_waiting_row_rises_with_age(clean, engine):
+    limit(engine, in_flight=1)  # window: 4 rows
+    normal = write_many(engine, "n", 6)
+    low = write_many(engine, "l", 2, priority="low")
+    high = write_many(engine, "h", 2, priority="high")
+    assert take(clean) == [*high, *normal[:2]]
+    settle(clean, [*high, *normal[:2]])
+    # A low row due for two aging periods ranks as high (one period: as normal, after the older).
+    aged = windows.PRIORITY_AGING_SECONDS * 2 + 5
+    sql(clean, "UPDATE outbox_message SET available_at = now() - %s * interval '1 second' WHERE id = %s",
+        (aged, low[1]))  # fmt: skip
+    assert take(clean) == [low[1], *normal[2:5]]
+
+
+def test_an_ordering_key_beats_priority_in_the_window(clean, engine):
+    limit(engine, per_second=100)
+    head = write(engine, "o:1", ordering_key="customer:1", priority="low")
+    behind = write(engine, "o:2", ordering_key="customer:1", priority="high")
+    other = write(engine, "o:3", priority="normal")
+    assert take(clean) == [other, head]
+    settle(clean, [head])
+    assert take(clean) == [behind]
+
+
+def test_two_relays_never_fill_one_window_from_the_same_count(clean, engine):
+    limit(engine, in_flight=2)
+    write_many(engine, "a", 20)
+    url = libpq_url(clean.database_url)
+    with psycopg.connect(url) as first, psycopg.connect(url) as second:
+        [(_, _, _, ours_first)] = store.relay.limited_destinations(first)
+        [(_, _, _, ours_second)] = store.relay.limited_destinations(second)
+        assert (ours_first, ours_second) == (True, False)
+        room, taken = store.relay.dispatch_window(first, destination=DEST, size=8)
+        assert (room, len(taken)) == (8, 8)
+        first.commit()  # the lock goes with the take's transaction
+        second.rollback()
+        [(_, _, _, ours_second)] = store.relay.limited_destinations(second)
+        assert ours_second
+        room, taken = store.relay.dispatch_window(second, destination=DEST, size=8)
+        assert (room, taken) == (0, [])
+        second.commit()
+
+
+def test_a_limit_declared_only_by_a_dead_process_opens_no_window(clean, engine):
+    sql(clean, "INSERT INTO outbox_destination (destination, declared_in_flight) VALUES (%s, 1)", (DEST,))
+    rows = write_many(engine, "a", 10)
+    # The hint says a process declared one; none is live, so no limit is in force.
+    assert take(clean) == rows
+
+
+def test_clearing_a_limit_lets_the_backlog_go_within_the_refresh(clean, engine):
+    limit(engine, per_second=2)  # window: 3
+    rows = write_many(engine, "a", 10)
+    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
+    try:
+        assert relay.run_once().published == 3
+        assert relay.windows_waiting
+        with engine.begin() as conn:
+            limits.clear_limit(conn, DEST, by="test")
+        # The relay re-reads the limits at every take while it fills windows.
+        assert relay.run_once().published == 7
+        assert not relay.windows_waiting
+    finally:
+        relay.close()
+    assert sorted(published_row_ids(redis_of(clean), clean.namespace, [DEST])) == rows
+
+
+def test_a_due_time_in_the_future_keeps_a_row_out_of_the_window(clean, engine):
+    limit(engine, per_second=100)
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    write(engine, "f:1", priority="high", fairness_key="t", available_at=later)
+    now = write(engine, "f:2", priority="low")
+    assert take(clean) == [now]
