@@ -106,9 +106,6 @@ def test_a_rate_holds_over_worker_processes_killed_added_raised_and_lowered(
         procs.stop_all()
 
     arrivals = provider.arrivals()
-    import shutil
-
-    shutil.copytree(procs.log_dir, "/tmp/ratelogs", dirs_exist_ok=True)
     report = (
         f"50/s: most {most_in_one_second(arrivals, begun, raising)}, "
         f"{per_second(arrivals, begun + 1, raising):.1f}/s; "

@@ -36,7 +36,9 @@ def write(engine: Any, key: str, *, destination: str = DEST, step: str = "send",
 def write_many(engine: Any, prefix: str, n: int, *, destination: str = DEST, **kw: Any) -> list[int]:
     with Session(engine) as s, s.begin():
         return [
-            outbox.write(s, key=f"{prefix}:{i}", step="send", destination=destination, payload={"i": i}, **kw).id
+            outbox.write(
+                s, key=f"{prefix}:{i}", step="send", destination=destination, payload={"i": i}, **kw
+            ).id
             for i in range(n)
         ]
 
@@ -49,12 +51,16 @@ def limit(engine: Any, destination: str = DEST, **kinds: Any) -> None:
 def take(services: Any) -> list[int]:
     """One take of one relay (``run_once``); the ids it published, in the order consumers get them."""
     before = set(published_row_ids(redis_of(services), services.namespace, [DEST, OTHER]))
-    relay = Relay(database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace)
+    relay = Relay(
+        database_url=services.database_url, redis_url=services.redis_url, namespace=services.namespace
+    )
     try:
         relay.run_once()
     finally:
         relay.close()
-    return [i for i in published_row_ids(redis_of(services), services.namespace, [DEST, OTHER]) if i not in before]
+    return [
+        i for i in published_row_ids(redis_of(services), services.namespace, [DEST, OTHER]) if i not in before
+    ]
 
 
 def redis_of(services: Any) -> Any:
@@ -66,7 +72,8 @@ def redis_of(services: Any) -> Any:
 def settle(services: Any, ids: list[int]) -> None:
     sql(
         services,
-        "UPDATE outbox_message SET state = 'sent', provider_ref = 'r', completed_at = now() WHERE id = ANY(%s)",
+        "UPDATE outbox_message SET state = 'sent', provider_ref = 'r', completed_at = now() "
+        "WHERE id = ANY(%s)",
         (ids,),
     )
 
@@ -123,7 +130,9 @@ def test_the_database_refuses_a_priority_or_fairness_key_out_of_range(clean):
             )
 
 
-def test_next_steps_and_a_batch_then_row_inherit_priority_and_fairness_key(clean, engine, provider, consumer, db):
+def test_next_steps_and_a_batch_then_row_inherit_priority_and_fairness_key(
+    clean, engine, provider, consumer, db
+):
     charge = declare(provider, "payments.charge")
     declare(provider, "mail.notify")
 
