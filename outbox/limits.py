@@ -70,6 +70,10 @@ class Limit:
     calls_in_flight: int
     waiting: int
     waiting_since: datetime | None = None
+    #: Its due rows the relay keeps back until its dispatch window has room (outbox.windows), and
+    #: since when the oldest of them is due.
+    kept_back: int = 0
+    kept_back_since: datetime | None = None
 
     def describe(self) -> str:
         by_operator = self.in_flight is not None or self.per_second is not None
@@ -94,7 +98,13 @@ class Limit:
         if self.holds_per_second is not None:
             parts.append(f"at most {self.holds_per_second:g} calls/s")
         since = f" since {self.waiting_since:%H:%M:%S %Z}" if self.waiting and self.waiting_since else ""
-        return f"{self.destination}: {', '.join(parts)}, {self.waiting} rows waiting{since}, {source}"
+        kept = (
+            f", {self.kept_back} more kept back by the relay's window"
+            f" since {self.kept_back_since:%H:%M:%S %Z}"
+            if self.kept_back and self.kept_back_since
+            else ""
+        )
+        return f"{self.destination}: {', '.join(parts)}, {self.waiting} rows waiting{since}{kept}, {source}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -111,6 +121,8 @@ class Limit:
             "calls_in_flight": self.calls_in_flight,
             "waiting": self.waiting,
             "waiting_since": self.waiting_since.isoformat() if self.waiting_since else None,
+            "kept_back": self.kept_back,
+            "kept_back_since": self.kept_back_since.isoformat() if self.kept_back_since else None,
         }
 
 
@@ -129,6 +141,8 @@ def _limit(row: Any) -> Limit:
         int(row.in_flight),
         int(row.waiting),
         row.waiting_since,
+        int(row.kept_back),
+        row.kept_back_since,
     )
 
 

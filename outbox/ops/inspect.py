@@ -136,6 +136,8 @@ _ROW_COLUMNS = f"""
     dispatched_at, claimed_at, lease_expires_at, completed_at, unknown_since, alerted_at,
     claim_token, provider_ref, response, last_error, history, releases, payload_version,
     ordering_key,
+    CASE priority WHEN 1 THEN 'high' WHEN -1 THEN 'low' ELSE 'normal' END AS priority,
+    fairness_key,
     (SELECT format('row %s (%s:%s, %s)', e.id, e.key, e.step, e.state) FROM outbox_message e
      WHERE e.ordering_key = outbox_message.ordering_key AND e.id < outbox_message.id
        AND e.state NOT IN ('sent', 'cancelled') AND {HOLDING_SQL}

@@ -400,7 +400,8 @@ def resume_destination(connection: Connection, destination: str, *, by: str) -> 
 # The limits that hold are the operator's, else the lowest that live processes declare (what the
 # claim's trigger, migrations 0023/0024, reads under its lock), each kind apart. In flight: as
 # the trigger counts (rows ``in_flight``, and unknown rows until their ``landing_until``).
-# Waiting: rows published and not claimed yet, and since when the oldest of them waits.
+# Waiting: rows published and not claimed yet, and since when the oldest of them waits; kept
+# back: due rows not published yet (the relay's window is full), and since when.
 _LIMITS = f"""
     WITH declared AS ({LIVE_DECLARATIONS_SQL})
     SELECT COALESCE(o.destination, declared.destination) AS destination,
@@ -414,7 +415,7 @@ _LIMITS = f"""
               AND (m.state = 'in_flight'
                    OR (m.state = 'unknown' AND m.available_at > now()
                        AND m.landing_until > now()))) AS in_flight,
-           w.waiting, w.waiting_since
+           w.waiting, w.waiting_since, k.kept_back, k.kept_back_since
     FROM (SELECT * FROM outbox_destination
           WHERE limit_in_flight IS NOT NULL OR limit_per_second IS NOT NULL) AS o
     FULL JOIN declared ON declared.destination = o.destination
@@ -423,6 +424,12 @@ _LIMITS = f"""
         WHERE m.destination = COALESCE(o.destination, declared.destination)
           AND m.state = 'dispatched'
     ) AS w
+    -- Due rows the relay keeps back until the destination's window has room (outbox.windows).
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS kept_back, min(m.available_at) AS kept_back_since FROM outbox_message m
+        WHERE m.destination = COALESCE(o.destination, declared.destination)
+          AND m.state = 'pending' AND m.available_at <= now()
+    ) AS k
     WHERE CAST(:destination AS text) IS NULL OR COALESCE(o.destination, declared.destination) = :destination
     ORDER BY 1
 """

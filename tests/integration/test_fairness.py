@@ -5,6 +5,7 @@ relay publishes of a limited destination, against real PostgreSQL and Redis."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any
 
 import psycopg
@@ -14,6 +15,7 @@ from sqlalchemy.orm import Session
 
 import outbox
 from outbox import limits, store, windows
+from outbox.cli import main
 from outbox.consumer import DeliveryResult
 from outbox.exceptions import InvalidMessage, KeyConflict
 from outbox.reconciler.jobs.batches import finish_batches
@@ -270,3 +272,22 @@ def test_a_due_time_in_the_future_keeps_a_row_out_of_the_window(clean, engine):
     write(engine, "f:1", priority="high", fairness_key="t", available_at=later)
     now = write(engine, "f:2", priority="low")
     assert take(clean) == [now]
+
+
+# -- what operators see ----------------------------------------------------------------------------
+
+
+def test_limit_and_show_say_what_the_window_keeps_back_and_a_rows_turn(clean, engine, capsys):
+    limit(engine, per_second=2)  # window: 3
+    rows = write_many(engine, "a", 8, priority="low", fairness_key="tenant:a")
+    take(clean)
+    assert main(["limit", DEST, "--database-url", clean.database_url]) == 0
+    out = capsys.readouterr().out
+    assert "3 rows waiting since" in out and "5 more kept back by the relay's window since" in out, out
+    assert main(["limit", "--json", "--database-url", clean.database_url]) == 0
+    [shown] = json.loads(capsys.readouterr().out)["limits"]
+    assert (shown["waiting"], shown["kept_back"]) == (3, 5) and shown["kept_back_since"]
+    assert main(["show", str(rows[-1]), "--json", "--database-url", clean.database_url]) == 0
+    row = json.loads(capsys.readouterr().out)["row"]
+    assert (row["priority"], row["fairness_key"], row["state"]) == ("low", "tenant:a", "pending")
+    assert row["limited_by"] == "at most 2 calls/s"

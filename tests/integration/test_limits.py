@@ -164,9 +164,11 @@ def test_a_worker_holds_what_the_limit_refuses_and_the_provider_never_sees_more(
     charged once, the provider's own gauge never passes 2, and no row was acked unclaimed."""
     declare_charge(provider)
     provider.slow(150)
-    limit(engine, 2)
     write_rows(engine, 24)
+    # Published before the limit is set (a limited destination's relay keeps all but its window
+    # back, outbox.windows): 16 threads get messages beyond the limit, and hold them.
     assert relay_once(clean) == 24
+    limit(engine, 2)
     with worker_thread(clean, threads=16):
         wait_for(
             lambda: (
