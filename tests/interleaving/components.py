@@ -615,6 +615,8 @@ def write(
     payload: dict[str, Any],
     deadline: datetime | None = None,
     ordering_key: str | None = None,
+    priority: str = "normal",
+    fairness_key: str | None = None,
 ) -> Any:
     with Session(engine) as s, s.begin():
         return outbox.write(
@@ -625,6 +627,8 @@ def write(
             payload=payload,
             deadline=deadline,
             ordering_key=ordering_key,
+            priority=priority,
+            fairness_key=fairness_key,
         )
 
 

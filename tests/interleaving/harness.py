@@ -339,6 +339,8 @@ class World:
         self.side_threads: list[threading.Thread] = []
         self.blockers: list[tuple[psycopg.Connection[Any], int, float]] = []
         self.keys: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        #: Each written key's priority and fairness key (issue 33): a retried write gives both again.
+        self.turns: dict[tuple[str, str], dict[str, Any]] = {}
         #: issue 15: operations written with a payload ix.charge's model refuses
         self.invalid_keys: set[tuple[str, str]] = set()
         self.claims: dict[uuid.UUID, dict[str, Any]] = {}
@@ -541,6 +543,11 @@ class World:
                 ordering_key = f"cust:{self.cfg.seed}-{self.rng.randrange(3)}"
             elif self.rng.random() < 0.2:
                 deadline = datetime.now(UTC) + timedelta(seconds=self.rng.uniform(1.5, 8.0))
+            # issue 33: turns in a limited destination's window (priority, then fairness keys).
+            turn = {
+                "priority": self.rng.choice(["high", "normal", "normal", "low"]),
+                "fairness_key": self.rng.choice([None, "tenant:a", "tenant:b"]),
+            }
             written = c.write(
                 self.engine,
                 key=key,
@@ -549,8 +556,10 @@ class World:
                 payload=payload,
                 deadline=deadline,
                 ordering_key=ordering_key,
+                **turn,
             )
             self.keys[(key, step)] = (destination, payload)
+            self.turns[(key, step)] = turn
             shown = f" deadline in {(deadline - datetime.now(UTC)).total_seconds():.1f} s" if deadline else ""
             self.log(f"app: write {key}:{step} on {destination} -> row {written.id}{shown}", written.id)
 
@@ -560,7 +569,14 @@ class World:
             return
         (key, step), (destination, payload) = self.rng.choice(sorted(self.keys.items()))
         existed = bool(self.sql("SELECT 1 FROM outbox_message WHERE key = %s AND step = %s", (key, step)))
-        written = c.write(self.engine, key=key, step=step, destination=destination, payload=payload)
+        written = c.write(
+            self.engine,
+            key=key,
+            step=step,
+            destination=destination,
+            payload=payload,
+            **self.turns[(key, step)],
+        )
         if not existed and written.created:
             self.purged_then_rewritten.add((key, step))
         self.log(f"app: write again {key}:{step} -> row {written.id} created={written.created}", written.id)
