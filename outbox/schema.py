@@ -509,8 +509,7 @@ Index(
     outbox_message.c.destination,
     postgresql_where=text("state = 'dispatched'"),
 )
-# The head of each fairness key and priority of a destination's pending rows; rows with neither
-# are not in it (their take reads outbox_message_pending_idx).
+# The head of each fairness key (or '') and priority of a destination's pending rows.
 Index(
     "outbox_message_fair_idx",
     outbox_message.c.destination,
@@ -518,5 +517,5 @@ Index(
     outbox_message.c.priority,
     outbox_message.c.available_at,
     outbox_message.c.id,
-    postgresql_where=text("state = 'pending' AND (fairness_key IS NOT NULL OR priority <> 0)"),
+    postgresql_where=text("state = 'pending'"),
 )

@@ -2,11 +2,11 @@
 
 * ``outbox_message_dispatched_destination_idx`` (destination) of ``dispatched`` rows: a limited
   destination's window counts its published rows without reading every destination's.
-* ``outbox_message_fair_idx`` (destination, fairness key, priority, available_at, id) of
-  ``pending`` rows that carry a fairness key or a priority other than normal: the windowed take
-  reads the head of each fairness key and priority without reading a large tenant's backlog.
-  Rows with neither (most) are not in it, so their writing pays nothing more; the take reads
-  them along ``outbox_message_pending_idx``.
+* ``outbox_message_fair_idx`` (destination, fairness key or '', priority, available_at, id) of
+  ``pending`` rows: the windowed take reads the head of each fairness key and priority of one
+  destination without reading a large tenant's backlog. Every row is in it while pending (one
+  index entry more per row written; a partial index of rows with a key or a priority would
+  leave the take reading the whole backlog to find the others).
 
 A revision of its own, after 0025's columns: an interrupted concurrent build is simply run again
 (see 0011). The code works without them, only slower (SCHEMA_OLDEST stays 0025).
@@ -42,7 +42,7 @@ def upgrade() -> None:
         "outbox_message_fair_idx",
         "outbox_message",
         ["destination", sa.text("COALESCE(fairness_key, '')"), "priority", "available_at", "id"],
-        postgresql_where=sa.text("state = 'pending' AND (fairness_key IS NOT NULL OR priority <> 0)"),
+        postgresql_where=sa.text("state = 'pending'"),
     )
 
 
