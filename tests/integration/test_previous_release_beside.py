@@ -27,6 +27,9 @@ guard against a regression; deduplicated when it is the same commit). What each 
   and a compensated row stay failed whatever the older release does (its ``outbox replay``, its
   ``outbox repair`` where it has one, a late confirmation of its worker); a forced replay by this
   code still moves them;
+* limits, priority and fairness: an operator's in-flight limit holds against the older worker
+  (the provider never sees more calls at once), and rows written with a priority and fairness
+  key are each charged once while the older relay publishes them unwindowed beside this code's;
 * and what the others stand on: the older relay and worker deliver on this code's head, fed by
   this code's relay too.
 
@@ -59,7 +62,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import features
+from outbox import features, limits
 from outbox.cli import main
 from outbox.db import make_engine
 from outbox.exceptions import FeatureNotEnabled, FeatureRefused
@@ -886,3 +889,51 @@ def test_the_older_release_relays_and_delivers_beside_this_code(database, old, s
     wait_state(database, by_this_relay, {"sent"}, worker=worker)
     assert provider.stats()["effects"] == {"order:h1:charge": 1, "order:h2:charge": 1}
     assert worker.stop() == 0, worker.output()
+
+
+# -- (e) limits, priority and fairness (issue 33) ------------------------------------------------
+
+
+def test_limits_hold_and_windows_fill_beside_an_older_relay_and_worker(
+    release, database, old, svc, reconciler, provider
+) -> None:
+    """An operator's in-flight limit holds against the older worker's claims (the claim trigger
+    refuses them; this code's reconciler puts the refused rows back), rows written with a
+    priority and fairness key by this code are each charged once while the older relay
+    publishes them unwindowed beside this code's relay, and the provider never sees more calls
+    at once than the limit."""
+    provider.slow(100)
+    worker = old.worker(threads=6)
+    relay = old.relay()
+    wait_beating(database, worker)
+    deploy(database)
+    with database.begin() as conn:
+        limits.set_limit(conn, "compat.ordered", in_flight=2, by="test", reason="the provider's quota")
+    every = [
+        write(
+            database,
+            f"order:lim-{n}",
+            "compat.ordered",
+            priority=("high", "normal", "low")[n % 3],
+            fairness_key=f"tenant:{n % 4}",
+        )
+        for n in range(16)
+    ]
+
+    def all_sent() -> bool:
+        for proc in (worker, relay):
+            assert proc.proc.poll() is None, f"an older process exited:\n{proc.output()}"
+        run_jobs(reconciler, "redispatch", "expire_leases")
+        relay_once(svc)
+        states = q(database, "SELECT state FROM outbox_message WHERE id = ANY(:ids)", ids=every)
+        return all(s == "sent" for (s,) in states)
+
+    wait_rows(database, all_sent, "every limited row to be sent", every=0.3)
+    stats = provider.stats()
+    keys = q(database, "SELECT key FROM outbox_message WHERE id = ANY(:ids)", ids=every)
+    assert stats["effects"] == {f"{key}:charge": 1 for (key,) in keys}, stats["effects"]
+    assert stats["most_in_flight"] <= 2, stats["most_in_flight"]
+    # The rows kept what this code wrote.
+    assert sorted(
+        q(database, "SELECT priority FROM outbox_message WHERE id = ANY(:ids)", ids=every)
+    ) == sorted([(p,) for p in ([1, 0, -1] * 6)[:16]])
