@@ -789,6 +789,8 @@ def check_flow_control(run: PageRun, shop: Shop) -> None:
     paced = run.namespace["charge"]
     assert paced.destination == "payments.charge" and paced.max_calls_per_second == 50
     assert paced.max_in_flight is None and paced.idempotent
+    written = shop.row(1)
+    assert (written["key"], written["priority"], written["fairness_key"]) == ("reset:7", 1, "tenant:42")
 
 
 def check_not_a_queue(run: PageRun, shop: Shop) -> None:
