@@ -54,6 +54,7 @@ from .settings import (
     DEFAULT_WORKER_RECORD_CONNECTIONS,
 )
 from .validation import header_safe
+from .wakes import Wakes
 
 logger = logging.getLogger(__name__)
 
@@ -281,10 +282,13 @@ class _Pause:
     seconds, holding no connection, then send None to try again. A thread sleeps; a task awaits,
     so locked rows never hold the threads that other deliveries' claims and records need."""
 
-    __slots__ = ("seconds",)
+    __slots__ = ("seconds", "wake_on")
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, wake_on: str | None = None) -> None:
         self.seconds = seconds
+        #: A destination whose in-flight limit holds this run: a call of it that ends wakes the
+        #: run before its pause is over (outbox.wakes).
+        self.wake_on = wake_on
 
 
 class _OffLoop:
@@ -607,6 +611,11 @@ class Deliverer:
         #: heartbeat's last beat is recent): a claim of such a destination waits while they are
         #: not, or the database would stop counting the declaration (outbox.limits).
         self.declarations_fresh: Callable[[], bool] | None = None
+        #: Set by the worker: held deliveries wait on it, and the record of a call of a
+        #: destination in ``in_flight_limited()`` (its heartbeat's last read) publishes the end
+        #: of the call (outbox.wakes).
+        self.wakes: Wakes | None = None
+        self.in_flight_limited: Callable[[], frozenset[str]] = frozenset
         self.handlers = dict(handlers)
         self._local = threading.local()
         self._pools = {"claim_conn": _Pool(claim_connections), "record_conn": _Pool(record_connections)}
@@ -766,7 +775,10 @@ class Deliverer:
                 if isinstance(step, _OffLoop):
                     step = steps.send(None)
                 elif isinstance(step, _Pause):
-                    time.sleep(step.seconds)
+                    if step.wake_on is not None and self.wakes is not None:
+                        self.wakes.wait(step.wake_on, step.seconds)
+                    else:
+                        time.sleep(step.seconds)
                     step = steps.send(None)
                 else:
                     wait = step.not_before - time.monotonic()
@@ -808,7 +820,10 @@ class Deliverer:
             step = first
         while not isinstance(step, DeliveryResult):
             if isinstance(step, _Pause):
-                await asyncio.sleep(step.seconds)
+                if step.wake_on is not None and self.wakes is not None:
+                    await self.wakes.wait_async(step.wake_on, step.seconds)
+                else:
+                    await asyncio.sleep(step.seconds)
                 step = await in_thread(self._advance, steps, None, after)
             else:
                 wait = step.not_before - time.monotonic()
@@ -1057,7 +1072,9 @@ class Deliverer:
             if delay is None or self.stopping.is_set():
                 return DeliveryResult.HELD
             self._put_back("claim_conn")
-            yield _Pause(delay)
+            # Held by the calls in flight: the end of one (in any process) wakes it; a paced
+            # start is a time, waited out.
+            yield _Pause(delay, wake_on=destination if limit.in_flight is not None else None)
         if isinstance(claimed, store.delivery.Aged):
             logger.warning(
                 "outbox row %s -> unknown: %s",
@@ -1574,7 +1591,7 @@ class Deliverer:
         attempt = 0
         while True:
             try:
-                return store.delivery.record(
+                recorded = store.delivery.record(
                     self._conn("record_conn"),
                     row_id=claimed.id,
                     token=claimed.token,
@@ -1600,6 +1617,11 @@ class Deliverer:
                 if attempt == 3:
                     raise
                 yield _Pause(0.2 * attempt)
+            else:
+                if self.wakes is not None and claimed.destination in self.in_flight_limited():
+                    # Its place in the limit is free: the deliveries it holds, anywhere, may claim.
+                    self.wakes.freed(claimed.destination)
+                return recorded
 
 
 def delivery_for(

@@ -63,6 +63,12 @@ FEATURES: dict[str, Feature] = {
             "0016",
             "a worker older than 0016 would hand a payload of a newer shape to its handler",
         ),
+        Feature(
+            "fairness",
+            "0025",
+            "a relay older than 0025 would publish a limited destination's rows oldest first, past "
+            "its window and its priority and fairness turns",
+        ),
     )
 }
 

@@ -180,6 +180,8 @@ class Heartbeat:
         self._failing = False
         #: This process's clock at its last beat that committed (None: none yet).
         self.last_beat_at: float | None = None
+        #: A worker's: the destinations with an in-flight limit, read at each beat (outbox.wakes).
+        self.in_flight_limited: frozenset[str] = frozenset()
 
     def declarations_fresh(self) -> bool:
         """Whether this process's last committed beat is recent enough that every claim trigger
@@ -218,6 +220,8 @@ class Heartbeat:
             },
         )
         self.last_beat_at = sent_at
+        if self.kind == "worker":
+            self.in_flight_limited = store.processes.in_flight_limited(self._connection())
 
     def _run(self) -> None:
         while True:

@@ -30,6 +30,7 @@ from .probes import Liveness
 from .runner import Runner
 from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
 from .transport import Broker
+from .wakes import Wakes
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +104,15 @@ def run_worker(
     )
     if declared or rates:
         deliverer.declarations_fresh = heartbeat.declarations_fresh
+    # The ends of limited calls, published and received over Redis (outbox.wakes).
+    wakes = Wakes(redis_url, namespace).start()
+    deliverer.wakes = wakes
+    deliverer.in_flight_limited = lambda: heartbeat.in_flight_limited
     try:
         runner.start()
     except BaseException:
         heartbeat.stop()
+        wakes.stop()
         raise
     asynchronous = [d for d in destinations if handlers[d].is_async]
     logger.info(
@@ -131,6 +137,7 @@ def run_worker(
         logger.info("outbox worker stopping: finishing messages in hand")
         runner.stop(max(h.lease_seconds for h in handlers.values()))
         heartbeat.stop()
+        wakes.stop()
         broker.close()
         # Dramatiq's RedisBroker.close() leaves its pool's sockets for the garbage collector.
         broker.client.connection_pool.disconnect()

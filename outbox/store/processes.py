@@ -136,3 +136,15 @@ def record_identity(conn: psycopg.Connection[Any], params: Mapping[str, Any]) ->
 def note_identity_mismatch(conn: psycopg.Connection[Any], mismatch: str) -> None:
     """The server is not the one on record: when it was first seen, and how it differs."""
     conn.execute(_MISMATCH_SEEN, {"mismatch": mismatch})
+
+
+_IN_FLIGHT_LIMITED = """
+SELECT destination FROM outbox_destination
+WHERE limit_in_flight IS NOT NULL OR declared_in_flight IS NOT NULL
+"""
+
+
+def in_flight_limited(conn: psycopg.Connection[Any]) -> frozenset[str]:
+    """The destinations with an in-flight limit (the operator's, or a declaration's hint): a
+    worker publishes the end of their calls (outbox.wakes)."""
+    return frozenset(r[0] for r in conn.execute(_IN_FLIGHT_LIMITED).fetchall())

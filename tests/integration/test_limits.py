@@ -6,6 +6,7 @@ own gauge of concurrent requests is the evidence."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -465,3 +466,68 @@ def test_a_worker_whose_declaration_is_no_longer_on_record_does_not_claim(
     finally:
         deliverer.close()
     assert get(db, row)["attempts"] == 0 and get(db, row)["state"] == "pending"
+
+
+def test_a_call_that_ends_wakes_the_deliveries_its_limit_holds(clean, engine, db, provider):
+    """One call at a time, each taking 1 s, four rows held in two workers (their own Redis
+    subscriptions, as two processes have): each claim follows the end of the call before it
+    within 0.35 s. Without the wake, a held delivery's pause has doubled to 0.8-1 s by then."""
+    declare_charge(provider)
+    provider.slow(1000)
+    write_rows(engine, 4)
+    assert relay_once(clean) == 4
+    limit(engine, 1)
+    with worker_thread(clean, threads=2), worker_thread(clean, threads=2):
+        wait_for(
+            lambda: db.execute("SELECT count(*) FROM outbox_message WHERE state = 'sent'").fetchone()[0] == 4,
+            60,
+            "every row sent",
+        )
+    attempts = db.execute(
+        "SELECT date_part('epoch', started_at), date_part('epoch', finished_at) FROM outbox_attempt "
+        "ORDER BY started_at"
+    ).fetchall()
+    assert len(attempts) == 4, attempts
+    gaps = [round(nxt[0] - prev[1], 3) for prev, nxt in itertools.pairwise(attempts)]
+    assert all(0 <= gap < 0.35 for gap in gaps), gaps
+    assert provider.stats()["most_in_flight"] == 1
+
+
+def test_a_wake_reaches_threads_and_tasks_of_another_subscriber_and_only_its_destination(clean):
+    """outbox.wakes over a real Redis: one subscriber's ``freed`` wakes another's waiting thread
+    and task of that destination at once, and not those of another destination."""
+    import asyncio
+
+    from outbox.wakes import Wakes
+
+    sender = Wakes(clean.redis_url, clean.namespace).start()
+    receiver = Wakes(clean.redis_url, clean.namespace).start()
+    try:
+        time.sleep(0.5)  # both subscribed
+        results: dict[str, tuple[bool, float]] = {}
+
+        def wait(name: str, destination: str) -> None:
+            started = time.monotonic()
+            results[name] = (receiver.wait(destination, 5), time.monotonic() - started)
+
+        async def wait_task() -> tuple[bool, float]:
+            started = time.monotonic()
+            return await receiver.wait_async(DEST, 5), time.monotonic() - started
+
+        threads = [
+            threading.Thread(target=wait, args=("same", DEST)),
+            threading.Thread(target=wait, args=("other", "mail.send")),
+        ]
+        for t in threads:
+            t.start()
+        threading.Timer(0.3, sender.freed, args=(DEST,)).start()
+        woken, took = asyncio.run(wait_task())
+        threads[0].join(5)
+        assert woken and took < 2, (woken, took)
+        assert results["same"][0] and results["same"][1] < 2, results
+        threads[1].join(6)
+        assert results["other"] == (False, pytest.approx(5, abs=1)), results
+        assert receiver.received >= 1
+    finally:
+        sender.stop()
+        receiver.stop()
