@@ -509,12 +509,12 @@ Index(
     outbox_message.c.destination,
     postgresql_where=text("state = 'dispatched'"),
 )
-# The head of each fairness key (or '') and priority of a destination's pending rows.
+# The head of each priority and fairness key (or '') of a destination's pending rows.
 Index(
     "outbox_message_fair_idx",
     outbox_message.c.destination,
-    text("COALESCE(fairness_key, '')"),
     outbox_message.c.priority,
+    text("COALESCE(fairness_key, '')"),
     outbox_message.c.available_at,
     outbox_message.c.id,
     postgresql_where=text("state = 'pending'"),

@@ -21,7 +21,7 @@ import logging
 import select
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +160,16 @@ def _read_backlog(listen: psycopg.Connection[Any]) -> int:
     return count
 
 
+def _next_cursor(cursor: str | None, served: list[str]) -> str:
+    """The last fairness key a take served at one priority, in the order it went round (from
+    just after ``cursor``, wrapping to the first key): the next take starts after it."""
+    if cursor is not None:
+        wrapped = [k for k in served if k <= cursor]
+        if wrapped:
+            return max(wrapped)
+    return max(served)
+
+
 class Relay:
     def __init__(
         self,
@@ -212,6 +222,10 @@ class Relay:
         #: A window was found full, or filled to the brim, at the last take: rows may be waiting
         #: for room, and the loop comes back after windows.REFILL_SECONDS.
         self.windows_waiting = False
+        #: By limited destination: each priority's last fairness key served (the next take
+        #: starts after it), and its recent window takes ``(time.monotonic(), rows)``.
+        self._cursors: dict[str, dict[int, str | None]] = {}
+        self._taken: dict[str, deque[tuple[float, int]]] = {}
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -307,14 +321,24 @@ class Relay:
         rows = store.relay.dispatch_due(conn, limit=self.batch_size, windowed=self._windowed)
         waiting = False
         for destination, in_flight, per_second, ours in limited:
-            size = windows.window_size(in_flight, per_second)
+            taken = self._taken.setdefault(destination, deque())
+            while taken and taken[0][0] < now - 1.0:
+                taken.popleft()
+            size = windows.window_size(in_flight, per_second, sum(n for _, n in taken))
             if not ours or size is None:
                 continue
-            room, taken = store.relay.dispatch_window(conn, destination=destination, size=size)
-            rows.extend(taken)
+            cursors = self._cursors.setdefault(destination, {})
+            window = store.relay.dispatch_window(conn, destination=destination, size=size, cursors=cursors)
+            rows.extend(window.rows)
+            taken.append((now, len(window.rows)))
+            for priority, keys in window.served.items():
+                cursors[priority] = _next_cursor(cursors.get(priority), keys)
             # Full, or filled to the brim: rows may be waiting for room.
-            waiting = waiting or len(taken) >= room
+            waiting = waiting or len(window.rows) >= window.room
         self.windows_waiting = waiting
+        for gone in set(self._cursors) - set(self._windowed):
+            del self._cursors[gone]
+            self._taken.pop(gone, None)
         return rows
 
     def drain(self, stop: threading.Event | None = None) -> int:

@@ -2,8 +2,8 @@
 
 * ``outbox_message_dispatched_destination_idx`` (destination) of ``dispatched`` rows: a limited
   destination's window counts its published rows without reading every destination's.
-* ``outbox_message_fair_idx`` (destination, fairness key or '', priority, available_at, id) of
-  ``pending`` rows: the windowed take reads the head of each fairness key and priority of one
+* ``outbox_message_fair_idx`` (destination, priority, fairness key or '', available_at, id) of
+  ``pending`` rows: the windowed take reads the head of each priority and fairness key of one
   destination without reading a large tenant's backlog. Every row is in it while pending (one
   index entry more per row written; a partial index of rows with a key or a priority would
   leave the take reading the whole backlog to find the others).
@@ -41,7 +41,7 @@ def upgrade() -> None:
         op,
         "outbox_message_fair_idx",
         "outbox_message",
-        ["destination", sa.text("COALESCE(fairness_key, '')"), "priority", "available_at", "id"],
+        ["destination", "priority", sa.text("COALESCE(fairness_key, '')"), "available_at", "id"],
         postgresql_where=sa.text("state = 'pending'"),
     )
 

@@ -3,7 +3,8 @@ destination's dispatch window (outbox.windows), or give rows back when Redis ref
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -104,15 +105,29 @@ def limited_destinations(conn: psycopg.Connection[Any]) -> list[Any]:
 _DUE = f"m.state = 'pending' AND m.available_at <= now() AND NOT {ordering.blocked_sql('m')}"
 _KEY = "COALESCE(m.fairness_key, '')"
 
-# The window's take, along outbox_message_fair_idx (destination, fairness key, priority, due
-# time, id) of pending rows. The room: the window's size less the destination's rows published
-# and not settled. The fairness keys with pending rows: a skip scan, one probe per key (rows
-# without a key are the key ''). Candidates: for each key and priority, its oldest due rows, at
-# most room / keys (rounded up): if every key had that many, the cut below would need no more;
-# a key with fewer leaves the window short this take, and the next take tops it up. Then the
-# order of outbox.windows (aged priority, turn within the key, due time, id), as many as the room
-# allows. The rows are locked SKIP LOCKED and moved by id, each with its place in that order
-# (the publication follows it).
+# The window's take, along outbox_message_fair_idx (destination, priority, fairness key, due
+# time, id) of pending rows; rows without a key are the key ''.
+#
+# * room: the window's size less the destination's rows published and not settled;
+# * keys: for each priority, the fairness keys with pending rows of it, in key order from just
+#   after that priority's cursor (the last key the previous take served there; NULL: from the
+#   first), wrapping round to the first key once: at most the room's number of keys, since a take
+#   serves no more, one index probe each. A large tenant's backlog is never read, and 100,000
+#   tenants cost a take no more than the room's number of probes;
+# * candidates: for each priority and key, its oldest due rows, at most room / keys (rounded up):
+#   if every key had that many, the cut below would need no more; a key with fewer leaves the
+#   window short this take, and the next take tops it up;
+# * then the order of outbox.windows: aged priority (one class up per %(aging)s seconds due,
+#   uncapped), the row's own priority, its turn within its key, due time, id; as many as the
+#   room allows. The rows are locked SKIP LOCKED and moved by id, each returned with its place in
+#   that order (the publication follows it) and its priority and key (the next cursors).
+_NEXT_KEY = f"""(SELECT {_KEY} FROM outbox_message m
+     WHERE m.destination = %(destination)s AND m.state = 'pending' AND m.priority = {{p}}
+       AND {_KEY} > {{after}} ORDER BY {_KEY} LIMIT 1)"""
+_FIRST_KEY = f"""(SELECT {_KEY} FROM outbox_message m
+     WHERE m.destination = %(destination)s AND m.state = 'pending' AND m.priority = {{p}}
+     ORDER BY {_KEY} LIMIT 1)"""
+
 _DISPATCH_WINDOW = f"""
 WITH RECURSIVE room AS (
     SELECT CAST(%(size)s AS bigint)
@@ -120,35 +135,52 @@ WITH RECURSIVE room AS (
               WHERE destination = %(destination)s AND state = 'dispatched')
            - (SELECT count(*) FROM outbox_message
               WHERE destination = %(destination)s AND state = 'in_flight') AS n
-), fair_keys AS (
-    (SELECT {_KEY} AS k FROM outbox_message m
-     WHERE m.destination = %(destination)s AND m.state = 'pending' AND (SELECT n FROM room) > 0
-     ORDER BY {_KEY} LIMIT 1)
+), cursors AS (
+    SELECT priority, cursor FROM (VALUES (1, CAST(%(after_high)s AS text)),
+                                         (0, CAST(%(after_normal)s AS text)),
+                                         (-1, CAST(%(after_low)s AS text))) AS c(priority, cursor)
+    WHERE (SELECT n FROM room) > 0
+), keys AS (
+    SELECT c.priority, c.cursor, COALESCE(s.after, s.first) AS k, 1 AS n,
+           s.after IS NULL AND c.cursor IS NOT NULL AS wrapped
+    FROM cursors c CROSS JOIN LATERAL (
+        SELECT CASE WHEN c.cursor IS NULL THEN {_FIRST_KEY.format(p="c.priority")}
+                    ELSE {_NEXT_KEY.format(p="c.priority", after="c.cursor")} END AS after,
+               CASE WHEN c.cursor IS NULL THEN NULL ELSE {_FIRST_KEY.format(p="c.priority")} END AS first
+    ) s
     UNION ALL
-    SELECT (SELECT {_KEY} FROM outbox_message m
-            WHERE m.destination = %(destination)s AND m.state = 'pending' AND {_KEY} > f.k
-            ORDER BY {_KEY} LIMIT 1)
-    FROM fair_keys f WHERE f.k IS NOT NULL
+    SELECT f.priority, f.cursor,
+           CASE WHEN s.after IS NOT NULL THEN s.after WHEN NOT f.wrapped THEN s.first END,
+           f.n + 1, f.wrapped OR s.after IS NULL
+    FROM keys f CROSS JOIN LATERAL (
+        SELECT {_NEXT_KEY.format(p="f.priority", after="f.k")} AS after,
+               CASE WHEN f.wrapped OR f.cursor IS NULL THEN NULL
+                    ELSE {_FIRST_KEY.format(p="f.priority")} END AS first
+    ) s
+    WHERE f.k IS NOT NULL AND f.n < (SELECT n FROM room)
+      AND NOT (f.wrapped AND f.k >= f.cursor)
+), served AS (
+    -- Once round, a key past the cursor was seen already.
+    SELECT priority, k FROM keys WHERE k IS NOT NULL AND NOT (wrapped AND k > cursor)
 ), share AS (
-    SELECT CAST(ceil((SELECT n FROM room) / CAST(greatest(count(*), 1) AS float8)) AS bigint) AS n
-    FROM fair_keys WHERE k IS NOT NULL
+    SELECT priority, CAST(ceil((SELECT n FROM room) / CAST(count(*) AS float8)) AS bigint) AS n
+    FROM served GROUP BY priority
 ), candidates AS (
-    SELECT c.id, f.k, c.priority, c.available_at
-    FROM fair_keys f CROSS JOIN (VALUES (1), (0), (-1)) AS p(priority)
+    SELECT c.id, f.k, f.priority, c.available_at
+    FROM served f JOIN share USING (priority)
     CROSS JOIN LATERAL (
-        SELECT m.id, m.priority, m.available_at FROM outbox_message m
-        WHERE m.destination = %(destination)s AND {_KEY} = f.k AND m.priority = p.priority AND {_DUE}
-        ORDER BY m.available_at, m.id LIMIT (SELECT n FROM share)
+        SELECT m.id, m.available_at FROM outbox_message m
+        WHERE m.destination = %(destination)s AND m.priority = f.priority AND {_KEY} = f.k AND {_DUE}
+        ORDER BY m.available_at, m.id LIMIT share.n
     ) c
-    WHERE f.k IS NOT NULL
 ), ranked AS (
-    SELECT id, k, available_at,
-           least(1, priority + floor(extract(epoch FROM now() - available_at) / %(aging)s)) AS rank
+    SELECT id, k, priority, available_at,
+           priority + floor(extract(epoch FROM now() - available_at) / %(aging)s) AS rank
     FROM candidates
 ), picked AS (
     SELECT array_agg(id ORDER BY place) AS ids FROM (
-        SELECT id, row_number() OVER (ORDER BY rank DESC, turn, available_at, id) AS place
-        FROM (SELECT id, rank, available_at,
+        SELECT id, row_number() OVER (ORDER BY rank DESC, priority DESC, turn, available_at, id) AS place
+        FROM (SELECT id, rank, priority, available_at,
                      row_number() OVER (PARTITION BY k, rank ORDER BY available_at, id) AS turn
               FROM ranked) t
     ) o WHERE place <= (SELECT n FROM room)
@@ -160,27 +192,56 @@ WITH RECURSIVE room AS (
         WHERE id = ANY(CAST((SELECT ids FROM picked) AS bigint[])) AND state = 'pending'
         FOR UPDATE SKIP LOCKED
     ))
-    RETURNING id, destination, dispatched_at, array_position((SELECT ids FROM picked), id) AS place
+    RETURNING id, destination, dispatched_at, array_position((SELECT ids FROM picked), id) AS place,
+              priority, COALESCE(fairness_key, '') AS k
 )
 -- The room is returned even when nothing moved: the relay comes back sooner to a full window.
-SELECT (SELECT n FROM room), moved.id, moved.destination, moved.dispatched_at, moved.place
+SELECT (SELECT n FROM room), moved.id, moved.destination, moved.dispatched_at, moved.place,
+       moved.priority, moved.k
 FROM (SELECT 1) AS one LEFT JOIN moved ON true
 """
 
 _DISPATCH_WINDOW_STATEMENT = db.Statement(_DISPATCH_WINDOW)
 
 
-def dispatch_window(conn: psycopg.Connection[Any], *, destination: str, size: int) -> tuple[int, list[Any]]:
+@dataclass
+class Window:
+    """What :func:`dispatch_window` did: the room the window had, the rows it took (``(id,
+    destination, dispatched_at)``, in the order of outbox.windows) and, by priority, the fairness
+    keys it served (for the next take's cursors)."""
+
+    room: int
+    rows: list[Any]
+    served: dict[int, list[str]]
+
+
+def dispatch_window(
+    conn: psycopg.Connection[Any],
+    *,
+    destination: str,
+    size: int,
+    cursors: Mapping[int, str | None] | None = None,
+) -> Window:
     """``pending`` -> ``dispatched`` for as many due rows of ``destination`` as its window of
     ``size`` has room for (``size`` minus its rows ``dispatched`` or ``in_flight``), in the order
-    of outbox.windows. Returns the room the window had and ``(id, destination, dispatched_at)``
-    per row taken, in that order. In the take's transaction, after :func:`limited_destinations`
-    said ``ours``."""
-    params = {"destination": destination, "size": size, "aging": windows.PRIORITY_AGING_SECONDS}
+    of outbox.windows, each priority's fairness keys taken from just after its cursor (``cursors``:
+    priority -> the last key served there; None: from the first). In the take's transaction,
+    after :func:`limited_destinations` said ``ours``."""
+    after = dict(cursors or {})
+    params = {
+        "destination": destination,
+        "size": size,
+        "aging": windows.PRIORITY_AGING_SECONDS,
+        "after_high": after.get(1),
+        "after_normal": after.get(0),
+        "after_low": after.get(-1),
+    }
     result = _DISPATCH_WINDOW_STATEMENT.execute(conn, params).fetchall()
-    room = int(result[0][0])
-    rows = sorted((r for r in result if r[1] is not None), key=lambda r: r[4])
-    return room, [r[1:4] for r in rows]
+    moved = sorted((r for r in result if r[1] is not None), key=lambda r: r[4])
+    served: dict[int, list[str]] = {}
+    for r in moved:
+        served.setdefault(int(r[5]), []).append(r[6])
+    return Window(int(result[0][0]), [r[1:4] for r in moved], served)
 
 
 def undispatch(

@@ -231,14 +231,14 @@ def test_two_relays_never_fill_one_window_from_the_same_count(clean, engine):
         [(_, _, _, ours_first)] = store.relay.limited_destinations(first)
         [(_, _, _, ours_second)] = store.relay.limited_destinations(second)
         assert (ours_first, ours_second) == (True, False)
-        room, taken = store.relay.dispatch_window(first, destination=DEST, size=8)
-        assert (room, len(taken)) == (8, 8)
+        window = store.relay.dispatch_window(first, destination=DEST, size=8)
+        assert (window.room, len(window.rows)) == (8, 8)
         first.commit()  # the lock goes with the take's transaction
         second.rollback()
         [(_, _, _, ours_second)] = store.relay.limited_destinations(second)
         assert ours_second
-        room, taken = store.relay.dispatch_window(second, destination=DEST, size=8)
-        assert (room, taken) == (0, [])
+        window = store.relay.dispatch_window(second, destination=DEST, size=8)
+        assert (window.room, window.rows) == (0, [])
         second.commit()
 
 
@@ -291,3 +291,49 @@ def test_limit_and_show_say_what_the_window_keeps_back_and_a_rows_turn(clean, en
     row = json.loads(capsys.readouterr().out)["row"]
     assert (row["priority"], row["fairness_key"], row["state"]) == ("low", "tenant:a", "pending")
     assert row["limited_by"] == "at most 2 calls/s"
+
+
+def test_many_fairness_keys_are_served_in_rotation_a_take_reading_only_its_share(clean, engine):
+    """Ten tenants, a window of 3: each take serves the next three keys after the last one served,
+    wrapping round, so every tenant gets its turn within four takes whatever the key order."""
+    limit(engine, per_second=2)  # window: 3
+    rows = {t: write_many(engine, f"t{t}", 3, fairness_key=f"tenant:{t}") for t in range(10)}
+    key_of = {row: t for t, ids in rows.items() for row in ids}
+    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
+    served: list[list[int]] = []
+    try:
+        for _ in range(4):
+            before = set(published_row_ids(redis_of(clean), clean.namespace, [DEST]))
+            relay.run_once()
+            now = [i for i in published_row_ids(redis_of(clean), clean.namespace, [DEST]) if i not in before]
+            served.append(sorted(key_of[i] for i in now))
+            settle(clean, now)
+    finally:
+        relay.close()
+    assert served == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 1, 9]], served
+
+
+def test_a_fresh_high_row_goes_before_low_rows_aged_less_than_three_periods_not_after(clean, engine):
+    limit(engine, in_flight=1)  # window: 4
+    low = write_many(engine, "l", 6, priority="low")
+    period = windows.PRIORITY_AGING_SECONDS
+    # Two periods due: a low row ranks as high, but a row written high goes first.
+    sql(clean, "UPDATE outbox_message SET available_at = now() - %s * interval '1 second'", (2 * period + 5,))
+    high = write(engine, "h:1", priority="high")
+    assert take(clean) == [high, *low[:3]]
+    settle(clean, [high, *low[:3]])
+    # Three periods due: the low rows now outrank a fresh high row (no row waits forever).
+    sql(
+        clean,
+        "UPDATE outbox_message SET available_at = now() - %s * interval '1 second' WHERE id = ANY(%s)",
+        (3 * period + 5, low[3:]),
+    )
+    later = write(engine, "h:2", priority="high")
+    assert take(clean) == [*low[3:], later]
+
+
+def test_an_in_flight_window_grows_with_what_the_destination_takes():
+    assert windows.window_size(2, None) == 8
+    assert windows.window_size(2, None, taken_per_second=100) == 150
+    assert windows.window_size(2, 10.0, taken_per_second=100) == 15
+    assert windows.window_size(None, None, taken_per_second=100) is None
