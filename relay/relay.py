@@ -222,6 +222,11 @@ class Relay:
         #: A window was found full, or filled to the brim, at the last take: rows may be waiting
         #: for room, and the loop comes back after windows.REFILL_SECONDS.
         self.windows_waiting = False
+        #: The next take only refills the windows (the loop woke for them, not for a NOTIFY),
+        #: unless the others' take is a poll interval old: the take of the other destinations
+        #: reads past the limited destinations' due backlog, 10 times a second otherwise.
+        self.refill_only = False
+        self._others_taken_at = float("-inf")
         #: By limited destination: each priority's last fairness key served (the next take
         #: starts after it), and its recent window takes ``(time.monotonic(), rows)``.
         self._cursors: dict[str, dict[int, str | None]] = {}
@@ -318,7 +323,11 @@ class Relay:
             self._windowed_read_at = now
         elif not self.fills_windows and self.parent is not None:
             self._windowed = self.parent._windowed
-        rows = store.relay.dispatch_due(conn, limit=self.batch_size, windowed=self._windowed)
+        rows: list[Any] = []
+        if not (self.refill_only and limited) or now - self._others_taken_at >= self.poll_interval_seconds:
+            rows = store.relay.dispatch_due(conn, limit=self.batch_size, windowed=self._windowed)
+            self._others_taken_at = now
+        self.refill_only = False
         waiting = False
         for destination, in_flight, per_second, ours in limited:
             taken = self._taken.setdefault(destination, deque())
@@ -426,8 +435,9 @@ class Relay:
             _read_backlog(self._listen)
         return self._listen
 
-    def _wait_for_notify(self, timeout_seconds: float, stop: threading.Event | None = None) -> None:
-        """Return on the first NOTIFY, after ``timeout_seconds``, or soon after ``stop`` is set.
+    def _wait_for_notify(self, timeout_seconds: float, stop: threading.Event | None = None) -> bool:
+        """Return on the first NOTIFY (True), after ``timeout_seconds`` or soon after ``stop`` is
+        set (False).
 
         The wait is cut in short slices because a signal handler that sets ``stop`` does not
         interrupt a wait: with one long wait, SIGTERM took up to a whole poll interval. It is a
@@ -442,11 +452,12 @@ class Relay:
             if _read_notifies(listen):
                 self._gather(stop)
                 _read_notifies(listen)
-                return
+                return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return
+                return False
             select.select([listen.fileno()], [], [], min(remaining, _STOP_CHECK_SECONDS))
+        return False
 
     def _gather(self, stop: threading.Event | None) -> None:
         """When the previous take began less than ``gather_seconds`` ago, sleep out the rest of
@@ -481,12 +492,15 @@ class Relay:
                     outage_started, delay = None, 0.5
                 if stop.is_set():
                     break
-                self._wait_for_notify(
+                refill = self.windows_waiting
+                notified = self._wait_for_notify(
                     min(self.poll_interval_seconds, windows.REFILL_SECONDS)
-                    if self.windows_waiting
+                    if refill
                     else self.poll_interval_seconds,
                     stop,
                 )
+                # A refill's tick, with no row written since: the windows only (below).
+                self.refill_only = refill and not notified
             except (psycopg.Error, redis.RedisError, OSError) as exc:
                 metrics.count_relay_failure()
                 if self.liveness is not None:

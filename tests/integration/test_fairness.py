@@ -337,3 +337,25 @@ def test_an_in_flight_window_grows_with_what_the_destination_takes():
     assert windows.window_size(2, None, taken_per_second=100) == 150
     assert windows.window_size(2, 10.0, taken_per_second=100) == 15
     assert windows.window_size(None, None, taken_per_second=100) is None
+
+
+def test_a_refill_tick_takes_the_windows_only_until_a_poll_interval_has_passed(clean, engine):
+    limit(engine, per_second=2)  # window: 3
+    limited = write_many(engine, "a", 10)
+    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
+    try:
+        assert relay.run_once().published == 3 and relay.windows_waiting
+        settle(clean, limited[:3])
+        others = write_many(engine, "u", 2, destination=OTHER)
+        # Woken by the refill timer, not by a NOTIFY: the window is refilled, the others wait...
+        relay.refill_only = True
+        assert relay.run_once().by_destination == {DEST: 3}
+        # ...for the next NOTIFY, or until the others' take is a poll interval old.
+        settle(clean, limited[3:6])
+        relay._others_taken_at -= relay.poll_interval_seconds
+        relay.refill_only = True
+        result = relay.run_once()
+        assert result.by_destination == {DEST: 3, OTHER: 2}, result
+    finally:
+        relay.close()
+    assert set(published_row_ids(redis_of(clean), clean.namespace, [OTHER])) == set(others)
