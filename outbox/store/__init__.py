@@ -81,6 +81,7 @@ statement                               writes                              call
 ``operator.limits``                     nothing (reads the limits)          ``outbox limit``
 ``delivery.held_by_limit``              nothing (reads a limit)             consumer (outbox.limits)
 ``relay.limited_destinations``          nothing (reads limits, locks)       relay (outbox.windows)
+``processes.in_flight_limited``         nothing (reads limits)              worker (outbox.wakes)
 ``recovery.mark_destination_alerted``   ``outbox_destination`` (alerted)    reconciler (held)
 ``recovery.clear_destination_alert``    ``outbox_destination`` (alerted)    reconciler (held)
 ``recovery.drop_ledger``                ``outbox_key_ledger``               reconciler (purge)
