@@ -83,20 +83,22 @@ def check_fairness_key(fairness_key: object) -> None:
         raise InvalidMessage(f"fairness_key {fairness_key!r} holds a control character")
 
 
-def window_size(in_flight: int | None, per_second: float | None, taken_per_second: float = 0.0) -> int | None:
+def window_size(
+    in_flight: int | None, per_second: float | None, settled_per_second: float = 0.0
+) -> int | None:
     """How many rows of a destination with these limits (the ones in force: the operator's, else
     the lowest a live process declares) may be published and not settled at once; None: no limit,
     no window. The smaller of the two kinds' windows, at least 1.
 
-    ``taken_per_second``: how fast the relay has been filling it (its takes over the last
-    second). An in-flight limit says how many calls at once, not how many a second: with fast
-    calls, 4 per call refilled every 0.1 s would cap the destination at 40 calls a second per
-    call allowed. So its window also holds :data:`WINDOW_SECONDS` of what the destination has
-    been taking: it grows while the window drains between takes, and stops where the
-    destination's calls do (a window can only be refilled as fast as its rows settle)."""
+    ``settled_per_second``: how fast its published rows have been settling (over the last
+    second, as the relay saw it between its takes). An in-flight limit says how many calls at
+    once, not how many a second: with fast calls, 4 per call refilled every 0.1 s would cap the
+    destination at 40 calls a second per call allowed. So its window also holds
+    :data:`WINDOW_SECONDS` of what the destination settles: as much as its calls get through,
+    and no more while they do not."""
     sizes = []
     if in_flight is not None:
-        sizes.append(max(in_flight * WINDOW_PER_CALL, math.ceil(taken_per_second * WINDOW_SECONDS)))
+        sizes.append(max(in_flight * WINDOW_PER_CALL, math.ceil(settled_per_second * WINDOW_SECONDS)))
     if per_second is not None:
         sizes.append(math.ceil(per_second * WINDOW_SECONDS))
     if not sizes:

@@ -160,14 +160,27 @@ def _read_backlog(listen: psycopg.Connection[Any]) -> int:
     return count
 
 
-def _next_cursor(cursor: str | None, served: list[str]) -> str:
-    """The last fairness key a take served at one priority, in the order it went round (from
-    just after ``cursor``, wrapping to the first key): the next take starts after it."""
-    if cursor is not None:
-        wrapped = [k for k in served if k <= cursor]
-        if wrapped:
-            return max(wrapped)
-    return max(served)
+class _Pace:
+    """How fast a limited destination's window empties: the rows settled (published ones that
+    left ``dispatched``/``in_flight``) between this relay's takes, over the last second. Settled,
+    not taken: a window sized on what it took would grow by half each take while nothing
+    settles."""
+
+    def __init__(self) -> None:
+        self._settled: deque[tuple[float, int]] = deque()
+        #: The window's rows outstanding after this relay's last take (None: no take yet).
+        self._after: int | None = None
+
+    def took(self, now: float, *, outstanding: int, taken: int) -> None:
+        if self._after is not None:
+            # Another relay's take makes it look negative: nothing settled, as far as known.
+            self._settled.append((now, max(0, self._after - outstanding)))
+        self._after = outstanding + taken
+
+    def settled_per_second(self, now: float) -> float:
+        while self._settled and self._settled[0][0] < now - 1.0:
+            self._settled.popleft()
+        return float(sum(n for _, n in self._settled))
 
 
 class Relay:
@@ -227,10 +240,10 @@ class Relay:
         #: reads past the limited destinations' due backlog, 10 times a second otherwise.
         self.refill_only = False
         self._others_taken_at = float("-inf")
-        #: By limited destination: each priority's last fairness key served (the next take
-        #: starts after it), and its recent window takes ``(time.monotonic(), rows)``.
+        #: By limited destination: each priority's last fairness key visited (the next take
+        #: starts after it), and how fast its window empties.
         self._cursors: dict[str, dict[int, str | None]] = {}
-        self._taken: dict[str, deque[tuple[float, int]]] = {}
+        self._paces: dict[str, _Pace] = {}
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -330,24 +343,21 @@ class Relay:
         self.refill_only = False
         waiting = False
         for destination, in_flight, per_second, ours in limited:
-            taken = self._taken.setdefault(destination, deque())
-            while taken and taken[0][0] < now - 1.0:
-                taken.popleft()
-            size = windows.window_size(in_flight, per_second, sum(n for _, n in taken))
+            pace = self._paces.setdefault(destination, _Pace())
+            size = windows.window_size(in_flight, per_second, pace.settled_per_second(now))
             if not ours or size is None:
                 continue
             cursors = self._cursors.setdefault(destination, {})
             window = store.relay.dispatch_window(conn, destination=destination, size=size, cursors=cursors)
             rows.extend(window.rows)
-            taken.append((now, len(window.rows)))
-            for priority, keys in window.served.items():
-                cursors[priority] = _next_cursor(cursors.get(priority), keys)
-            # Full, or filled to the brim: rows may be waiting for room.
-            waiting = waiting or len(window.rows) >= window.room
+            pace.took(now, outstanding=size - window.room, taken=len(window.rows))
+            cursors.update(window.cursors)
+            # Full, filled to the brim, or more keys than one take visits: rows may be waiting.
+            waiting = waiting or len(window.rows) >= window.room or window.more_keys
         self.windows_waiting = waiting
         for gone in set(self._cursors) - set(self._windowed):
             del self._cursors[gone]
-            self._taken.pop(gone, None)
+            self._paces.pop(gone, None)
         return rows
 
     def drain(self, stop: threading.Event | None = None) -> int:

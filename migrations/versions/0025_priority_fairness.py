@@ -11,10 +11,10 @@ limited destination (outbox.windows).
 * Feature ``fairness`` (outbox.features), gated: a relay older than 0025 would publish a limited
   destination's rows oldest first, past its window and its priority and fairness turns. Until
   an operator runs ``outbox features enable fairness`` (refused while a process older than 0025
-  is live), a BEFORE INSERT trigger refuses a row with a priority other than normal or a
-  fairness key (SQLSTATE OB001; ``outbox.write`` raises ``FeatureNotEnabled``), whoever writes
-  it; next steps inherit only from rows that have them, so they pass. A database migrated with
-  no live process has it on at once.
+  is live), a BEFORE INSERT OR UPDATE OF priority, fairness_key trigger refuses a row with a
+  priority other than normal or a fairness key (SQLSTATE OB001; ``outbox.write`` raises
+  ``FeatureNotEnabled``), whoever writes it; next steps inherit only from rows that have them,
+  so they pass. A database migrated with no live process has it on at once.
 
 A constant default and a nullable column: no table rewrite. The previous release neither reads
 nor writes them: its rows are normal, without a fairness key. The indexes are 0026's
@@ -82,7 +82,7 @@ def upgrade() -> None:
     op.execute(
         """
         CREATE TRIGGER outbox_message_fairness_gate
-        BEFORE INSERT ON outbox_message
+        BEFORE INSERT OR UPDATE OF priority, fairness_key ON outbox_message
         FOR EACH ROW WHEN (NEW.priority <> 0 OR NEW.fairness_key IS NOT NULL)
         EXECUTE FUNCTION outbox_fairness_gate()
         """

@@ -161,7 +161,14 @@ WITH RECURSIVE room AS (
       AND NOT (f.wrapped AND f.k >= f.cursor)
 ), served AS (
     -- Once round, a key past the cursor was seen already.
-    SELECT priority, k FROM keys WHERE k IS NOT NULL AND NOT (wrapped AND k > cursor)
+    SELECT priority, k, n FROM keys WHERE k IS NOT NULL AND NOT (wrapped AND k > cursor)
+), visited AS (
+    -- Each priority's next cursor: the last key visited, due rows or not (a key whose rows are
+    -- all due later, or held behind their ordering key's head, is passed over, not waited on),
+    -- in the database's own collation; and whether the visit stopped at the room's number.
+    SELECT jsonb_object_agg(priority, jsonb_build_array(last, visited >= (SELECT n FROM room))) AS cursors
+    FROM (SELECT priority, (array_agg(k ORDER BY n DESC))[1] AS last, count(*) AS visited
+          FROM served GROUP BY priority) v
 ), share AS (
     SELECT priority, CAST(ceil((SELECT n FROM room) / CAST(count(*) AS float8)) AS bigint) AS n
     FROM served GROUP BY priority
@@ -192,12 +199,11 @@ WITH RECURSIVE room AS (
         WHERE id = ANY(CAST((SELECT ids FROM picked) AS bigint[])) AND state = 'pending'
         FOR UPDATE SKIP LOCKED
     ))
-    RETURNING id, destination, dispatched_at, array_position((SELECT ids FROM picked), id) AS place,
-              priority, COALESCE(fairness_key, '') AS k
+    RETURNING id, destination, dispatched_at, array_position((SELECT ids FROM picked), id) AS place
 )
--- The room is returned even when nothing moved: the relay comes back sooner to a full window.
-SELECT (SELECT n FROM room), moved.id, moved.destination, moved.dispatched_at, moved.place,
-       moved.priority, moved.k
+-- The room and the cursors are returned even when nothing moved.
+SELECT (SELECT n FROM room), (SELECT cursors FROM visited), moved.id, moved.destination,
+       moved.dispatched_at, moved.place
 FROM (SELECT 1) AS one LEFT JOIN moved ON true
 """
 
@@ -207,12 +213,14 @@ _DISPATCH_WINDOW_STATEMENT = db.Statement(_DISPATCH_WINDOW)
 @dataclass
 class Window:
     """What :func:`dispatch_window` did: the room the window had, the rows it took (``(id,
-    destination, dispatched_at)``, in the order of outbox.windows) and, by priority, the fairness
-    keys it served (for the next take's cursors)."""
+    destination, dispatched_at)``, in the order of outbox.windows), each priority's next cursor
+    (the last fairness key it visited), and whether a visit stopped at the room's number of keys
+    (more keys may have due rows)."""
 
     room: int
     rows: list[Any]
-    served: dict[int, list[str]]
+    cursors: dict[int, str]
+    more_keys: bool
 
 
 def dispatch_window(
@@ -224,9 +232,9 @@ def dispatch_window(
 ) -> Window:
     """``pending`` -> ``dispatched`` for as many due rows of ``destination`` as its window of
     ``size`` has room for (``size`` minus its rows ``dispatched`` or ``in_flight``), in the order
-    of outbox.windows, each priority's fairness keys taken from just after its cursor (``cursors``:
-    priority -> the last key served there; None: from the first). In the take's transaction,
-    after :func:`limited_destinations` said ``ours``."""
+    of outbox.windows, each priority's fairness keys visited from just after its cursor
+    (``cursors``: priority -> the last key visited there; None: from the first). In the take's
+    transaction, after :func:`limited_destinations` said ``ours``."""
     after = dict(cursors or {})
     params = {
         "destination": destination,
@@ -237,11 +245,14 @@ def dispatch_window(
         "after_low": after.get(-1),
     }
     result = _DISPATCH_WINDOW_STATEMENT.execute(conn, params).fetchall()
-    moved = sorted((r for r in result if r[1] is not None), key=lambda r: r[4])
-    served: dict[int, list[str]] = {}
-    for r in moved:
-        served.setdefault(int(r[5]), []).append(r[6])
-    return Window(int(result[0][0]), [r[1:4] for r in moved], served)
+    visited = result[0][1] or {}
+    moved = sorted((r for r in result if r[2] is not None), key=lambda r: r[5])
+    return Window(
+        room=int(result[0][0]),
+        rows=[r[2:5] for r in moved],
+        cursors={int(p): last for p, (last, _) in visited.items()},
+        more_keys=any(stopped for _, stopped in visited.values()),
+    )
 
 
 def undispatch(

@@ -17,7 +17,7 @@ import outbox
 from outbox import limits, store, windows
 from outbox.cli import main
 from outbox.consumer import DeliveryResult
-from outbox.exceptions import InvalidMessage, KeyConflict
+from outbox.exceptions import FeatureNotEnabled, InvalidMessage, KeyConflict
 from outbox.reconciler.jobs.batches import finish_batches
 from outbox.relay import Relay
 from outbox.settings import libpq_url
@@ -332,11 +332,11 @@ def test_a_fresh_high_row_goes_before_low_rows_aged_less_than_three_periods_not_
     assert take(clean) == [*low[3:], later]
 
 
-def test_an_in_flight_window_grows_with_what_the_destination_takes():
+def test_an_in_flight_window_grows_with_what_the_destination_settles():
     assert windows.window_size(2, None) == 8
-    assert windows.window_size(2, None, taken_per_second=100) == 150
-    assert windows.window_size(2, 10.0, taken_per_second=100) == 15
-    assert windows.window_size(None, None, taken_per_second=100) is None
+    assert windows.window_size(2, None, settled_per_second=100) == 150
+    assert windows.window_size(2, 10.0, settled_per_second=100) == 15
+    assert windows.window_size(None, None, settled_per_second=100) is None
 
 
 def test_a_refill_tick_takes_the_windows_only_until_a_poll_interval_has_passed(clean, engine):
@@ -359,3 +359,70 @@ def test_a_refill_tick_takes_the_windows_only_until_a_poll_interval_has_passed(c
     finally:
         relay.close()
     assert set(published_row_ids(redis_of(clean), clean.namespace, [OTHER])) == set(others)
+
+
+def test_an_in_flight_window_grows_only_with_what_settles(clean, engine):
+    limit(engine, in_flight=2)  # window: 8 while nothing settles
+    write_many(engine, "a", 200)
+    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
+    try:
+        for _ in range(10):
+            relay.refill_only = True
+            relay.run_once()
+        # Nothing settled: the window stayed at its base size, whatever the takes.
+        [(published,)] = sql(clean, "SELECT count(*) FROM outbox_message WHERE state = 'dispatched'")
+        assert published == 8
+        # Everything settles between takes: the window holds 1.5 s of what settled.
+        sizes = []
+        for _ in range(3):
+            sql(
+                clean,
+                "UPDATE outbox_message SET state = 'sent', provider_ref = 'r', completed_at = now() "
+                "WHERE state = 'dispatched'",
+            )
+            relay.refill_only = True
+            sizes.append(relay.run_once().published)
+        assert sizes[0] == 8 and sizes[1] > 8 and sizes[2] > sizes[1], sizes
+    finally:
+        relay.close()
+
+
+def test_keys_whose_rows_are_not_due_are_passed_over_not_waited_on(clean, engine):
+    limit(engine, per_second=2)  # window: 3, so a take visits 3 keys of a priority at most
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    for k in range(10):
+        write(engine, f"f:{k}", fairness_key=f"a-{k}", available_at=later)
+    due = [write(engine, f"d:{k}", fairness_key=f"b-{k}") for k in range(3)]
+    relay = Relay(database_url=clean.database_url, redis_url=clean.redis_url, namespace=clean.namespace)
+    published = 0
+    try:
+        for _ in range(6):
+            relay.refill_only = True
+            published += relay.run_once().published
+            # Keys left to visit: the relay comes back at the refill tick.
+            assert relay.windows_waiting or published == 3
+    finally:
+        relay.close()
+    assert sorted(published_row_ids(redis_of(clean), clean.namespace, [DEST])) == due
+
+
+def test_the_gate_refuses_priority_and_fairness_keys_while_the_feature_is_off(clean, engine):
+    row = write(engine, "g:1")
+    saved = sql(
+        clean, "DELETE FROM outbox_feature WHERE name = 'fairness' RETURNING name, needs_code, enabled_by"
+    )
+    try:
+        with pytest.raises(FeatureNotEnabled, match="fairness"):
+            write(engine, "g:2", priority="high")
+        for column, value in (("priority", 1), ("fairness_key", "tenant:1")):
+            with pytest.raises(psycopg.DatabaseError, match="not enabled") as raised:
+                sql(clean, f"UPDATE outbox_message SET {column} = %s WHERE id = %s", (value, row))
+            assert raised.value.sqlstate == "OB001"
+        write(engine, "g:3", priority="normal")  # the default passes
+    finally:
+        for name, needs, by in saved:
+            sql(
+                clean,
+                "INSERT INTO outbox_feature (name, needs_code, enabled_by) VALUES (%s, %s, %s)",
+                (name, needs, by),
+            )
