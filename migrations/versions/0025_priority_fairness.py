@@ -14,7 +14,9 @@ limited destination (outbox.windows).
   is live), a BEFORE INSERT OR UPDATE OF priority, fairness_key trigger refuses a row with a
   priority other than normal or a fairness key (SQLSTATE OB001; ``outbox.write`` raises
   ``FeatureNotEnabled``), whoever writes it; next steps inherit only from rows that have them,
-  so they pass. A database migrated with no live process has it on at once.
+  so they pass. A database migrated with no live process has it on at once, without raising
+  the floor (unlike ``outbox features enable``): a release rolled back to afterwards still
+  starts, and its relay publishes in due order, which loses the order of the turns, never a row.
 
 A constant default and a nullable column: no table rewrite. The previous release neither reads
 nor writes them: its rows are normal, without a fairness key. The indexes are 0026's
@@ -30,7 +32,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from outbox.migrations.helpers import forget_code_requirement, require_code_from
+from outbox.migrations.helpers import forget_code_requirement
 
 revision = "0025"
 down_revision = "0024"
@@ -94,10 +96,6 @@ def upgrade() -> None:
         WHERE {_NO_PROCESS}
         """
     )
-    bind = op.get_bind()
-    if bind.execute(sa.text("SELECT EXISTS (SELECT 1 FROM outbox_feature WHERE name = 'fairness')")).scalar():
-        # As `outbox features enable` does: code before 0025 no longer starts here.
-        require_code_from(op, "0025", migration="feature:fairness")
 
 
 def downgrade() -> None:
