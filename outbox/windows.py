@@ -51,6 +51,10 @@ WINDOW_SECONDS = 1.5
 #: published and ready for the next free place).
 WINDOW_PER_CALL = 4
 
+#: The most fairness keys of one priority a take visits: keys with nothing due (rows due later, a
+#: retry's backoff) are passed over, and this bounds what passing over them costs a take.
+MAX_KEYS_VISITED = 256
+
 #: How often the relay refills a window while the destination has rows waiting for it (s).
 REFILL_SECONDS = 0.1
 

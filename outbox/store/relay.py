@@ -110,10 +110,11 @@ _KEY = "COALESCE(m.fairness_key, '')"
 #
 # * room: the window's size less the destination's rows published and not settled;
 # * keys: for each priority, the fairness keys with pending rows of it, in key order from just
-#   after that priority's cursor (the last key the previous take served there; NULL: from the
-#   first), wrapping round to the first key once: at most the room's number of keys, since a take
-#   serves no more, one index probe each. A large tenant's backlog is never read, and 100,000
-#   tenants cost a take no more than the room's number of probes;
+#   after that priority's cursor (the last key the previous take visited there; NULL: from the
+#   first), wrapping round to the first key once, two index probes each (the next key, and
+#   whether it has a due row): until the room's number of keys with due rows, since a take
+#   serves no more, or windows.MAX_KEYS_VISITED keys. A large tenant's backlog is never read, and
+#   100,000 tenants cost a take no more than those probes;
 # * candidates: for each priority and key, its oldest due rows, at most room / keys (rounded up):
 #   if every key had that many, the cut below would need no more; a key with fewer leaves the
 #   window short this take, and the next take tops it up;
@@ -124,6 +125,9 @@ _KEY = "COALESCE(m.fairness_key, '')"
 _NEXT_KEY = f"""(SELECT {_KEY} FROM outbox_message m
      WHERE m.destination = %(destination)s AND m.state = 'pending' AND m.priority = {{p}}
        AND {_KEY} > {{after}} ORDER BY {_KEY} LIMIT 1)"""
+_DUE_KEY = f"""EXISTS (SELECT 1 FROM outbox_message m
+     WHERE m.destination = %(destination)s AND m.state = 'pending' AND m.priority = {{p}}
+       AND {_KEY} = {{k}} AND m.available_at <= now())"""
 _FIRST_KEY = f"""(SELECT {_KEY} FROM outbox_message m
      WHERE m.destination = %(destination)s AND m.state = 'pending' AND m.priority = {{p}}
      ORDER BY {_KEY} LIMIT 1)"""
@@ -141,34 +145,43 @@ WITH RECURSIVE room AS (
                                          (-1, CAST(%(after_low)s AS text))) AS c(priority, cursor)
     WHERE (SELECT n FROM room) > 0
 ), keys AS (
-    SELECT c.priority, c.cursor, COALESCE(s.after, s.first) AS k, 1 AS n,
-           s.after IS NULL AND c.cursor IS NOT NULL AS wrapped
+    -- n: keys with due rows so far, m: keys visited so far.
+    SELECT c.priority, c.cursor, s.k, s.wrapped, s.due, CAST(s.due AS int) AS n, 1 AS m
     FROM cursors c CROSS JOIN LATERAL (
-        SELECT CASE WHEN c.cursor IS NULL THEN {_FIRST_KEY.format(p="c.priority")}
-                    ELSE {_NEXT_KEY.format(p="c.priority", after="c.cursor")} END AS after,
-               CASE WHEN c.cursor IS NULL THEN NULL ELSE {_FIRST_KEY.format(p="c.priority")} END AS first
+        SELECT y.k, y.wrapped, y.k IS NOT NULL AND {_DUE_KEY.format(p="c.priority", k="y.k")} AS due
+        FROM (SELECT COALESCE(x.after, x.first) AS k, x.after IS NULL AND c.cursor IS NOT NULL AS wrapped
+              FROM (SELECT CASE WHEN c.cursor IS NULL THEN {_FIRST_KEY.format(p="c.priority")}
+                                ELSE {_NEXT_KEY.format(p="c.priority", after="c.cursor")} END AS after,
+                           CASE WHEN c.cursor IS NULL THEN NULL
+                                ELSE {_FIRST_KEY.format(p="c.priority")} END AS first) x) y
     ) s
     UNION ALL
-    SELECT f.priority, f.cursor,
-           CASE WHEN s.after IS NOT NULL THEN s.after WHEN NOT f.wrapped THEN s.first END,
-           f.n + 1, f.wrapped OR s.after IS NULL
+    SELECT f.priority, f.cursor, s.k, s.wrapped, s.due, f.n + CAST(s.due AS int), f.m + 1
     FROM keys f CROSS JOIN LATERAL (
-        SELECT {_NEXT_KEY.format(p="f.priority", after="f.k")} AS after,
-               CASE WHEN f.wrapped OR f.cursor IS NULL THEN NULL
-                    ELSE {_FIRST_KEY.format(p="f.priority")} END AS first
+        SELECT y.k, y.wrapped, y.k IS NOT NULL AND {_DUE_KEY.format(p="f.priority", k="y.k")} AS due
+        FROM (SELECT CASE WHEN x.after IS NOT NULL THEN x.after WHEN NOT f.wrapped THEN x.first END AS k,
+                     f.wrapped OR x.after IS NULL AS wrapped
+              FROM (SELECT {_NEXT_KEY.format(p="f.priority", after="f.k")} AS after,
+                           CASE WHEN f.wrapped OR f.cursor IS NULL THEN NULL
+                                ELSE {_FIRST_KEY.format(p="f.priority")} END AS first) x) y
     ) s
-    WHERE f.k IS NOT NULL AND f.n < (SELECT n FROM room)
+    WHERE f.k IS NOT NULL AND f.n < (SELECT n FROM room) AND f.m < %(max_keys)s
       AND NOT (f.wrapped AND f.k >= f.cursor)
-), served AS (
+), seen AS (
     -- Once round, a key past the cursor was seen already.
-    SELECT priority, k, n FROM keys WHERE k IS NOT NULL AND NOT (wrapped AND k > cursor)
+    SELECT priority, k, due, n, m FROM keys WHERE k IS NOT NULL AND NOT (wrapped AND k > cursor)
+), served AS (
+    SELECT priority, k FROM seen WHERE due
 ), visited AS (
     -- Each priority's next cursor: the last key visited, due rows or not (a key whose rows are
-    -- all due later, or held behind their ordering key's head, is passed over, not waited on),
-    -- in the database's own collation; and whether the visit stopped at the room's number.
-    SELECT jsonb_object_agg(priority, jsonb_build_array(last, visited >= (SELECT n FROM room))) AS cursors
-    FROM (SELECT priority, (array_agg(k ORDER BY n DESC))[1] AS last, count(*) AS visited
-          FROM served GROUP BY priority) v
+    -- all due later is passed over, not waited on), in the database's own collation; and
+    -- whether the visit stopped short (the room's number of keys with due rows, or
+    -- %(max_keys)s keys visited): more keys may have due rows.
+    SELECT jsonb_object_agg(priority, jsonb_build_array(
+               last, due_keys >= (SELECT n FROM room) OR visited >= %(max_keys)s)) AS cursors
+    FROM (SELECT priority, (array_agg(k ORDER BY m DESC))[1] AS last, max(n) AS due_keys,
+                 max(m) AS visited
+          FROM seen GROUP BY priority) v
 ), share AS (
     SELECT priority, CAST(ceil((SELECT n FROM room) / CAST(count(*) AS float8)) AS bigint) AS n
     FROM served GROUP BY priority
@@ -240,6 +253,7 @@ def dispatch_window(
         "destination": destination,
         "size": size,
         "aging": windows.PRIORITY_AGING_SECONDS,
+        "max_keys": windows.MAX_KEYS_VISITED,
         "after_high": after.get(1),
         "after_normal": after.get(0),
         "after_low": after.get(-1),
