@@ -503,11 +503,12 @@ outbox_message.append_constraint(
         name="outbox_message_fairness_key_check",
     )
 )
-# A limited destination's published rows, counted by its dispatch window.
+# Set by the relay's window take: its published rows are counted along this partial index.
+outbox_message.append_column(Column("windowed", Boolean, nullable=False, server_default=text("false")))
 Index(
-    "outbox_message_dispatched_destination_idx",
+    "outbox_message_windowed_idx",
     outbox_message.c.destination,
-    postgresql_where=text("state = 'dispatched'"),
+    postgresql_where=text("state = 'dispatched' AND windowed"),
 )
 # The head of each priority and fairness key (or '') of a destination's pending rows.
 Index(

@@ -5,6 +5,9 @@ limited destination (outbox.windows).
   ``outbox_message.fairness_key`` (text, NULL: none). ``outbox.write(priority=,
   fairness_key=)`` sets them; a next step (``Next``) and a batch's then/catch row inherit them;
   a replay keeps them (it moves the same row).
+* ``outbox_message.windowed``: set by the relay's window take (outbox.windows), so that a
+  window counts the rows it published along a partial index of those rows alone (0026): the
+  take of every other row writes no index entry more.
 * CHECKs added NOT VALID, then validated: the validation reads the table under a lock that lets
   writes through (SHARE UPDATE EXCLUSIVE).
 
@@ -70,6 +73,9 @@ def upgrade() -> None:
         sa.Column("priority", sa.SmallInteger(), nullable=False, server_default=sa.text("0")),
     )
     op.add_column("outbox_message", sa.Column("fairness_key", sa.Text(), nullable=True))
+    op.add_column(
+        "outbox_message", sa.Column("windowed", sa.Boolean(), nullable=False, server_default=sa.text("false"))
+    )
     op.execute(
         "ALTER TABLE outbox_message ADD CONSTRAINT outbox_message_priority_check "
         "CHECK (priority IN (-1, 0, 1)) NOT VALID"
@@ -105,5 +111,6 @@ def downgrade() -> None:
     op.execute("DROP FUNCTION IF EXISTS outbox_fairness_gate()")
     op.drop_constraint("outbox_message_fairness_key_check", "outbox_message")
     op.drop_constraint("outbox_message_priority_check", "outbox_message")
+    op.drop_column("outbox_message", "windowed")
     op.drop_column("outbox_message", "fairness_key")
     op.drop_column("outbox_message", "priority")

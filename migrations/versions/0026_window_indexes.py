@@ -1,7 +1,9 @@
 """Flow control, part 3: the indexes of the relay's dispatch window (outbox.windows).
 
-* ``outbox_message_dispatched_destination_idx`` (destination) of ``dispatched`` rows: a limited
-  destination's window counts its published rows without reading every destination's.
+* ``outbox_message_windowed_idx`` (destination) of ``dispatched`` rows that a window published
+  (``windowed``, 0025): a limited destination's window counts them without reading every
+  destination's published rows, and a row the relay's other take publishes writes no entry
+  (an index of every published row cost the relay's drain 15-24 % of its rows a second).
 * ``outbox_message_fair_idx`` (destination, priority, fairness key or '', available_at, id) of
   ``pending`` rows: the windowed take reads the head of each priority and fairness key of one
   destination without reading a large tenant's backlog. Every row is in it while pending (one
@@ -32,10 +34,10 @@ depends_on = None
 def upgrade() -> None:
     create_index_concurrently(
         op,
-        "outbox_message_dispatched_destination_idx",
+        "outbox_message_windowed_idx",
         "outbox_message",
         ["destination"],
-        postgresql_where=sa.text("state = 'dispatched'"),
+        postgresql_where=sa.text("state = 'dispatched' AND windowed"),
     )
     create_index_concurrently(
         op,
@@ -49,4 +51,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     # Not CONCURRENTLY: a downgrade runs in the migration's transaction, and the drops are brief.
     op.drop_index("outbox_message_fair_idx", table_name="outbox_message", if_exists=True)
-    op.drop_index("outbox_message_dispatched_destination_idx", table_name="outbox_message", if_exists=True)
+    op.drop_index("outbox_message_windowed_idx", table_name="outbox_message", if_exists=True)

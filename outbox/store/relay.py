@@ -108,7 +108,9 @@ _KEY = "COALESCE(m.fairness_key, '')"
 # The window's take, along outbox_message_fair_idx (destination, priority, fairness key, due
 # time, id) of pending rows; rows without a key are the key ''.
 #
-# * room: the window's size less the destination's rows published and not settled;
+# * room: the window's size less the destination's rows published and not settled: in flight
+#   (any), and dispatched by a window take (``windowed``; rows the other take published before
+#   the destination had a limit are not counted: they settle soon);
 # * keys: for each priority, the fairness keys with pending rows of it, in key order from just
 #   after that priority's cursor (the last key the previous take visited there; NULL: from the
 #   first), wrapping round to the first key once, two index probes each (the next key, and
@@ -136,7 +138,7 @@ _DISPATCH_WINDOW = f"""
 WITH RECURSIVE room AS (
     SELECT CAST(%(size)s AS bigint)
            - (SELECT count(*) FROM outbox_message
-              WHERE destination = %(destination)s AND state = 'dispatched')
+              WHERE destination = %(destination)s AND state = 'dispatched' AND windowed)
            - (SELECT count(*) FROM outbox_message
               WHERE destination = %(destination)s AND state = 'in_flight') AS n
 ), cursors AS (
@@ -206,7 +208,7 @@ WITH RECURSIVE room AS (
     ) o WHERE place <= (SELECT n FROM room)
 ), moved AS (
     UPDATE outbox_message
-    SET state = 'dispatched', dispatched_at = now()
+    SET state = 'dispatched', dispatched_at = now(), windowed = true
     WHERE id = ANY(ARRAY(
         SELECT id FROM outbox_message
         WHERE id = ANY(CAST((SELECT ids FROM picked) AS bigint[])) AND state = 'pending'
