@@ -909,14 +909,15 @@ def test_limits_hold_beside_an_older_relay_and_worker_and_fairness_waits_for_the
     deploy(database)
     with database.begin() as conn:
         limits.set_limit(conn, "compat.ordered", in_flight=2, by="test", reason="the provider's quota")
-    with pytest.raises(FeatureNotEnabled, match="fairness"):
-        write(database, "order:lim-high", "compat.ordered", priority="high")
-    with pytest.raises(FeatureNotEnabled, match="fairness"):
-        write(database, "order:lim-tenant", "compat.ordered", fairness_key="tenant:1")
-    code, out = cli(capsys, database, "features", "enable", "fairness", "--reason", "deploy", "--settle", "0")
-    if release.knows(25):  # a release that knows the feature holds nothing back
-        assert code == 0, out
-    else:
+    if not release.knows(25):
+        # A release that knows the feature migrated its database with no process live: on.
+        with pytest.raises(FeatureNotEnabled, match="fairness"):
+            write(database, "order:lim-high", "compat.ordered", priority="high")
+        with pytest.raises(FeatureNotEnabled, match="fairness"):
+            write(database, "order:lim-tenant", "compat.ordered", fairness_key="tenant:1")
+        code, out = cli(
+            capsys, database, "features", "enable", "fairness", "--reason", "deploy", "--settle", "0"
+        )
         assert code != 0 and "fairness" in out, out
     every = [write(database, f"order:lim-{n}", "compat.ordered") for n in range(16)]
 
