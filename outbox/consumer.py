@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import httpx
 import psycopg
@@ -54,7 +54,11 @@ from .settings import (
     DEFAULT_WORKER_RECORD_CONNECTIONS,
 )
 from .validation import header_safe
-from .wakes import Wakes
+
+if TYPE_CHECKING:
+    # Only the worker makes one: importing redis-py (8) imports OpenTelemetry when installed,
+    # and a process that only delivers must not (tests/integration/test_tracing.py).
+    from .wakes import Wakes
 
 logger = logging.getLogger(__name__)
 
