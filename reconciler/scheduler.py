@@ -38,9 +38,9 @@ from outbox.probes import Liveness
 from outbox.settings import DEFAULT_NAMESPACE, DEFAULT_NO_CONSUMER_CYCLES, Settings
 from outbox.settlement import LookupClients
 
-from .jobs._common import MaintenanceJob
 from .jobs.batches import Batches, BatchesConfig
 from .jobs.chains import Chains, ChainsConfig
+from .jobs.common import MaintenanceJob
 from .jobs.database_metrics import DatabaseMetrics
 from .jobs.expire_leases import ExpireLeases, ExpireLeasesConfig
 from .jobs.held_destinations import HeldDestinations, HeldDestinationsConfig

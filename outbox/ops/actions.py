@@ -28,22 +28,22 @@ from .inspect import require_destination
 
 # -- replay and resolve ------------------------------------------------------------------------------
 
-_FAILED_OUT_OF_UNKNOWN = (
+FAILED_OUT_OF_UNKNOWN = (
     "an operator failed it out of unknown (resolve --failed): nobody knows whether its call took effect"
 )
-_COMPENSATED = "its @on_failure compensation was written: replayed, the step would run after its own undo"
-_ORDER_PASSED = (
+COMPENSATED = "its @on_failure compensation was written: replayed, the step would run after its own undo"
+ORDER_PASSED = (
     "its ordering key went on without it (skipped, or a row behind it went): replayed, it would "
     "come after rows written after it"
 )
 _REFUSAL_TEXTS = {
-    "failed_out_of_unknown": _FAILED_OUT_OF_UNKNOWN,
-    "compensated": _COMPENSATED,
-    "order_passed": _ORDER_PASSED,
+    "failed_out_of_unknown": FAILED_OUT_OF_UNKNOWN,
+    "compensated": COMPENSATED,
+    "order_passed": ORDER_PASSED,
 }
 #: Refusals that are not about a second charge: --force is the operator's call on the order of
 #: things, not on the money.
-_NOT_ABOUT_A_CHARGE = frozenset({_COMPENSATED, _ORDER_PASSED})
+_NOT_ABOUT_A_CHARGE = frozenset({COMPENSATED, ORDER_PASSED})
 
 # What a replay would do to each row, and why it refuses: read to preview, never to act (the
 # acting statements re-check every rule themselves).
@@ -110,7 +110,7 @@ def default_actor() -> str:
     return "unknown"
 
 
-def _history_params(action: str, to_state: str, by: str, reason: str | None, **extra: Any) -> dict[str, Any]:
+def history_params(action: str, to_state: str, by: str, reason: str | None, **extra: Any) -> dict[str, Any]:
     return {
         "action": action,
         "to_state": to_state,
@@ -311,14 +311,14 @@ def execute_replay(
         if not (reason and reason.strip()):
             raise ConfigError("--force needs --reason: why replaying this row cannot charge twice")
         [row] = chosen
-        params = _history_params("replay", states.PENDING, actor, reason, forced=True, overrode=row.refusals)
+        params = history_params("replay", states.PENDING, actor, reason, forced=True, overrode=row.refusals)
         seen = store.operator.replay_forced(
             connection, row_id=row.id, version=row.failed_at, seen=row.blockers, history=params
         )
         if seen is not None:
             moved[int(seen.id)] = seen
     elif chosen:
-        params = _history_params("replay", states.PENDING, actor, reason)
+        params = history_params("replay", states.PENDING, actor, reason)
         for done in store.operator.replay_planned(
             connection, ids=[c.id for c in chosen], versions=[c.failed_at for c in chosen], history=params
         ):
@@ -416,7 +416,7 @@ def resolve(
         # Stored by the same rules as a reference the worker records (outbox.sanitize).
         sent_ref = sanitize.clean_ref(sent_ref)
         to_state = states.SENT
-        history = _history_params("resolve", to_state, actor, reason, provider_ref=sent_ref)
+        history = history_params("resolve", to_state, actor, reason, provider_ref=sent_ref)
         # Stored as a worker's answer is (outbox.sanitize), and the then function is given
         # exactly that: None without --response.
         stored = sanitize.encode_response(dict(response)) if response is not None else None
@@ -430,7 +430,7 @@ def resolve(
             notes.extend(_chain_notes(plan, followed or 0, with_module=handlers is not None))
     elif not_sent:
         to_state = states.PENDING
-        history = _history_params("resolve", to_state, actor, reason)
+        history = history_params("resolve", to_state, actor, reason)
         moved = store.operator.resolve_not_sent(connection, row_id=row_id, history=history)
     else:
         assert failed_reason is not None
@@ -439,7 +439,7 @@ def resolve(
         # Stored as last_error: the same rules as every stored error text (no card number).
         failed_reason = sanitize.clean_text(failed_reason, max_chars=2000)
         to_state = states.FAILED
-        history = _history_params("resolve", to_state, actor, reason, error=failed_reason)
+        history = history_params("resolve", to_state, actor, reason, error=failed_reason)
         moved = store.operator.resolve_failed(connection, row_id=row_id, error=failed_reason, history=history)
     if not moved:
         confirmed = (
@@ -606,7 +606,7 @@ def cancel_rows(
         connection,
         ids=wanted,
         error=operator_text(f"cancelled by an operator: {reason}"),
-        history=_history_params("cancel", states.CANCELLED, by or default_actor(), reason),
+        history=history_params("cancel", states.CANCELLED, by or default_actor(), reason),
     )
     details = {r[0]: r for r in rows}
     cancelled: list[tuple[int, str, str, str]] = []
@@ -635,7 +635,7 @@ def skip(
     needs ``--force`` (it would come after rows written after it)."""
     if not reason or not reason.strip():
         raise ConfigError("skip needs --reason: why the rows behind this one may go without it")
-    history = _history_params("skip", states.FAILED, by or default_actor(), reason)
+    history = history_params("skip", states.FAILED, by or default_actor(), reason)
     if store.operator.skip_head(connection, row_id=row_id, history=history):
         return ActionResult(
             row_id, True, f"row {row_id} skipped: the rows of its ordering key behind it go; it stays failed"

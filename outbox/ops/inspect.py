@@ -367,7 +367,7 @@ def key_steps(connection: Connection, key: str) -> KeySteps:
 # Age is the time spent in the state, the number an on-call compares with alert thresholds:
 # since it became unknown, was claimed, dispatched, failed or was settled; a pending row's since
 # it became due (negative: not yet due).
-_IN_STATE_SINCE = """
+IN_STATE_SINCE = """
 COALESCE(CASE state WHEN 'unknown' THEN unknown_since
                     WHEN 'in_flight' THEN claimed_at
                     WHEN 'dispatched' THEN dispatched_at
@@ -379,13 +379,13 @@ COALESCE(CASE state WHEN 'unknown' THEN unknown_since
 _LIST = text(
     f"""
 SELECT id, key, step, destination, state, attempts, created_at, last_error,
-       EXTRACT(EPOCH FROM now() - {_IN_STATE_SINCE}) AS age,
+       EXTRACT(EPOCH FROM now() - {IN_STATE_SINCE}) AS age,
        count(*) OVER () AS matching
 FROM outbox_message
 WHERE state = ANY(CAST(:states AS text[]))
   AND (CAST(:destination AS text) IS NULL OR destination = CAST(:destination AS text))
   AND (CAST(:key_like AS text) IS NULL OR key LIKE CAST(:key_like AS text) ESCAPE '\\')
-ORDER BY {_IN_STATE_SINCE}, id
+ORDER BY {IN_STATE_SINCE}, id
 LIMIT :limit
 """
 )

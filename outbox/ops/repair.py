@@ -46,15 +46,15 @@ from .. import chains, outcomes, states, store
 from ..exceptions import ConfigError, NotFound
 from ..handlers import Confirmed, Handler
 from .actions import (
-    _COMPENSATED,
-    _FAILED_OUT_OF_UNKNOWN,
-    _ORDER_PASSED,
-    _history_params,
+    COMPENSATED,
+    FAILED_OUT_OF_UNKNOWN,
+    ORDER_PASSED,
     default_actor,
+    history_params,
     operator_text,
     plan_replay,
 )
-from .inspect import _IN_STATE_SINCE, key_steps, require_destination
+from .inspect import IN_STATE_SINCE, key_steps, require_destination
 from .values import age, seconds
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ _STALLED = text(
     f"""
 WITH stopped AS (
     SELECT DISTINCT ON (m.key) m.id, m.key, m.step, m.destination, m.state, m.last_error,
-           m.chain_problem, EXTRACT(EPOCH FROM now() - {_IN_STATE_SINCE}) AS age
+           m.chain_problem, EXTRACT(EPOCH FROM now() - {IN_STATE_SINCE}) AS age
     FROM outbox_message m
     WHERE m.state IN ('failed', 'unknown', 'pending', 'dispatched', 'in_flight', 'sent')
       AND (m.state <> 'sent' OR m.chain_problem IS NOT NULL)
@@ -84,7 +84,7 @@ WITH stopped AS (
       -- so is a failed member of a batch that ended with its catch row.
       AND NOT (m.state = 'failed' AND {chains.COMPENSATED_SQL})
       AND NOT (m.state = 'failed' AND {chains.caught_sql("m")})
-      AND {_IN_STATE_SINCE} <= now() - CAST(:older AS float8) * interval '1 second'
+      AND {IN_STATE_SINCE} <= now() - CAST(:older AS float8) * interval '1 second'
       AND (CAST(:destination AS text) IS NULL OR m.destination = CAST(:destination AS text))
     ORDER BY m.key, m.created_at, m.id
 )
@@ -280,7 +280,7 @@ def _plan_failed(
     # An operator gave up on this step on purpose (support refunded the customer by hand): asking
     # the provider would find the charge and go on with the chain, a "not found" would re-run it.
     # Both undo a human's decision, so only another human does, by name and with a reason.
-    overrules = _FAILED_OUT_OF_UNKNOWN in candidate.refusals
+    overrules = FAILED_OUT_OF_UNKNOWN in candidate.refusals
     if overrules and not force:
         return _item(
             key,
@@ -289,7 +289,7 @@ def _plan_failed(
             f"step {s['step']} was failed by an operator (resolve --failed: {error}); repair neither "
             f"continues nor re-runs it on its own: if it must, outbox repair {key} --force --reason WHY",
         )
-    if _COMPENSATED in candidate.refusals:
+    if COMPENSATED in candidate.refusals:
         return _item(
             key,
             REFUSED,
@@ -297,7 +297,7 @@ def _plan_failed(
             f"step {s['step']} failed and its @on_failure compensation was written; if the step "
             f"must run again anyway: outbox replay {row_id} --force --reason WHY",
         )
-    if _ORDER_PASSED in candidate.refusals:
+    if ORDER_PASSED in candidate.refusals:
         # Its ordering key went on without it: re-run, it would come after rows written after it,
         # and could be in flight with one of them (second attack on issue 15, B1).
         return _item(
@@ -724,7 +724,7 @@ def _rerun(acting: _Acting, item: RepairItem, *, forced: bool, result: str) -> R
     engine = make_engine(acting.database_url, connect_args={"application_name": "outbox repair"})
     try:
         with engine.begin() as conn:
-            history = _history_params(
+            history = history_params(
                 "repair",
                 states.PENDING,
                 acting.by,

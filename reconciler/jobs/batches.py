@@ -29,7 +29,7 @@ from outbox.db import require_autocommit
 from outbox.handlers import Handler
 from outbox.settings import DEFAULT_TIME_LIMIT_SECONDS, default_lease_seconds
 
-from ._common import nonzero
+from .common import nonzero
 
 logger = logging.getLogger(__name__)
 

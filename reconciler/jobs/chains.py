@@ -21,7 +21,7 @@ from outbox import chains, store
 from outbox.db import require_autocommit
 from outbox.handlers import Confirmed, Handler
 
-from ._common import nonzero
+from .common import nonzero
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from outbox import alerts, settings, store
 from outbox.alerts import AlertHook, AlertRow, log_alert
 from outbox.db import require_autocommit
 
-from ._common import nonzero
+from .common import nonzero
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from outbox.db import require_autocommit
 from outbox.handlers import Handler
 from outbox.schema import NOTIFY_CHANNEL
 
-from ._common import nonzero
+from .common import nonzero
 
 logger = logging.getLogger(__name__)
 
