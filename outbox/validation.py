@@ -184,6 +184,19 @@ def check_destination(destination: Any) -> None:
         raise InvalidMessage(problem)
 
 
+def check_label(name: str, value: Any, max_length: int) -> None:
+    """An optional short text a row is grouped by (``ordering_key``, ``fairness_key``): None, or
+    a str of 1 to ``max_length`` printable characters (the schema's CHECK says the same)."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise InvalidMessage(f"{name} must be a str, got {type(value).__name__}")
+    if not 1 <= len(value) <= max_length:
+        raise InvalidMessage(f"{name} must be 1 to {max_length} characters, got {len(value)}")
+    if not value.isprintable():
+        raise InvalidMessage(f"{name} {value!r} holds a control character")
+
+
 def check_aware(name: str, value: Any) -> None:
     if value is None:
         return

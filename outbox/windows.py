@@ -35,7 +35,6 @@ HIGH, NORMAL, LOW = "high", "normal", "low"
 
 #: The priorities ``outbox.write`` accepts and the value stored for each (``priority`` column).
 PRIORITIES = {HIGH: 1, NORMAL: 0, LOW: -1}
-PRIORITY_NAMES = {rank: name for name, rank in PRIORITIES.items()}
 
 #: Migration 0025's CHECK: a fairness key is 1 to 200 characters.
 MAX_FAIRNESS_KEY_LENGTH = 200
@@ -68,23 +67,6 @@ def priority_rank(priority: object) -> int:
     if isinstance(priority, str) and priority in PRIORITIES:
         return PRIORITIES[priority]
     raise InvalidMessage(f"priority must be one of 'high', 'normal', 'low', got {priority!r}")
-
-
-def priority_name(rank: int) -> str:
-    return PRIORITY_NAMES.get(rank, str(rank))
-
-
-def check_fairness_key(fairness_key: object) -> None:
-    if fairness_key is None:
-        return
-    if not isinstance(fairness_key, str):
-        raise InvalidMessage(f"fairness_key must be a str, got {type(fairness_key).__name__}")
-    if not 1 <= len(fairness_key) <= MAX_FAIRNESS_KEY_LENGTH:
-        raise InvalidMessage(
-            f"fairness_key must be 1 to {MAX_FAIRNESS_KEY_LENGTH} characters, got {len(fairness_key)}"
-        )
-    if not fairness_key.isprintable():
-        raise InvalidMessage(f"fairness_key {fairness_key!r} holds a control character")
 
 
 def window_size(

@@ -20,7 +20,7 @@ from .exceptions import BatchConflict, InvalidMessage, KeyConflict
 from .ordering import MAX_ORDERING_KEY_LENGTH
 from .payloads import check_version, imported_handler
 from .schema_check import ensure_schema, ensure_schema_async
-from .validation import check_aware, check_destination, check_key_step, encode_payload
+from .validation import check_aware, check_destination, check_key_step, check_label, encode_payload
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -107,9 +107,9 @@ def _params(
     fairness_key: str | None = None,
 ) -> dict[str, Any]:
     check_key_step(key, step)
-    _check_ordering_key(ordering_key)
+    check_label("ordering_key", ordering_key, MAX_ORDERING_KEY_LENGTH)
     rank = windows.priority_rank(priority)
-    windows.check_fairness_key(fairness_key)
+    check_label("fairness_key", fairness_key, windows.MAX_FAIRNESS_KEY_LENGTH)
     check_destination(destination)
     check_aware("available_at", available_at)
     check_aware("deadline", deadline)
@@ -128,19 +128,6 @@ def _params(
         "priority": rank,
         "fairness_key": fairness_key,
     }
-
-
-def _check_ordering_key(ordering_key: Any) -> None:
-    if ordering_key is None:
-        return
-    if not isinstance(ordering_key, str):
-        raise InvalidMessage(f"ordering_key must be a str, got {type(ordering_key).__name__}")
-    if not 1 <= len(ordering_key) <= MAX_ORDERING_KEY_LENGTH:
-        raise InvalidMessage(
-            f"ordering_key must be 1 to {MAX_ORDERING_KEY_LENGTH} characters, got {len(ordering_key)}"
-        )
-    if not ordering_key.isprintable():
-        raise InvalidMessage(f"ordering_key {ordering_key!r} holds a control character")
 
 
 def _payload_version(destination: str, payload: Any, payload_version: Any, validate: bool) -> int:

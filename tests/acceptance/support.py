@@ -30,6 +30,10 @@ FAST = {
 }
 
 
+#: What a worker process logs once its consumer reads from Redis.
+WORKER_STARTED = "outbox worker started"
+
+
 class Processes:
     """Starts processes, and on exit SIGKILLs whatever is still running (no stray workers)."""
 
@@ -87,6 +91,14 @@ class Processes:
 
     def log_of(self, proc: subprocess.Popen[bytes]) -> str:
         return self.log_files[proc.pid].read_text(errors="replace")
+
+    def wait_started(self, workers: list[subprocess.Popen[bytes]], timeout: float = 60) -> None:
+        """Until every one of ``workers`` has logged its start (its consumer is reading)."""
+        deadline = time.monotonic() + timeout
+        while not all(WORKER_STARTED in self.log_of(w) for w in workers):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers did not start within {timeout} s:\n{self.logs()}")
+            time.sleep(0.1)
 
     def logs(self) -> str:
         return "\n".join(

@@ -37,11 +37,7 @@ def test_a_small_tenant_is_not_queued_behind_a_large_tenants_backlog(clean, engi
                 )  # fmt: skip
         workers = [procs.worker(threads=16, SHOP_LEASE_SECONDS="10") for _ in range(2)]
         procs.reconciler()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(
-            "outbox worker started" in procs.log_of(w) for w in workers
-        ):
-            time.sleep(0.1)
+        procs.wait_started(workers)
         procs.relay()
         # A's backlog is flowing at the limit before B writes.
         deadline = time.monotonic() + 60

@@ -76,11 +76,7 @@ def test_a_rate_holds_over_worker_processes_killed_added_raised_and_lowered(
         # The four start before any row is published: five interpreters booting at once on a
         # small machine start their first calls late, which is not what this measures (the
         # worker added below boots beside the others' deliveries).
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(
-            "outbox worker started" in procs.log_of(w) for w in workers
-        ):
-            time.sleep(0.1)
+        procs.wait_started(workers)
         procs.relay()
         deadline = time.monotonic() + 60
         while not provider.arrivals() and time.monotonic() < deadline:
