@@ -478,10 +478,8 @@ def app_hosted(clean: Any, engine: Any) -> Starlette:
     return create_app(engine=engine, secret=SECRET, authorize=authorize)
 
 
-def client_for_hosted(app_hosted: Any, user: str) -> TestClient:
-    c = TestClient(
-        app_hosted, base_url="https://testserver", follow_redirects=False, raise_server_exceptions=False
-    )
+def client_for_hosted(app: Any, user: str) -> TestClient:
+    c = TestClient(app, base_url="https://testserver", follow_redirects=False, raise_server_exceptions=False)
     c.headers["x-user"] = user
     return c
 
