@@ -28,8 +28,8 @@ class Statement:
     psycopg parses a query's placeholders on every execute unless the query is under 4,096
     characters (then it caches the result); the claim is longer, and parsing it at every
     delivery shows in a worker's CPU (docs/decisions/hot-path-costs.md). Same statement, same
-    parameters (by name), same
-    adaptation; the server still prepares it after a few executions, as for any query."""
+    parameters (by name), same adaptation; the server still prepares it after a few executions,
+    as for any query."""
 
     __slots__ = ("names", "sql")
 

@@ -67,8 +67,7 @@ class Broker(RedisBroker):
     dispatch script: the same script, the same arguments, the same single round trip as
     ``RedisBroker.do_ack``, without redis-py's command path (argument encoding, retry wrapper,
     connection checks) and the closure Dramatiq builds for every ack. An ack is one per delivery,
-    and that path costs more CPU than the ack itself (docs/decisions/hot-path-costs.md). A Redis
-    that lost the script
+    so that path's CPU counts (docs/decisions/hot-path-costs.md). A Redis that lost the script
     (a restart, SCRIPT FLUSH) gets it loaded again by Dramatiq's own path."""
 
     def do_ack(self, queue_name: str, message_id: str) -> Any:
