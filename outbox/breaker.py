@@ -1,4 +1,4 @@
-"""The circuit breaker of each destination (issue 13 part 3), on its ``outbox_destination`` row.
+"""The circuit breaker of each destination, on its ``outbox_destination`` row.
 
 When a provider is down, every call to it answers "not processed" (a connect error, 429, 503):
 without a breaker, every waiting row spends its attempts on those answers and ends ``failed``.
@@ -71,7 +71,7 @@ SELECT count(*) FROM outbox_attempt WHERE message_id = %(id)s AND outcome IS DIS
 def refunds_so_far(conn: psycopg.Connection[Any], *, row_id: int, attempts: int) -> int:
     """How many of the row's probes were not counted as attempts (its claims, less its attempts,
     this claim included in both): a row carries at most ``max_attempts`` uncounted probes, so that
-    a provider that never comes back still fails it in the end (attack on part 3, F1)."""
+    a provider that never comes back still fails it in the end."""
     row = conn.execute(_CALLS, {"id": row_id}).fetchone()
     return max(0, int(row[0]) - attempts) if row else 0
 

@@ -1,4 +1,4 @@
-"""Chains: the next steps of a settled row, written by the statement that settles it (issue 14).
+"""Chains: the next steps of a settled row, written by the statement that settles it.
 
 A handler declares them with a pure function of the delivery and the provider's answer::
 

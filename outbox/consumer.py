@@ -122,7 +122,7 @@ class _NotCalled:
 class _Done:
     """``threading.Event``'s set, wait and is_set for one setter (the call thread) and one waiter
     (the worker thread), on a single lock: an Event is a Condition, a lock and a waiter lock per
-    wait, which cost a delivery about 12 µs more of CPU (issue 17)."""
+    wait, which costs every delivery more CPU (docs/decisions/hot-path-costs.md)."""
 
     __slots__ = ("_flag", "_lock")
 

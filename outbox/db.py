@@ -26,9 +26,10 @@ class Statement:
     import, and run on a :class:`psycopg.RawCursor`.
 
     psycopg parses a query's placeholders on every execute unless the query is under 4,096
-    characters (then it caches the result); the claim is longer, and parsing it was about 30 µs
-    of a worker's CPU per delivery (issue 17). Same statement, same parameters (by name), same
-    adaptation; the server still prepares it after a few executions, as for any query."""
+    characters (then it caches the result); the claim is longer, and parsing it at every
+    delivery shows in a worker's CPU (docs/decisions/hot-path-costs.md). Same statement, same
+    parameters (by name), same adaptation; the server still prepares it after a few executions,
+    as for any query."""
 
     __slots__ = ("names", "sql")
 
@@ -50,7 +51,7 @@ class Statement:
 
     def execute(self, conn: psycopg.Connection[Any], params: Mapping[str, Any]) -> psycopg.RawCursor[Any]:
         """Run on the connection's own cursor, made once: a new cursor per statement built its
-        adaptation state again every time (about 18 µs of CPU per statement). Its result is
+        adaptation state again every time (docs/decisions/hot-path-costs.md). Its result is
         read before the next statement on that connection (one thread uses a connection)."""
         cursor: psycopg.RawCursor[Any] | None = getattr(conn, "_outbox_cursor", None)
         if cursor is None or cursor.closed:

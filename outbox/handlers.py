@@ -174,9 +174,9 @@ _ssl: ssl.SSLContext | None = None
 def _ssl_context() -> ssl.SSLContext:
     """One TLS context for every ``Delivery.http`` client of the process, made as httpx makes
     its default one (certifi's roots, or SSL_CERT_FILE / SSL_CERT_DIR). A context per client
-    cost 17 ms of CPU each: a worker's first deliveries (a client per call thread and
-    destination, made on first use) waited out hundreds of milliseconds of them, and so did the
-    first call after a call thread was abandoned at its time limit (issue 17)."""
+    costs milliseconds of CPU each: a worker's first deliveries (a client per call thread and
+    destination, made on first use) would wait out many of them, and so would the first call
+    after a call thread is abandoned at its time limit (docs/decisions/hot-path-costs.md)."""
     global _ssl
     with _ssl_lock:
         if _ssl is None:
@@ -593,8 +593,8 @@ class Deliveries:
 
 #: Connections per async client. httpcore's pool matches each waiting request against every
 #: connection (and polls each idle one) on every change: its cost grows with the square of the
-#: pool. Measured against a provider answering in 300 ms, 200 calls at once: one client of 200
-#: connections, 35 calls/s; clients of 2 to 8 connections, 350-415/s (of 667 possible).
+#: pool. Many small clients carry many calls at once about ten times faster than one large one
+#: (docs/decisions/hot-path-costs.md).
 ASYNC_CLIENT_CONNECTIONS = 4
 
 

@@ -159,7 +159,7 @@ class Observed:
 
 
 #: The labelled children count_delivery uses, per destination: a ``labels()`` lookup validates
-#: and locks each time, six of them a delivery (issue 17).
+#: and locks each time, six of them a delivery.
 _delivery_children: dict[str, tuple[Any, Any, Any, Any]] = {}
 
 

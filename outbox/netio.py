@@ -4,8 +4,8 @@ transports.
 httpx's default async transport reaches its sockets through anyio: every read and write opens a
 cancel scope (``fail_after``), and every time httpcore's pool looks for a connection it asks each
 idle one whether its socket is readable, which anyio answers by building a dictionary of the
-socket's attributes and polling the socket. Measured on the async worker (300 ms provider, 200
-calls in flight), that layer was a tenth of the process's CPU. Here a read waits on a future
+socket's attributes and polling the socket. With many calls in flight that layer is a large
+share of the async worker's CPU (docs/decisions/hot-path-costs.md). Here a read waits on a future
 with one timer, and an idle connection is readable when its protocol has been handed bytes or the
 end of the stream (the loop reads every socket it watches), without a system call.
 

@@ -1,4 +1,4 @@
-"""Per-key ordering (issue 15): rows written with the same ``ordering_key`` are claimed one at a
+"""Per-key ordering: rows written with the same ``ordering_key`` are claimed one at a
 time, in commit order; other keys never wait for them.
 
 Where the order is kept (all in PostgreSQL, so that it holds with many relays and workers):
@@ -31,8 +31,8 @@ from . import outcomes
 def lets_pass_sql(row: str) -> str:
     """The failed ``row`` no longer holds its ordering key: an operator skipped it, or its
     handler skips failed rows (``skip_when_failed``, recorded by its claim) and no call of it may
-    have taken effect. An uncertain effect is never passed by a policy (second attack on issue
-    15, B2): only an operator's ``outbox skip`` passes it."""
+    have taken effect. An uncertain effect is never passed by a policy: only an operator's
+    ``outbox skip`` passes it."""
     return f"""({row}.order_skipped_at IS NOT NULL
         OR ({row}.skip_when_failed AND NOT EXISTS (
             SELECT 1 FROM outbox_attempt {row}_a
@@ -60,10 +60,9 @@ def out_of_line_sql(row: str) -> str:
     Replayed, it would come after rows written after it: ``outbox replay`` needs ``--force``.
 
     Skipped is enough, whatever the later rows' states: they may be claimed at any moment (a
-    replay racing a successor's claim put two rows of one key in flight: attack on issue 15, A1),
-    and once purged they are not in the table to be seen (A4)."""
-    # A row behind it that went: claimed or settled; one cancelled without a claim never went
-    # (second attack, B5).
+    replay racing a successor's claim would put two rows of one key in flight), and once purged
+    they are not in the table to be seen."""
+    # A row behind it that went: claimed or settled; one cancelled without a claim never went.
     return f"""({row}.ordering_key IS NOT NULL AND ({lets_pass_sql(row)}
         OR EXISTS (SELECT 1 FROM outbox_message p
                    WHERE p.ordering_key = {row}.ordering_key AND p.id > {row}.id

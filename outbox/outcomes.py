@@ -1,5 +1,5 @@
 """What an attempt row's outcome says about the provider, and when an ambiguous call counts as
-settled (issue 9, classes 4 and 10).
+settled.
 
 Every claim leaves one ``outbox_attempt`` row. Its ``outcome`` falls in one of three kinds:
 

@@ -315,7 +315,7 @@ def health(*, called: bool, outcome: str, not_processed: bool, http_status: int 
     failed, unknown), ``called`` whether a call was made at all, ``http_status`` the provider's
     last answer during it. A refusal counts as processed only with an answer behind it: a
     handler that refuses a row by itself, before any request, proves nothing about the
-    provider (attack on part 3, F2)."""
+    provider."""
     if not called:
         return Health.NEITHER
     if not_processed:

@@ -61,8 +61,8 @@ DATABASE_THREADS = 12
 FETCH_WAIT_SECONDS = 0.5
 #: A busy worker (some slots taken) that has fewer than a quarter of its slots free waits this
 #: long (seconds) for that many before it fetches: one fetch for several messages, not one per
-#: slot freed, which cost a backlog's deliveries 5% more of the worker's CPU and 20% more of
-#: Redis's (bench/README.md). An idle worker fetches at once.
+#: slot freed, which costs a backlog's deliveries more of the worker's CPU and of Redis's
+#: (docs/decisions/hot-path-costs.md). An idle worker fetches at once.
 FETCH_GATHER_SECONDS = 0.005
 #: A fetch that found its queue empty sleeps its backoff (Dramatiq's: 5 ms doubling, jittered, up
 #: to FETCH_WAIT_SECONDS). From this long on (milliseconds: the queue has been empty for a few

@@ -149,7 +149,7 @@ outbox_attempt = Table(
 )
 Index("outbox_attempt_message_idx", outbox_attempt.c.message_id)
 
-# -- 0002_lease (issue 9 classes 1, 2, 8) ---------------------------------------------------------
+# -- 0002_lease: claims given back without a call -------------------------------------------------
 # Claims given back without a call (outcome `released` on their attempt row): not attempts, but a
 # row released again and again is held by something an operator must find.
 outbox_message.append_column(
@@ -157,7 +157,7 @@ outbox_message.append_column(
 )
 outbox_message.append_constraint(CheckConstraint("releases >= 0", name="outbox_message_releases_check"))
 
-# -- key ledger (issue 9 class 3, migration 0003) --------------------------------------------------
+# -- key ledger (migration 0003) -------------------------------------------------------------------
 # One compact row per purged (key, step), kept for OUTBOX_LEDGER_HORIZON after completed_at, so
 # that writing the key again answers as it did before the purge. The BEFORE INSERT trigger
 # `outbox_message_key_guard` (created by the migration) keeps live rows and ledger entries unique.
@@ -188,7 +188,7 @@ outbox_key_ledger = Table(
 # The horizon drop deletes by age in batches along this index.
 Index("outbox_key_ledger_completed_idx", outbox_key_ledger.c.completed_at)
 
-# -- 0004_replay: how an ambiguous call was settled (issue 9 classes 4, 10; see outbox.outcomes) --
+# -- 0004_replay: how an ambiguous call was settled (see outbox.outcomes) -------------------------
 outbox_attempt.append_column(Column("settled", Text, nullable=True))
 outbox_attempt.append_column(Column("settled_at", DateTime(timezone=True), nullable=True))
 outbox_attempt.append_constraint(
@@ -199,7 +199,7 @@ outbox_attempt.append_constraint(
     )
 )
 
-# -- transport (issue 9 classes 6, 7; migration 0005) ----------------------------------------------
+# -- transport (migration 0005) --------------------------------------------------------------------
 
 #: One row per running outbox process (workers beat; see ``outbox.heartbeat``): what it serves,
 #: when the database last heard from it, and its own clock at that moment (skew = the difference).
@@ -250,7 +250,7 @@ outbox_no_consumer = Table(
     Column("alerted_at", DateTime(timezone=True), nullable=True),
 )
 
-# -- Issue 13 (migration 0009): paused destinations ----------------------------------------------
+# -- migration 0009: paused destinations ---------------------------------------------------------
 
 #: A destination is paused while ``paused_until`` is in the future (``infinity``: until resumed);
 #: written by ``outbox pause`` / ``outbox resume`` (outbox.pauses), read by every claim.
@@ -267,7 +267,7 @@ outbox_destination = Table(
     CheckConstraint("paused_until IS NULL OR paused_at IS NOT NULL", name="outbox_destination_paused_check"),
 )
 
-# -- Issue 13 part 3 (migration 0010): the circuit breaker of each destination (outbox.breaker) ---
+# -- migration 0010: the circuit breaker of each destination (outbox.breaker) ---------------------
 
 # The consecutive "not processed" outcomes counted since breaker_window_at (the worker).
 outbox_destination.append_column(
@@ -299,7 +299,7 @@ outbox_destination.append_constraint(
     )
 )
 
-# -- Issue 9 class 12 (migration 0006): failover detection ------------------------------------------
+# -- migration 0006: failover detection -------------------------------------------------------------
 
 #: The database history (system identifier, timeline) the outbox last ran on, one row; written
 #: by the first process and by `outbox failover --accept`, compared by outbox.failover.
@@ -318,7 +318,7 @@ outbox_db_identity = Table(
     CheckConstraint("id = 1", name="outbox_db_identity_one_row_check"),
 )
 
-# -- Issue 14 (migrations 0012, 0013): chains ------------------------------------------------------
+# -- migrations 0012, 0013: chains -----------------------------------------------------------------
 
 #: The row whose settlement wrote this one in the same statement (outbox.chains): its ``sent``
 #: (``via = 'then'``) or its certain failure (``via = 'on_failure'``). No foreign key: a parent is
@@ -341,7 +341,7 @@ Index(
     postgresql_where=text("chain_problem IS NOT NULL AND alerted_at IS NULL"),
 )
 
-# -- Issue 14 (migrations 0014, 0015): batches (outbox.batches) ----------------------------------
+# -- migrations 0014, 0015: batches (outbox.batches) ---------------------------------------------
 
 #: A group of rows written in one transaction (``created_txid``: only that transaction adds
 #: members); when every member is terminal, the reconciler's ``batches`` job writes its
@@ -394,7 +394,7 @@ Index(
     postgresql_where=text("batch_id IS NOT NULL"),
 )
 
-# -- Issue 15 (migration 0016): payload versions (outbox.payloads) ----------------------------------
+# -- migration 0016: payload versions (outbox.payloads) ---------------------------------------------
 #: The version of the payload's shape its writer meant; the worker upgrades older ones and
 #: leaves newer ones to a newer worker. CHECK payload_version >= 1 (added NOT VALID, validated).
 outbox_message.append_column(Column("payload_version", Integer, nullable=False, server_default=text("1")))
@@ -402,7 +402,7 @@ outbox_message.append_column(Column("payload_version", Integer, nullable=False, 
 # it unchanged came from an older release, and a trigger marks the row for the chains job.
 outbox_message.append_column(Column("chains_known_at", DateTime(timezone=True), nullable=True))
 
-# -- Issue 15 (migrations 0017, 0018): per-key ordering (outbox.ordering) --------------------------
+# -- migrations 0017, 0018: per-key ordering (outbox.ordering) -------------------------------------
 #: Rows of one ordering key are claimed one at a time, in commit order. Triggers (not in the
 #: metadata): outbox_message_ordering_serialize (BEFORE INSERT: the writers of one key in turn)
 #: and outbox_message_ordering_wake (AFTER UPDATE: a settled head wakes the relay).
@@ -420,7 +420,7 @@ Index(
     postgresql_where=text("ordering_key IS NOT NULL AND state NOT IN ('sent', 'cancelled')"),
 )
 
-# -- Issue 16 (migration 0019): the dashboard's search ---------------------------------------------
+# -- migration 0019: the dashboard's search --------------------------------------------------------
 #: Keys by prefix under any collation (text_pattern_ops), rows by the provider's reference.
 Index(
     "outbox_message_key_prefix_idx",
@@ -433,7 +433,7 @@ Index(
     postgresql_where=text("provider_ref IS NOT NULL"),
 )
 
-# -- Issue 16 (migration 0020): dashboard sessions signed out before they expired ---------------------
+# -- migration 0020: dashboard sessions signed out before they expired --------------------------------
 outbox_dashboard_session_end = Table(
     "outbox_dashboard_session_end",
     metadata,
@@ -442,12 +442,12 @@ outbox_dashboard_session_end = Table(
     Column("expires_at", DateTime(timezone=True), nullable=False),
 )
 
-# -- migration 0007 (attack finding F6): a new row's step holds no ':' ------------------------------
+# -- migration 0007: a new row's step holds no ':' --------------------------------------------------
 # CHECK outbox_message_step_colon_check: strpos(step, ':') = 0 OR id <= <highest id at upgrade>,
 # NOT VALID. Not declared here: its bound is each database's own (rows stored before the upgrade
 # keep their step), and check constraints are not part of the metadata comparison.
 
-# -- Issue 33 part 1 (migration 0023): in-flight limits (outbox.limits) ----------------------------
+# -- migration 0023: in-flight limits (outbox.limits) ----------------------------------------------
 # The operator's limit (`outbox limit D --in-flight N`), and the lowest its live workers' handlers
 # declare (their heartbeats write it); the claim trigger holds the first set of the two.
 outbox_destination.append_column(Column("limit_in_flight", Integer, nullable=True))
@@ -469,7 +469,7 @@ outbox_process.append_column(Column("declared_in_flight", JSONB, nullable=True))
 # that timed out): counted as in flight by the claim trigger until then (outbox.limits).
 outbox_message.append_column(Column("landing_until", DateTime(timezone=True), nullable=True))
 
-# -- Issue 33 part 2 (migration 0024): calls per second (outbox.limits) ---------------------------
+# -- migration 0024: calls per second (outbox.limits) ---------------------------------------------
 # The operator's rate (`outbox limit D --per-second R`), the hint that live processes declare one,
 # and the latest start booked so far (the claim trigger books the next 1/rate after it).
 outbox_destination.append_column(Column("limit_per_second", DOUBLE_PRECISION, nullable=True))
@@ -488,7 +488,7 @@ outbox_process.append_column(Column("declared_per_second", JSONB, nullable=True)
 # When the claimed call may start (a paced destination's claim books it; NULL otherwise).
 outbox_message.append_column(Column("call_at", DateTime(timezone=True), nullable=True))
 
-# -- Issue 33 part 3 (migrations 0025, 0026): priority and fairness (outbox.windows) ---------------
+# -- migrations 0025, 0026: priority and fairness (outbox.windows) ---------------------------------
 # Ordering the relay's take of a limited destination: priority first (1 high, 0 normal, -1 low),
 # then one row of each fairness key in turn. CHECKs (added NOT VALID, validated):
 # outbox_message_priority_check, outbox_message_fairness_key_check.

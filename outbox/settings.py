@@ -20,9 +20,9 @@ DEFAULT_NAMESPACE = "outbox"
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 DEFAULT_POLL_INTERVAL_SECONDS = 1.0
 #: Relay: the least time between two takes woken by NOTIFY (see `relay.relay`); 0 = none. 7 ms:
-#: at 300 one-row commits a second it brings the relay from 0.39 to about 0.22 ms of CPU a row for
-#: a commit -> Redis p50 of about 4 ms (bench/relay.py --curve, bench/README.md); a row committed
-#: after a quiet spell (no take in the last 7 ms) is taken at once, so lower rates do not wait.
+#: under a stream of one-row commits it nearly halves the relay's CPU a row for a few ms of
+#: commit -> Redis latency (docs/decisions/hot-path-costs.md); a row committed after a quiet
+#: spell (no take in the last 7 ms) is taken at once, so lower rates do not wait.
 DEFAULT_RELAY_GATHER_SECONDS = 0.007
 DEFAULT_RELAY_BATCH_SIZE = 1000
 #: Rows an operator's list shows unless told otherwise (outbox list, failed, unknown).
@@ -190,7 +190,7 @@ class Settings:
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: Start even when Redis may evict keys (never do this in production).
     allow_evicting_redis: bool = False
-    # -- transport (issue 9 class 7) --
+    # -- transport --
     #: Worker: seconds between two heartbeats recorded in the database.
     heartbeat_interval_seconds: float = DEFAULT_HEARTBEAT_INTERVAL_SECONDS
     #: Reconciler: cycles a destination goes with rows waiting and no live consumer before it

@@ -65,7 +65,7 @@ _tracer: Any = None
 
 
 def _get_tracer() -> Any:
-    # Cached: get_tracer costs about 16 µs a call. Taken before the application sets its tracer
+    # Cached: get_tracer is too dear to call per delivery. Taken before the application sets its tracer
     # provider, it is OpenTelemetry's proxy, which follows the provider once it is set.
     global _tracer
     if _tracer is None:

@@ -66,8 +66,8 @@ class Broker(RedisBroker):
     """Dramatiq's Redis broker, whose ack is sent as one pre-packed ``EVALSHA`` of Dramatiq's own
     dispatch script: the same script, the same arguments, the same single round trip as
     ``RedisBroker.do_ack``, without redis-py's command path (argument encoding, retry wrapper,
-    connection checks) and the closure Dramatiq builds for every ack. An ack is one per delivery;
-    that path was about 40 µs of a worker's CPU each (issue 17). A Redis that lost the script
+    connection checks) and the closure Dramatiq builds for every ack. An ack is one per delivery,
+    so that path's CPU counts (docs/decisions/hot-path-costs.md). A Redis that lost the script
     (a restart, SCRIPT FLUSH) gets it loaded again by Dramatiq's own path."""
 
     def do_ack(self, queue_name: str, message_id: str) -> Any:
@@ -113,11 +113,10 @@ def publish_rows(client: redis.Redis, namespace: str, rows: Iterable[tuple[int, 
     ``redis`` error if any command failed, so that the caller rolls back and the rows stay
     ``pending``.
 
-    This is the relay's hot path. Through redis-py's pipeline a 1,000-row batch cost 12-17 µs
-    per row on the bench machine (``json.dumps`` of a dict per row, then redis-py packing three
-    arguments per row), more than half of the relay's time; here each row is one f-string of
-    Redis protocol built from a per-destination template, and the batch is sent as one buffer:
-    about 2 µs per row, network and Redis included. The bytes stored are exactly those of
+    This is the relay's hot path. redis-py's pipeline (``json.dumps`` of a dict per row, then
+    redis-py packing three arguments per row) would be most of the relay's time; here each row is
+    one f-string of Redis protocol built from a per-destination template, and the batch is sent
+    as one buffer (docs/decisions/hot-path-costs.md). The bytes stored are exactly those of
     :func:`encode_message` (the tests compare them).
     """
     published = publish_group(client, namespace, rows)

@@ -83,11 +83,11 @@ JOB_LOCK_IDS: dict[str, int] = {
     "alerts": 5,
     # Not 6: a distinctive id, so that another job added beside it cannot share its lock.
     "no_consumer": 47,
-    # Pauses and breaker trips, alerted once per episode (issue 13).
+    # Pauses and breaker trips, alerted once per episode.
     "held_destinations": 49,
-    # Next steps of rows resolved sent without the handler module (issue 14).
+    # Next steps of rows resolved sent without the handler module.
     "chains": 50,
-    # Batches whose members are all terminal get their then/catch row (issue 14).
+    # Batches whose members are all terminal get their then/catch row.
     "batches": 51,
     # Only with a metrics port (outbox.metrics): one reconciler reads the rows for everyone.
     "database_metrics": 48,

@@ -366,8 +366,8 @@ class Relay:
         When the first group comes back full there is a backlog, and ``parallel`` connections
         (this relay and helpers with connections of their own, in threads) drain it together:
         a group spends most of its time waiting on PostgreSQL, and another connection's Python and
-        Redis work fits in that wait. On the 2-core bench machine, 100,000 rows went out at
-        27,000-34,000 rows/s with one connection and 53,000-58,000 with two (bench/README.md).
+        Redis work fits in that wait: two connections drain a backlog nearly twice as fast as
+        one (docs/decisions/hot-path-costs.md).
         SKIP LOCKED keeps their groups disjoint. A wake-up for a few rows stays one group on
         this thread, so latency is not affected.
         """

@@ -1,4 +1,4 @@
-"""Lease and clock (issue 9 classes 1, 2, 8): released claims, lease bookkeeping.
+"""Lease and clock: released claims, lease bookkeeping.
 
 ``releases`` counts the claims of a row that were given back without a call (too little lease
 left once the claim came back, or a claim whose reply was lost): they are not attempts, but a row

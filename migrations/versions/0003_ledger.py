@@ -1,4 +1,4 @@
-"""Key ledger (issue 9 class 3): (key, step) outlives the purge of its row.
+"""Key ledger: (key, step) outlives the purge of its row.
 
 ``outbox_key_ledger`` holds one compact row per purged ``(key, step)``; a BEFORE INSERT row trigger
 on ``outbox_message`` skips an insert whose key is ledgered or whose row the inserting statement

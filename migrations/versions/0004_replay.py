@@ -1,4 +1,4 @@
-"""Replay rules (issue 9 classes 4, 10): settlement of ambiguous outcomes.
+"""Replay rules: settlement of ambiguous outcomes.
 
 Each fence row records whether (and how) its call's ambiguity was settled, written in the
 statement that settles the message: ``outbox replay`` and ``outbox audit`` read it, and the

@@ -1,4 +1,4 @@
-"""Transport (issue 9 classes 6, 7): worker heartbeats, destinations without a consumer.
+"""Transport: worker heartbeats, destinations without a consumer.
 
 Revision ID: 0005
 Revises: 0004

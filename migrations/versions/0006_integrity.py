@@ -1,7 +1,7 @@
-"""Integrity (issue 9 classes 5, 9, 11, 12): stored-data rules and failover detection.
+"""Integrity: stored-data rules and failover detection.
 
-Classes 5, 9 and 11 need no schema (the rules live in outbox.sanitize and outbox.validation).
-Class 12: ``outbox_db_identity``, one row naming the database history (system identifier,
+The stored-data rules need no schema (they live in outbox.sanitize and outbox.validation).
+Failover detection: ``outbox_db_identity``, one row naming the database history (system identifier,
 timeline) the outbox last ran on; see outbox.failover.
 
 Revision ID: 0006

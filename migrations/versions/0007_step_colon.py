@@ -1,4 +1,4 @@
-"""A new row's step holds no ':' (attack finding F6): the provider's Idempotency-Key is
+"""A new row's step holds no ':': the provider's Idempotency-Key is
 ``key:step``, and a ':' in the step lets two rows send one key. outbox.write refuses it before
 the database; this CHECK holds writers that insert with plain SQL to the same rule.
 

@@ -1,4 +1,4 @@
-"""Trace context on the row (issue 12): ``outbox.write`` stores the writer's W3C trace context
+"""Trace context on the row: ``outbox.write`` stores the writer's W3C trace context
 (``traceparent``, ``tracestate``, baggage: whatever the application's OpenTelemetry propagators
 inject), and the worker runs the handler in a child span of it.
 

@@ -1,4 +1,4 @@
-"""Destinations an operator paused (issue 13): ``outbox pause D`` / ``outbox resume D``.
+"""Destinations an operator paused: ``outbox pause D`` / ``outbox resume D``.
 
 One row per destination ever paused. A destination is paused while ``paused_until`` is in the
 future (``infinity`` without ``--until``); the claim reads it, so every worker obeys at its next

@@ -1,10 +1,10 @@
-"""The circuit breaker of each destination (issue 13 part 3), on its ``outbox_destination`` row.
+"""The circuit breaker of each destination, on its ``outbox_destination`` row.
 
 ``breaker_failures`` counts the consecutive "not processed" outcomes (connect error, 429, 503)
 since ``breaker_window_at``; the breaker is open while ``breaker_opened_at`` is set: no claim
 before ``breaker_open_until``, then one probe (``breaker_probe_token``, reserved by the claim that
 carries it until ``breaker_probe_until``). ``pause_alerted_at`` / ``breaker_alerted_at``: when the
-reconciler alerted the current episode (issue 13 part 4). Added columns only (nullable or with a constant
+reconciler alerted the current episode. Added columns only (nullable or with a constant
 default: no table rewrite); the previous release never reads them.
 
 Revision ID: 0010

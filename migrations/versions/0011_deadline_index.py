@@ -1,11 +1,11 @@
-"""An index of the waiting rows that carry a deadline (issue 13): the reconciler fails the rows
+"""An index of the waiting rows that carry a deadline: the reconciler fails the rows
 of a held-back destination whose deadline passed (``outbox.store.recovery.fail_past_deadline``),
 found by deadline rather than by scanning the backlog.
 
-A revision of its own, after 0010's columns (attack on issue 13, F2): a build CONCURRENTLY
-commits what came before it in its revision, so an interrupted build in 0010 left its columns
-behind with the version still at 0009, and every later ``outbox migrate`` failed on them. Here an
-interrupted build is simply run again (the helper drops an INVALID leftover first).
+A revision of its own, after 0010's columns: a build CONCURRENTLY commits what came before it in
+its revision, so an interrupted build in 0010 would leave its columns behind with the version
+still at 0009, and every later ``outbox migrate`` would fail on them. Here an interrupted build is
+simply run again (the helper drops an INVALID leftover first).
 
 Revision ID: 0011
 Revises: 0010

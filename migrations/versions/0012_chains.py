@@ -1,9 +1,9 @@
-"""Chains (issue 14): the row whose settlement wrote this one, and why a settled row's next
+"""Chains: the row whose settlement wrote this one, and why a settled row's next
 steps could not all be written.
 
 ``parent_id`` is the id of the row whose ``sent`` (``via = 'then'``) or certain failure
 (``via = 'on_failure'``) wrote this row in the same statement; the batch values are reserved for
-issue 14's batches. No foreign key: a parent is purged to the key ledger before its children may
+batches (0014). No foreign key: a parent is purged to the key ledger before its children may
 be. ``chain_problem`` says why a settled row's declared next steps were not all written (the
 ``then`` function raised, a step exists with another payload): the reconciler alerts it once and
 ``outbox repair`` rewrites what is missing. The ledger keeps ``parent_id``/``via`` so that a purged

@@ -1,5 +1,5 @@
 """An index of the settled rows whose next steps could not all be written and that nobody has
-been told of yet (issue 14): the reconciler's alert job finds them without reading every sent
+been told of yet: the reconciler's alert job finds them without reading every sent
 row. A revision of its own, after 0012's columns: an interrupted concurrent build is simply run
 again (see 0011).
 

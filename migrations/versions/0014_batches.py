@@ -1,4 +1,4 @@
-"""Batches (issue 14): rows written in one transaction as a group whose end writes one row.
+"""Batches: rows written in one transaction as a group whose end writes one row.
 
 ``outbox_batch`` holds a batch's name (the business key of the row its end writes), the step it
 writes when every member is sent (``then_step``) or when any failed (``catch_step``), each

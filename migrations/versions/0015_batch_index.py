@@ -1,4 +1,4 @@
-"""The members of each batch by state (issue 14): ``outbox batch show`` counts them, and the
+"""The members of each batch by state: ``outbox batch show`` counts them, and the
 reconciler's ``batches`` job asks whether any is still open, in a few index probes whatever the
 batch's size. Rows outside a batch are not in it. A revision of its own, after 0014's column: an
 interrupted concurrent build is simply run again (see 0011).

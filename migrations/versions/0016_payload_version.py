@@ -1,4 +1,4 @@
-"""Payload versions (issue 15): ``outbox_message.payload_version``, the version of the payload's
+"""Payload versions: ``outbox_message.payload_version``, the version of the payload's
 shape its writer meant (``outbox.write(payload_version=)``; default 1). The worker brings an
 older payload to its handler's current version through the handler's upgrades and releases a
 newer one for a newer worker (outbox.payloads).

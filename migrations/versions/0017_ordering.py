@@ -1,4 +1,4 @@
-"""Per-key ordering (issue 15): ``outbox_message.ordering_key`` and what keeps one key's rows in
+"""Per-key ordering: ``outbox_message.ordering_key`` and what keeps one key's rows in
 order, in the database rather than in any process.
 
 * ``ordering_key`` (text, NULL for most rows): rows of one ordering key are claimed one at a
@@ -51,7 +51,7 @@ def upgrade() -> None:
         LANGUAGE plpgsql AS $$
         BEGIN
             -- A 64-bit hash: with hashtext's 32 bits, two keys of a few hundred thousand
-            -- collided and their writers waited for each other (attack on issue 15, A5).
+            -- collided and their writers waited for each other.
             PERFORM pg_advisory_xact_lock(hashtextextended('outbox.ordering:' || NEW.ordering_key, 0));
             NEW.id := nextval(pg_get_serial_sequence('outbox_message', 'id'));
             RETURN NEW;

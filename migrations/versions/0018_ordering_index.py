@@ -1,4 +1,4 @@
-"""The rows of each ordering key that may still hold it back (issue 15): the relay and the claim
+"""The rows of each ordering key that may still hold it back: the relay and the claim
 ask "is an earlier row of this key unsettled?" in one index probe, and ``outbox ordering`` lists
 the blocked keys without scanning the table. A revision of its own, after 0017's column: an
 interrupted concurrent build is simply run again (see 0011).

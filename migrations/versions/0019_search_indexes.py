@@ -1,4 +1,4 @@
-"""The dashboard's search (issue 16): keys by prefix and rows by provider reference, on a table
+"""The dashboard's search: keys by prefix and rows by provider reference, on a table
 of a million rows, without reading it.
 
 ``key LIKE 'order:4%'`` can use the unique (key, step) index only under the C collation; under

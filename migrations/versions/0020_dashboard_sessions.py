@@ -1,4 +1,4 @@
-"""Dashboard sessions ended before they expired (issue 16): the session is a signed cookie, so a
+"""Dashboard sessions ended before they expired: the session is a signed cookie, so a
 sign-out, to be worth anything against a copied cookie, is recorded here and every request checks
 it (one primary-key probe). A row is kept until the session would have expired anyway.
 

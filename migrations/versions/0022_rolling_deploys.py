@@ -1,4 +1,4 @@
-"""Rolling deploys (issue 30): the rules a take or a claim obeys hold for processes of an older
+"""Rolling deploys: the rules a take or a claim obeys hold for processes of an older
 release that are still running when this revision is applied, because the database enforces them
 or because a feature stays off until no such process is left.
 
@@ -131,8 +131,8 @@ $$
 # steps with its handler module, or clears the mark when the settling code wrote them already.
 # Assignments only, no query: it runs at every settle of an older release, and a query in a
 # trigger runs on a generic plan, which on a table grown since its statistics can read every sent
-# row (an UPDATE by id in an AFTER trigger cost tens of ms per row with thousands marked; bench/
-# README.md, "After issue 30"). alerted_at
+# row (an UPDATE by id in an AFTER trigger costs tens of ms per row with thousands marked:
+# docs/decisions/hot-path-costs.md). alerted_at
 # goes: a row alerted while unknown must be picked up by the chains job, which only takes rows not
 # alerted yet (an older `resolve --sent` leaves it set).
 _CHAINS_UNKNOWN = """

@@ -1,4 +1,4 @@
-"""Flow control, part 1: a destination's in-flight limit, enforced at the claim by the database.
+"""Flow control: a destination's in-flight limit, enforced at the claim by the database.
 
 * ``outbox_destination`` gains the operator's limit (``outbox limit D --in-flight N``):
   ``limit_in_flight`` (calls, > 0), ``limit_reason``, ``limit_set_by``, ``limit_set_at``; and
@@ -31,7 +31,7 @@
 
 * No index of its own: the count reads ``outbox_message_in_flight_idx`` (every row in flight,
   of any destination; a few thousand at most), where an index by destination cost every claim of
-  every destination one more index entry (+70 bytes of WAL a delivery, bench/README.md).
+  every destination one more index entry (more WAL at every delivery).
 
 Revision ID: 0023
 Revises: 0022

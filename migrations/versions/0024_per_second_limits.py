@@ -1,4 +1,4 @@
-"""Flow control, part 2: a destination's calls per second, paced at the claim by the database.
+"""Flow control: a destination's calls per second, paced at the claim by the database.
 
 * ``outbox_destination`` gains the operator's rate (``outbox limit D --per-second R``):
   ``limit_per_second`` (calls a second, > 0; the reason, who and when are the in-flight limit's

@@ -1,4 +1,4 @@
-"""Flow control, part 3: a row's priority and fairness key, which order the relay's take of a
+"""Flow control: a row's priority and fairness key, which order the relay's take of a
 limited destination (outbox.windows).
 
 * ``outbox_message.priority`` (smallint, 1 high, 0 normal, -1 low; default 0) and

@@ -1,4 +1,4 @@
-"""Flow control, part 3: the indexes of the relay's dispatch window (outbox.windows).
+"""Flow control: the indexes of the relay's dispatch window (outbox.windows).
 
 * ``outbox_message_windowed_idx`` (destination) of ``dispatched`` rows that a window published
   (``windowed``, 0025): a limited destination's window counts them without reading every

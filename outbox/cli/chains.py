@@ -43,7 +43,7 @@ def chains_arguments(p: argparse.ArgumentParser) -> None:
     _describe(
         p,
         """
-        The keys whose work stopped (chains, issue 14): for each, the first step, in the order
+        The keys whose work stopped (chains): for each, the first step, in the order
         they were written, that is failed, unknown, waiting (pending, dispatched, in flight) or
         confirmed without its next steps, and has been so for --older-than or more (default 15m;
         0 lists everything stopped now). The longest stopped first; `chained` says whether a

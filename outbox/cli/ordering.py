@@ -19,7 +19,7 @@ def ordering_arguments(p: argparse.ArgumentParser) -> None:
     _describe(
         p,
         """
-        The blocked ordering keys (rows written with ordering_key=, issue 15): keys whose head,
+        The blocked ordering keys (rows written with ordering_key=): keys whose head,
         the first row that holds the rest back, has rows waiting behind it and is not simply next
         in line. One line a key, the longest blocked first: since when, by which row, and why:
 

@@ -923,8 +923,9 @@ def _repair_fingerprint(conn: Any, plan: Any) -> str:
 
 def _session_settings(engine: Engine) -> None:
     """Each dashboard connection: a query that runs away is cut off rather than left holding a
-    connection, and no JIT (compiling the replay preview's plan cost 525 ms of its 540 at a
-    million rows, bench/dashboard.py). SET, not the URL's ``options``, which it would replace."""
+    connection, and no JIT (compiling the replay preview's plan is most of its time on a large
+    table: docs/decisions/hot-path-costs.md). SET, not the URL's ``options``, which it would
+    replace."""
     from sqlalchemy import event
 
     @event.listens_for(engine, "connect")

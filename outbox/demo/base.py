@@ -11,7 +11,7 @@ DEFAULT_ORDERS = 300
 DEFAULT_RATE = 50.0
 DEFAULT_TIMEOUT_SECONDS = 120.0
 DEFAULT_SEED = 7
-#: The provider's outage (issue 13): every charge answered 503 for this long, while orders flow.
+#: The provider's outage: every charge answered 503 for this long, while orders flow.
 DEFAULT_OUTAGE_SECONDS = 8.0
 
 #: Names of the demo's own: its rows, keys and queues never mix with an application's.
@@ -24,7 +24,7 @@ DESTINATION = "demo.payments.charge"
 #: Shipped in the package (not examples/): the demo runs from an install, outside a checkout.
 SHOP = "outbox.demo.shop"
 HANDLERS = "outbox.demo.handlers"
-#: The chain phase (issue 14): invoices issued then notified, by the handlers of INVOICING.
+#: The chain phase: invoices issued then notified, by the handlers of INVOICING.
 INVOICING = "outbox.demo.invoicing"
 CHAIN_KEY_PREFIX = "demo-invoice"
 CHAIN_ISSUE = "demo.invoicing.issue"
@@ -84,5 +84,5 @@ class Options:
     plain: bool
     #: 0: no outage.
     outage_seconds: float = DEFAULT_OUTAGE_SECONDS
-    #: The chain phase after the audit (issue 14).
+    #: The chain phase after the audit.
     chain: bool = True

@@ -1,4 +1,4 @@
-"""``outbox demo``'s chain phase (issue 14), after the charges' audit: three invoices, each
+"""``outbox demo``'s chain phase, after the charges' audit: three invoices, each
 ``issue`` then ``notify`` (the notify row is written by the statement that records the issue
 ``sent``), carried by real processes:
 

@@ -1,4 +1,4 @@
-"""The demo's chain (issue 14): an invoice is issued, then its customer notified, each step a
+"""The demo's chain: an invoice is issued, then its customer notified, each step a
 call to the payment provider simulator (which does NOT deduplicate: a second call would be a
 second effect). Loaded by the chain phase's workers (``outbox worker outbox.demo.invoicing``)
 and by its ``outbox repair``. Names of the demo's own, like its charge destination.

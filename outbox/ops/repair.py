@@ -299,7 +299,7 @@ def _plan_failed(
         )
     if ORDER_PASSED in candidate.refusals:
         # Its ordering key went on without it: re-run, it would come after rows written after it,
-        # and could be in flight with one of them (second attack on issue 15, B1).
+        # and could be in flight with one of them.
         return _item(
             key,
             REFUSED,

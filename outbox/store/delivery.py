@@ -1,8 +1,6 @@
 """The delivery's statements, run by the worker (outbox.consumer) for each message: the claim
 (``pending``/``dispatched -> in_flight``, the lease, the attempt row), the record of the call's
-outcome, the release of a claim that made no call, the failure of a row nobody handles.
-
-The path the worker runs today; issue 32 rebuilds the delivery path here, in its final place."""
+outcome, the release of a claim that made no call, the failure of a row nobody handles."""
 
 from __future__ import annotations
 
@@ -183,7 +181,7 @@ _CLAIMED = _claimed("%(token)s", probe=True)
 
 # Two statements, not one with a switch: with the key_ttl branch behind a parameter, PostgreSQL
 # re-planned the whole statement at every execution (a custom plan pruned the branch, a generic
-# one could not), and the claim cost 0.4 ms more of its CPU per delivery (bench/e2e.py).
+# one could not), which costs every claim CPU (docs/decisions/hot-path-costs.md).
 _CLAIM = f"""
 WITH {_GATE}, held AS (
     SELECT id FROM outbox_message WHERE {_CLAIMABLE}
@@ -263,7 +261,7 @@ FROM aged
 def _record_sql(follow: bool) -> str:
     """The record; ``follow``: with the CTEs that write the next steps (outbox.chains). Two
     statements, not one: the INSERT of an empty plan would still fire the table's statement-level
-    NOTIFY trigger, waking the relay at every delivery (bench/e2e.py: 20% fewer deliveries/s)."""
+    NOTIFY trigger, waking the relay at every delivery (docs/decisions/hot-path-costs.md)."""
     chain_set = f",\n        chain_problem = {problem_sql('outbox_message', NEW_STATE_SQL)}" if follow else ""
     chain_returning = (
         f""", chain_problem,

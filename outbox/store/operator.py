@@ -123,7 +123,7 @@ SET state = 'pending', attempts = 0, available_at = now(),
     dispatched_at = NULL, completed_at = NULL, alerted_at = NULL,
     unknown_since = NULL, lease_expires_at = NULL,
     -- Back in its ordering key's line: a new failure blocks again unless its next claim's
-    -- handler, or an operator, says otherwise (attack on issue 15, A2).
+    -- handler, or an operator, says otherwise.
     order_skipped_at = NULL, skip_when_failed = false,
 """
     + HISTORY_ENTRY

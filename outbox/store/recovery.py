@@ -531,8 +531,8 @@ def requeue(conn: psycopg.Connection[Any], rows: Sequence[tuple[int, datetime]])
 # the reconciler does, so that the failure is reported when it happens, not when the provider
 # is back. No call follows a deadline either way. A row whose earlier call may have taken effect
 # (an idempotent destination's ambiguous call, retried) is not failed but sent to `unknown`: the
-# lookup (or a human) says whether the provider holds it (attack on issue 13, F1: failed, it hid
-# a charge).
+# lookup (or a human) says whether the provider holds it (failed, it could hide a charge the
+# provider made).
 _HELD_BACK_BECAUSE = (
     "' passed while its destination was held back ('"
     " || CASE WHEN d.paused_until > now() THEN 'paused'"
@@ -559,7 +559,7 @@ SET state = CASE WHEN due.called THEN 'unknown' ELSE 'failed' END,
     available_at = CASE WHEN due.called THEN now() ELSE m.available_at END,
     dispatched_at = NULL, alerted_at = NULL,
     -- Failed before a claim recorded its handler's on_failed_head: the reconciler's module says
-    -- it (outbox.ordering; attack on issue 15, A3).
+    -- it (outbox.ordering).
     skip_when_failed = m.skip_when_failed OR m.destination = ANY(%(skip_when_failed)s),
     last_error = 'deadline ' || to_char(m.deadline AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
                  || {_HELD_BACK_BECAUSE}

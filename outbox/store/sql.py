@@ -146,7 +146,7 @@ def for_sqlalchemy(sql: str) -> str:
 
 # The episode's start: kept while paused, or after a pause that ran out by itself less than
 # DESTINATION_EPISODE_GAP_SECONDS ago, so that a chain of short Retry-After holds is one episode,
-# alerted once (attack on issue 13, F3); resume sets resumed_at to the end it gives, which ends
+# alerted once; resume sets resumed_at to the end it gives, which ends
 # the episode.
 EPISODE_START_SQL = (
     f"CASE WHEN d.paused_until > now() OR (d.paused_until > now() - interval "

@@ -1,6 +1,6 @@
 """Job 9, ``batches``: every open batch whose members are all terminal is finished, its ``then``
 row (no member failed) or ``catch`` row (any failed) written by the same guarded statement
-(:func:`outbox.store.recovery.finish_batch`; issue 14, :mod:`outbox.batches`).
+(:func:`outbox.store.recovery.finish_batch`; :mod:`outbox.batches`).
 
 A sweep rather than a counter bumped by each member's settling statement: the members' own
 statements (record, lookup, resolve, cancel, …) stay as they are, and two last members that

@@ -1,6 +1,6 @@
 """Job 7, ``held_destinations``: a destination held back (paused, or its breaker open) is alerted
 once per episode, not once per row; the episode's mark is cleared when it ends, so that the next
-one alerts again (issue 13 part 4). Its waiting rows whose deadline passes meanwhile are failed
+one alerts again. Its waiting rows whose deadline passes meanwhile are failed
 (``outbox.store.recovery.fail_past_deadline``): no claim comes to do it, and the failure is then
 reported by the ``alerts`` job when it happens, not when the provider is back.
 

@@ -1,7 +1,11 @@
-"""An attack on the efficiency changes of issue 17, kept as regression tests: the relay's take
-ended by commit()/rollback(), NOTIFYs read from libpq, the 7 ms gathering window, Statement on a
-cached RawCursor, the pre-packed ack, the call thread's lock, warmed threads, and a migration
-0021 (a unique index built CONCURRENTLY) that the attack broke and that was withdrawn."""
+"""The hot path's shortcuts stay correct under faults, against real PostgreSQL and Redis: the
+relay's take ended by commit()/rollback() (a failed publish, a connection killed between publish
+and commit), NOTIFYs read from libpq and the 7 ms gathering window (rows committed at any moment,
+the LISTEN connection killed), Statement on a cached RawCursor (a cancelled claim, a refused
+record, two connections), the pre-packed ack (killed Redis connections, two queues), the call
+thread's lock (an abandoned call), warmed connections the server ended, and the whole path
+exactly once. Two writes of one (key, step) at the same instant stay a no-op, and no revision
+builds a unique index on outbox_message concurrently (docs/decisions/attack-findings.md)."""
 
 from __future__ import annotations
 
@@ -71,12 +75,13 @@ def _hammer(a: psycopg.Connection[Any], b: psycopg.Connection[Any], tag: str, se
     return []
 
 
-# == migration 0021 (withdrawn after this attack; broke before the withdrawal) ==================
-# While CREATE UNIQUE INDEX CONCURRENTLY (key text_pattern_ops, step) waited in its last phase (any
-# long read open), the new index was ready (maintained, enforced) but not valid, so not an ON
-# CONFLICT (key, step) arbiter: two writes of one (key, step) at the same instant raised
-# UniqueViolation on outbox_message_key_step_pattern_idx instead of the no-op, within a few dozen
-# tries (and for good when a deploy gave up on that migrate: the INVALID index stayed, enforced).
+# == two writes of one (key, step) at once; no unique index built concurrently ====================
+# A withdrawn revision showed the hazard: while CREATE UNIQUE INDEX CONCURRENTLY (key
+# text_pattern_ops, step) waited in its last phase (any long read open), the new index was ready
+# (maintained, enforced) but not valid, so not an ON CONFLICT (key, step) arbiter: two writes of
+# one (key, step) at the same instant raised UniqueViolation on
+# outbox_message_key_step_pattern_idx instead of the no-op, within a few dozen tries (and for good
+# when a deploy gave up on that migrate: the INVALID index stayed, enforced).
 # What stays here: the head keeps the race a no-op, and no revision may bring the hazard back.
 
 

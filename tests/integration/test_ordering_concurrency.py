@@ -1,53 +1,29 @@
-"""Second attack on per-key ordering (issue 15), against the fixed version: operator paths that
-move an ordered row back into line or out of it, heads that cannot go, and two relays and two
-workers on many keys. Each proven break (B1-B5) now asserts the fixed behaviour."""
+"""Per-key ordering under concurrency, against real PostgreSQL, Redis and the provider simulator:
+writers of different ordering keys never wait for each other (even when a 32-bit hash of their
+keys would collide), two keys written in opposite orders deadlock as documented, and two relays
+and two workers on many keys (declines, dropped answers, hung calls, killed connections) deliver
+each key in commit order."""
 
 from __future__ import annotations
 
 import threading
 import time
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from helpers import elapse, ids_by_state, lookup_on, relay_once, sql
+from helpers import ids_by_state, lookup_on, sql
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox import pauses, store
-from outbox.consumer import Deliverer, DeliveryResult
+from outbox.consumer import Deliverer
 from outbox.handlers import registry
-from outbox.ops import actions
-from outbox.ops.ordering import blocked_keys, blocked_summary
-from outbox.ops.repair import execute_repair, plan_repair
+from outbox.ops.ordering import blocked_keys
 from outbox.ordering import HOLDING_SQL
-
-DEST = "crm.update"
-
-#: Rows not settled that no failed head holds back: none may be left when the run ends.
-UNSETTLED_AND_NOT_BEHIND_A_FAILED_HEAD = f"""
-SELECT count(*) FROM outbox_message m
-WHERE m.state NOT IN ('sent', 'failed', 'cancelled')
-  AND NOT EXISTS (SELECT 1 FROM outbox_message e
-                  WHERE e.ordering_key = m.ordering_key AND e.id < m.id
-                    AND e.state = 'failed' AND {HOLDING_SQL})
-"""
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def declare(provider: Any, dest: str = DEST, **options: Any) -> outbox.Handler:
-    @outbox.handler(dest, **{"time_limit": 2, "backoff": (1,), "max_attempts": 2, **options})
-    def update(d: outbox.Delivery) -> outbox.Confirmed:
-        r = d.http.post(
-            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
-        )
-        if r.status_code == 402:
-            raise outbox.PermanentError("refused")
-        r.raise_for_status()
-        return outbox.Confirmed(ref=r.json()["id"])
-
-    return update
+DEST = "crm.update"
 
 
 def write(engine: Any, key: str, ordering_key: str | None, dest: str = DEST, **kw: Any) -> int:
@@ -63,54 +39,89 @@ def write(engine: Any, key: str, ordering_key: str | None, dest: str = DEST, **k
         ).id
 
 
-def in_flight(clean: Any) -> set[int]:
-    return ids_by_state(clean).get("in_flight", set())
+COLLIDING = ("customer:102466", "customer:263854")  # hashtext() equal on PostgreSQL
 
 
-def failed_head(clean: Any, engine: Any, provider: Any, consumer: Any, **options: Any) -> tuple[int, int]:
-    declare(provider, **options)
-    head = write(engine, "customer:7:0", "customer:7")
-    behind = write(engine, "customer:7:1", "customer:7")
-    provider.configure(fault_next=["decline"])
-    relay_once(clean)
-    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
-    return head, behind
+def test_writers_of_two_ordering_keys_never_wait_for_each_other_even_when_their_hashes_collide(clean, engine):
+    assert sql(clean, "SELECT hashtext(%s) = hashtext(%s)", COLLIDING) == [(True,)]
+    first = Session(engine)
+    first.begin()
+    outbox.write(first, key="a", step="s", destination=DEST, payload={}, ordering_key=COLLIDING[0])
+    took: list[float] = []
+
+    def other_writer() -> None:
+        started = time.monotonic()
+        write(engine, "b", COLLIDING[1])
+        took.append(time.monotonic() - started)
+
+    t = threading.Thread(target=other_writer)
+    t.start()
+    t.join(3)
+    waited = t.is_alive()
+    first.commit()
+    first.close()
+    t.join(10)
+    assert not waited and took and took[0] < 2.0, "another ordering key's writer waited"
 
 
-# -- B1: outbox repair re-runs a head that let its key go on, without --force ----------------------
+def test_two_transactions_writing_two_ordering_keys_in_opposite_order_deadlock_as_documented(clean, engine):
+    """Documented (docs/ordering.md): the writers' per-key locks are held until commit, so
+    two transactions writing keys A,B and B,A deadlock and PostgreSQL aborts one; the other
+    commits, and nothing half-written remains of the aborted one."""
+    t1 = Session(engine)
+    t2 = Session(engine)
+    t1.begin()
+    t2.begin()
+    errors: list[BaseException] = []
+    outbox.write(t1, key="t1a", step="s", destination=DEST, payload={}, ordering_key="account:A")
+    outbox.write(t2, key="t2b", step="s", destination=DEST, payload={}, ordering_key="account:B")
+
+    def t1_second() -> None:
+        try:
+            outbox.write(t1, key="t1b", step="s", destination=DEST, payload={}, ordering_key="account:B")
+            t1.commit()
+        except BaseException as e:
+            errors.append(e)
+            t1.rollback()
+
+    th = threading.Thread(target=t1_second)
+    th.start()
+    time.sleep(0.5)
+    try:
+        outbox.write(t2, key="t2a", step="s", destination=DEST, payload={}, ordering_key="account:A")
+        t2.commit()
+    except BaseException as e:
+        errors.append(e)
+        t2.rollback()
+    th.join(30)
+    t1.close()
+    t2.close()
+    assert len(errors) == 1 and "deadlock" in str(errors[0]).lower()
+    assert sql(clean, "SELECT count(*) FROM outbox_message") == [(2,)]
 
 
-@pytest.mark.parametrize("how", ["handler_skip", "operator_skip"])
-def test_repair_of_a_skipped_failed_head_needs_force_like_replay(clean, engine, provider, consumer, db, how):
-    lookup_on(declare(provider, on_failed_head="skip" if how == "handler_skip" else "block"), provider)
-    head = write(engine, "customer:7:0", "customer:7")
-    behind = write(engine, "customer:7:1", "customer:7")
-    provider.configure(fault_next=["decline"])
-    relay_once(clean)
-    assert consumer().deliver(head, DEST) is DeliveryResult.FAILED
-    if how == "operator_skip":
-        with engine.begin() as c:
-            assert actions.skip(c, head, by="ops", reason="go on").done
-    assert relay_once(clean) == 1  # the key went on without the head
-    claimed = store.delivery.claim(db, row_id=behind, destination=DEST, lease_seconds=60)
-    assert claimed is not None and in_flight(clean) == {behind}
-    # replay is refused without --force ...
-    with engine.begin() as c:
-        [r] = actions.replay(c, [head], by="ops", reason="r")
-    assert not r.done and "went on without it" in r.message
-    # ... and repair, without --force, is the same operator move back into line.
-    with engine.connect() as c:
-        plan = plan_repair(c, ["customer:7:0"], handlers=registry())
-    results = execute_repair(clean.database_url, plan, handlers=registry(), by="ops")
-    # What a worker holding the head's message would do next: claim it.
-    second = store.delivery.claim(db, row_id=head, destination=DEST, lease_seconds=60)
-    assert in_flight(clean) == {behind}, (
-        f"two rows of customer:7 in flight after repair without --force: {results}, claimed {second}"
-    )
-    assert ids_by_state(clean).get("failed") == {head}
+#: Rows not settled that no failed head holds back: none may be left when the run ends.
+UNSETTLED_AND_NOT_BEHIND_A_FAILED_HEAD = f"""
+SELECT count(*) FROM outbox_message m
+WHERE m.state NOT IN ('sent', 'failed', 'cancelled')
+  AND NOT EXISTS (SELECT 1 FROM outbox_message e
+                  WHERE e.ordering_key = m.ordering_key AND e.id < m.id
+                    AND e.state = 'failed' AND {HOLDING_SQL})
+"""
 
 
-# -- S: two relays and two workers (threads) on 50 keys x 20 rows, declines and dropped answers ------
+def declare(provider: Any, dest: str = DEST, **options: Any) -> outbox.Handler:
+    @outbox.handler(dest, **{"time_limit": 2, "backoff": (1,), "max_attempts": 2, **options})
+    def update(d: outbox.Delivery) -> outbox.Confirmed:
+        r = d.http.post(
+            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
+        )
+        if r.status_code == 402:
+            raise outbox.PermanentError("refused")
+        r.raise_for_status()
+        return outbox.Confirmed(ref=r.json()["id"])
+
+    return update
 
 
 KEYS, ROWS = 50, 20
@@ -317,145 +328,9 @@ def test_stress_two_relays_two_workers_with_lookup(clean, engine, provider, cons
     _stress(clean, engine, provider, consumer, db, idempotent=False)
 
 
-# -- B2: a failed head whose call may have taken effect is skipped by on_failed_head="skip" ---------
-
-
-def test_an_uncertain_failed_head_is_never_skipped_by_its_handler(clean, engine, provider, consumer, db):
-    provider.configure(dedupe=True)
-    declare(provider, on_failed_head="skip", idempotent=True, max_attempts=1)
-    head = write(engine, "customer:7:0", "customer:7")
-    behind = write(engine, "customer:7:1", "customer:7")
-    relay_once(clean)
-    provider.drop_after_charge(times=1)
-    result = consumer().deliver(head, DEST)
-    row = sql(clean, "SELECT state, skip_when_failed, last_error FROM outbox_message WHERE id = %s", (head,))
-    assert provider.charges("customer:7:0:update") == 1  # it did take effect
-    assert row[0][0] == "failed", (result, row)
-    # "An uncertain effect is never skipped, whatever the handler says": the key must wait.
-    went = relay_once(clean)
-    assert went == 0 and behind not in ids_by_state(clean).get("dispatched", set()), (
-        f"the key went on past a failed head whose call may have taken effect: {row}"
-    )
-
-
-def test_an_unknown_head_failed_by_an_operator_is_not_skipped_by_its_handler(
-    clean, engine, provider, consumer, db
-):
-    declare(provider, on_failed_head="skip")
-    head = write(engine, "customer:7:0", "customer:7")
-    write(engine, "customer:7:1", "customer:7")
-    relay_once(clean)
-    provider.drop_after_charge(times=1)
-    assert consumer().deliver(head, DEST) is DeliveryResult.UNKNOWN
-    with engine.begin() as c:
-        r = actions.resolve(c, head, failed_reason="gave up on it", by="ops")
-    print(r)
-    assert ids_by_state(clean)["failed"] == {head}
-    assert relay_once(clean) == 0, "an uncertain effect was skipped by the handler's policy"
-
-
-# -- B3: a head that cannot go, with attempts = 0: the key waits, and nothing lists it -------------
-
-
 def listed(engine: Any) -> list[tuple[str, int, str]]:
     with engine.connect() as c:
         return [(k.ordering_key, k.id, k.state) for k in blocked_keys(c).keys]
-
-
-def test_a_head_waiting_for_a_newer_worker_shows_its_key_blocked(clean, engine, provider, consumer, db):
-    declare(provider)  # payload_version 1
-    head = write(engine, "customer:7:0", "customer:7", payload_version=2)
-    behind = write(engine, "customer:7:1", "customer:7")
-    relay_once(clean)
-    assert consumer().deliver(head, DEST) is DeliveryResult.RELEASED
-    elapse(db, 3600, [head])  # an hour of releases: the deploy is stuck half-way
-    sql(
-        clean, "UPDATE outbox_message SET available_at = now() + interval '30 seconds' WHERE id = %s", (head,)
-    )
-    assert relay_once(clean) == 0
-    assert ids_by_state(clean)["pending"] == {head, behind}
-    with engine.connect() as c:
-        summary = blocked_summary(c)
-    assert ("customer:7", head) in [(k, i) for k, i, _ in listed(engine)], (
-        f"customer:7 waits behind {head} (too new for every worker) and is not listed; summary {summary}"
-    )
-
-
-def test_a_paused_head_of_another_destination_shows_its_key_blocked(clean, engine, provider, consumer, db):
-    declare(provider)
-    declare(provider, dest="crm.tag")
-    head = write(engine, "customer:7:0", "customer:7", dest="crm.tag")
-    behind = write(engine, "customer:7:1", "customer:7")
-    with engine.begin() as c:
-        pauses.pause(c, "crm.tag", by="ops", reason="provider outage")
-    relay_once(clean)
-    assert consumer().deliver(head, "crm.tag") is not DeliveryResult.SENT
-    elapse(db, 3600, [head, behind])
-    relay_once(clean)
-    assert behind not in ids_by_state(clean).get("dispatched", set())  # the key waits: held
-    assert ("customer:7", head) in [(k, i) for k, i, _ in listed(engine)], (
-        f"customer:7 ({DEST}, not paused) waits behind a paused crm.tag head, unlisted: {ids_by_state(clean)}"
-    )
-
-
-def test_a_head_written_for_later_holds_its_key_in_commit_order(clean, engine, provider, consumer, db):
-    """Held: a head written for later (available_at in the future) holds back the rows written
-    after it, due or not (strict commit order); the key is not listed as blocked (next in line)."""
-    declare(provider)
-    later = datetime.now(UTC) + timedelta(hours=1)
-    head = write(engine, "customer:7:0", "customer:7", available_at=later)
-    behind = write(engine, "customer:7:1", "customer:7")
-    other = write(engine, "customer:8:0", "customer:8")
-    assert relay_once(clean) == 1
-    assert ids_by_state(clean)["dispatched"] == {other}
-    assert consumer().deliver(behind, DEST) is DeliveryResult.EMPTY
-    print("listed", listed(engine))
-    elapse(db, 3700, [head])
-    assert relay_once(clean) == 1
-    assert consumer().deliver(head, DEST) is DeliveryResult.SENT
-    assert relay_once(clean) == 1
-    assert consumer().deliver(behind, DEST) is DeliveryResult.SENT
-
-
-def test_a_head_waiting_for_its_retry_is_listed_with_a_since_in_the_past(
-    clean, engine, provider, consumer, db
-):
-    declare(provider, backoff=(600,), max_attempts=3)
-    head = write(engine, "customer:7:0", "customer:7")
-    write(engine, "customer:7:1", "customer:7")
-    relay_once(clean)
-    provider.unavailable(times=1)
-    assert consumer().deliver(head, DEST) is DeliveryResult.PENDING
-    with engine.connect() as c:
-        report = blocked_keys(c)
-        summary = blocked_summary(c)
-    print(report, summary)
-    [key] = report.keys
-    assert key.id == head
-    assert key.age_seconds is not None and key.age_seconds >= 0, (
-        f"blocked for a negative time: {key.describe()}"
-    )
-    assert summary[1] is not None and summary[1] >= 0, summary
-
-
-# -- B4: a row behind a blocking head cancelled: the head's replay needs --force --------------------
-
-
-def test_replaying_a_blocking_head_after_a_row_behind_it_was_cancelled(clean, engine, provider, consumer, db):
-    head, behind = failed_head(clean, engine, provider, consumer)  # block
-    third = write(engine, "customer:7:2", "customer:7")
-    with engine.begin() as c:
-        plan = actions.cancel_rows(c, [behind], reason="superseded", by="ops")
-    assert [r[0] for r in plan.rows] == [behind]
-    with engine.begin() as c:
-        [r] = actions.replay(c, [head], by="ops", reason="the customer fixed the card")
-    print(r)
-    # The key never went on without the head (the only row that moved was cancelled, never ran).
-    assert r.done, r.message
-    relay_once(clean)
-    assert consumer().deliver(head, DEST) is DeliveryResult.SENT
-    relay_once(clean)
-    assert consumer().deliver(third, DEST) is DeliveryResult.SENT
 
 
 @pytest.mark.stress

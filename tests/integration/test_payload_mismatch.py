@@ -1,6 +1,9 @@
-"""The attack on payload versions (issue 15): payload_model / upgrades / payload_version, against
-real PostgreSQL and the provider simulator on 127.0.0.1. ``test_break_*`` reproduce what the
-attack found (each fixed since: they assert the fixed behaviour), ``test_holds_*`` what held."""
+"""Rows whose payload does not fit the handler that takes them (payload_model / upgrades /
+payload_version), against real PostgreSQL and the provider simulator on 127.0.0.1: a payload that
+no longer fits after an ambiguous call, rows newer than their handler, a writer's default version,
+lookups of rows whose payload no longer fits, payloads that are not JSON objects (plain SQL
+writers), and the same (key, step) written again at another version. Comments headed
+"Unguarded" say what happened before the rule each test checks."""
 
 from __future__ import annotations
 
@@ -81,7 +84,7 @@ def row(services: Any, row_id: int) -> dict[str, Any]:
 # == 1. invalid payload after an ambiguous, possibly effective call ===============================
 
 
-def test_holds_invalid_after_ambiguous_call_goes_unknown_and_the_lookup_settles_it(
+def test_invalid_after_ambiguous_call_goes_unknown_and_the_lookup_settles_it(
     clean, engine, provider, consumer, db
 ):
     """Attempt 1 (release N, idempotent destination) charged and the answer was lost: the row
@@ -126,7 +129,7 @@ def test_holds_invalid_after_ambiguous_call_goes_unknown_and_the_lookup_settles_
     assert (r["state"], provider.charges("order:1:charge")) == ("sent", 1), r
 
 
-def test_holds_deadline_branch_after_ambiguous_call_goes_unknown(clean, engine, provider, consumer):
+def test_deadline_after_ambiguous_call_goes_unknown(clean, engine, provider, consumer):
     """The reference the invalid branch should follow: same history, deadline passed instead."""
     declare(provider, idempotent=True)
     from datetime import UTC, datetime, timedelta
@@ -142,10 +145,10 @@ def test_holds_deadline_branch_after_ambiguous_call_goes_unknown(clean, engine, 
 # == 2. a row newer than a handler that declares no model =========================================
 
 
-def test_break_row_newer_than_a_handler_without_model_is_delivered(clean, engine, provider, consumer):
+def test_a_row_newer_than_a_handler_without_model_waits_for_a_newer_worker(clean, engine, provider, consumer):
     """Writers of release N+1 (payload version 2: cents) deployed before the workers; release N's
     handler of the destination declares no payload_model and no upgrades, i.e. version 1. The
-    row is newer than it knows, so it must wait for a newer worker; it is called instead, with a
+    row is newer than it knows, so it waits for a newer worker rather than being called with a
     payload shape the old handler code does not understand."""
     seen: list[dict[str, Any]] = []
     declare(provider, seen)  # release N: no model, no upgrades -> version 1
@@ -153,28 +156,26 @@ def test_break_row_newer_than_a_handler_without_model_is_delivered(clean, engine
     row_id = write(engine, "order:3", {"amount_cents": 1200, "currency": "EUR"}, payload_version=2)
     assert row(clean, row_id)["payload_version"] == 2
     result = consumer().deliver(row_id, DEST)
-    # Observed: SENT, provider.charges("order:3:charge") == 1, the v1 code saw the v2 payload.
+    # Unguarded: SENT, provider.charges("order:3:charge") == 1, the v1 code saw the v2 payload.
     assert (result, provider.charges(), seen) == (DeliveryResult.RELEASED, 0, [])
 
 
-def test_break_doctor_payloads_passes_with_rows_newer_than_a_handler_without_model(clean, engine, provider):
+def test_doctor_payloads_names_rows_newer_than_a_handler_without_model(clean, engine, provider):
     """The pre-rollout check is blind to the same rows: a handler without model/upgrades is not
     read at all, so rows at version 2 for a version-1 handler pass."""
     declare(provider)
     write(engine, "order:4", {"amount_cents": 1200, "currency": "EUR"}, payload_version=2)
     with engine.connect() as conn:
         report = check_payloads(conn, registry())
-    # Observed: incompatible == [], unchecked == [DEST]: exit 0 ("fit the handlers").
+    # Unguarded: incompatible == [], unchecked == [DEST]: exit 0 ("fit the handlers").
     assert [r.key for r in report.incompatible] == ["order:4"], report
 
 
 # == 3. writer's default version depends on what the writing process imported =====================
 
 
-def test_break_default_version_depends_on_imports_unless_the_writer_says_it(
-    clean, engine, provider, consumer
-):
-    """The attack's F2: a writer that does not import the handler module stores version 1 by
+def test_the_default_version_depends_on_imports_unless_the_writer_says_it(clean, engine, provider, consumer):
+    """A writer that does not import the handler module stores version 1 by
     default, and the worker runs upgrade 1->2 on a payload already in the v2 shape (here an
     upgrade that rescales would charge 1200 EUR for 12). The rule (docs/payloads.md): a writer
     that does not import the handlers passes ``payload_version``; then both agree."""
@@ -201,10 +202,10 @@ def test_break_default_version_depends_on_imports_unless_the_writer_says_it(
 # == 4. the reconciler's lookup of an `unknown` row whose payload no longer fits ==================
 
 
-def test_holds_unknown_row_with_now_invalid_payload_is_looked_up(clean, engine, provider, consumer, db):
+def test_an_unknown_row_with_now_invalid_payload_is_looked_up(clean, engine, provider, consumer, db):
     """A non-idempotent charge went `unknown` under release N (the provider charged it). Release
     N+1's model does not accept its payload. The lookup only needs the idempotency key: it gets
-    the payload as stored and finds the charge. (The attack saw the reconciler validate first:
+    the payload as stored and finds the charge. (A reconciler that validated first would see:
     every run a failed lookup, forever, and three such rows first in line deferring the
     destination's healthy rows.)"""
     declare(provider)
@@ -246,12 +247,10 @@ def _insert_raw(services: Any, key: str, payload_json: str, version: int = 1) ->
     )[0][0]
 
 
-def test_break_non_object_payload_crashes_the_delivery_and_ends_unknown_forever(
-    clean, provider, consumer, db
-):
+def test_a_non_object_payload_fails_without_a_call(clean, provider, consumer, db):
     """A row written by plain SQL (the contract invites writers in any language) with a JSON
-    array as payload. Expected: PayloadInvalid -> `failed`, no call (certain, actionable).
-    Observed: `prepare` does dict(payload) outside its try, the TypeError escapes `deliver`, the
+    array as payload: PayloadInvalid -> `failed`, no call (certain, actionable). Unguarded:
+    `prepare` does dict(payload) outside its try, the TypeError escapes `deliver`, the
     row stays `in_flight` with an attempt row without outcome (an ambiguous "call" that never
     happened); the lease expires -> `unknown`; the lookup (strict=False still runs prepare)
     raises the same TypeError every run -> `unknown` forever, and a replay would need --force."""
@@ -283,10 +282,10 @@ def test_break_non_object_payload_crashes_the_delivery_and_ends_unknown_forever(
     assert (result, r["state"]) == (DeliveryResult.FAILED, "failed"), observed
 
 
-def test_break_doctor_payloads_crashes_on_non_object_payload(clean, engine, provider):
+def test_doctor_payloads_names_a_non_object_payload(clean, engine, provider):
     declare(provider, payload_model=ChargeV2)
     _insert_raw(clean, "order:21", '"just a string"')
-    # Observed: ValueError ("dictionary update sequence element #0 has length 1; 2 is
+    # Unguarded: ValueError ("dictionary update sequence element #0 has length 1; 2 is
     # required") escapes check_payloads, so `doctor --payloads` dies with a traceback instead of
     # naming the row.
     with engine.connect() as conn:
@@ -297,7 +296,7 @@ def test_break_doctor_payloads_crashes_on_non_object_payload(clean, engine, prov
 # == 6. too-new rows ==============================================================================
 
 
-def test_holds_too_new_row_released_no_attempt_spent(clean, engine, provider, consumer):
+def test_a_too_new_row_is_released_no_attempt_spent(clean, engine, provider, consumer):
     declare(provider, payload_model=ChargeV2, upgrades={1: v1_to_v2})
     row_id = write(engine, "order:30", {"x": 1}, payload_version=3)
     for _ in range(5):
@@ -309,7 +308,7 @@ def test_holds_too_new_row_released_no_attempt_spent(clean, engine, provider, co
     assert provider.charges() == 0
 
 
-def test_holds_upgrade_mutating_input_does_not_touch_stored_row(clean, engine, provider, consumer):
+def test_an_upgrade_mutating_its_input_does_not_touch_the_stored_row(clean, engine, provider, consumer):
     seen: list[dict[str, Any]] = []
     declare(provider, seen, payload_model=ChargeV2, upgrades={1: v1_to_v2})  # v1_to_v2 pops
     row_id = write(engine, "order:31", {"amount_eur": 7}, payload_version=1)
@@ -318,18 +317,18 @@ def test_holds_upgrade_mutating_input_does_not_touch_stored_row(clean, engine, p
     assert seen == [{"amount_cents": 700, "currency": "EUR"}]
 
 
-def test_holds_version_zero_refused_by_check(clean):
+def test_version_zero_is_refused_by_the_check(clean):
     with pytest.raises(psycopg.errors.CheckViolation):
         _insert_raw(clean, "order:32", "{}", version=0)
 
 
-def test_holds_write_refuses_bool_version(clean, engine, provider):
+def test_write_refuses_a_bool_version(clean, engine, provider):
     declare(provider, payload_model=ChargeV2)
     with Session(engine) as s, s.begin(), pytest.raises(outbox.InvalidMessage):
         outbox.write(s, key="k", step="charge", destination=DEST, payload={}, payload_version=True)
 
 
-def test_holds_write_validate_refuses_invalid_payload(clean, engine, provider):
+def test_write_validate_refuses_an_invalid_payload(clean, engine, provider):
     declare(provider, payload_model=ChargeV2)
     with Session(engine) as s, s.begin(), pytest.raises(outbox.InvalidMessage):
         outbox.write(
@@ -337,11 +336,11 @@ def test_holds_write_validate_refuses_invalid_payload(clean, engine, provider):
         )
 
 
-def test_break_same_payload_rewritten_at_another_version_is_a_silent_no_op(clean, engine, provider):
+def test_the_same_payload_rewritten_at_another_version_is_a_key_conflict(clean, engine, provider):
     """(key, step) written by release N at version 1 ({"amount": 12}: euros); the request is
     retried by release N+1's writer at version 2, where {"amount": 12} means cents. Different
-    operations, yet `write` answers created=False (no KeyConflict) and the row keeps version 1:
-    the caller of release N+1 believes its 12-cent operation is stored."""
+    operations: `write` answers KeyConflict. Unguarded, it answered created=False and the row kept
+    version 1: the caller of release N+1 believed its 12-cent operation stored."""
     with Session(engine) as s, s.begin():
         first = outbox.write(
             s, key="order:40", step="charge", destination=DEST, payload={"amount": 12}, payload_version=1
@@ -360,7 +359,7 @@ def test_break_same_payload_rewritten_at_another_version_is_a_silent_no_op(clean
 def test_older_reconciler_looks_up_too_new_unknown_rows(clean, engine, provider, consumer, db):
     """A newer worker (payload v3) made ambiguous calls; the reconciler still runs the previous
     release (v2). Its lookups name the calls by their keys and get the payloads as stored: every
-    row is found and settled sent, each charged once (the attack saw "lookup failed" for the
+    row is found and settled sent, each charged once (unguarded: "lookup failed" for the
     newer rows, and the destination's other rows deferred)."""
     redeploy()
 
