@@ -70,10 +70,13 @@ def test_the_fast_tiers_run_first_and_every_test_is_kept():
     # Every tier is there (a file that lost its marker would fail here), in the order above.
     assert list(dict.fromkeys(tiers)) == ORDER
     # Stress tests of a module run after the module's other tests: the marker outranks the path.
-    assert {t for nodeid, t in zip(ids, tiers, strict=True) if "test_ordering_attacks_second.py" in nodeid} == {
+    assert {
+        t for nodeid, t in zip(ids, tiers, strict=True) if "test_ordering_attacks_second.py" in nodeid
+    } == {
         "integration",
         "stress",
     }
+
     # Within a tier, the files run in the order they were collected in (pytest itself may
     # reorder a module's tests around its parametrized fixtures).
     def files(nodeids: list[str]) -> list[str]:
