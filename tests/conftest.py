@@ -194,12 +194,14 @@ def tier_of(item: pytest.Item) -> str:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Last, after pytest's own reordering (by parametrized module fixtures) and any plugin's: a
     # stable sort keeps their order within a tier, file by file as testpaths or the command line
     # gave them. Every test is still run, a heavy one only later.
-    rank = {tier: n for n, tier in enumerate(TIERS)}
     _TIER_OF.update((item.nodeid, tier_of(item)) for item in items)
+    if config.getoption("failedfirst", False) or config.getoption("newfirst", False):
+        return  # --ff / --nf: the order asked for on the command line wins
+    rank = {tier: n for n, tier in enumerate(TIERS)}
     items.sort(key=lambda item: rank[_TIER_OF[item.nodeid]])
 
 
