@@ -189,7 +189,7 @@ def tier_of(item: pytest.Item) -> str:
         directory = item.path.relative_to(ROOT / "tests").parts[0]
     except ValueError:
         directory = ""
-    # Anything else (a conftest-less path given on the command line) runs with the acceptance tier.
+    # A path outside the tier directories, given on the command line: with the acceptance tier.
     return directory if directory in TIERS else "acceptance"
 
 
