@@ -1,6 +1,9 @@
-# One image for every process of the pipeline: outbox migrate | relay | worker | reconcile, the
-# provider simulator and the example shop (see docker-compose.yml).
-FROM python:3.11-slim
+# One image for every process of the pipeline: outbox migrate | relay | worker | reconcile |
+# dashboard, the provider simulator and the example shop (see docker-compose.yml).
+# The base is pinned by version and digest: a rebuild starts from the same bytes. To move it, take
+# the new tag's digest (`docker buildx imagetools inspect python:3.11.X-slim-bookworm`) and
+# change both here.
+FROM python:3.11.16-slim-bookworm@sha256:fe556eaffd0d96abd8685b83bb8a69addd0dc730fa193669a7df0d49ddcfac02
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -16,7 +19,8 @@ COPY migrations/ migrations/
 COPY outbox/ outbox/
 COPY relay/ relay/
 COPY reconciler/ reconciler/
-RUN pip install -c constraints.txt . && rm -rf /build
+# The dashboard extra (Starlette, Jinja2, uvicorn) serves `outbox dashboard`.
+RUN pip install -c constraints.txt ".[dashboard]" && rm -rf /build
 
 # The examples are not part of the package: the handler modules are found through PYTHONPATH,
 # as an application's own would be.

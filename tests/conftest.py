@@ -42,6 +42,16 @@ from outbox.transport import delete_namespace  # noqa: E402
 
 pytest_plugins = ["outbox.testing.pytest_plugin"]
 
+#: A run's tiers, fastest first: whatever paths pytest is given (``pytest tests`` collects the
+#: directories in name order, acceptance first), a failure of the fast tiers shows in a minute,
+#: not after the half hour of processes. A heavy test's marker outranks its directory: the stress
+#: tests and the older release beside this one live in tests/integration, the browser tests in
+#: tests/acceptance.
+TIERS = ("unit", "integration", "interleaving", "acceptance", "browser", "stress", "previous_release")
+#: The markers that put a test in a tier of their own, the heaviest first (a test marked both
+#: stress and browser is run with the stress tests).
+TIER_MARKERS = ("previous_release", "stress", "browser", "interleaving")
+
 if TYPE_CHECKING:
     from outbox.consumer import Deliverer
 
@@ -169,3 +179,54 @@ def consumer(clean: Services) -> Iterator[Callable[..., Deliverer]]:
     for c in made:
         c.close()
     _handlers.close_http_clients()
+
+
+def tier_of(item: pytest.Item) -> str:
+    for marker in TIER_MARKERS:
+        if item.get_closest_marker(marker) is not None:
+            return marker
+    try:
+        directory = item.path.relative_to(ROOT / "tests").parts[0]
+    except ValueError:
+        directory = ""
+    # A path outside the tier directories, given on the command line: with the acceptance tier.
+    return directory if directory in TIERS else "acceptance"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Last, after pytest's own reordering (by parametrized module fixtures) and any plugin's: a
+    # stable sort keeps their order within a tier, file by file as testpaths or the command line
+    # gave them. Every test is still run, a heavy one only later.
+    _TIER_OF.update((item.nodeid, tier_of(item)) for item in items)
+    if config.getoption("failedfirst", False) or config.getoption("newfirst", False):
+        return  # --ff / --nf: the order asked for on the command line wins
+    rank = {tier: n for n, tier in enumerate(TIERS)}
+    items.sort(key=lambda item: rank[_TIER_OF[item.nodeid]])
+
+
+_TIER_OF: dict[str, str] = {}
+_TIER_SECONDS: dict[str, float] = {}
+_TIER_TESTS: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    tier = _TIER_OF.get(report.nodeid)
+    if tier is not None:
+        _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+        if report.when == "setup":
+            _TIER_TESTS[tier] = _TIER_TESTS.get(tier, 0) + 1
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """After --durations' slowest tests: each tier's time (setup, call and teardown; the session's
+    servers start in the first test that needs them), in the order the tiers ran."""
+    if not _TIER_SECONDS:
+        return
+    terminalreporter.write_sep("=", "time by tier")
+    for tier in TIERS:
+        if tier in _TIER_SECONDS:
+            terminalreporter.write_line(
+                f"{tier:<17} {_TIER_SECONDS[tier]:8.1f} s  {_TIER_TESTS.get(tier, 0):5d} tests"
+            )

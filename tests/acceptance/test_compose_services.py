@@ -1,17 +1,20 @@
 """docker-compose.yml's services, run as the file says but outside containers (no engine runs
 here): each command with its environment, the addresses swapped for this machine's test servers
-and free ports. The healthchecks the file declares must pass, and the pipeline must deliver. And
+and free ports. The healthchecks the file declares must pass (the shop's only once it places
+orders), the pipeline must deliver, and the dashboard signs in the user the file names. And
 `outbox migrate --wait`, the compose file's answer to a database that is still starting."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers import free_port, wait_for
 
@@ -23,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
 COMPOSE_METRICS_PORT = "9400"
 COMPOSE_PROVIDER_PORT = "8099"
+COMPOSE_DASHBOARD_PORT = "8090"
 
 
 def command_of(name: str) -> list[str]:
@@ -108,8 +112,55 @@ def test_the_services_start_as_composed_and_their_healthchecks_pass(clean, start
 
         wait_for(passes, 60, f"{name}'s healthcheck (log: {tmp_path / name}.log)", every=0.5)
 
+    def shop_healthy() -> bool:
+        return (
+            subprocess.run(
+                run_argv(healthcheck_of("shop")), env=env_of("shop"), capture_output=True
+            ).returncode
+            == 0
+        )
+
+    # Healthy means placing orders: not before the shop has placed one.
+    assert not shop_healthy()
     started(command_of("shop"), env_of("shop"), "shop")
     wait_for(lambda: states(clean).get("sent", 0) >= 3, 60, "the shop's orders to be charged", every=0.5)
+    wait_for(shop_healthy, 30, f"the shop's healthcheck (log: {tmp_path / 'shop'}.log)", every=0.5)
+
+    # The dashboard, its users file where the compose file mounts it from, its secret the
+    # file's default; plain HTTP, as published.
+    dashboard_port = str(free_port())
+    dashboard_cmd = [
+        {"0.0.0.0": "127.0.0.1", COMPOSE_DASHBOARD_PORT: dashboard_port}.get(c, c)
+        for c in command_of("dashboard")
+    ]
+    assert dashboard_cmd != command_of("dashboard")
+    mounts = {v.split(":")[1]: str(ROOT / v.split(":")[0]) for v in COMPOSE["dashboard"]["volumes"]}
+    dashboard_env = env_of("dashboard")
+    dashboard_env["OUTBOX_DASHBOARD_USERS"] = mounts[dashboard_env["OUTBOX_DASHBOARD_USERS"]]
+    dashboard_env["OUTBOX_DASHBOARD_SECRET"] = re.sub(
+        r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", dashboard_env["OUTBOX_DASHBOARD_SECRET"]
+    )
+    started(dashboard_cmd, dashboard_env, "dashboard")
+    dashboard_check = [
+        c.replace(f":{COMPOSE_DASHBOARD_PORT}/", f":{dashboard_port}/") for c in healthcheck_of("dashboard")
+    ]
+    wait_for(
+        lambda: subprocess.run(run_argv(dashboard_check), env=base, capture_output=True).returncode == 0,
+        60,
+        f"the dashboard's healthcheck (log: {tmp_path / 'dashboard'}.log)",
+        every=0.5,
+    )
+    with httpx.Client(base_url=f"http://127.0.0.1:{dashboard_port}", follow_redirects=False) as browser:
+        page = browser.get("/login")
+        token = re.search(r'name="csrf_token" value="([^"]+)"', page.text)
+        assert page.status_code == 200 and token
+        signed_in = browser.post(
+            "/login", data={"user": "admin", "password": "admin", "csrf_token": token[1]}
+        )
+        assert signed_in.status_code == 303, signed_in.text
+        overview = browser.get("/")
+        # The shop's charges, seen through the dashboard's session.
+        assert overview.status_code == 200 and "payments.charge" in overview.text
 
 
 def test_migrate_waits_for_a_database_that_is_still_starting(tmp_path):

@@ -77,6 +77,9 @@ from outbox.transport import delete_namespace
 # the breaker, no chains (0012), batches (0014), payload versions (0016) or ordering (0017).
 from .test_schema_compat import FLOOR_RELEASE, PREVIOUS_RELEASE, ROOT, url_of
 
+# The last tier of a run (tests/conftest.py): two releases' processes, minutes of it.
+pytestmark = pytest.mark.previous_release
+
 RELEASES = list(dict.fromkeys([FLOOR_RELEASE, PREVIOUS_RELEASE]))
 
 #: Revisions that brought what the older release may not know.

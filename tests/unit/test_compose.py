@@ -1,6 +1,8 @@
 """docker-compose.yml and the Dockerfile, checked without a Docker engine: every command is one
 our parsers accept, every OUTBOX_* variable is one the code reads, every dependency exists and
-waits on something that can become true, and Redis is configured not to lose queued messages."""
+waits on something that can become true, and Redis is configured not to lose queued messages.
+Every image is pinned (version and digest), the project's image is built once and run by every
+service of ours, every long-running service has a healthcheck, and the dashboard is served."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from outbox import cli, settings  # noqa: E402
+from outbox.cli import dashboard as dashboard_cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -23,6 +26,22 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 ONE_SHOT = {"migrate"}
+
+#: The project's image: built by one service, run by every service of ours.
+PROJECT_IMAGE = "outbox:local"
+#: An exact version and the digest of its multi-platform index.
+PINNED = re.compile(r"^[a-z0-9./-]+:\d+\.\d+(\.\d+)?(-[a-z0-9]+)*@sha256:[0-9a-f]{64}$")
+DASHBOARD_VARIABLES = {
+    dashboard_cli.SECRET_ENV,
+    dashboard_cli.USERS_ENV,
+    dashboard_cli.INSECURE_ENV,
+    dashboard_cli.TRUSTED_PROXIES_ENV,
+}
+
+
+def interpolated(value: str) -> str:
+    """Compose's ``${NAME:-default}`` with NAME unset, as on a machine that sets nothing."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +88,7 @@ def test_the_pipeline_is_all_there(services):
         "reconciler",
         "provider",
         "shop",
+        "dashboard",
     }
     assert services["postgres"]["image"].split(":")[1].startswith("16")
     assert services["redis"]["image"].split(":")[1].startswith("7")
@@ -118,7 +138,7 @@ def documented_reconciler_variables() -> set[str]:
 
 
 def test_every_outbox_variable_is_one_the_code_reads(services):
-    allowed = set(settings.ENVIRONMENT) | documented_reconciler_variables()
+    allowed = set(settings.ENVIRONMENT) | documented_reconciler_variables() | DASHBOARD_VARIABLES
     referenced = set(re.findall(r"\bOUTBOX_[A-Z_]+\b", COMPOSE.read_text()))
     assert referenced, "the compose file configures nothing through OUTBOX_* variables"
     assert referenced <= allowed, f"unknown variables: {sorted(referenced - allowed)}"
@@ -134,7 +154,8 @@ def test_outbox_processes_are_configured(services):
     for name, argv in outbox_services(services).items():
         env = environment_of(services[name])
         assert "OUTBOX_DATABASE_URL" in env, name
-        if argv[1] != "migrate":
+        # Migrations and the dashboard work on the database alone.
+        if argv[1] not in ("migrate", "dashboard"):
             assert "OUTBOX_REDIS_URL" in env, name
             assert env.get("OUTBOX_NAMESPACE", "outbox") != "", name
     # The shop writes its outbox rows into the database the pipeline reads.
@@ -209,15 +230,18 @@ def test_the_provider_is_reachable_where_the_handlers_look(services):
 
 def test_dockerfile_installs_the_project_on_python_311_slim():
     text = DOCKERFILE.read_text()
-    assert re.search(r"^FROM python:3\.11-slim\b", text, re.MULTILINE)
-    assert re.search(r"pip install -c constraints\.txt \.(\s|$)", text)
+    base = re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE)
+    assert len(base) == 1 and PINNED.match(base[0]), f"FROM {base}: not an exact version and digest"
+    assert re.match(r"python:3\.11\.\d+-slim-", base[0])
+    # The dashboard's extra with the package: `outbox dashboard` runs from this image.
+    assert re.search(r'pip install -c constraints\.txt "\.\[dashboard\]"(\s|$)', text)
     ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip()}
     for source in re.findall(r"^COPY\s+(?!--)(.+?)\s+\S+$", text, re.MULTILINE):
         for path in source.split():
             assert (ROOT / path).exists(), f"COPY {path}: no such file"
             assert path.rstrip("/") not in ignored, f"COPY {path} but .dockerignore excludes it"
     # What the package build needs is copied before `pip install .`.
-    install = text.index("pip install -c constraints.txt .")
+    install = text.index("pip install -c constraints.txt ")
     for needed in (
         "pyproject.toml",
         "README.md",
@@ -230,3 +254,80 @@ def test_dockerfile_installs_the_project_on_python_311_slim():
         assert needed in text[:install], needed
     # The examples' handler modules are found at run time.
     assert re.search(r"^ENV PYTHONPATH=(\S+)", text, re.MULTILINE)
+
+
+def test_every_image_is_pinned_to_a_version_and_digest(services):
+    for name, service in services.items():
+        image = service["image"]
+        if image == PROJECT_IMAGE:
+            continue
+        if name in ("postgres", "redis"):
+            assert PINNED.match(image), f"{name}: {image} is not an exact version and digest"
+        else:
+            # The observability profile's images: an exact version at least.
+            assert re.search(r":v?\d+\.\d+\.\d+", image), f"{name}: {image} is not an exact version"
+    assert services["postgres"]["image"].startswith("postgres:16.")
+    assert services["redis"]["image"].startswith("redis:7.")
+
+
+def test_the_project_image_is_built_once_and_run_by_every_service_of_ours(services):
+    builders = [name for name, service in services.items() if "build" in service]
+    assert builders == ["migrate"], f"services that build: {builders}"
+    build = services["migrate"]["build"]
+    assert (build if isinstance(build, str) else build["context"]) in (".", "./")
+    ours = {name for name, s in services.items() if command_of(s)[:1] in (["outbox"], ["python"])}
+    assert ours >= {"migrate", "relay", "worker", "reconciler", "provider", "shop", "dashboard"}
+    for name in ours:
+        assert services[name]["image"] == PROJECT_IMAGE, name
+    assert {name for name, s in services.items() if s["image"] == PROJECT_IMAGE} == ours
+
+
+def test_every_long_running_service_has_a_healthcheck(services):
+    for name, service in services.items():
+        if name in ONE_SHOT:
+            continue
+        assert "healthcheck" in service, f"{name} runs for good without a healthcheck"
+        test = service["healthcheck"]["test"]
+        assert isinstance(test, list) and test[0] in ("CMD", "CMD-SHELL"), name
+
+
+def test_the_shop_is_healthy_while_it_places_orders(services):
+    from examples.shop.app import ORDERS_TABLE
+
+    check = services["shop"]["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "python", "-c"]
+    code = check[3]
+    compile(code, "shop healthcheck", "exec")
+    assert "OUTBOX_DATABASE_URL" in code and "OUTBOX_DATABASE_URL" in environment_of(services["shop"])
+    assert re.search(rf"FROM {ORDERS_TABLE}\b", code) and "max(created_at)" in code
+
+
+def test_the_dashboard_is_served_on_the_hosts_loopback_with_users_and_a_secret(services):
+    from outbox.dashboard.security import MIN_SECRET_CHARS, parse_users, verify_password
+
+    service = services["dashboard"]
+    command = command_of(service)
+    args = cli.build_parser().parse_args(command[1:])
+    assert command[:2] == ["outbox", "dashboard"]
+    # All interfaces inside the container; published on the host's loopback only.
+    assert args.host == "0.0.0.0"
+    assert service["ports"] == [f"127.0.0.1:{args.port}:{args.port}"]
+    check = " ".join(service["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{args.port}/login" in check
+    assert importlib.util.find_spec(args.module) is not None
+    assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+
+    env = {k: interpolated(v) for k, v in environment_of(service).items()}
+    assert env["OUTBOX_DATABASE_URL"] == environment_of(services["relay"])["OUTBOX_DATABASE_URL"]
+    assert len(env[dashboard_cli.SECRET_ENV]) >= MIN_SECRET_CHARS
+    assert "${" + dashboard_cli.SECRET_ENV + ":-" in environment_of(service)[dashboard_cli.SECRET_ENV], (
+        "the secret can be set from the environment without editing the file"
+    )
+    # The users file is mounted read-only from this repository, and parses.
+    mounts = {v.split(":")[1]: v.split(":") for v in service["volumes"]}
+    source, _, mode = mounts[env[dashboard_cli.USERS_ENV]]
+    assert mode == "ro" and (ROOT / source).is_file(), source
+    users = parse_users((ROOT / source).read_text(), source=source)
+    # The sign-in the compose file's header and docs/production.md give.
+    assert users["admin"].role == "operate" and verify_password("admin", users["admin"].password_hash)
+    assert "admin / admin" in COMPOSE.read_text()

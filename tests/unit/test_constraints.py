@@ -54,5 +54,5 @@ def test_every_install_uses_the_constraints():
     assert installs and all(
         "-c constraints.txt" in line for line in installs if "venv-constraints" not in line
     )
-    assert "pip install -c constraints.txt ." in (ROOT / "Dockerfile").read_text()
+    assert 'pip install -c constraints.txt ".[dashboard]"' in (ROOT / "Dockerfile").read_text()
     assert "COPY pyproject.toml README.md constraints.txt" in (ROOT / "Dockerfile").read_text()
