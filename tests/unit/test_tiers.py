@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Heaviest first, and a directory given as a whole: `pytest tests` collects in name order.
 PATHS = [
     "tests/integration/test_previous_release_beside.py",
-    "tests/integration/test_ordering_attacks_second.py",
+    "tests/integration/test_ordering_concurrency.py",
     "tests/acceptance/test_dashboard_browser.py",
     "tests/acceptance/test_worker_process.py",
     "tests/interleaving",
@@ -70,9 +70,7 @@ def test_the_fast_tiers_run_first_and_every_test_is_kept():
     # Every tier is there (a file that lost its marker would fail here), in the order above.
     assert list(dict.fromkeys(tiers)) == ORDER
     # Stress tests of a module run after the module's other tests: the marker outranks the path.
-    assert {
-        t for nodeid, t in zip(ids, tiers, strict=True) if "test_ordering_attacks_second.py" in nodeid
-    } == {
+    assert {t for nodeid, t in zip(ids, tiers, strict=True) if "test_ordering_concurrency.py" in nodeid} == {
         "integration",
         "stress",
     }
