@@ -222,7 +222,6 @@ COMMANDS: tuple[Command, ...] = (
         "run the payment provider simulator on 127.0.0.1, to try handlers against",
         "outbox.testing.provider_command:arguments",
         "outbox.testing.provider_command:run",
-        environment=False,
     ),
 )
 
