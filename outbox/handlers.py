@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
 import logging
 import ssl
 import threading
@@ -37,6 +36,7 @@ from .settings import (
     PACE_AHEAD_SECONDS,
     default_lease_seconds,
 )
+from .usermodules import import_user_module
 from .validation import destination_problem
 
 logger = logging.getLogger(__name__)
@@ -844,10 +844,13 @@ def registered(destination: str) -> Handler | None:
 def load_module(name: str) -> dict[str, Handler]:
     """Import the user's handler module and return the handlers it declared."""
     try:
-        importlib.import_module(name)
+        import_user_module(name)
     except ModuleNotFoundError as exc:
         if exc.name and name.startswith(exc.name):
-            raise ConfigError(f"cannot import handler module {name!r}: {exc}; is it on PYTHONPATH?") from exc
+            raise ConfigError(
+                f"cannot import handler module {name!r}: {exc}; run the command from the directory "
+                "that holds it, or put that directory on PYTHONPATH"
+            ) from exc
         raise
     handlers = registry()
     if not handlers:

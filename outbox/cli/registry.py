@@ -217,6 +217,12 @@ COMMANDS: tuple[Command, ...] = (
         "outbox.demo.run:run",
         environment=False,
     ),
+    Command(
+        "provider",
+        "run the payment provider simulator on 127.0.0.1, to try handlers against",
+        "outbox.testing.provider_command:arguments",
+        "outbox.testing.provider_command:run",
+    ),
 )
 
 BY_NAME = {c.name: c for c in COMMANDS}

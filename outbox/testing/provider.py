@@ -13,7 +13,7 @@ HTTP interface::
     POST /_config                       update configuration; answers the whole config
     POST /_reset                        forget charges and counters, restore the start config
 
-Command line::
+Command line (``outbox provider`` takes the same options)::
 
     python -m outbox.testing.provider --port 8099 --dedupe --ready-file /tmp/provider.url
 """
@@ -877,21 +877,31 @@ def _non_negative(text: str) -> float:
     return value
 
 
+#: The command line's description, for ``python -m outbox.testing.provider`` and ``outbox provider``.
+DESCRIPTION = (
+    "Run the payment provider simulator on 127.0.0.1 until SIGTERM or SIGINT. "
+    "It serves POST /charges (Idempotency-Key header required), "
+    "GET /charges?idempotency_key=K, GET /_stats, POST /_config and POST /_reset. "
+    "Every option below can also be changed at run time through POST /_config."
+)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m outbox.testing.provider",
-        description=(
-            "Run the payment provider simulator on 127.0.0.1 until SIGTERM or SIGINT. "
-            "It serves POST /charges (Idempotency-Key header required), "
-            "GET /charges?idempotency_key=K, GET /_stats, POST /_config and POST /_reset. "
-            "Every option below can also be changed at run time through POST /_config."
-        ),
+        description=DESCRIPTION,
         epilog=(
             "Prints 'provider listening on http://127.0.0.1:PORT' once ready. "
             "Example: python -m outbox.testing.provider --dedupe --fail-after-rate 0.1 "
             "--ready-file /tmp/provider.url"
         ),
     )
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulator's options, on ``parser``."""
     parser.add_argument(
         "--port", type=int, default=0, help="TCP port to listen on (default: 0, any free port)"
     )
@@ -965,13 +975,17 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="once listening, atomically write the base URL (no newline) to PATH",
     )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the process exit status."""
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Serve with the options of :func:`add_arguments` until SIGTERM or SIGINT; the exit status."""
     config: dict[str, object] = {
         "dedupe": args.dedupe,
         "latency_ms": args.latency_ms,

@@ -930,11 +930,15 @@ def test_python_blocks_run(page: str, clean: Any, engine: Engine, provider: Any,
             from sqlalchemy.ext.asyncio import create_async_engine
 
             seeds["async_engine"] = create_async_engine(async_database_url(clean.database_url))
+            # The page builds its engine from the variable its step 1 exports.
+            monkeypatch.setenv("OUTBOX_DATABASE_URL", settings.normalize_database_url(clean.database_url))
         if page == "docs/runbook.md":
             url, received = stack.enter_context(webhook_receiver())
             monkeypatch.setenv("ONCALL_WEBHOOK", url)
             seeds["_received"] = received
         run = run_page(page, seeds)
+        if run.namespace.get("engine") is not engine:  # the page's own (docs/quickstart.md)
+            stack.callback(run.namespace["engine"].dispose)
         if not run.executed and run.compiled_only:
             return  # only blocks of optional packages: compiled and API-checked, nothing to run
         assert run.executed, f"{page}: no python block ran"
