@@ -378,8 +378,8 @@ def _plan_key(
                 REFUSED,
                 s,
                 f"step {s['step']} is unknown and {s['destination']} has neither a lookup nor "
-                f"idempotency: check the provider, then outbox resolve {s['id']} --sent REF "
-                f"--module {module} (or --not-sent)",
+                f"idempotency: check the provider, then outbox resolve {module} {s['id']} --sent REF "
+                "(or --not-sent)",
             )
         how = "ask the provider (lookup)" if handler.lookup_fn else "re-run (the destination is idempotent)"
         return _item(
