@@ -173,6 +173,7 @@ def repair_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         then=" KEY…",
         shift_into="keys",
+        shift_unless="stalled",
     )
     p.add_argument("keys", nargs="*", metavar="KEY", help="business keys to repair")
     p.add_argument("--stalled", action="store_true", help="every key `outbox chains --stalled` lists")

@@ -93,15 +93,21 @@ def add_module(
     required: bool,
     then: str = "",
     shift_into: str | None = None,
+    shift_unless: str | None = None,
 ) -> None:
     """MODULE, the first positional argument (optional unless ``required``), and ``--module``, its
     former spelling, still accepted for one release and hidden from the help. ``outbox.cli.main``
     resolves the two (``resolve_module``). ``then``: what follows MODULE in the usage example
     (`` KEY…``); ``shift_into``: the positional list that, in the former spelling, held every
-    positional argument (with ``--module M`` the first of them is not MODULE)."""
-    parser.add_argument("module", nargs="?", metavar="MODULE", help=help, default=None)
+    positional argument (with ``--module M`` the first of them is not MODULE), unless the flag
+    ``shift_unless`` is set (it takes no positional argument: one given is MODULE)."""
+    # Optional to argparse even when required, so that the former spelling parses: the check is
+    # resolve_module's, after it.
+    parser.add_argument(
+        "module", nargs="?", metavar="MODULE", help=f"{help} (required)" if required else help, default=None
+    )
     parser.add_argument("--module", dest=_FLAG_DEST, metavar="MODULE", help=argparse.SUPPRESS)
-    parser.set_defaults(**{_SPEC: (required, then, shift_into)})
+    parser.set_defaults(**{_SPEC: (required, then, shift_into, shift_unless)})
 
 
 def resolve_module(args: argparse.Namespace, command: str) -> None:
@@ -110,9 +116,10 @@ def resolve_module(args: argparse.Namespace, command: str) -> None:
     spec = getattr(args, _SPEC, None)
     if spec is None:
         return
-    required, then, shift_into = spec
+    required, then, shift_into, shift_unless = spec
     flag = getattr(args, _FLAG_DEST, None)
-    if flag is not None and shift_into is not None and args.module is not None:
+    shift = shift_into is not None and not (shift_unless and getattr(args, shift_unless))
+    if flag is not None and shift and args.module is not None:
         # `outbox repair KEY --module M`: KEY was parsed as MODULE.
         setattr(args, shift_into, [args.module, *getattr(args, shift_into)])
         args.module = None
