@@ -224,18 +224,68 @@ def test_chains_stalled_lists_the_stopped_keys(clean, engine, provider, deliver,
     assert code == 2 and "select among --stalled keys" in err
     code, _, err = cli(clean, capsys, "repair")
     assert code == 2 and err == (
-        "outbox repair: error: MODULE is required, the handler module first: outbox repair myapp.handlers KEY… "
-        "(outbox repair --help)\n"
+        "outbox repair: error: MODULE is required, the handler module first: "
+        "outbox repair myapp.handlers KEY… (outbox repair --help)\n"
     )
     # The former spelling, for one release: KEY --module M is the same repair, with one line saying so.
     code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE)
     assert code == 1 and "refused" in out
     assert err.splitlines()[0] == (
-        f"outbox repair: --module is deprecated; pass MODULE as the first argument: outbox repair {MODULE} KEY… "
-        "(--module goes in the next release)"
+        "outbox repair: --module is deprecated; pass MODULE as the first argument: "
+        f"outbox repair {MODULE} KEY… (--module goes in the next release)"
     )
     code, _, err = cli(clean, capsys, "repair", MODULE, "--stalled", "--module", MODULE)
     assert code == 2 and "MODULE given twice" in err and len(err.splitlines()) == 1
+
+
+def test_chains_without_stalled_lists_the_chains_under_way(clean, engine, provider, deliver, capsys):
+    invoice_chain(provider)
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.SENT  # export written, waiting
+    with Session(engine) as s, s.begin():
+        # A lone row is no chain; a failed key is stopped, not under way.
+        outbox.write(s, key="invoice:8", step="charge", destination="payments.charge", payload={"invoice": 8})
+        failed_id = outbox.write(
+            s, key="invoice:9", step="charge", destination="payments.charge", payload={"amount_cents": -1}
+        ).id
+    assert deliver(failed_id, "payments.charge") is DeliveryResult.FAILED
+    elapse(clean, 3600)
+
+    code, out, err = cli(clean, capsys, "chains")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split() == ["key", "waiting", "at", "destination", "state", "for", "done"]
+    assert lines[2].split()[:4] == [KEY, "export", "accounting.export", "pending"]
+    assert lines[2].split()[-1] == "1/2"
+    assert "invoice:8" not in out and "invoice:9" not in out
+    # Stopped: the failed key, and the two waiting for an hour (the chain's export among them).
+    assert lines[-1] == (
+        "1 chain(s) under way; 3 key(s) stopped for 15m or more (outbox chains --stalled lists them)"
+    )
+    code, out, _ = cli(clean, capsys, "chains", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["under_way"] == 1 and doc["destination"] is None
+    assert doc["stalled"] == {"older_than_seconds": 900.0, "matching": 3}
+    [key] = doc["keys"]
+    assert {k: key[k] for k in ("key", "step", "destination", "state", "steps", "done")} == {
+        "key": KEY,
+        "step": "export",
+        "destination": "accounting.export",
+        "state": "pending",
+        "steps": 2,
+        "done": 1,
+    }
+    assert key["age_seconds"] >= 3600
+    # --destination names the waiting step's destination; a typo is exit 1, as with --stalled.
+    code, out, _ = cli(clean, capsys, "chains", "--destination", "payments.charge", "--json")
+    assert code == 0 and json.loads(out)["under_way"] == 0
+    code, _, err = cli(clean, capsys, "chains", "--destination", "acounting.export")
+    assert code == 1 and "no outbox rows for destination" in err
+    code, _, err = cli(clean, capsys, "chains", "--older-than", "1h")
+    assert code == 2 and err.startswith("outbox chains: error: --older-than goes with --stalled")
+    # --stalled is unchanged: its document has no under_way.
+    code, out, _ = cli(clean, capsys, "chains", "--stalled", "--json")
+    assert code == 0 and set(json.loads(out)) == {"older_than_seconds", "destination", "matching", "keys"}
 
 
 def _claimed_then_failed_by_hand(clean: Any, engine: Any, charge_id: int) -> None:
