@@ -12,7 +12,7 @@ import contextlib
 import sys
 import textwrap
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import settings
 from ..exceptions import ConfigError
@@ -108,6 +108,20 @@ def add_module(
     )
     parser.add_argument("--module", dest=_FLAG_DEST, metavar="MODULE", help=argparse.SUPPRESS)
     parser.set_defaults(**{_SPEC: (required, then, shift_into, shift_unless)})
+    if required:
+        parser.formatter_class = _showing_module_required(parser.formatter_class)
+
+
+def _showing_module_required(base: Any) -> Any:
+    """``base``, with a required MODULE shown as ``MODULE`` in the usage line, not ``[MODULE]``."""
+
+    class Formatter(base):
+        def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+            if action.dest == "module" and action.nargs == "?":
+                return "MODULE"
+            return str(super()._format_args(action, default_metavar))
+
+    return Formatter
 
 
 def resolve_module(args: argparse.Namespace, command: str) -> None:
