@@ -98,13 +98,15 @@ def read_identity(conn: psycopg.Connection[Any]) -> tuple[Identity, list[str]]:
     return Identity(str(sysid) if sysid is not None else None, timeline), problems
 
 
-_SHOW = """
+#: The recorded identity (outbox failover shows it beside the server's).
+SHOW_RECORDED = """
 SELECT system_identifier, timeline, recorded_at, recorded_by, note, mismatch_seen_at, mismatch
 FROM outbox_db_identity WHERE id = 1
 """
 
 
-def _differs(recorded: Identity, current: Identity) -> list[str]:
+def differences(recorded: Identity, current: Identity) -> list[str]:
+    """What changed from the recorded identity to the current one, one phrase each."""
     changes = []
     if None not in (recorded.system_identifier, current.system_identifier) and (
         recorded.system_identifier != current.system_identifier
@@ -144,7 +146,7 @@ def check(conn: psycopg.Connection[Any], *, process: str) -> Verdict:
     if row is None:
         raise psycopg.OperationalError("the database identity row could not be read or recorded")
     recorded = Identity(row[0], row[1])
-    changes = _differs(recorded, current)
+    changes = differences(recorded, current)
     if not changes:
         partial = f" ({'; '.join(problems)})" if problems else ""
         return Verdict(True, current, recorded, f"database identity unchanged: {current.describe()}{partial}")
@@ -165,7 +167,7 @@ def accept(conn: psycopg.Connection[Any], *, reason: str, by: str) -> tuple[Iden
     """Record the server's current identity as the one to run on; (new, previous)."""
     # An operator's sentence, stored as it is shown: no card number (outbox.sanitize).
     reason = clean_text(reason, max_chars=2000)
-    previous_row = conn.execute(_SHOW).fetchone()
+    previous_row = conn.execute(SHOW_RECORDED).fetchone()
     previous = Identity(previous_row[0], previous_row[1]) if previous_row else None
     current, _ = read_identity(conn)
     store.operator.accept_identity(

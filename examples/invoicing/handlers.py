@@ -12,7 +12,7 @@ Why this is safe (see README.md next to this file):
 
 * "step N is sent" and "step N+1 exists" commit together, whoever settles step N: the worker's
   record, the reconciler's lookup after a crash, or an operator's
-  ``outbox resolve ID --sent REF --module examples.invoicing.handlers``.
+  ``outbox resolve examples.invoicing.handlers ID --sent REF``.
 * Writing the same ``(key, step)`` again is a no-op: ``outbox repair`` may rewrite a missing
   step without creating a second one. A next step whose payload differs from an existing row's
   is not written; the confirmed step is still recorded, flagged and alerted.

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Callable, Collection, Sequence
 from typing import NoReturn, cast
 
 from . import exits, flags
+from .common import UsageError, json_refusal, resolve_module, usage_error
 from .output import fail, report_error
-from .registry import BY_NAME, COMMANDS, Command, load
+from .registry import BY_NAME, COMMANDS, GROUPS, Command, load
 
 __all__ = ["main"]
 
@@ -31,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a usage error as the error document when ``--json`` was asked for."""
 
     json_errors = False
-    #: The command whose ``--help`` a usage error points to (``outbox status``), once known.
+    #: The command whose ``--help`` a usage error points to (``status``), once known.
     hint: str | None = None
 
     def error(self, message: str) -> NoReturn:
@@ -39,8 +41,8 @@ class _Parser(argparse.ArgumentParser):
         if _Parser.json_errors:
             fail(f"{self.prog}: {message}", exits.CONFIG, as_json=True)
         else:
-            prog = self.prog if self.prog != "outbox" else (_Parser.hint or self.prog)
-            fail(f"{message} (`{prog} --help` says more)", exits.CONFIG, as_json=False)
+            command = self.prog.removeprefix("outbox").strip() or _Parser.hint
+            usage_error(command, message, as_json=False)
         self.exit(exits.CONFIG)
 
 
@@ -73,19 +75,42 @@ def _selected(argv: Sequence[str]) -> tuple[Command | None, int]:
 def build_parser(only: Collection[str] | None = None) -> argparse.ArgumentParser:
     """The parser. Only the subcommands named in ``only`` get their arguments (importing their
     modules); the others have their one-line help. ``None``: every subcommand, complete."""
-    parser = _Parser(prog="outbox", description=DESCRIPTION)
+    parser = _Parser(
+        prog="outbox",
+        description=textwrap.fill(DESCRIPTION, 100),
+        epilog=command_list(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action=_VersionAction)
     flags.add_global(parser)
     flags.add_shared(parser, flags.ALL)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", help="one of the commands below; `outbox COMMAND --help` says more"
+    )
     sub.required = True
     for command in COMMANDS:
-        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        # No help= here: the grouped list of the epilog is the one list of commands.
+        p = sub.add_parser(command.name, description=command.help)
         if only is None or command.name in only:
             flags.add_global(p, from_environment=command.environment)
             flags.add_shared(p, command.flags)
+            if flags.JSON not in command.flags:
+                # Taken only to be refused in the words every command uses (json_refusal).
+                p.add_argument(
+                    "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+                )
             cast(Callable[[argparse.ArgumentParser], None], load(command.arguments))(p)
     return parser
+
+
+def command_list() -> str:
+    """The commands by group, one line each, as ``outbox`` and ``outbox --help`` print them."""
+    width = max(len(c.name) for c in COMMANDS) + 2
+    blocks = []
+    for title, names in GROUPS:
+        lines = [f"  {name.ljust(width)}{BY_NAME[name].help}" for name in names]
+        blocks.append(f"{title}:\n" + "\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def _reject_misplaced(parser: argparse.ArgumentParser, leading: Sequence[str], command: Command) -> None:
@@ -107,26 +132,34 @@ def _unknown_command(argv: Sequence[str], position: int) -> str | None:
     word = argv[position]
     near = difflib.get_close_matches(word, BY_NAME, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(f'`outbox {n}`' for n in near)}?" if near else ""
-    return f"unknown command {word!r}{hint} (`outbox --help` lists the commands)"
+    return f"unknown command {word!r}{hint}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected, position = _selected(argv)
     _Parser.json_errors = "--json" in argv
-    _Parser.hint = f"outbox {selected.name}" if selected else None
+    _Parser.hint = selected.name if selected else None
     if selected is None and not {"-h", "--help", "--version"} & set(argv):
         unknown = _unknown_command(argv, position)
         if unknown is not None:
-            return fail(unknown, exits.CONFIG, as_json=_Parser.json_errors)
-        # Bare `outbox` (or only global flags): the command list, as --help prints it.
-        build_parser([]).print_help()
+            return usage_error(None, unknown, as_json=_Parser.json_errors)
+        # Bare `outbox` (or only global flags): the command list, as --help prints it, and exit 2:
+        # no command ran, so a script whose command word went missing does not pass.
+        parser = build_parser([])
+        print(
+            f"{parser.format_usage()}\n{command_list()}\n\n"
+            "`outbox --help` adds the flags every command shares; `outbox COMMAND --help` a command's own."
+        )
         return exits.CONFIG
     parser = build_parser([selected.name] if selected else [])
     args = parser.parse_args(argv)
     command = BY_NAME[args.command]
     _reject_misplaced(parser, argv[:position], command)
+    if flags.JSON not in command.flags and getattr(args, "json", False):
+        return usage_error(command.name, json_refusal(command.name), as_json=True)
     try:
+        resolve_module(args, command.name)
         environ: dict[str, str] | None = None if command.environment else {}
         flags.defaults(args, environ)
         from .. import settings
@@ -142,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         run = cast(Callable[[argparse.Namespace, settings.Settings], int], load(command.run))
         return int(run(args, cfg))
+    except UsageError as exc:
+        return usage_error(command.name, str(exc), as_json=bool(getattr(args, "json", False)))
     except KeyboardInterrupt:
         # The services stop on SIGINT through their own handlers; this is an operator command
         # cut short, whose open transaction, if any, rolled back with the connection.

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from .. import settings
 from ..exceptions import ConfigError
 from . import exits
+from .common import UsageError, connection, describe
 from .flags import positive_int
-from .operator import _connection, _describe
 from .output import out, print_json
 from .render import render
 
@@ -34,7 +34,7 @@ def _interval(value: str) -> float:
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         A batch (outbox.batch): rows written in one transaction as a group; once every member
@@ -75,11 +75,11 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     as_id = target.isascii() and target.isdigit() and int(target) < 2**63
     lookup: dict[str, Any] = {"batch_id": int(target)} if as_id else {"name": args.batch}
     if args.action == "show" and (args.count is not None or args.interval != "2s"):
-        raise ConfigError("--interval and --count go with watch")
+        raise UsageError("--interval and --count go with watch")
     interval = _interval(args.interval)
 
     def take() -> BatchReport:
-        with _connection(cfg) as conn:
+        with connection(cfg) as conn:
             return batch_report(conn, **lookup)
 
     if args.action == "show":

@@ -1,4 +1,4 @@
-"""``outbox chains --stalled`` and ``outbox repair``: flags in, ``outbox.ops.repair`` out."""
+"""``outbox chains`` and ``outbox repair``: flags in, ``outbox.ops.repair`` (and ``.progress``) out."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import shlex
 from typing import TYPE_CHECKING
 
 from .. import settings
-from ..exceptions import ConfigError
 from ..ops.values import printable
 from . import exits
+from .common import UsageError, add_module, by_and_reason, connection, describe
 from .flags import duration, positive_int
-from .operator import _by_and_reason, _connection, _describe
 from .output import err, out, print_json
 from .render import render
 
@@ -40,25 +39,32 @@ def _selection(p: argparse.ArgumentParser, *, with_limit: bool = True) -> None:
 
 
 def chains_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
-        The keys whose work stopped (chains): for each, the first step, in the order
-        they were written, that is failed, unknown, waiting (pending, dispatched, in flight) or
-        confirmed without its next steps, and has been so for --older-than or more (default 15m;
-        0 lists everything stopped now). The longest stopped first; `chained` says whether a
-        step of the key was written by another's @then or @on_failure (the database cannot tell
-        a lone step from a chain's first one: that is the handler module's). Read-only.
+        Without --stalled: the chains under way, one line each, the longest waiting first: the
+        key, its first step still waiting (pending, dispatched, in flight), for how long, and how
+        many of its steps are done (sent or cancelled) of those written; then how many keys
+        `outbox chains --stalled` lists. A chain shows once a step of it was written by another's
+        @then or @on_failure (at its first step it looks like a lone row). Read-only.
 
+        --stalled: the keys whose work stopped: for each, the first step, in the order they were
+        written, that is failed, unknown, waiting (pending, dispatched, in flight) or confirmed
+        without its next steps, and has been so for --older-than or more (default 15m; 0 lists
+        everything stopped now). The longest stopped first; `chained` says whether a step of the
+        key was written by another's @then or @on_failure (the database cannot tell a lone step
+        from a chain's first one: that is the handler module's). Read-only.
+
+        outbox chains                                             chains under way
         outbox chains --stalled                                   stopped for 15 minutes or more
         outbox chains --stalled --older-than 0 --destination accounting.post
         outbox show invoice:7                                     every step of one key
-        outbox repair invoice:7 --module myapp.handlers           its repair plan
+        outbox repair myapp.handlers invoice:7                    its repair plan
 
         Exit 0 (with or without keys listed).
         """,
     )
-    p.add_argument("--stalled", action="store_true", required=True, help="list the keys whose work stopped")
+    p.add_argument("--stalled", action="store_true", help="list the keys whose work stopped")
     _selection(p)
 
 
@@ -74,7 +80,9 @@ def _stalled(conn: Connection, args: argparse.Namespace) -> StalledReport:
 
 
 def chains(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    with _connection(cfg) as conn:
+    if not args.stalled:
+        return _under_way(args, cfg)
+    with connection(cfg) as conn:
         report = _stalled(conn, args)
     if args.json:
         return print_json(report.to_dict())
@@ -82,8 +90,47 @@ def chains(args: argparse.Namespace, cfg: settings.Settings) -> int:
     return exits.OK
 
 
+def _under_way(args: argparse.Namespace, cfg: settings.Settings) -> int:
+    from ..ops.progress import chains_under_way
+    from ..ops.repair import DEFAULT_STALLED_LIMIT
+    from ..ops.values import age
+    from .render import format_table
+
+    if args.older_than is not None:
+        raise UsageError("--older-than goes with --stalled: the chains under way are listed however long")
+    limit = DEFAULT_STALLED_LIMIT if args.limit is None else args.limit
+    with connection(cfg) as conn:
+        report = chains_under_way(conn, destination=args.destination, limit=limit)
+    if args.json:
+        return print_json(report.to_dict())
+    where = f" with a step of {report.destination} waiting" if report.destination else ""
+    if report.keys:
+        rows = [
+            [
+                k["key"],
+                k["step"],
+                k["destination"],
+                k["state"],
+                age(k["age_seconds"]),
+                f"{k['done']}/{k['steps']}",
+            ]
+            for k in report.keys
+        ]
+        out(format_table(["key", "waiting at", "destination", "state", "for", "done"], rows))
+        more = report.under_way - len(report.keys)
+        if more > 0:
+            out(f"… and {more} more (--limit)")
+        out("")
+    threshold = f"{report.stalled_after_seconds / 60:g}m"
+    out(
+        f"{report.under_way} chain(s) under way{where}; {report.stalled} key(s) stopped for {threshold} "
+        "or more (outbox chains --stalled lists them)"
+    )
+    return exits.OK
+
+
 def repair_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Resume keys whose work stopped, at the first step the provider has not confirmed. For
@@ -107,26 +154,30 @@ def repair_arguments(p: argparse.ArgumentParser) -> None:
         A confirmed step is never re-run. Without --yes this prints the plan and changes
         nothing; with --yes each action re-checks, in its own guarded statement, that the row is
         still what the plan saw, and who (--by) and why (--reason) are appended to the row's
-        history. --module is required: the next steps and the lookups are the handler module's.
+        history. MODULE, the first argument, is required: the next steps and the lookups are the
+        handler module's.
 
-        outbox repair invoice:7 --module myapp.handlers           the plan
-        outbox repair invoice:7 --module myapp.handlers --yes --reason "ledger account added"
-        outbox repair --stalled --older-than 1h --module myapp.handlers --yes
-        outbox repair invoice:7 --module myapp.handlers --force --yes --reason "card updated"
+        outbox repair myapp.handlers invoice:7                    the plan
+        outbox repair myapp.handlers invoice:7 --yes --reason "ledger account added"
+        outbox repair myapp.handlers --stalled --older-than 1h --yes
+        outbox repair myapp.handlers invoice:7 --force --yes --reason "card updated"
 
         Exit 0 when every key was repaired or had nothing to repair (or after a plan without
         --yes); 1 if any key was refused, not found, changed since the plan, or its lookup
         failed (the others are repaired).
         """,
     )
+    add_module(
+        p,
+        "the handler module (e.g. myapp.handlers): its @then steps and lookups",
+        required=True,
+        then=" KEY…",
+        shift_into="keys",
+        shift_unless="stalled",
+    )
     p.add_argument("keys", nargs="*", metavar="KEY", help="business keys to repair")
     p.add_argument("--stalled", action="store_true", help="every key `outbox chains --stalled` lists")
     _selection(p)
-    p.add_argument(
-        "--module",
-        metavar="MODULE",
-        help="the handler module (e.g. myapp.handlers): its @then steps and lookups (required)",
-    )
     p.add_argument("--yes", action="store_true", help="act on the plan (without it: print the plan only)")
     p.add_argument(
         "--force",
@@ -134,26 +185,21 @@ def repair_arguments(p: argparse.ArgumentParser) -> None:
         help="re-run a step that failed for good, or overrule an operator's resolve --failed "
         "(one KEY named alone, with --reason)",
     )
-    _by_and_reason(p)
+    by_and_reason(p)
 
 
 def repair(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if bool(args.keys) == bool(args.stalled):
-        raise ConfigError("repair takes keys or --stalled, not both and not neither")
-    if not args.module:
-        raise ConfigError(
-            "repair needs --module MODULE (e.g. myapp.handlers): the next steps it writes are the "
-            "handler's @then, and it asks providers through the handler's lookup"
-        )
+        raise UsageError("repair takes keys or --stalled, not both and not neither")
     if args.force and (args.stalled or len(set(args.keys)) != 1):
-        raise ConfigError(
+        raise UsageError(
             "--force re-runs a step that failed for good, or overrules an operator's resolve --failed: "
             "one KEY named alone, never in bulk"
         )
     if args.force and not (args.reason and args.reason.strip()):
-        raise ConfigError("--force needs --reason: why acting on this failed step is right now")
+        raise UsageError("--force needs --reason: why acting on this failed step is right now")
     if not args.stalled and (args.destination or args.older_than is not None or args.limit is not None):
-        raise ConfigError(
+        raise UsageError(
             "--destination, --older-than and --limit select among --stalled keys; named keys are "
             "repaired as named"
         )
@@ -161,7 +207,7 @@ def repair(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.repair import execute_repair, plan_repair
 
     handlers = load_module(args.module)
-    with _connection(cfg) as conn:
+    with connection(cfg) as conn:
         if args.stalled:
             keys = [k["key"] for k in _stalled(conn, args).keys]
         else:
@@ -208,7 +254,7 @@ def repair(args: argparse.Namespace, cfg: settings.Settings) -> int:
         if not acting:
             out("\nnothing to act on: no key has a step repair can move")
             return code
-        again = ["outbox", "repair", *acting, "--module", args.module]
+        again = ["outbox", "repair", args.module, *acting]
         if args.force:
             again += ["--force", "--reason", args.reason]
         out(

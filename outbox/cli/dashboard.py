@@ -11,7 +11,7 @@ import sys
 
 from .. import settings
 from ..exceptions import ConfigError
-from .operator import _describe
+from .common import add_module, describe
 
 SECRET_ENV = "OUTBOX_DASHBOARD_SECRET"
 USERS_ENV = "OUTBOX_DASHBOARD_USERS"
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         f"""
         Serve the web dashboard: the overview, search by key, prefix, row id, provider reference
@@ -42,14 +42,15 @@ def arguments(p: argparse.ArgumentParser) -> None:
         outbox.dashboard.create_app(authorize=...).
         """,
     )
+    add_module(
+        p,
+        "the handler module (e.g. myapp.handlers): resolving a row sent writes its @then steps, and "
+        "repair asks the provider through the lookups",
+        required=False,
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--users", metavar="FILE", help=f"the users file (default ${USERS_ENV})")
-    p.add_argument(
-        "--module",
-        help="the handler module (e.g. myapp.handlers): resolving a row sent writes its @then "
-        "steps, and repair asks the provider through the lookups",
-    )
     p.add_argument(
         "--insecure-cookies",
         action="store_true",

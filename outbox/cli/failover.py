@@ -7,8 +7,8 @@ import getpass
 from typing import TYPE_CHECKING, Any
 
 from .. import settings
-from ..exceptions import ConfigError
 from . import exits
+from .common import UsageError
 from .output import out, print_json
 
 if TYPE_CHECKING:
@@ -42,9 +42,9 @@ def _identity(identity: Identity) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if args.accept and not (args.reason and args.reason.strip()):
-        raise ConfigError("--accept needs --reason: what was checked, for the next reader")
+        raise UsageError("--accept needs --reason: what was checked, for the next reader")
     from ..db import connect_raw
-    from ..failover import _SHOW, Identity, _differs, accept, read_identity
+    from ..failover import SHOW_RECORDED, Identity, accept, differences, read_identity
 
     with connect_raw(cfg.require_database_url(), autocommit=True) as conn:
         if args.accept:
@@ -61,9 +61,9 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
                 out(f"previously recorded: {previous.describe()}")
             return exits.OK
         current, problems = read_identity(conn)
-        row = conn.execute(_SHOW).fetchone()
+        row = conn.execute(SHOW_RECORDED).fetchone()
     recorded = None if row is None else Identity(row[0], row[1])
-    changes = [] if recorded is None else _differs(recorded, current)
+    changes = [] if recorded is None else differences(recorded, current)
     code = exits.FAILED if changes else exits.OK
     if args.json:
         data = {

@@ -8,7 +8,7 @@ from .. import settings
 from ..exceptions import ConfigError, FeatureRefused
 from ..features import DEFAULT_SETTLE_SECONDS
 from . import exits
-from .operator import _connection
+from .common import UsageError, connection
 from .output import err, out, print_json
 
 _HELP = """
@@ -52,8 +52,8 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
     if args.action == "list":
         if args.name:
-            raise ConfigError("outbox features lists them all; to turn one on: outbox features enable NAME")
-        with _connection(cfg) as conn:
+            raise UsageError("outbox features lists them all; to turn one on: outbox features enable NAME")
+        with connection(cfg) as conn:
             found = states(conn)
         if args.json:
             return print_json({"features": [f.to_dict() for f in found]})
@@ -73,9 +73,9 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
                     out(f"  nothing keeps it off: outbox features enable {f.name} --reason …")
         return exits.OK
     if not args.name:
-        raise ConfigError(f"enable which feature? ({', '.join(sorted(FEATURES))})")
+        raise UsageError(f"enable which feature? ({', '.join(sorted(FEATURES))})")
     if not (args.reason or "").strip():
-        raise ConfigError("--reason is required: why it is safe now, for the next reader")
+        raise UsageError("--reason is required: why it is safe now, for the next reader")
     from ..db import make_engine
 
     if args.settle < 0:

@@ -6,15 +6,14 @@ from __future__ import annotations
 import argparse
 
 from .. import settings
-from ..exceptions import ConfigError
 from . import exits
-from .operator import _connection, _describe
+from .common import UsageError, checked_destination, connection, describe
 from .output import err, out, print_json
-from .pauses import _destination, warn_if_unknown
+from .pauses import warn_if_unknown
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Cap a destination's calls over every worker process on every machine, from the next
@@ -50,11 +49,11 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
     setting = args.in_flight is not None or args.per_second is not None
     if args.clear and setting:
-        raise ConfigError("--clear or a limit (--in-flight N, --per-second R), not both")
+        raise UsageError("--clear or a limit (--in-flight N, --per-second R), not both")
     if args.destination is None:
         if setting or args.clear:
-            raise ConfigError("which destination? outbox limit D --per-second R --reason R")
-        with _connection(cfg) as conn:
+            raise UsageError("which destination? outbox limit D --per-second R --reason R")
+        with connection(cfg) as conn:
             found = limits(conn)
         if args.json:
             return print_json({"limits": [lim.to_dict() for lim in found]})
@@ -63,9 +62,9 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         for lim in found:
             out(lim.describe())
         return exits.OK
-    destination = _destination(args.destination)
+    destination = checked_destination(args.destination)
     if args.clear:
-        with _connection(cfg, write=True) as conn:
+        with connection(cfg, write=True) as conn:
             cleared = clear_limit(conn, destination, by=args.by or default_actor())
             left = limits(conn, destination)
         body = {
@@ -86,15 +85,15 @@ def run(args: argparse.Namespace, cfg: settings.Settings) -> int:
         out(f"cleared the limits of {destination}: {after}")
         return exits.OK
     if not setting:
-        with _connection(cfg) as conn:
+        with connection(cfg) as conn:
             found = limits(conn, destination)
         if args.json:
             return print_json({"limits": [lim.to_dict() for lim in found]})
         out(found[0].describe() if found else f"{destination} has no limit")
         return exits.OK
     if not (args.reason or "").strip():
-        raise ConfigError("--reason is required: it is shown to whoever finds the destination limited")
-    with _connection(cfg, write=True) as conn:
+        raise UsageError("--reason is required: it is shown to whoever finds the destination limited")
+    with connection(cfg, write=True) as conn:
         by = args.by or default_actor()
         done = set_limit(
             conn, destination, in_flight=args.in_flight, per_second=args.per_second, by=by, reason=args.reason

@@ -4,61 +4,29 @@ document (``outbox.cli.output``). The logic lives in ``outbox.ops``; nothing her
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import shlex
-import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import settings, states
 from ..exceptions import ConfigError
 from . import exits
+from .common import UsageError, add_module, by_and_reason, connection, describe, parse_id
 from .output import err, out, print_json
 from .render import render
 
 if TYPE_CHECKING:
-    from sqlalchemy import Connection
-
+    from ..ops.doctor import Check
     from ..ops.inspect import StatusReport
-
-
-@contextlib.contextmanager
-def _connection(cfg: settings.Settings, *, write: bool = False) -> Iterator[Connection]:
-    """A connection in one transaction: read-only with one snapshot for looking, committed on
-    success for acting."""
-    from ..db import make_engine
-
-    engine = make_engine(cfg.require_database_url(), connect_args={"application_name": "outbox ops"})
-    try:
-        if write:
-            with engine.begin() as conn:
-                yield conn
-        else:
-            options = {"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
-            with engine.connect().execution_options(**options) as conn, conn.begin():
-                yield conn
-    finally:
-        engine.dispose()
-
-
-def _describe(parser: argparse.ArgumentParser, description: str) -> None:
-    # The registry's one-line help is the default description; the long one replaces it here.
-    parser.description = textwrap.dedent(description).strip()
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-
-
-def _by_and_reason(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--reason", help="why, recorded in the row's history (card numbers masked)")
-    parser.add_argument("--by", help="who, recorded in the row's history (default: $USER or the login name)")
 
 
 # status
 
 
 def status_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Counts of outbox rows by destination and state, the unknown and failed counts, the total,
@@ -92,8 +60,8 @@ def status(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
     if not args.watch:
         if args.interval is not None or args.count is not None:
-            raise ConfigError("--interval and --count go with --watch")
-        with _connection(cfg) as conn:
+            raise UsageError("--interval and --count go with --watch")
+        with connection(cfg) as conn:
             report = status_of(conn)
         if args.json:
             print_json(report.to_dict())
@@ -108,7 +76,7 @@ def status(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from .watch import watch
 
     def take() -> StatusReport:
-        with _connection(cfg) as conn:
+        with connection(cfg) as conn:
             return status_of(conn)
 
     return watch(take, interval=interval, count=args.count, as_json=args.json)
@@ -118,7 +86,7 @@ def status(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
 
 def show_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Every step of a business key (outbox show order:42): one line a step, in the order they
@@ -154,13 +122,13 @@ def show(args: argparse.Namespace, cfg: settings.Settings) -> int:
         return _show_key(args, cfg)
     if args.step is None:
         lookup: dict[str, Any] = {
-            "row_id": _parse_id(args.target, "to look a row up by key, give its step too")
+            "row_id": parse_id(args.target, "to look a row up by key, give its step too")
         }
     else:
         lookup = {"key": args.target, "step": args.step}
     from ..ops.inspect import show as show_row
 
-    with _connection(cfg) as conn:
+    with connection(cfg) as conn:
         detail = show_row(conn, **lookup, payload=args.payload)
     if args.json:
         print_json(detail.to_dict())
@@ -172,23 +140,13 @@ def show(args: argparse.Namespace, cfg: settings.Settings) -> int:
 def _show_key(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.inspect import key_steps
 
-    with _connection(cfg) as conn:
+    with connection(cfg) as conn:
         report = key_steps(conn, args.target)
     if args.json:
         print_json(report.to_dict())
     else:
         out(render(report))
     return exits.OK
-
-
-def _parse_id(raw: str, hint: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{raw!r} is not a row id; {hint}") from None
-    if not 1 <= value < 2**63:
-        raise ConfigError(f"{raw!r} is not a row id; ids are positive 64-bit integers")
-    return value
 
 
 # list, and its shortcuts failed / unknown
@@ -198,7 +156,7 @@ def _list_arguments(state: str | None, description: str) -> Callable[[argparse.A
     def add(p: argparse.ArgumentParser) -> None:
         from ..settings import DEFAULT_LIST_LIMIT
 
-        _describe(p, description)
+        describe(p, description)
         if state is None:
             p.add_argument(
                 "--state",
@@ -229,7 +187,7 @@ def list_rows(args: argparse.Namespace, cfg: settings.Settings) -> int:
     # `outbox failed` is `outbox list --state failed`; a bad state is refused before connecting.
     asked = [args.list_state] if args.list_state else getattr(args, "state", None)
     wanted = check_states(asked or states.ALL)
-    with _connection(cfg) as conn:
+    with connection(cfg) as conn:
         listed = rows_in(
             conn, wanted, destination=args.destination, key_prefix=args.key_prefix, limit=args.limit
         )
@@ -276,7 +234,7 @@ unknown_arguments = _list_arguments(
 
 
 def replay_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Give failed rows another chance: failed -> pending, attempts reset to 0, due now. Only
@@ -332,31 +290,31 @@ def replay_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replay one row the replay rules refuse (one ID, with --reason; never in bulk)",
     )
-    _by_and_reason(p)
+    by_and_reason(p)
 
 
 def replay(args: argparse.Namespace, cfg: settings.Settings) -> int:
     if bool(args.ids) == bool(args.destination):
-        raise ConfigError("replay takes row ids or --destination D, not both and not neither")
-    ids = [_parse_id(raw, "replay takes row ids") for raw in args.ids]
+        raise UsageError("replay takes row ids or --destination D, not both and not neither")
+    ids = [parse_id(raw, "replay takes row ids") for raw in args.ids]
     if args.force and (args.destination or len(set(ids)) != 1):
-        raise ConfigError("--force replays one row named by its id, never in bulk (not with --destination)")
+        raise UsageError("--force replays one row named by its id, never in bulk (not with --destination)")
     if args.force and not (args.reason and args.reason.strip()):
-        raise ConfigError("--force needs --reason: why replaying this row cannot charge twice")
+        raise UsageError("--force needs --reason: why replaying this row cannot charge twice")
     if args.plan and not args.yes:
-        raise ConfigError("--plan checks the preview before acting: give it with --yes")
+        raise UsageError("--plan checks the preview before acting: give it with --yes")
     bulk = bool(args.destination) or len(set(ids)) > 1
     # A bulk --yes acts on what the operator reviewed, never on a fresh query nobody saw: the
     # preview's fingerprint names that set (like cancel --destination's --max-id).
     if bulk and args.yes and not args.plan:
-        raise ConfigError(
+        raise UsageError(
             "--yes needs the preview's --plan PLAN: run the command without --yes first, review "
             "what it will replay, then run the command it prints"
         )
     act = args.yes or not bulk
     from ..ops.actions import execute_replay, plan_replay
 
-    with _connection(cfg, write=act) as conn:
+    with connection(cfg, write=act) as conn:
         plan = plan_replay(conn, ids, destination=args.destination, force=args.force)
         stale = bool(args.plan) and args.plan != plan.fingerprint
         results = [] if not act or stale else execute_replay(conn, plan, by=args.by, reason=args.reason)
@@ -416,7 +374,7 @@ def replay(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
 
 def resolve_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Settle an unknown row by hand once you have asked the provider (the reconciler does this
@@ -430,9 +388,19 @@ def resolve_arguments(p: argparse.ArgumentParser) -> None:
                            now (attempts kept); the relay is woken with NOTIFY
           --failed REASON  give up: failed, with REASON as last_error (outbox replay can retry it)
 
+        MODULE, the handler module, goes before ID (outbox resolve myapp.handlers 42 --sent REF):
+        with --sent, the row's @then steps are written in the same transaction.
+
         Only an unknown row moves (one guarded UPDATE … WHERE state = 'unknown'); any other row
         is refused untouched with exit 1. Who/when/why is appended to the row's history.
         """,
+    )
+    add_module(
+        p,
+        "the handler module (e.g. myapp.handlers), before ID: with --sent, the row's @then steps are "
+        "written in the same transaction; without it they are not (outbox repair writes them)",
+        required=False,
+        then=" ID --sent REF",
     )
     p.add_argument("id", metavar="ID", help="the row id")
     how = p.add_mutually_exclusive_group(required=True)
@@ -445,13 +413,7 @@ def resolve_arguments(p: argparse.ArgumentParser) -> None:
         help="with --sent: the provider's answer, a JSON object (stored sanitised as the row's "
         "response; the @then function is given what is stored)",
     )
-    p.add_argument(
-        "--module",
-        metavar="MODULE",
-        help="the handler module (e.g. myapp.handlers): with --sent, the row's @then steps are "
-        "written in the same transaction; without it they are not (outbox repair writes them)",
-    )
-    _by_and_reason(p)
+    by_and_reason(p)
 
 
 def _json_object(text: str | None) -> dict[str, Any] | None:
@@ -483,15 +445,17 @@ def _json_object(text: str | None) -> dict[str, Any] | None:
 
 
 def resolve(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    row_id = _parse_id(args.id, "resolve takes one row id")
+    if args.module is not None and args.module.strip().isdigit():
+        raise UsageError(f"MODULE comes before the row id: outbox resolve myapp.handlers {args.module} …")
+    row_id = parse_id(args.id, "resolve takes one row id")
     from ..handlers import load_module
     from ..ops.actions import resolve as resolve_row
 
     if args.response is not None and args.sent is None:
-        raise ConfigError("--response goes with --sent: it is the answer of the call the provider has")
+        raise UsageError("--response goes with --sent: it is the answer of the call the provider has")
     response = _json_object(args.response)
     handlers = load_module(args.module) if args.module else None
-    with _connection(cfg, write=True) as conn:
+    with connection(cfg, write=True) as conn:
         result = resolve_row(
             conn,
             row_id,
@@ -514,7 +478,7 @@ def resolve(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
 
 def cancel_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Cancel rows that will never be sent, e.g. those of a destination no worker serves (a typo:
@@ -553,17 +517,17 @@ def cancel_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --destination: only rows with an id up to N (the preview prints it)",
     )
-    _by_and_reason(p)
+    by_and_reason(p)
 
 
 def cancel(args: argparse.Namespace, cfg: settings.Settings) -> int:
-    ids = [_parse_id(raw, "cancel takes row ids") for raw in args.ids]
+    ids = [parse_id(raw, "cancel takes row ids") for raw in args.ids]
     if (args.yes or args.max_id is not None) and not args.destination:
-        raise ConfigError("--yes and --max-id go with --destination; rows named by id are cancelled directly")
+        raise UsageError("--yes and --max-id go with --destination; rows named by id are cancelled directly")
     preview = bool(args.destination) and not args.yes
     from ..ops.actions import cancel_rows
 
-    with _connection(cfg, write=not preview) as conn:
+    with connection(cfg, write=not preview) as conn:
         plan = cancel_rows(
             conn,
             ids,
@@ -598,7 +562,7 @@ def cancel(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
 
 def doctor_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Check every invariant of the contract against the live database and Redis, one line per
@@ -632,7 +596,9 @@ def doctor_arguments(p: argparse.ArgumentParser) -> None:
                         purge is not running, skipped for that privilege, or held back by a
                         transaction left open)
 
-        Exit 0 only when every check is ok (or WARN), 1 otherwise.
+        The last line sums it up: "all checks passed", "passed with N warning(s)" when a check
+        says WARN, or "N check(s) failed". Exit 0 when no check failed (warnings included), 1
+        otherwise.
 
         With --payloads (and MODULE), before rolling out new workers: only the database, the
         module and every waiting row (pending, dispatched, in_flight, unknown, failed) of a
@@ -641,9 +607,7 @@ def doctor_arguments(p: argparse.ArgumentParser) -> None:
         and their fields. Redis is not needed.
         """,
     )
-    p.add_argument(
-        "module", nargs="?", metavar="MODULE", help="handler module to check too, e.g. myapp.handlers"
-    )
+    add_module(p, "handler module to check too, e.g. myapp.handlers", required=False)
     p.add_argument(
         "--payloads",
         action="store_true",
@@ -655,7 +619,7 @@ def doctor(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.doctor import run_checks, run_payload_checks
 
     if args.payloads and not args.module:
-        raise ConfigError("--payloads needs MODULE: the handler module whose payload models to check")
+        raise UsageError("--payloads needs MODULE: the handler module whose payload models to check")
     checks = run_payload_checks(cfg, args.module) if args.payloads else run_checks(cfg, args.module)
     healthy = all(c.ok for c in checks)
     failed = sum(1 for c in checks if c.status == "FAIL")
@@ -669,15 +633,25 @@ def doctor(args: argparse.Namespace, cfg: settings.Settings) -> int:
         width = max(len(c.name) for c in checks)
         for c in checks:
             out(f"{c.status:<4}  {c.name.ljust(width)}  {c.detail}")
-        out("all checks passed" if healthy else f"{failed} check(s) failed")
+        out(doctor_verdict(checks))
     return code
+
+
+def doctor_verdict(checks: list[Check]) -> str:
+    """The last line of ``outbox doctor``: never "all checks passed" under a WARN line."""
+    failed = sum(1 for c in checks if c.status == "FAIL")
+    warned = sum(1 for c in checks if c.status == "WARN")
+    warnings = f"{warned} warning(s)" if warned else ""
+    if failed:
+        return f"{failed} check(s) failed" + (f", {warnings}" if warned else "")
+    return f"passed with {warnings}" if warned else "all checks passed"
 
 
 # audit
 
 
 def audit_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Prove there was no double call. Per destination: messages by state, attempts (attempt
@@ -703,7 +677,7 @@ def audit(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.audit import parse_since
 
     since = parse_since(args.since) if args.since else None
-    with _connection(cfg) as conn:
+    with connection(cfg) as conn:
         report = audit_of(conn, since)
     code = exits.OK if report.ok else exits.FAILED
     if args.json:

@@ -7,8 +7,8 @@ import argparse
 
 from .. import settings
 from ..ops.values import printable
+from .common import by_and_reason, connection, describe, parse_id
 from .flags import positive_int
-from .operator import _by_and_reason, _connection, _describe, _parse_id
 from .output import out, print_json
 from .render import format_table, short
 
@@ -16,7 +16,7 @@ from .render import format_table, short
 def ordering_arguments(p: argparse.ArgumentParser) -> None:
     from ..ops.ordering import DEFAULT_BLOCKED_LIMIT
 
-    _describe(
+    describe(
         p,
         """
         The blocked ordering keys (rows written with ordering_key=): keys whose head,
@@ -44,7 +44,7 @@ def ordering_arguments(p: argparse.ArgumentParser) -> None:
 def ordering(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.ordering import blocked_keys
 
-    with _connection(cfg) as conn:
+    with connection(cfg) as conn:
         report = blocked_keys(conn, limit=args.limit)
     if args.json:
         return print_json(report.to_dict())
@@ -70,7 +70,7 @@ def ordering(args: argparse.Namespace, cfg: settings.Settings) -> int:
 
 
 def skip_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Let the rows of a failed row's ordering key behind it go without it. The row stays
@@ -82,14 +82,14 @@ def skip_arguments(p: argparse.ArgumentParser) -> None:
         """,
     )
     p.add_argument("id", metavar="ID", help="the failed row's id (outbox ordering lists them)")
-    _by_and_reason(p)
+    by_and_reason(p)
 
 
 def skip(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.actions import skip as skip_row
 
-    row_id = _parse_id(args.id, "skip takes one row id")
-    with _connection(cfg, write=True) as conn:
+    row_id = parse_id(args.id, "skip takes one row id")
+    with connection(cfg, write=True) as conn:
         result = skip_row(conn, row_id, by=args.by, reason=args.reason)
     if args.json:
         return print_json(result.to_dict())

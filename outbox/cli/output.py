@@ -3,7 +3,8 @@
 With ``--json`` a command prints exactly one JSON document: its data, or for an error
 ``{"error": {"message": …, "exit_code": N}}``; a command that did part of what was asked (some
 rows refused) prints its data with that ``error`` member added. Without ``--json`` errors go to
-stderr as ``outbox: message``.
+stderr as ``outbox: message``; a usage error as ``outbox CMD: error: message (outbox CMD --help)``
+(``outbox.cli.common.usage_error``).
 """
 
 from __future__ import annotations

@@ -8,15 +8,14 @@ from datetime import datetime
 from typing import Any
 
 from .. import settings
-from ..exceptions import ConfigError, InvalidMessage
-from ..validation import check_destination
+from ..exceptions import ConfigError
 from . import exits
-from .operator import _connection, _describe
+from .common import UsageError, checked_destination, connection, describe
 from .output import err, out, print_json
 
 
 def pause_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         Pause a destination: from the next claim on, no worker claims its rows (the claim
@@ -48,7 +47,7 @@ def pause_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resume_arguments(p: argparse.ArgumentParser) -> None:
-    _describe(
+    describe(
         p,
         """
         End a destination's pause, and close its circuit breaker if it is open: workers claim
@@ -79,14 +78,6 @@ def _until(raw: str | None) -> tuple[datetime | None, float | None]:
     return at, None
 
 
-def _destination(raw: str) -> str:
-    try:
-        check_destination(raw)
-    except InvalidMessage as exc:
-        raise ConfigError(str(exc)) from exc
-    return raw
-
-
 def warn_if_unknown(conn: Any, destination: str, anyway: str) -> str | None:
     """Warn (stderr) when no worker seen in the last day serves ``destination`` and no row of it
     waits, naming the likely one: a typo is paused or limited happily while the real destination
@@ -111,11 +102,11 @@ def pause(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.actions import default_actor
     from ..pauses import pause as pause_destination
 
-    destination = _destination(args.destination)
+    destination = checked_destination(args.destination)
     if not (args.reason or "").strip():
-        raise ConfigError("--reason is required: it is shown to whoever finds the destination paused")
+        raise UsageError("--reason is required: it is shown to whoever finds the destination paused")
     until, for_seconds = _until(args.until)
-    with _connection(cfg, write=True) as conn:
+    with connection(cfg, write=True) as conn:
         done = pause_destination(
             conn,
             destination,
@@ -136,8 +127,8 @@ def resume(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.actions import default_actor
     from ..pauses import resume as resume_destination
 
-    destination = _destination(args.destination)
-    with _connection(cfg, write=True) as conn:
+    destination = checked_destination(args.destination)
+    with connection(cfg, write=True) as conn:
         done = resume_destination(conn, destination, by=args.by or default_actor())
     if done.pause is None and not done.breaker_closed:
         problem = f"{destination} is not paused and its breaker is not open"

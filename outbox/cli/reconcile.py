@@ -12,6 +12,7 @@ from .. import settings
 from ..exceptions import ConfigError
 from ..signals import stop_event_on_signals
 from . import exits
+from .common import add_module
 from .handlers import load_handlers
 
 logger = logging.getLogger(__name__)
@@ -82,11 +83,10 @@ Durations accept 30, 30s, 15m, 12h, 7d. SIGTERM/SIGINT finish the jobs in hand a
 def arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "module",
-        metavar="MODULE",
-        help="importable module declaring the @outbox.handler functions (and their lookups), "
-        "e.g. myapp.handlers",
+    add_module(
+        parser,
+        "importable module declaring the @outbox.handler functions (and their lookups), e.g. myapp.handlers",
+        required=True,
     )
     parser.add_argument(
         "--interval",

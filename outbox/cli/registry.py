@@ -106,7 +106,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "resolve",
-        "settle an unknown row: resolve ID --sent REF | --not-sent | --failed REASON",
+        "settle an unknown row: resolve [MODULE] ID --sent REF | --not-sent | --failed REASON",
         "outbox.cli.operator:resolve_arguments",
         "outbox.cli.operator:resolve",
         _LOOK,
@@ -134,14 +134,14 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "chains",
-        "keys whose work stopped (chains --stalled [--destination D] [--older-than T])",
+        "chains under way and how many stopped; chains --stalled: the keys whose work stopped",
         "outbox.cli.chains:chains_arguments",
         "outbox.cli.chains:chains",
         _LOOK,
     ),
     Command(
         "repair",
-        "resume stopped keys at the first step not confirmed: repair KEY… | --stalled --module M",
+        "resume stopped keys at the first step not confirmed: repair MODULE KEY… | repair MODULE --stalled",
         "outbox.cli.chains:repair_arguments",
         "outbox.cli.chains:repair",
         _LOOK,
@@ -226,6 +226,18 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 BY_NAME = {c.name: c for c in COMMANDS}
+
+#: The command list of `outbox` and `outbox --help`: every command once, by what it is for.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("services", ("migrate", "relay", "worker", "reconcile")),
+    (
+        "looking",
+        ("status", "show", "list", "failed", "unknown", "chains", "ordering", "batch", "audit", "doctor"),
+    ),
+    ("acting", ("replay", "resolve", "cancel", "skip", "repair", "pause", "resume", "limit")),
+    ("deploys and failover", ("features", "failover")),
+    ("tools", ("dashboard", "demo", "provider")),
+)
 
 
 def load(dotted: str) -> object:

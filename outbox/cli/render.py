@@ -422,7 +422,7 @@ def render_stalled(report: StalledReport) -> str:
     tail = f"\n… and {more} more (--limit)" if more > 0 else ""
     return (
         f"{table}{tail}\n\n{report.matching} key(s){where} stopped for {threshold} or more; "
-        "outbox show KEY for every step, outbox repair KEY… --module M to resume them"
+        "outbox show KEY for every step, outbox repair MODULE KEY… to resume them"
     )
 
 

@@ -23,6 +23,7 @@ from ..probes import (
 )
 from ..signals import stop_event_on_signals
 from . import exits
+from .common import add_module
 from .flags import duration
 from .handlers import load_handlers
 
@@ -75,7 +76,7 @@ def worker_arguments(p: argparse.ArgumentParser) -> None:
         f"OUTBOX_HEARTBEAT_INTERVAL (default {_HEARTBEAT}), read by `outbox status`, `outbox doctor` "
         "and the reconciler's no-consumer alert. SIGTERM finishes the messages in hand."
     )
-    p.add_argument("module", help="importable module declaring the handlers, e.g. myapp.handlers")
+    add_module(p, "importable module declaring the handlers, e.g. myapp.handlers", required=True)
     p.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
     p.add_argument(
         "--concurrency",

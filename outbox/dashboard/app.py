@@ -780,7 +780,7 @@ class Dashboard:
                 raise Refused(
                     409,
                     "repair asks the provider through the handlers' lookups: "
-                    "start the dashboard with --module",
+                    "start the dashboard with MODULE (outbox dashboard myapp.handlers)",
                 )
             key = (form.get("key") or [""])[0]
             confirm = (form.get("confirm") or [""])[0] == "yes"

@@ -54,7 +54,7 @@ Then (unless --no-chain) the chain phase: {CHAIN_INVOICES} invoices, each issued
 (outbox.demo.invoicing: the notify row is written by the commit that records the issue sent). A
 worker is SIGKILLed right after that commit for the first invoice, between the two steps; the
 provider drops its answer to the second invoice's issue, which ends unknown, and the demo runs
-`outbox repair KEY --module {INVOICING} --yes`, which finds the charge through the lookup and
+`outbox repair {INVOICING} KEY --yes`, which finds the charge through the lookup and
 resumes the chain without a second call. It passes when every step is sent and the provider
 took each exactly once.
 

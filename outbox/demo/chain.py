@@ -5,7 +5,7 @@
 1. a worker is SIGKILLed right after its commit of the first invoice's issue, before the ack:
    between the two steps. The notify row was written in that commit; nothing else is needed.
 2. the provider takes the second invoice's issue and drops the answer: ``unknown``. No
-   reconciler runs in this phase: ``outbox repair KEY --module outbox.demo.invoicing --yes``
+   reconciler runs in this phase: ``outbox repair outbox.demo.invoicing KEY --yes``
    (the real command) asks the provider through the lookup, finds the charge, records it
    ``sent`` and writes its notify step in the same statement: no second call.
 3. every step ends ``sent``, and the provider's own counters show each step called once.
@@ -123,7 +123,7 @@ def run_chain_phase(
     # A lookup's "not found" proves nothing while the call may still land: repair waits a lease
     # and a time_limit after the claim itself; the demo waits them out rather than be refused.
     time.sleep(LEASE_SECONDS + TIME_LIMIT_SECONDS + 0.5)
-    command = [sys.executable, "-m", "outbox", "repair", keys[1], "--module", INVOICING, "--yes"]
+    command = [sys.executable, "-m", "outbox", "repair", INVOICING, keys[1], "--yes"]
     command += ["--by", "outbox demo", "--reason", "demo: the answer was lost"]
     done = subprocess.run(command, env=sup.env, capture_output=True, text=True, timeout=60, check=False)
     repaired = (done.stdout + done.stderr).strip().splitlines()
@@ -132,7 +132,7 @@ def run_chain_phase(
         raise DemoFailed(
             f"chain phase: outbox repair {keys[1]} exited {done.returncode}:\n" + "\n".join(repaired)
         )
-    say(f"  $ outbox repair {keys[1]} --module {INVOICING} --yes\n  {result_line}")
+    say(f"  $ outbox repair {INVOICING} {keys[1]} --yes\n  {result_line}")
 
     # 3. Every step sent, each called once.
     every = {(k, s) for k in keys for s in STEPS}

@@ -481,7 +481,7 @@ def _then_plan(
 def _chain_notes(plan: chains.Plan, written: int, *, with_module: bool) -> list[str]:
     """What an operator is told of the next steps a settlement wrote."""
     if not with_module:
-        return ["without --module its @then steps, if any, are written by the reconciler"]
+        return ["without MODULE its @then steps, if any, are written by the reconciler"]
     notes = []
     if plan.rows:
         steps = ", ".join(str(r["step"]) for r in plan.rows)

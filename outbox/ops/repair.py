@@ -275,7 +275,8 @@ def _plan_failed(
             REFUSED,
             s,
             f"step {s['step']} failed for good (the provider's certain answer: {error}); repair "
-            f"never re-runs it on its own: fix the cause, then outbox repair {key} --force --reason WHY",
+            "never re-runs it on its own: fix the cause, then "
+            f"outbox repair {module} {key} --force --reason WHY",
         )
     # An operator gave up on this step on purpose (support refunded the customer by hand): asking
     # the provider would find the charge and go on with the chain, a "not found" would re-run it.
@@ -287,7 +288,8 @@ def _plan_failed(
             REFUSED,
             s,
             f"step {s['step']} was failed by an operator (resolve --failed: {error}); repair neither "
-            f"continues nor re-runs it on its own: if it must, outbox repair {key} --force --reason WHY",
+            "continues nor re-runs it on its own: if it must, "
+            f"outbox repair {module} {key} --force --reason WHY",
         )
     if COMPENSATED in candidate.refusals:
         return _item(
@@ -378,8 +380,8 @@ def _plan_key(
                 REFUSED,
                 s,
                 f"step {s['step']} is unknown and {s['destination']} has neither a lookup nor "
-                f"idempotency: check the provider, then outbox resolve {s['id']} --sent REF "
-                f"--module {module} (or --not-sent)",
+                f"idempotency: check the provider, then outbox resolve {module} {s['id']} --sent REF "
+                "(or --not-sent)",
             )
         how = "ask the provider (lookup)" if handler.lookup_fn else "re-run (the destination is idempotent)"
         return _item(

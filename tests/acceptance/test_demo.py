@@ -99,7 +99,7 @@ def test_the_demo_runs_with_chaos_and_ends_in_a_clean_audit():
     assert "outbox audit:" in output and "OK: no violation" in output
     # The chain phase (issue 14): a worker killed between two steps, an unknown step repaired.
     assert "the worker was SIGKILLed right after committing `issue` sent" in output, output
-    assert re.search(r"outbox repair demo-invoice:\S+ --module outbox.demo.invoicing --yes", output), output
+    assert re.search(r"outbox repair outbox.demo.invoicing demo-invoice:\S+ --yes", output), output
     assert "the provider has it" in output and "sent, no second call" in output, output
     assert "the provider took each exactly once (6 calls for 6 steps)" in output, output
     workdir = re.search(r"working directory (\S+)", output).group(1)

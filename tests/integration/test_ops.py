@@ -434,7 +434,7 @@ def test_resolve_sent(clean, engine, capsys):
         "--by",
         "alice",
     )
-    assert code == 0 and out.strip().startswith(f"row {row_id} resolved: unknown -> sent; without --module")
+    assert code == 0 and out.strip().startswith(f"row {row_id} resolved: unknown -> sent; without MODULE")
     after = row(clean, row_id)
     assert (after["state"], after["provider_ref"], after["claim_token"]) == ("sent", "ch_42", token)
     assert after["completed_at"] is not None and after["unknown_since"] is None

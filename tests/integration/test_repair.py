@@ -28,7 +28,7 @@ from outbox.settings import libpq_url
 
 from .test_chains import KEY, declare, invoice_chain, steps, write_charge
 
-#: The handler module `outbox repair --module` imports: this one (its handlers are declared per
+#: The handler module `outbox repair MODULE` imports: this one (its handlers are declared per
 #: test in the registry that load_module returns).
 MODULE = __name__
 
@@ -66,21 +66,19 @@ def test_an_unknown_step_whose_charge_happened_is_found_and_the_chain_goes_on(
     charge_id = write_charge(engine)
     assert deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
 
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes")
     # Asked at once, a provider still executing the call would say "not found": repair waits as
     # long as the reconciler would (a lease and a time_limit after the claim).
     assert code == 1 and "may still be landing at the provider" in err
     assert steps(clean)["charge"]["state"] == "unknown"
     elapse(clean, 60, [charge_id])
 
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE)
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY)
     assert code == 0, err
     assert "look up" in out and "nothing changed: this is the plan" in out
     assert set(steps(clean)) == {"charge"} and steps(clean)["charge"]["state"] == "unknown"
 
-    code, out, err = cli(
-        clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--by", "alice", "--reason", "INC-7"
-    )
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes", "--by", "alice", "--reason", "INC-7")
     assert code == 0, err
     assert "the provider has it" in out and "no second call" in out
     rows = steps(clean)
@@ -94,7 +92,7 @@ def test_an_unknown_step_whose_charge_happened_is_found_and_the_chain_goes_on(
     assert deliver(rows["export"]["id"], "accounting.export") is DeliveryResult.SENT
     assert provider.stats()["effects"] == {f"{KEY}:charge": 1, f"{KEY}:export": 1}
     # Repairing again finds nothing to do at the charge: the chain waits at notify.
-    code, out, _ = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    code, out, _ = cli(clean, capsys, "repair", MODULE, KEY, "--yes")
     assert code == 0 and "notify is pending: under way" in out
 
 
@@ -109,7 +107,7 @@ def test_an_unknown_step_whose_charge_did_not_happen_is_re_run_once(clean, engin
     assert steps(clean)["charge"]["state"] == "unknown"
     elapse(clean, 60, [charge_id])  # no call of it can still land
 
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes")
     assert code == 0, err
     assert "no record of it: re-run" in out
     assert steps(clean)["charge"]["state"] == "pending"
@@ -125,15 +123,15 @@ def test_a_step_failed_for_good_is_refused_without_force(clean, engine, provider
     charge_id = write_charge(engine, {"invoice": 7, "amount_cents": -1})  # the simulator declines
     assert deliver(charge_id, "payments.charge") is DeliveryResult.FAILED
 
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes")
     assert code == 1
     assert "failed for good" in out + err and "--force" in out + err
     assert steps(clean)["charge"]["state"] == "failed"
 
     # --force names one key, with a reason.
-    code, _, err = cli(clean, capsys, "repair", KEY, "other:1", "--module", MODULE, "--force", "--yes")
+    code, _, err = cli(clean, capsys, "repair", MODULE, KEY, "other:1", "--force", "--yes")
     assert code == 2 and "one KEY named alone" in err
-    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes")
+    code, _, err = cli(clean, capsys, "repair", MODULE, KEY, "--force", "--yes")
     assert code == 2 and "--force needs --reason" in err
 
     sql(
@@ -141,9 +139,7 @@ def test_a_step_failed_for_good_is_refused_without_force(clean, engine, provider
         "UPDATE outbox_message SET payload = %s WHERE id = %s",
         ('{"invoice": 7, "amount_cents": 5}', charge_id),
     )
-    code, out, err = cli(
-        clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "card updated"
-    )
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--force", "--yes", "--reason", "card updated")
     assert code == 0, err
     assert "re-run (failed -> pending)" in out
     assert steps(clean)["charge"]["state"] == "pending"
@@ -161,7 +157,7 @@ def test_a_confirmed_step_without_its_next_steps_gets_them(clean, engine, provid
         ops.resolve(conn, charge_id, sent_ref="ch_by_hand")  # no module: steps not computed
     assert steps(clean)["charge"]["chain_problem"] == chains.NOT_COMPUTED
 
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--json")
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes", "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["keys"][0]["action"] == "write_next_steps" and doc["results"][0]["done"] is True
@@ -182,7 +178,7 @@ def test_a_failed_step_with_an_ambiguous_history_asks_the_provider_first(
     assert deliver(charge_id, "payments.charge") is DeliveryResult.FAILED
     elapse(clean, 60, [charge_id])
     # replay alone would refuse it: the call may have taken effect.
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes")
     assert code == 0, err
     assert "failed -> sent, no second call" in out
     rows = steps(clean)
@@ -195,7 +191,7 @@ def test_without_a_lookup_an_ambiguous_failure_is_left_to_a_human(clean, engine,
     provider.configure(fault_keys={f"{KEY}:charge": "drop_after"})
     charge_id = write_charge(engine)
     assert deliver(charge_id, "payments.charge") is DeliveryResult.UNKNOWN
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes")
     assert code == 1
     assert "neither a lookup nor idempotency" in out + err
     assert steps(clean)["charge"]["state"] == "unknown"
@@ -220,14 +216,76 @@ def test_chains_stalled_lists_the_stopped_keys(clean, engine, provider, deliver,
     code, out, _ = cli(clean, capsys, "chains", "--stalled")
     assert code == 0 and KEY in out and "invoice:8" in out and "2 key(s) stopped for 15m" in out
     # repair --stalled plans them all: the failed one refused, the pending one under way.
-    code, out, err = cli(clean, capsys, "repair", "--stalled", "--module", MODULE)
+    code, out, err = cli(clean, capsys, "repair", MODULE, "--stalled")
     assert code == 1  # the plan refuses a key
     assert "refused" in out and "under way" in out
     assert "nothing to act on" in out
-    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--destination", "payments.charge")
+    code, _, err = cli(clean, capsys, "repair", MODULE, KEY, "--destination", "payments.charge")
     assert code == 2 and "select among --stalled keys" in err
-    code, _, err = cli(clean, capsys, "repair", KEY)
-    assert code == 2 and "repair needs --module" in err
+    code, _, err = cli(clean, capsys, "repair")
+    assert code == 2 and err == (
+        "outbox repair: error: MODULE is required, the handler module first: "
+        "outbox repair myapp.handlers KEY… (outbox repair --help)\n"
+    )
+    # The former spelling, for one release: KEY --module M is the same repair, with one line saying so.
+    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE)
+    assert code == 1 and "refused" in out
+    assert err.splitlines()[0] == (
+        "outbox repair: --module is deprecated; pass MODULE as the first argument: "
+        f"outbox repair {MODULE} KEY… (--module goes in the next release)"
+    )
+    code, _, err = cli(clean, capsys, "repair", MODULE, "--stalled", "--module", MODULE)
+    assert code == 2 and "MODULE given twice" in err and len(err.splitlines()) == 1
+
+
+def test_chains_without_stalled_lists_the_chains_under_way(clean, engine, provider, deliver, capsys):
+    invoice_chain(provider)
+    charge_id = write_charge(engine)
+    assert deliver(charge_id, "payments.charge") is DeliveryResult.SENT  # export written, waiting
+    with Session(engine) as s, s.begin():
+        # A lone row is no chain; a failed key is stopped, not under way.
+        outbox.write(s, key="invoice:8", step="charge", destination="payments.charge", payload={"invoice": 8})
+        failed_id = outbox.write(
+            s, key="invoice:9", step="charge", destination="payments.charge", payload={"amount_cents": -1}
+        ).id
+    assert deliver(failed_id, "payments.charge") is DeliveryResult.FAILED
+    elapse(clean, 3600)
+
+    code, out, err = cli(clean, capsys, "chains")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].split() == ["key", "waiting", "at", "destination", "state", "for", "done"]
+    assert lines[2].split()[:4] == [KEY, "export", "accounting.export", "pending"]
+    assert lines[2].split()[-1] == "1/2"
+    assert "invoice:8" not in out and "invoice:9" not in out
+    # Stopped: the failed key, and the two waiting for an hour (the chain's export among them).
+    assert lines[-1] == (
+        "1 chain(s) under way; 3 key(s) stopped for 15m or more (outbox chains --stalled lists them)"
+    )
+    code, out, _ = cli(clean, capsys, "chains", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["under_way"] == 1 and doc["destination"] is None
+    assert doc["stalled"] == {"older_than_seconds": 900.0, "matching": 3}
+    [key] = doc["keys"]
+    assert {k: key[k] for k in ("key", "step", "destination", "state", "steps", "done")} == {
+        "key": KEY,
+        "step": "export",
+        "destination": "accounting.export",
+        "state": "pending",
+        "steps": 2,
+        "done": 1,
+    }
+    assert key["age_seconds"] >= 3600
+    # --destination names the waiting step's destination; a typo is exit 1, as with --stalled.
+    code, out, _ = cli(clean, capsys, "chains", "--destination", "payments.charge", "--json")
+    assert code == 0 and json.loads(out)["under_way"] == 0
+    code, _, err = cli(clean, capsys, "chains", "--destination", "acounting.export")
+    assert code == 1 and "no outbox rows for destination" in err
+    code, _, err = cli(clean, capsys, "chains", "--older-than", "1h")
+    assert code == 2 and err.startswith("outbox chains: error: --older-than goes with --stalled")
+    # --stalled is unchanged: its document has no under_way.
+    code, out, _ = cli(clean, capsys, "chains", "--stalled", "--json")
+    assert code == 0 and set(json.loads(out)) == {"older_than_seconds", "destination", "matching", "keys"}
 
 
 def _claimed_then_failed_by_hand(clean: Any, engine: Any, charge_id: int) -> None:
@@ -249,16 +307,12 @@ def test_an_ambiguous_failure_the_provider_has_no_record_of_is_re_run_once_no_ca
     lookup_on(invoice_chain(provider), provider)
     charge_id = write_charge(engine)
     _claimed_then_failed_by_hand(clean, engine, charge_id)
-    code, _, err = cli(
-        clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "INC-9"
-    )
+    code, _, err = cli(clean, capsys, "repair", MODULE, KEY, "--force", "--yes", "--reason", "INC-9")
     assert code == 1 and "may still be landing" in err
     assert steps(clean)["charge"]["state"] == "failed"
 
     elapse(clean, 60, [charge_id])
-    code, out, err = cli(
-        clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "INC-9"
-    )
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--force", "--yes", "--reason", "INC-9")
     assert code == 0, err
     assert "the provider has no record of it: re-run" in out
     assert history(clean, charge_id)[-1]["action"] == "repair"
@@ -271,9 +325,7 @@ def test_an_ambiguous_failure_past_key_ttl_is_left_to_a_human(clean, engine, pro
     charge_id = write_charge(engine)
     _claimed_then_failed_by_hand(clean, engine, charge_id)
     elapse(clean, charge.key_ttl + 60, [charge_id])
-    code, _, err = cli(
-        clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "INC-9"
-    )
+    code, _, err = cli(clean, capsys, "repair", MODULE, KEY, "--force", "--yes", "--reason", "INC-9")
     assert code == 1 and "older than key_ttl" in err
     assert steps(clean)["charge"]["state"] == "failed"
     assert provider.stats()["effects"] == {}
@@ -309,7 +361,7 @@ def test_the_purge_keeps_a_sent_step_until_its_next_steps_are_written(
         purge(conn, retention_seconds=7 * 86400)
     assert steps(clean)["charge"]["chain_problem"]  # still there, not in the ledger
     broken["on"] = False
-    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes")
+    code, _, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes")
     assert code == 0, err
     assert steps(clean)["export"]["payload"] == {"charge": steps(clean)["charge"]["provider_ref"]}
 
@@ -387,7 +439,7 @@ def test_a_slow_lookup_cannot_outlast_the_landing_wait(clean, engine, provider, 
 
     landing = threading.Thread(target=the_first_call_lands)
     landing.start()
-    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--force", "--yes", "--reason", "r")
+    code, _, err = cli(clean, capsys, "repair", MODULE, KEY, "--force", "--yes", "--reason", "r")
     landing.join()
     assert code == 1 and "may still be landing" in err
     assert steps(clean)["charge"]["state"] == "failed"
@@ -413,7 +465,7 @@ def test_a_compensated_step_is_handled_and_its_compensation_is_what_stalls(
     assert [(k["key"], k["step"], k["chained"]) for k in json.loads(out)["keys"]] == [
         (KEY, "release-stock", True)
     ]
-    code, out, _ = cli(clean, capsys, "repair", KEY, "--module", MODULE)
+    code, out, _ = cli(clean, capsys, "repair", MODULE, KEY)
     assert code == 1 and "step release-stock failed for good" in out
     code, out, _ = cli(clean, capsys, "show", KEY)
     assert "stopped at step release-stock (failed)" in out
@@ -429,7 +481,7 @@ def test_control_characters_in_a_key_are_escaped(clean, engine, provider, delive
         (evil,),
     )
     _, out, _ = cli(clean, capsys, "chains", "--stalled")
-    _, out2, err2 = cli(clean, capsys, "repair", "--stalled", "--module", MODULE)
+    _, out2, err2 = cli(clean, capsys, "repair", MODULE, "--stalled")
     for text in (out, out2, err2):
         assert "\x1b" not in text and "\nFAKE" not in text
     assert "inv:1\\n\\x1b[31mFAKE" in out
@@ -439,9 +491,9 @@ def test_named_keys_take_no_selection_flags_and_a_row_id_gets_a_hint(
     clean, engine, provider, deliver, capsys
 ):
     invoice_chain(provider)
-    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--older-than", "1h")
+    code, _, err = cli(clean, capsys, "repair", MODULE, KEY, "--older-than", "1h")
     assert code == 2 and "select among --stalled keys" in err
-    code, out, _ = cli(clean, capsys, "repair", "42", "--module", MODULE)
+    code, out, _ = cli(clean, capsys, "repair", MODULE, "42")
     assert code == 1 and "42 reads as a row id: outbox show 42 gives its key" in out
 
 
@@ -459,11 +511,11 @@ def test_a_step_an_operator_failed_is_not_continued_without_force(clean, engine,
     assert code == 0, err
     elapse(clean, 60, [charge_id])
 
-    for argv in (("repair", KEY), ("repair", "--stalled", "--older-than", "0")):
-        code, out, err = cli(clean, capsys, *argv, "--module", MODULE, "--yes", "--reason", "INC-3")
+    for argv in (("repair", MODULE, KEY), ("repair", MODULE, "--stalled", "--older-than", "0")):
+        code, out, err = cli(clean, capsys, *argv, "--yes", "--reason", "INC-3")
         assert code == 1
         assert "failed by an operator" in out + err and "refunded by hand" in out + err
-        assert f"outbox repair {KEY} --force --reason WHY" in out + err
+        assert f"outbox repair {MODULE} {KEY} --force --reason WHY" in out + err
     rows = steps(clean)
     assert set(rows) == {"charge"} and rows["charge"]["state"] == "failed"
     assert history(clean, charge_id)[-1]["action"] == "resolve"
@@ -475,9 +527,8 @@ def test_a_step_an_operator_failed_is_not_continued_without_force(clean, engine,
         clean,
         capsys,
         "repair",
-        KEY,
-        "--module",
         MODULE,
+        KEY,
         "--force",
         "--yes",
         "--reason",
@@ -501,7 +552,7 @@ def test_a_step_an_operator_failed_is_not_re_run_without_force(clean, engine, pr
     _claimed_then_failed_by_hand(clean, engine, charge_id)  # no call reached the provider
     elapse(clean, 60, [charge_id])
 
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--reason", "INC-4")
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes", "--reason", "INC-4")
     assert code == 1 and "failed by an operator" in out + err
     assert steps(clean)["charge"]["state"] == "failed"
     assert provider.stats()["effects"] == {}
@@ -510,9 +561,8 @@ def test_a_step_an_operator_failed_is_not_re_run_without_force(clean, engine, pr
         clean,
         capsys,
         "repair",
-        KEY,
-        "--module",
         MODULE,
+        KEY,
         "--force",
         "--yes",
         "--reason",

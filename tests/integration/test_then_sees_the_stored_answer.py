@@ -3,7 +3,7 @@
 repair``, the reconciler's ``chains`` job, the dashboard's resolve) it is given
 ``Confirmed(ref, response=...)`` with the response exactly as the row stores it (sanitised by
 outbox.sanitize), or None when none is stored. This file is the handler module those paths
-import (``--module``); its handlers are declared per test. Real PostgreSQL and the provider
+import (MODULE); its handlers are declared per test. Real PostgreSQL and the provider
 simulator on 127.0.0.1."""
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def test_the_reconcilers_lookup_gives_then_the_stored_response(clean, engine, pr
 def test_resolve_sent_gives_then_no_response_unless_one_is_given(clean, engine, provider, consumer, capsys):
     declare(provider)
     row_id = unknown_charge(clean, engine, provider, consumer)
-    code, _, err = cli(clean, capsys, "resolve", str(row_id), "--sent", "ch_by_hand", "--module", MODULE)
+    code, _, err = cli(clean, capsys, "resolve", MODULE, str(row_id), "--sent", "ch_by_hand")
     assert code == 0, err
     assert assert_then_saw_the_stored_row(clean, row_id) is None
 
@@ -167,9 +167,7 @@ def test_resolve_sent_with_a_response_stores_it_sanitised_and_gives_then_that(
         ('{"amount": 1e400}', "not valid JSON"),
         ('{"a": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply"),
     ):
-        code, _, err = cli(
-            clean, capsys, "resolve", str(row_id), "--sent", "ch_1", "--response", bad, "--module", MODULE
-        )
+        code, _, err = cli(clean, capsys, "resolve", MODULE, str(row_id), "--sent", "ch_1", "--response", bad)
         assert code == 2 and "--response" in err and why in err, err
     code, _, err = cli(clean, capsys, "resolve", str(row_id), "--not-sent", "--response", '{"a": 1}')
     assert code == 2 and "--response goes with --sent" in err
@@ -180,13 +178,12 @@ def test_resolve_sent_with_a_response_stores_it_sanitised_and_gives_then_that(
         clean,
         capsys,
         "resolve",
+        MODULE,
         str(row_id),
         "--sent",
         "ch_seen_in_ui",
         "--response",
         json.dumps(given),
-        "--module",
-        MODULE,
         "--json",
     )
     assert code == 0, err
@@ -215,7 +212,7 @@ def test_repair_gives_then_the_stored_response_on_each_of_its_paths(
     declare(provider)
     # An unknown step the lookup finds (the reconciler's path, run by repair).
     row_id = unknown_charge(clean, engine, provider, consumer)
-    code, _, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--reason", "INC-1")
+    code, _, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes", "--reason", "INC-1")
     assert code == 0, err
     assert_sanitised(assert_then_saw_the_stored_row(clean, row_id))
 
@@ -227,7 +224,7 @@ def test_repair_gives_then_the_stored_response_on_each_of_its_paths(
     )
     assert code == 0, err
     assert stored(clean, row_id)[2]["api_key"] == "***"
-    code, _, err = cli(clean, capsys, "repair", "order:6", "--module", MODULE, "--yes", "--reason", "INC-2")
+    code, _, err = cli(clean, capsys, "repair", MODULE, "order:6", "--yes", "--reason", "INC-2")
     assert code == 0, err
     assert_sanitised(assert_then_saw_the_stored_row(clean, row_id))
 
@@ -242,7 +239,7 @@ def test_repair_of_an_ambiguous_failure_gives_then_the_stored_response(
     row_id = write_charge(engine)
     assert consumer().deliver(row_id, "payments.charge") is DeliveryResult.FAILED
     elapse(clean, 60, [row_id])
-    code, out, err = cli(clean, capsys, "repair", KEY, "--module", MODULE, "--yes", "--reason", "INC-3")
+    code, out, err = cli(clean, capsys, "repair", MODULE, KEY, "--yes", "--reason", "INC-3")
     assert code == 0 and "failed -> sent" in out, out + err
     response = assert_then_saw_the_stored_row(clean, row_id)
     assert response["found"] is True

@@ -699,7 +699,7 @@ def operator_replay_destination(engine: Engine, destination: str, reason: str) -
 def operator_repair(
     engine: Engine, database_url: str, key: str, handlers: Any, *, force: bool = False
 ) -> list[str]:
-    """``outbox repair KEY --module M --yes`` (issue 14), as the CLI calls it: the plan in one
+    """``outbox repair M KEY --yes`` (issue 14), as the CLI calls it: the plan in one
     transaction, then each action in its own guarded statement. ``force``: ``--force --reason``,
     which overrules an operator's ``resolve --failed`` (the provider is asked first)."""
     from outbox.ops import repair

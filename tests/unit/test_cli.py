@@ -141,12 +141,14 @@ def test_a_flag_the_subcommand_does_not_take_is_refused(capsys):
         cli.main(["--redis-url", "redis://localhost", "migrate"])
     assert exit_info.value.code == exits.CONFIG
     assert "--redis-url does not apply to `outbox migrate`" in capsys.readouterr().err
-    # Asked for JSON, the refusal is the error document.
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["--json", "migrate"])
+    # Asked for JSON, the refusal is the error document, worded as everywhere else.
+    assert cli.main(["--json", "migrate"]) == exits.CONFIG
     out, err = capsys.readouterr()
-    assert exit_info.value.code == exits.CONFIG and err == ""
-    assert "--json does not apply to `outbox migrate`" in json.loads(out)["error"]["message"]
+    assert err == ""
+    assert (
+        json.loads(out)["error"]["message"]
+        == "--json does not apply to `outbox migrate`: it prints no JSON document"
+    )
 
 
 def test_json_errors_are_one_document_on_stdout(capsys, monkeypatch):
@@ -338,19 +340,34 @@ def test_bare_outbox_prints_the_command_list(capsys):
     assert "reconcile" in capsys.readouterr().out
 
 
+def test_the_command_list_is_grouped_one_line_a_command_and_the_same_in_help(capsys):
+    # Every command in exactly one group, in the list `outbox` and `outbox --help` print.
+    grouped = [name for _title, names in cli.registry.GROUPS for name in names]
+    assert sorted(grouped) == sorted(c.name for c in cli.COMMANDS)
+    cli.main([])
+    bare = capsys.readouterr().out
+    listing = cli.command_list()
+    assert listing in bare
+    lines = listing.splitlines()
+    for title, names in cli.registry.GROUPS:
+        start = lines.index(f"{title}:")
+        for offset, name in enumerate(names, 1):
+            assert lines[start + offset].split() == [name, *cli.BY_NAME[name].help.split()]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == exits.OK
+    assert listing in capsys.readouterr().out
+
+
 def test_a_mistyped_command_is_one_line_with_the_nearest_names(capsys):
     assert cli.main(["wokrer", "shop.handlers"]) == exits.CONFIG
     out, err = capsys.readouterr()
     assert out == ""
-    assert err == (
-        "outbox: unknown command 'wokrer'; did you mean `outbox worker`? "
-        "(`outbox --help` lists the commands)\n"
-    )
+    assert err == ("outbox: error: unknown command 'wokrer'; did you mean `outbox worker`? (outbox --help)\n")
     assert cli.main(["frobnicate"]) == exits.CONFIG
-    assert (
-        capsys.readouterr().err
-        == "outbox: unknown command 'frobnicate' (`outbox --help` lists the commands)\n"
-    )
+    assert capsys.readouterr().err == "outbox: error: unknown command 'frobnicate' (outbox --help)\n"
+    assert cli.main(["repiar"]) == exits.CONFIG
+    assert "did you mean `outbox repair` or `outbox replay`?" in capsys.readouterr().err
     assert cli.main(["statsu", "--json"]) == exits.CONFIG
     out, err = capsys.readouterr()
     assert err == "" and "did you mean `outbox status`?" in json.loads(out)["error"]["message"]
@@ -363,11 +380,191 @@ def test_a_usage_error_is_one_line_naming_the_commands_help(capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert (
-        err == "outbox: argument --concurrency: invalid int value: 'x' (`outbox worker --help` says more)\n"
+        err == "outbox worker: error: argument --concurrency: invalid int value: 'x' (outbox worker --help)\n"
     )
     with pytest.raises(SystemExit):
         cli.main(["status", "--limit", "3"])
     assert (
         capsys.readouterr().err
-        == "outbox: unrecognized arguments: --limit 3 (`outbox status --help` says more)\n"
+        == "outbox status: error: unrecognized arguments: --limit 3 (outbox status --help)\n"
     )
+
+
+@pytest.mark.parametrize("command", [c.name for c in cli.COMMANDS])
+def test_every_command_reports_a_usage_error_in_one_line(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--no-such-flag"])
+    assert exit_info.value.code == exits.CONFIG
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith(f"outbox {command}: error: ") and err.endswith(f"(outbox {command} --help)\n")
+
+
+def test_flags_that_do_not_go_together_are_a_usage_error_too(capsys, monkeypatch):
+    monkeypatch.delenv("OUTBOX_DATABASE_URL", raising=False)
+    assert cli.main(["replay"]) == exits.CONFIG
+    assert capsys.readouterr().err == (
+        "outbox replay: error: replay takes row ids or --destination D, not both and not neither "
+        "(outbox replay --help)\n"
+    )
+    assert cli.main(["status", "--count", "2"]) == exits.CONFIG
+    assert (
+        capsys.readouterr().err
+        == "outbox status: error: --interval and --count go with --watch (outbox status --help)\n"
+    )
+    # A setting is a configuration error, not a usage one: no command's help would fix it.
+    assert cli.main(["status"]) == exits.CONFIG
+    err = capsys.readouterr().err
+    assert err.startswith("outbox: ") and "OUTBOX_DATABASE_URL" in err
+
+
+@pytest.mark.parametrize("command", [c.name for c in cli.COMMANDS if flags.JSON not in c.flags])
+def test_json_is_refused_one_way_by_every_command_that_prints_none(command, capsys):
+    expected = f"--json does not apply to `outbox {command}`: it prints no JSON document"
+    for argv in (["--json", command], [command, "--json"]):
+        assert cli.main(argv) == exits.CONFIG
+        out, err = capsys.readouterr()
+        assert err == ""
+        assert json.loads(out) == {"error": {"message": expected, "exit_code": exits.CONFIG}}
+
+
+# MODULE, the first argument of every command taking the user's module.
+
+#: Each command taking MODULE: its arguments besides MODULE, and whether MODULE is required.
+MODULE_COMMANDS = {
+    "worker": ([], True),
+    "reconcile": ([], True),
+    "doctor": ([], False),
+    "dashboard": ([], False),
+    "resolve": (["42", "--not-sent"], False),
+    "repair": (["order:1"], True),
+}
+
+
+def _parsed(argv: list[str]) -> argparse.Namespace:
+    args = cli.build_parser([argv[0]]).parse_args(argv)
+    cli.resolve_module(args, argv[0])
+    return args
+
+
+@pytest.mark.parametrize("command", MODULE_COMMANDS)
+def test_module_is_the_first_argument(command, capsys):
+    rest, required = MODULE_COMMANDS[command]
+    args = _parsed([command, "shop.handlers", *rest])
+    assert args.module == "shop.handlers"
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    shown = capsys.readouterr().out
+    usage = shown.split("\n\n")[0]
+    assert "MODULE" in usage and ("[MODULE]" in usage) is not required and "--module" not in shown
+
+
+@pytest.mark.parametrize("command", MODULE_COMMANDS)
+def test_module_flag_still_works_for_a_release_with_one_line_saying_so(command, capsys):
+    rest, _required = MODULE_COMMANDS[command]
+    args = _parsed([command, *rest, "--module", "shop.handlers"])
+    assert args.module == "shop.handlers"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(
+        f"outbox {command}: --module is deprecated; pass MODULE as the first argument: "
+        f"outbox {command} shop.handlers"
+    )
+    if command == "repair":
+        assert args.keys == ["order:1"]
+    if command == "resolve":
+        assert args.id == "42"
+
+
+@pytest.mark.parametrize("command", MODULE_COMMANDS)
+def test_module_both_ways_or_missing_where_required_is_a_usage_error(command, capsys, monkeypatch):
+    rest, required = MODULE_COMMANDS[command]
+    monkeypatch.delenv("OUTBOX_DATABASE_URL", raising=False)
+    extra = ["--stalled"] if command == "repair" else []
+    positional = [] if command == "repair" else rest
+    assert cli.main([command, "a.handlers", *positional, *extra, "--module", "b.handlers"]) == exits.CONFIG
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"outbox {command}: error: MODULE given twice (a.handlers and --module b.handlers): give it "
+        f"once, as the first argument (outbox {command} --help)\n"
+    )
+    if required:
+        assert cli.main([command]) == exits.CONFIG
+        err = capsys.readouterr().err
+        assert err.startswith(f"outbox {command}: error: MODULE is required") and err.count("\n") == 1
+        assert f"outbox {command} myapp.handlers" in err
+
+
+def test_resolve_takes_module_before_the_row_id(capsys, monkeypatch):
+    monkeypatch.delenv("OUTBOX_DATABASE_URL", raising=False)
+    args = _parsed(["resolve", "42", "--sent", "ch_1"])
+    assert (args.module, args.id) == (None, "42")
+    assert cli.main(["resolve", "42", "shop.handlers", "--sent", "ch_1"]) == exits.CONFIG
+    assert capsys.readouterr().err == (
+        "outbox resolve: error: MODULE comes before the row id: outbox resolve myapp.handlers 42 … "
+        "(outbox resolve --help)\n"
+    )
+
+
+def test_module_flag_through_the_console_script():
+    # The installed entry point, as an operator types it: the line, then the usage error (MODULE
+    # twice), both on stderr, nothing on stdout.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "outbox", "worker", "a.handlers", "--module", "b.handlers"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == exits.CONFIG and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "outbox worker: error: MODULE given twice (a.handlers and --module b.handlers): give it once, "
+        "as the first argument (outbox worker --help)"
+    ]
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "outbox", "repair", "--stalled", "--module", "outbox.demo.invoicing"),
+            *("--yes", "--database-url", "postgresql://postgres@127.0.0.1:1/x"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    # The deprecation line, then the unreachable database: --module was taken as MODULE.
+    assert proc.returncode == exits.UNAVAILABLE
+    lines = proc.stderr.splitlines()
+    assert lines[0] == (
+        "outbox repair: --module is deprecated; pass MODULE as the first argument: "
+        "outbox repair outbox.demo.invoicing KEY… (--module goes in the next release)"
+    )
+    assert lines[-1].startswith("outbox: cannot reach PostgreSQL")
+
+
+def test_doctor_verdict_counts_warnings():
+    from outbox.cli.operator import doctor_verdict
+    from outbox.ops.doctor import FAIL, OK, WARN, Check
+
+    ok, warn, fail = Check("a", OK, ""), Check("b", WARN, ""), Check("c", FAIL, "")
+    assert doctor_verdict([ok, ok]) == "all checks passed"
+    assert doctor_verdict([ok, warn, warn]) == "passed with 2 warning(s)"
+    assert doctor_verdict([ok, fail]) == "1 check(s) failed"
+    assert doctor_verdict([warn, fail, fail]) == "2 check(s) failed, 1 warning(s)"
+
+
+def test_no_cli_module_imports_another_modules_private_names():
+    import ast
+
+    offending = []
+    for path in sorted(Path(cli.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private:
+                    offending.append(
+                        f"{path.name}: from {'.' * node.level}{node.module or ''} import {private}"
+                    )
+    assert offending == []
