@@ -553,18 +553,3 @@ def test_doctor_verdict_counts_warnings():
     assert doctor_verdict([ok, warn, warn]) == "passed with 2 warning(s)"
     assert doctor_verdict([ok, fail]) == "1 check(s) failed"
     assert doctor_verdict([warn, fail, fail]) == "2 check(s) failed, 1 warning(s)"
-
-
-def test_no_cli_module_imports_another_modules_private_names():
-    import ast
-
-    offending = []
-    for path in sorted(Path(cli.__file__).parent.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
-                private = [a.name for a in node.names if a.name.startswith("_")]
-                if private:
-                    offending.append(
-                        f"{path.name}: from {'.' * node.level}{node.module or ''} import {private}"
-                    )
-    assert offending == []
