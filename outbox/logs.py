@@ -83,14 +83,16 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
     }
 
 
-#: How a message names a field in words ("outbox row 42", "destination mail.send"): such a
-#: field is not repeated on a text line.
+#: How a message names a field in words ("outbox row 42", "destination mail.send", "breaker of
+#: mail.send"): such a field is not repeated on a text line. A row's key and step together
+#: ("outbox order:42:charge") are the other such words (see KeyValueFormatter).
 _IN_WORDS = {
-    "outbox_id": "row ",
-    "destination": "destination ",
-    "queue": "queue ",
-    "message_id": "message ",
-    "pid": "process ",
+    "outbox_id": ("row ",),
+    "destination": ("destination ", "of ", "on "),
+    "queue": ("queue ",),
+    "message_id": ("message ",),
+    "pid": ("process ",),
+    "attempt": ("attempt ",),
 }
 
 
@@ -116,8 +118,7 @@ def _shows(message: str, name: str, value: Any) -> bool:
     """Whether ``message`` carries the field already: ``name=…``, or in words (:data:`_IN_WORDS`)."""
     if _has_word_start(message, name + "="):
         return True
-    words = _IN_WORDS.get(name)
-    return words is not None and _has_word(message, words + str(value))
+    return any(_has_word(message, words + str(value)) for words in _IN_WORDS.get(name, ()))
 
 
 def _has_word_start(message: str, start: str) -> bool:
@@ -137,9 +138,13 @@ class KeyValueFormatter(logging.Formatter):
         # keeps every field as a field.
         message = record.message
         shown = getattr(record, "_shown", ())
+        fields = _extras(record)
+        key, step = fields.get("key"), fields.get("step")
+        if key is not None and step is not None and _has_word(message, f"{key}:{step}"):
+            shown = {*shown, "key", "step"}
         extras = " ".join(
             f"{name}={logfmt_value(value)}"
-            for name, value in _extras(record).items()
+            for name, value in fields.items()
             if name not in shown and not _shows(message, name, value)
         )
         line = f"{base} {extras}" if extras else base
