@@ -93,6 +93,11 @@ _IN_WORDS = {
     "message_id": ("message ",),
     "pid": ("process ",),
     "attempt": ("attempt ",),
+    "job": ("job ",),
+    "outbox_batch": ("batch ",),
+    "exit_code": ("with ",),
+    # An exception's type name, wherever the message names it ("failed (OperationalError)").
+    "error": ("",),
 }
 
 

@@ -105,7 +105,7 @@ def row_id_of(message: Any, name: str) -> int | None:
             name,
             message.actor_name,
             args[:3],
-            extra={"queue": name},
+            extra={"queue": name, "actor": message.actor_name, "_shown": ("queue",)},
         )
         return None
     row_id: int = args[0]

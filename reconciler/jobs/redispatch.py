@@ -206,7 +206,7 @@ def _report_orphans(orphans: Counter[str], module: str, counts: Counter[str]) ->
             count,
             destination,
             module,
-            extra={"destination": destination, "rows": count},
+            extra={"destination": destination, "rows": count, "module": module, "_shown": ("rows", "module")},
         )
 
 
