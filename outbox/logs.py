@@ -212,7 +212,7 @@ def configure(level: str = "INFO", environ: Mapping[str, str] | None = None) -> 
 
 
 class Tally:
-    """The INFO lines of a stream of like events (a worker's confirmed runs): the first event
+    """The INFO lines of a stream of like events (a relay's batches): the first event
     after a quiet spell (none for ``every_seconds``) is for the caller to log at once, at INFO;
     those that follow within the window are counted, and ``summarize(counts, seconds)`` logs
     them as one line when the window ends (at the next event, at a ``tick``) or on ``flush``.
