@@ -35,6 +35,11 @@ from .wakes import Wakes
 
 logger = logging.getLogger(__name__)
 
+#: Set by a supervisor (``--processes N``) in its children's environment: its pid. A child's
+#: second SIGTERM is then no order to exit at once: the supervisor passes SIGTERM on to children
+#: that may have had one already (a whole process group or a systemd unit's cgroup signalled).
+SUPERVISOR_ENV = "OUTBOX_WORKER_SUPERVISOR_PID"
+
 
 def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]) -> RedisBroker:
     # No Dramatiq TimeLimit: the deliverer gives each call a total deadline of its own
@@ -135,9 +140,12 @@ def run_worker(
     # The messages in hand get their longest lease to finish: past it their rows are the
     # reconciler's anyway.
     grace_seconds = max(h.lease_seconds for h in handlers.values())
+    # A supervised child exits at once on a second Ctrl-C only (see SUPERVISOR_ENV); its
+    # supervisor kills it when told twice.
+    supervised = os.environ.get(SUPERVISOR_ENV) == str(os.getppid())
     if isinstance(stop, Stop):
         stop.announces = True
-        stop.force = lambda name: _exit_now(name, runner.slots.in_hand)
+        stop.force = _force(runner.slots.in_hand, only_sigint=supervised)
     try:
         while not stop.wait(0.5):
             if liveness is not None and runner.alive():
@@ -145,7 +153,7 @@ def run_worker(
             # The sum of the runs, off the deliveries' path (outbox.consumer.RUN_LOG_SECONDS).
             deliverer.runs.tick()
     finally:
-        _stopping(stop, runner.slots.in_hand(), grace_seconds)
+        _stopping(stop, runner.slots.in_hand(), grace_seconds, supervised=supervised)
         runner.stop(grace_seconds)
         heartbeat.stop()
         wakes.stop()
@@ -163,11 +171,11 @@ def _again(signal_name: str) -> str:
     return "Ctrl-C again" if signal_name == "SIGINT" else f"a second {signal_name}"
 
 
-def _stopping(stop: threading.Event, in_hand: int, grace_seconds: float) -> None:
+def _stopping(stop: threading.Event, in_hand: int, grace_seconds: float, *, supervised: bool) -> None:
     """The worker's first line on its way out: what it finishes, how long it waits, and (after a
-    signal) that the same signal again exits at once."""
+    signal) whether the same signal again exits at once."""
     name = stop.signal_name if isinstance(stop, Stop) else None
-    forcible = isinstance(stop, Stop) and stop.force is not None
+    forcible = isinstance(stop, Stop) and stop.force is not None and not (supervised and name != "SIGINT")
     logger.info(
         "%soutbox worker stopping: finishing %s message%s in hand, waiting up to %.0f s for them%s",
         f"received {name}: " if name else "",
@@ -184,6 +192,20 @@ def _stopping(stop: threading.Event, in_hand: int, grace_seconds: float) -> None
             "_shown": ("signal", "in_hand", "grace_seconds"),
         },
     )
+
+
+def _force(in_hand: Callable[[], int], *, only_sigint: bool) -> Callable[[str], None]:
+    def force(signal_name: str) -> None:
+        if only_sigint and signal_name != "SIGINT":
+            logger.info(
+                "received %s again, still stopping after the work in hand",
+                signal_name,
+                extra={"signal": signal_name},
+            )
+            return
+        _exit_now(signal_name, in_hand)
+
+    return force
 
 
 def _exit_now(signal_name: str, in_hand: Callable[[], int], processes: int = 0) -> None:
@@ -258,7 +280,8 @@ def supervise(
     """
 
     def spawn() -> subprocess.Popen[bytes]:
-        child = subprocess.Popen([sys.executable, "-m", "outbox", *argv])
+        env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+        child = subprocess.Popen([sys.executable, "-m", "outbox", *argv], env=env)
         if on_start is not None:
             on_start(child.pid)
         return child

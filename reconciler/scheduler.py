@@ -418,7 +418,7 @@ class Reconciler:
             ",".join(self.jobs),
             extra={
                 "reconciler": self.name,
-                "module": self.module,
+                "handlers_module": self.module,
                 "interval_seconds": interval_seconds,
                 "jobs": list(self.jobs),
                 "_shown": ("interval_seconds",),

@@ -120,3 +120,24 @@ def test_a_field_named_like_a_secret_is_masked_wherever_it_is():
     assert "idempotency_key=*** payload=*** key=order:7" in line
     entry = json.loads(JsonFormatter().format(record("row %s", 7, idempotency_key="k", payload={"a": 1})))
     assert entry["idempotency_key"] == "***" and entry["payload"] == "***"
+
+
+def test_no_log_call_names_a_field_the_log_record_has_already():
+    """``extra={"module": …}`` raises KeyError at the call (LogRecord has ``module``): a line
+    that is logged rarely (a start, an error) would kill its process only when it is."""
+    import ast
+    from pathlib import Path
+
+    reserved = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    paths = [p for top in ("outbox", "relay", "reconciler") for p in (root / top).rglob("*.py")]
+    assert any(p.parts[-2:] == ("reconciler", "scheduler.py") for p in paths)
+    for path in sorted(paths):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and any(k.arg == "extra" for k in node.keywords):
+                [extra] = [k.value for k in node.keywords if k.arg == "extra"]
+                if isinstance(extra, ast.Dict):
+                    names = [k.value for k in extra.keys if isinstance(k, ast.Constant)]
+                    found += [f"{path.relative_to(root)}:{node.lineno}: {n}" for n in names if n in reserved]
+    assert found == []
