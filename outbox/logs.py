@@ -93,6 +93,7 @@ _IN_WORDS = {
     "message_id": ("message ",),
     "pid": ("process ",),
     "attempt": ("attempt ",),
+    "outbox_run": ("-> ",),
     "job": ("job ",),
     "outbox_batch": ("batch ",),
     "exit_code": ("with ",),

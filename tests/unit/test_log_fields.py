@@ -88,6 +88,12 @@ def test_the_run_line_in_json_keeps_every_field():
             ["outbox_run"],
         ),
         ("breaker of %s tripped", ("mail.send",), {"destination": "mail.send"}, []),
+        (
+            "outbox row %s -> unknown: %s",
+            (42, "its lease expired"),
+            {"outbox_id": 42, "destination": "mail.send", "outbox_run": "unknown"},
+            ["destination"],
+        ),
         ("fetching from queue %s failed", ("mail.send",), {"queue": "mail.send"}, []),
         # A key and step in words, only as a whole: order:4 is not order:42.
         (
