@@ -84,6 +84,7 @@ def log_alert(row: AlertRow) -> None:
             "reason": row.reason,
             "http_status": row.http_status,
             "age_seconds": round(row.age, 1),
+            "_shown": ("state", "reason"),
         },
     )
 

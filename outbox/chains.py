@@ -144,7 +144,7 @@ def _plan(
             step,
             via,
             problem,
-            extra={"key": key, "step": step, "outbox_chain": via},
+            extra={"key": key, "step": step, "outbox_chain": via, "_shown": ("outbox_chain",)},
         )
         return Plan((), problem)
     return Plan(tuple(rows))

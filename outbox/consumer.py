@@ -8,8 +8,8 @@ attempt). The call has a total deadline (``time_limit`` and a short grace, see
 lease still covers the record.
 
 Every outcome is logged as one structured line naming the row, never its payload: failed,
-unknown, released and superseded runs at WARNING; sent and pending runs at DEBUG, the first after
-a quiet spell at INFO and the rest summed into one INFO line every :data:`RUN_LOG_SECONDS`.
+unknown, released and superseded runs at WARNING (the audit trail), sent and pending runs at
+DEBUG; every run is counted, and the counts are one INFO line every :data:`RUN_LOG_SECONDS`.
 """
 
 from __future__ import annotations
@@ -80,9 +80,28 @@ LOCK_WAIT_WARN_SECONDS = 10.0
 #: is acked and the row waits `dispatched` for the reconciler's re-dispatch (outbox.limits).
 HOLD_RETRY_SECONDS = (0.05, 1.0)
 HOLD_MAX_SECONDS = 30.0
-#: The sent and pending runs of this long after the first one at INFO are summed into one INFO
-#: line (each is a DEBUG line): a line per run was about 5% of an async worker's CPU.
+#: The runs of this long are summed into one INFO line (a sent or pending run is a DEBUG line of
+#: its own): a line per run was about 5% of an async worker's CPU.
 RUN_LOG_SECONDS = 10.0
+#: How the sum line names each result (a pending run is a retry scheduled), in its order; the
+#: first three always, the others when they happened.
+_SUM_NAMES = {
+    "sent": "sent",
+    "pending": "retried",
+    "failed": "failed",
+    "unknown": "unknown",
+    "released": "released",
+    "superseded": "superseded",
+    "unhandled": "unhandled",
+    "empty": "empty",
+    "held": "held",
+    "paused": "paused",
+    "halted": "halted",
+}
+_SUM_ALWAYS = ("sent", "retried", "failed")
+#: What the per-run line's message shows already (``order:42:charge -> sent (attempt 1)``): not
+#: repeated as fields on a text line (outbox.logs), kept as fields in JSON.
+_RUN_SHOWN = frozenset({"key", "step", "attempt", "outbox_run"})
 
 
 class DeliveryResult(enum.StrEnum):
@@ -97,6 +116,9 @@ class DeliveryResult(enum.StrEnum):
     HALTED = "halted"  # not claimed: the database is on another history (outbox.failover)
     PAUSED = "paused"  # not claimed: an operator paused the destination (outbox.pauses)
     HELD = "held"  # not claimed: its destination stayed at its in-flight limit (outbox.limits)
+
+
+_STREAM = frozenset({DeliveryResult.SENT, DeliveryResult.PENDING})
 
 
 class _Abandoned(BaseException):
@@ -560,18 +582,27 @@ def preflight(
 
 
 def _sum_runs(counts: Mapping[Any, int], seconds: float) -> None:
-    """The INFO line summing a worker's sent and pending runs (counted by result and
-    destination) of the last ``seconds``."""
-    by_result: dict[str, int] = {}
+    """The INFO line summing a worker's runs of the last ``seconds`` (counted by result and
+    destination): ``delivered: sent=… retried=… failed=… in the last 10.0 s``."""
+    named: dict[str, int] = dict.fromkeys(_SUM_ALWAYS, 0)
     by_destination: dict[str, int] = {}
     for (result, destination), n in counts.items():
-        by_result[result] = by_result.get(result, 0) + n
+        name = _SUM_NAMES.get(result, result)
+        named[name] = named.get(name, 0) + n
         by_destination[destination] = by_destination.get(destination, 0) + n
+    fields = {name: named[name] for name in _SUM_NAMES.values() if name in named}
+    fields.update((name, n) for name, n in named.items() if name not in fields)
     logger.info(
-        "outbox runs in the last %.1f s: %s",
+        "delivered: %s in the last %.1f s",
+        " ".join(f"{name}={n}" for name, n in fields.items()),
         seconds,
-        ", ".join(f"{n} {result}" for result, n in sorted(by_result.items())),
-        extra={"runs": sum(by_result.values()), "by_result": by_result, "by_destination": by_destination},
+        extra={
+            **fields,
+            "runs": sum(fields.values()),
+            "seconds": round(seconds, 1),
+            "by_destination": by_destination,
+            "_shown": ("seconds",),
+        },
     )
 
 
@@ -626,9 +657,10 @@ class Deliverer:
         self._all: list[psycopg.Connection[Any]] = []
         self._callers: list[_CallThread] = []
         self._all_lock = threading.Lock()
-        #: The INFO lines of sent and pending runs (:class:`outbox.logs.Tally`); failed,
-        #: unknown, released and superseded runs are each a WARNING line of their own.
-        self.runs = logs.Tally(_sum_runs, RUN_LOG_SECONDS)
+        #: Every run counted by result and destination, summed up at INFO every
+        #: :data:`RUN_LOG_SECONDS` (:class:`outbox.logs.Window`; the worker ticks it); failed,
+        #: unknown, released and superseded runs are each a WARNING line of their own too.
+        self.runs = logs.Window(_sum_runs, RUN_LOG_SECONDS)
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -795,6 +827,7 @@ class Deliverer:
             self._put_back("claim_conn", "record_conn")
         # Counted once the outcome is recorded, and never raising: see metrics.never_raises.
         metrics.count_delivery(destination, result.value, observed)
+        self.runs.count((result.value, destination))
         return result
 
     async def deliver_async(
@@ -836,6 +869,7 @@ class Deliverer:
                 called = await self._call_on_loop(step.handler, step.claimed, step.sent_at)
                 step = await in_thread(self._advance, steps, called, after)
         metrics.count_delivery(destination, step.value, observed)
+        self.runs.count((step.value, destination))
         return step
 
     def _advance(
@@ -1171,10 +1205,8 @@ class Deliverer:
         # The record fails a retry that would fall past the deadline (decided on the database's clock).
         past_deadline = state == "failed" and nxt.state == "pending"
         error = policy.deadline_error(claimed.deadline, nxt.error) if past_deadline else nxt.error
-        if result in (DeliveryResult.SENT, DeliveryResult.PENDING):
-            level = logging.INFO if self.runs.count((result.value, destination)) else logging.DEBUG
-        else:
-            level = logging.WARNING
+        # Sent and pending are the stream (the sum line counts them); the others are the audit trail.
+        level = logging.DEBUG if result in _STREAM else logging.WARNING
         if not logger.isEnabledFor(level):
             return result
         logger.log(
@@ -1194,6 +1226,7 @@ class Deliverer:
                 "attempt": claimed.attempt,
                 "outbox_run": result.value,
                 "provider_ref": decision.ref,
+                "_shown": _RUN_SHOWN,
             },
         )
         return result

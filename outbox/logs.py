@@ -1,13 +1,17 @@
 """Log lines as ``time level logger message key=value…``, with the ``extra=`` fields appended
 in logfmt: a value with a space, a quote, an ``=`` or a control character is double-quoted, with
-``\\``, ``\"`` and newlines escaped, so that every line splits back into its fields. With
-``OUTBOX_LOG_FORMAT=json`` each line is one JSON object instead: ``time``, ``level``, ``logger``,
-``message``, the ``extra=`` fields, and ``exception`` when there is one.
+``\\``, ``\"`` and newlines escaped, so that every line splits back into its fields. A field the
+message already shows (``name=`` in its text, or named in the record's ``_shown``) is not
+appended a second time. With ``OUTBOX_LOG_FORMAT=json`` each line is one JSON object instead:
+``time``, ``level``, ``logger``, ``message``, every ``extra=`` field (those the message shows
+included), and ``exception`` when there is one.
 
-Values that look like secrets are redacted: payloads and idempotency keys never reach a log, and
-the whole line (message, exception text, every field) goes through the rules of
-:mod:`outbox.sanitize` that also guard what is stored: a card number is masked to its last four
-digits, a field named like a credential is ``***``. Business keys are logged by design.
+What is logged: business keys and steps, by design (operators search by them; a key carries no
+secret, docs/handlers.md). Never a payload; a field named like a payload, a credential or an
+idempotency key is ``***`` (headers: :func:`redact_headers`); a provider's text at most
+:data:`MAX_PROVIDER_TEXT_CHARS` characters. The whole line (message, exception text, every
+field) goes through the rules of :mod:`outbox.sanitize` that also guard what is stored: a card
+number is masked to its last four digits, a field named like a credential or a payload is ``***``.
 """
 
 from __future__ import annotations
@@ -79,10 +83,76 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
     }
 
 
+#: How a message names a field in words ("outbox row 42", "destination mail.send", "breaker of
+#: mail.send"): such a field is not repeated on a text line. A row's key and step together
+#: ("outbox order:42:charge") are the other such words (see KeyValueFormatter).
+_IN_WORDS = {
+    "outbox_id": ("row ",),
+    "destination": ("destination ", "of ", "on "),
+    "queue": ("queue ",),
+    "message_id": ("message ",),
+    "pid": ("process ",),
+    "attempt": ("attempt ",),
+    "outbox_run": ("-> ",),
+    "job": ("job ",),
+    "outbox_batch": ("batch ",),
+    "exit_code": ("with ",),
+    # An exception's type name, wherever the message names it ("failed (OperationalError)").
+    "error": ("",),
+}
+
+
+def _has_word(message: str, word: str) -> bool:
+    """Whether ``word`` is in ``message`` as a whole (not inside a longer name, number or key:
+    "row 4" is not in "row 42", "order:4" not in "order:4:charge")."""
+    at = message.find(word)
+    end = len(word)
+    while at != -1:
+        before = message[at - 1] if at else " "
+        after = message[at + end : at + end + 2]
+        joined_before = before.isalnum() or before in "_.:-/="
+        joined_after = bool(after) and (
+            after[0].isalnum() or after[0] == "_" or (after[0] in ".:-/" and after[1:2].isalnum())
+        )
+        if not joined_before and not joined_after:
+            return True
+        at = message.find(word, at + 1)
+    return False
+
+
+def _shows(message: str, name: str, value: Any) -> bool:
+    """Whether ``message`` carries the field already: ``name=…``, or in words (:data:`_IN_WORDS`)."""
+    if _has_word_start(message, name + "="):
+        return True
+    return any(_has_word(message, words + str(value)) for words in _IN_WORDS.get(name, ()))
+
+
+def _has_word_start(message: str, start: str) -> bool:
+    at = message.find(start)
+    while at != -1:
+        if at == 0 or not (message[at - 1].isalnum() or message[at - 1] == "_"):
+            return True
+        at = message.find(start, at + 1)
+    return False
+
+
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         base = super().format(record)
-        extras = " ".join(f"{name}={logfmt_value(value)}" for name, value in _extras(record).items())
+        # A field the message shows already ("queues=a,b", or "order:42:charge" for key and
+        # step, named in ``_shown``) is not repeated: one value a field on a text line. JSON
+        # keeps every field as a field.
+        message = record.message
+        shown = getattr(record, "_shown", ())
+        fields = _extras(record)
+        key, step = fields.get("key"), fields.get("step")
+        if key is not None and step is not None and _has_word(message, f"{key}:{step}"):
+            shown = {*shown, "key", "step"}
+        extras = " ".join(
+            f"{name}={logfmt_value(value)}"
+            for name, value in fields.items()
+            if name not in shown and not _shows(message, name, value)
+        )
         line = f"{base} {extras}" if extras else base
         # A driver's error can echo a statement's parameters, a handler's exception the
         # provider's answer: the same masking as at rest, on the finished line, except our own
@@ -143,7 +213,7 @@ def configure(level: str = "INFO", environ: Mapping[str, str] | None = None) -> 
 
 
 class Tally:
-    """The INFO lines of a stream of like events (a worker's confirmed runs): the first event
+    """The INFO lines of a stream of like events (a relay's batches): the first event
     after a quiet spell (none for ``every_seconds``) is for the caller to log at once, at INFO;
     those that follow within the window are counted, and ``summarize(counts, seconds)`` logs
     them as one line when the window ends (at the next event, at a ``tick``) or on ``flush``.
@@ -200,3 +270,45 @@ class Tally:
         counts, since = self._counts, self._since
         self._counts, self._since = Counter(), now
         return (counts, now - since) if counts else None
+
+
+class Window:
+    """Counts of a stream of events (a worker's runs, by result and destination), summed up by
+    ``summarize(counts, seconds)`` as one line every ``every_seconds``: when a ``tick`` (called
+    often, off the events' path) finds the window ended, and on ``flush``. Counting is the whole
+    cost of an event: one increment under a lock, shared by threads."""
+
+    def __init__(
+        self,
+        summarize: Callable[[Counter[Hashable], float], None],
+        every_seconds: float,
+    ) -> None:
+        self.every_seconds = every_seconds
+        self._summarize = summarize
+        self._lock = threading.Lock()
+        self._since = time.monotonic()
+        self._counts: Counter[Hashable] = Counter()
+
+    def count(self, what: Hashable) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def tick(self) -> None:
+        """Sum up the window if it has ended; a window with no event is not logged."""
+        now = time.monotonic()
+        if now - self._since < self.every_seconds:
+            return
+        with self._lock:
+            counts, since = self._counts, self._since
+            self._counts, self._since = Counter(), now
+        if counts:
+            self._summarize(counts, now - since)
+
+    def flush(self) -> None:
+        """Sum up the current window now (the process stops)."""
+        now = time.monotonic()
+        with self._lock:
+            counts, since = self._counts, self._since
+            self._counts, self._since = Counter(), now
+        if counts:
+            self._summarize(counts, now - since)

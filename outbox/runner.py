@@ -105,7 +105,7 @@ def row_id_of(message: Any, name: str) -> int | None:
             name,
             message.actor_name,
             args[:3],
-            extra={"queue": name},
+            extra={"queue": name, "actor": message.actor_name, "_shown": ("queue",)},
         )
         return None
     row_id: int = args[0]
@@ -265,9 +265,9 @@ class Runner:
         left = self.slots.in_hand()
         if left:
             logger.warning(
-                "outbox worker stopped with %s deliveries still in hand: left to their leases",
+                "outbox worker stopped waiting with %s deliveries still in hand: left to their leases",
                 left,
-                extra={"in_hand": left},
+                extra={"in_hand": left, "_shown": ("in_hand",)},
             )
         self._acks.put(None)
         self._acker.join(ACK_RETRY_SECONDS + 1.0)
@@ -408,7 +408,9 @@ class Runner:
             taken = self.deliverer.claim_group([f.row_id for f in ours if f.row_id is not None], name)
         except Exception:
             # Never a message without its delivery: each claims its row alone.
-            logger.exception("a group claim on queue %s failed; each row is claimed alone", name)
+            logger.exception(
+                "a group claim on queue %s failed; each row is claimed alone", name, extra={"queue": name}
+            )
             taken = {}
         for f in ours:
             # A row named twice in one fetch (a re-dispatch beside its first message) is the group's
@@ -433,7 +435,11 @@ class Runner:
                         self.deliverer.deliver(item.row_id, item.name, item.taken)
                 except Exception as exc:
                     error = exc
-                    logger.exception("outbox delivery of message %s failed", item.message.message_id)
+                    logger.exception(
+                        "outbox delivery of message %s failed",
+                        item.message.message_id,
+                        extra={"message_id": item.message.message_id, "queue": item.name},
+                    )
                 self._finish(item.message, item.name, error, threading.Lock())
         finally:
             self.deliverer.close_thread()
@@ -463,7 +469,11 @@ class Runner:
                 )
         except Exception as exc:
             error = exc
-            logger.exception("outbox delivery of message %s failed", message.message_id)
+            logger.exception(
+                "outbox delivery of message %s failed",
+                message.message_id,
+                extra={"message_id": message.message_id, "queue": name},
+            )
         finally:
             if not once.locked():
                 await in_thread(self._finish, message, name, error, once)
@@ -480,7 +490,11 @@ class Runner:
                 else:
                     self.broker.emit_after("process_message", message, exception=error)
         except Exception:
-            logger.exception("after_process_message of message %s raised", message.message_id)
+            logger.exception(
+                "after_process_message of message %s raised",
+                message.message_id,
+                extra={"message_id": message.message_id, "queue": name},
+            )
         if self._ack(message, name):
             self.slots.give(name)
 
@@ -492,7 +506,11 @@ class Runner:
             self.broker.emit_before("ack", message)
         except Exception:
             # A middleware cannot keep a settled row's message from its ack.
-            logger.exception("before_ack of message %s raised; acking it anyway", message.message_id)
+            logger.exception(
+                "before_ack of message %s raised; acking it anyway",
+                message.message_id,
+                extra={"message_id": message.message_id, "queue": name},
+            )
         try:
             self._consumers[name].ack(message)
         except BrokerConnectionError as exc:
@@ -502,6 +520,7 @@ class Runner:
                     "to an empty claim",
                     message.message_id,
                     exc,
+                    extra={"message_id": message.message_id, "queue": name},
                 )
                 return True
             logger.warning(
@@ -509,6 +528,7 @@ class Runner:
                 message.message_id,
                 exc,
                 ACK_RETRY_SECONDS,
+                extra={"message_id": message.message_id, "queue": name},
             )
             self._acks.put((message, name))
             return False
@@ -521,12 +541,17 @@ class Runner:
                 message.message_id,
                 type(exc).__name__,
                 exc,
+                extra={"message_id": message.message_id, "queue": name},
             )
             return True
         try:
             self.broker.emit_after("ack", message)
         except Exception:
-            logger.exception("after_ack of message %s raised", message.message_id)
+            logger.exception(
+                "after_ack of message %s raised",
+                message.message_id,
+                extra={"message_id": message.message_id, "queue": name},
+            )
         return True
 
     def _retry_acks(self) -> None:
@@ -551,6 +576,10 @@ class Runner:
                         break
                     time.sleep(ACK_RETRY_SECONDS)
                 except Exception:
-                    logger.exception("ack of message %s failed", message.message_id)
+                    logger.exception(
+                        "ack of message %s failed",
+                        message.message_id,
+                        extra={"message_id": message.message_id, "queue": name},
+                    )
                     break
             self.slots.give(name)

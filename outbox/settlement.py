@@ -571,7 +571,7 @@ def _settle_answer(run: _Run, handler: Handler, row: _Due, answer: Future[_Answe
             row.step,
             destination,
             logs.provider_text(error),
-            extra={"outbox_id": row_id, "destination": destination},
+            extra={"outbox_id": row_id, "key": row.key, "step": row.step, "destination": destination},
         )
         return counted
     run.consecutive_failures[destination] = 0

@@ -29,10 +29,16 @@ from .heartbeat import Heartbeat
 from .probes import Liveness
 from .runner import Runner
 from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
+from .signals import Stop
 from .transport import Broker
 from .wakes import Wakes
 
 logger = logging.getLogger(__name__)
+
+#: Set by a supervisor (``--processes N``) in its children's environment: its pid. A child's
+#: second SIGTERM is then no order to exit at once: the supervisor passes SIGTERM on to children
+#: that may have had one already (a whole process group or a systemd unit's cgroup signalled).
+SUPERVISOR_ENV = "OUTBOX_WORKER_SUPERVISOR_PID"
 
 
 def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]) -> RedisBroker:
@@ -127,15 +133,28 @@ def run_worker(
             "concurrency": concurrency,
             "slots_per_destination": runner.slots.cap,
             "async_queues": asynchronous,
+            "pid": os.getpid(),
+            "_shown": ("async_queues",),
         },
     )
+    # The messages in hand get their longest lease to finish: past it their rows are the
+    # reconciler's anyway.
+    grace_seconds = max(h.lease_seconds for h in handlers.values())
+    # A supervised child exits at once on a second Ctrl-C only (see SUPERVISOR_ENV); its
+    # supervisor kills it when told twice.
+    supervised = os.environ.get(SUPERVISOR_ENV) == str(os.getppid())
+    if isinstance(stop, Stop):
+        stop.announces = True
+        stop.force = _force(runner.slots.in_hand, only_sigint=supervised)
     try:
         while not stop.wait(0.5):
             if liveness is not None and runner.alive():
                 liveness.beat()
+            # The sum of the runs, off the deliveries' path (outbox.consumer.RUN_LOG_SECONDS).
+            deliverer.runs.tick()
     finally:
-        logger.info("outbox worker stopping: finishing messages in hand")
-        runner.stop(max(h.lease_seconds for h in handlers.values()))
+        _stopping(stop, runner.slots.in_hand(), grace_seconds, supervised=supervised)
+        runner.stop(grace_seconds)
         heartbeat.stop()
         wakes.stop()
         broker.close()
@@ -144,7 +163,73 @@ def run_worker(
         deliverer.close()
         guard.stop()
         close_http_clients()
+    logger.info("outbox worker stopped", extra={"pid": os.getpid()})
     return 0
+
+
+def _again(signal_name: str) -> str:
+    return "Ctrl-C again" if signal_name == "SIGINT" else f"a second {signal_name}"
+
+
+def _stopping(stop: threading.Event, in_hand: int, grace_seconds: float, *, supervised: bool) -> None:
+    """The worker's first line on its way out: what it finishes, how long it waits, and (after a
+    signal) whether the same signal again exits at once."""
+    name = stop.signal_name if isinstance(stop, Stop) else None
+    forcible = isinstance(stop, Stop) and stop.force is not None and not (supervised and name != "SIGINT")
+    logger.info(
+        "%soutbox worker stopping: finishing %s message%s in hand, waiting up to %.0f s for them%s",
+        f"received {name}: " if name else "",
+        in_hand,
+        "" if in_hand == 1 else "s",
+        grace_seconds,
+        f"; {_again(name)} exits at once (their rows stay claimed until their leases expire)"
+        if name and forcible
+        else "",
+        extra={
+            "signal": name,
+            "in_hand": in_hand,
+            "grace_seconds": grace_seconds,
+            "_shown": ("signal", "in_hand", "grace_seconds"),
+        },
+    )
+
+
+def _force(in_hand: Callable[[], int], *, only_sigint: bool) -> Callable[[str], None]:
+    def force(signal_name: str) -> None:
+        if only_sigint and signal_name != "SIGINT":
+            logger.info(
+                "received %s again, still stopping after the work in hand",
+                signal_name,
+                extra={"signal": signal_name},
+            )
+            return
+        _exit_now(signal_name, in_hand)
+
+    return force
+
+
+def _exit_now(signal_name: str, in_hand: Callable[[], int], processes: int = 0) -> None:
+    """The same signal a second time: exit at once, without waiting for the calls in hand. As
+    safe as a crash, which it is: a row claimed stays `in_flight` until its lease expires and
+    the reconciler settles it (looked up, or `unknown`); its message, unacked, is delivered
+    again to an empty claim. ``processes``: a supervisor's children, killed."""
+    extra: dict[str, object] = {"signal": signal_name, "_shown": ("signal", "processes", "in_hand")}
+    if processes:
+        left = f"{processes} worker process{'' if processes == 1 else 'es'} killed"
+        extra["processes"] = processes
+    else:
+        n = extra["in_hand"] = in_hand()
+        left = f"{n} message{'' if n == 1 else 's'} left in hand"
+    logger.warning(
+        "received %s again: outbox worker exiting now, %s (their rows stay claimed until their "
+        "leases expire; the reconciler settles them)",
+        signal_name,
+        left,
+        extra=extra,
+    )
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(128 + signal.Signals[signal_name].value)
 
 
 def start_heartbeat(
@@ -195,12 +280,25 @@ def supervise(
     """
 
     def spawn() -> subprocess.Popen[bytes]:
-        child = subprocess.Popen([sys.executable, "-m", "outbox", *argv])
+        env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+        child = subprocess.Popen([sys.executable, "-m", "outbox", *argv], env=env)
         if on_start is not None:
             on_start(child.pid)
         return child
 
     children: list[subprocess.Popen[bytes] | None] = [spawn() for _ in range(processes)]
+
+    def kill_children(name: str) -> None:
+        # Each child's rows are then where a crash leaves them: their leases and the
+        # reconciler settle them.
+        for child in children:
+            if child is not None and child.poll() is None:
+                child.kill()
+        _exit_now(name, lambda: 0, processes=sum(c is not None for c in children))
+
+    if isinstance(stop, Stop):
+        stop.announces = True
+        stop.force = kill_children
     restart_at: dict[int, float] = {}
     deaths: deque[float] = deque()
     gave_up = False
@@ -246,6 +344,17 @@ def supervise(
                 )
     finally:
         running = [c for c in children if c is not None]
+        name = stop.signal_name if isinstance(stop, Stop) else None
+        logger.info(
+            "%soutbox worker stopping: %s worker process%s finishing the messages in hand%s",
+            f"received {name}: " if name else "",
+            len(running),
+            "" if len(running) == 1 else "es",
+            f"; {_again(name)} stops them at once (their rows stay claimed until their leases expire)"
+            if name
+            else "",
+            extra={"signal": name, "processes": len(running), "_shown": ("signal", "processes")},
+        )
         for child in running:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
@@ -257,4 +366,5 @@ def supervise(
     ]
     for pid, code in failed:
         logger.error("worker process %s stopped with %s", pid, code, extra={"pid": pid, "exit_code": code})
+    logger.info("outbox worker stopped", extra={"pid": os.getpid()})
     return 1 if failed or gave_up else 0

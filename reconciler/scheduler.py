@@ -349,7 +349,7 @@ class Reconciler:
                     "reconciler idle: %s job runs with nothing to do in the last %.0f s",
                     idle_runs,
                     quiet_seconds,
-                    extra={"reconciler": self.name, "idle_runs": idle_runs},
+                    extra={"reconciler": self.name, "idle_runs": idle_runs, "_shown": ("idle_runs",)},
                 )
             else:
                 self._idle_runs += 1
@@ -416,7 +416,13 @@ class Reconciler:
             self.module,
             interval_seconds,
             ",".join(self.jobs),
-            extra={"reconciler": self.name, "interval_seconds": interval_seconds},
+            extra={
+                "reconciler": self.name,
+                "handlers_module": self.module,
+                "interval_seconds": interval_seconds,
+                "jobs": list(self.jobs),
+                "_shown": ("interval_seconds",),
+            },
         )
         try:
             scheduler.start()

@@ -87,7 +87,12 @@ class _RefusalLog:
             rows,
             PUBLISH_RETRY_SECONDS,
             f" ({quiet} more row(s) refused since the last report)" if quiet else "",
-            extra={"destination": destination, "rows": rows, "error": type(error).__name__},
+            extra={
+                "destination": destination,
+                "rows": rows,
+                "error": type(error).__name__,
+                "_shown": ("rows",),
+            },
         )
 
 
@@ -107,10 +112,18 @@ class _PublishLog:
             logger.info(
                 "relay published %s rows",
                 result.published,
-                extra={"published": result.published, "by_destination": dict(result.by_destination)},
+                extra={
+                    "published": result.published,
+                    "by_destination": dict(result.by_destination),
+                    "_shown": ("published",),
+                },
             )
         else:
-            logger.debug("relay published %s rows", result.published, extra={"published": result.published})
+            logger.debug(
+                "relay published %s rows",
+                result.published,
+                extra={"published": result.published, "_shown": ("published",)},
+            )
 
     def tick(self) -> None:
         """Called while idle: a window that has ended is summed up."""
@@ -133,7 +146,12 @@ def _sum_published(counts: Counter[Hashable], seconds: float) -> None:
         rows,
         batches,
         seconds,
-        extra={"published": rows, "batches": batches, "by_destination": by_destination},
+        extra={
+            "published": rows,
+            "batches": batches,
+            "by_destination": by_destination,
+            "_shown": ("published", "batches"),
+        },
     )
 
 
@@ -497,7 +515,10 @@ class Relay:
                     logger.warning(
                         "relay reconnected after %.1f s",
                         time.monotonic() - outage_started,
-                        extra={"outage_seconds": round(time.monotonic() - outage_started, 1)},
+                        extra={
+                            "outage_seconds": round(time.monotonic() - outage_started, 1),
+                            "_shown": ("outage_seconds",),
+                        },
                     )
                     outage_started, delay = None, 0.5
                 if stop.is_set():

@@ -149,7 +149,7 @@ def held_destinations(
             "earlier call may have taken effect): their deadline passed while they waited",
             past.failed,
             past.unknown,
-            extra={"rows": past.failed + past.unknown},
+            extra={"rows": past.failed + past.unknown, "failed": past.failed, "unknown": past.unknown},
         )
     for row in rows:
         for episode in _episodes(row):
@@ -163,7 +163,11 @@ def held_destinations(
                         row.destination,
                         episode.kind,
                         episode.alerted_at,
-                        extra={"destination": row.destination, "episode": episode.kind},
+                        extra={
+                            "destination": row.destination,
+                            "episode": episode.kind,
+                            "_shown": ("episode",),
+                        },
                     )
                 continue
             counts["held"] += 1

@@ -206,7 +206,12 @@ def _report_orphans(orphans: Counter[str], module: str, counts: Counter[str]) ->
             count,
             destination,
             module,
-            extra={"destination": destination, "rows": count},
+            extra={
+                "destination": destination,
+                "rows": count,
+                "handlers_module": module,
+                "_shown": ("rows", "handlers_module"),
+            },
         )
 
 

@@ -313,20 +313,35 @@ def test_async_calls_share_small_clients_least_busy_first(clean, provider):
 def test_sent_runs_are_summed_at_info_and_failed_runs_each_keep_a_warning(clean, engine, provider, caplog):
     provider.configure(fault_keys={"order:3:charge": "decline"})
     async_charge(provider)
-    ids = write_rows(engine, 5)
+    ids = write_rows(engine, 7)
     deliverer = Deliverer(clean.database_url, registry())
+    deliverer.runs.every_seconds = 0.2
     caplog.set_level(logging.DEBUG, logger="outbox.consumer")
-    results = [deliverer.deliver(row_id, "payments.charge") for row_id in ids]
+    results = [deliverer.deliver(row_id, "payments.charge") for row_id in ids[:5]]
+    deliverer.runs.tick()
+    assert not [r for r in caplog.records if r.getMessage().startswith("delivered:")], "the window is open"
+    time.sleep(0.25)
+    deliverer.runs.tick()  # the worker's main loop does this every 0.5 s
+    results += [deliverer.deliver(row_id, "payments.charge") for row_id in ids[5:]]
     deliverer.close()
-    assert results.count(DeliveryResult.SENT) == 4 and results.count(DeliveryResult.FAILED) == 1
+    assert results.count(DeliveryResult.SENT) == 6 and results.count(DeliveryResult.FAILED) == 1
     runs = [r for r in caplog.records if " -> " in r.getMessage()]
     assert [r.levelno for r in runs] == [
-        logging.INFO,
+        logging.DEBUG,
         logging.DEBUG,
         logging.DEBUG,
         logging.WARNING,
         logging.DEBUG,
+        logging.DEBUG,
+        logging.DEBUG,
     ], [(r.levelname, r.getMessage()) for r in runs]
-    [summary] = [r for r in caplog.records if r.getMessage().startswith("outbox runs in the last")]
-    assert summary.levelno == logging.INFO and summary.getMessage().endswith(": 3 sent")
-    assert summary.by_destination == {"payments.charge": 3}
+    assert runs[3].getMessage().startswith("outbox order:3:charge -> failed (attempt 1)")
+    sums = [r for r in caplog.records if r.getMessage().startswith("delivered:")]
+    assert [r.levelno for r in sums] == [logging.INFO, logging.INFO]
+    first, last = sums
+    assert first.getMessage().startswith("delivered: sent=4 retried=0 failed=1 in the last ")
+    assert (first.sent, first.retried, first.failed, first.runs) == (4, 0, 1, 5)
+    assert first.seconds >= 0.2 and first.by_destination == {"payments.charge": 5}
+    # Closing the deliverer (the worker stopping) sums up the window it was in.
+    assert last.getMessage().startswith("delivered: sent=2 retried=0 failed=0 in the last ")
+    assert last.by_destination == {"payments.charge": 2}

@@ -1,6 +1,8 @@
-"""The worker's INFO lines under a stream of deliveries: a line per sent run was about 5% of an
-async worker's CPU, so sent and pending runs are summed (outbox.logs.Tally), while every run
-that needs a look (failed, unknown, released, superseded) keeps its WARNING line."""
+"""The INFO lines under a stream of events. The worker's: a line per sent run was about 5% of an
+async worker's CPU, so sent and pending runs are DEBUG lines and every run is counted into one
+INFO line every 10 s (outbox.logs.Window), while every run that needs a look (failed, unknown,
+released, superseded) keeps its WARNING line. The relay's: the first batch after a quiet spell
+at INFO, the rest summed (outbox.logs.Tally)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections import Counter
 from collections.abc import Hashable
 
 from outbox.consumer import _sum_runs
-from outbox.logs import Tally
+from outbox.logs import Tally, Window
 
 
 def test_the_first_event_after_a_quiet_spell_is_for_info_and_the_rest_are_summed():
@@ -67,12 +69,66 @@ def test_threads_counting_at_once_lose_no_event():
     assert firsts[False] == sum(c["sent"] for c in sums)
 
 
-def test_the_sum_line_names_results_and_destinations(caplog):
+def test_the_sum_line_names_sent_retried_and_failed_always_and_the_rest_when_they_happened(caplog):
     caplog.set_level(logging.INFO, logger="outbox.consumer")
-    counts = Counter({("sent", "payments.charge"): 7, ("pending", "payments.charge"): 1, ("sent", "mail"): 2})
+    counts = Counter(
+        {
+            ("sent", "payments.charge"): 7,
+            ("pending", "payments.charge"): 1,
+            ("sent", "mail"): 2,
+            ("unknown", "mail"): 1,
+        }
+    )
     _sum_runs(counts, 10.04)
     [record] = caplog.records
-    assert record.getMessage() == "outbox runs in the last 10.0 s: 1 pending, 9 sent"
-    assert record.runs == 10
-    assert record.by_result == {"sent": 9, "pending": 1}
-    assert record.by_destination == {"payments.charge": 8, "mail": 2}
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == "delivered: sent=9 retried=1 failed=0 unknown=1 in the last 10.0 s"
+    assert (record.sent, record.retried, record.failed, record.unknown) == (9, 1, 0, 1)
+    assert record.runs == 11 and record.seconds == 10.0
+    assert record.by_destination == {"payments.charge": 8, "mail": 3}
+    assert not hasattr(record, "released"), "a result that did not happen is not named"
+
+
+def test_a_window_counts_every_event_and_sums_them_once_it_has_ended():
+    sums: list[tuple[Counter[Hashable], float]] = []
+    window = Window(lambda counts, seconds: sums.append((counts, seconds)), every_seconds=0.05)
+    window.tick()
+    assert sums == [], "nothing counted: no line"
+    for what in ("sent", "sent", "failed"):
+        window.count(what)
+    window.tick()
+    assert sums == [], "the window has not ended"
+    time.sleep(0.06)
+    window.tick()
+    [(counts, seconds)] = sums
+    assert counts == Counter({"sent": 2, "failed": 1}) and seconds >= 0.05
+    window.count("pending")
+    window.flush()
+    assert sums[1][0] == Counter({"pending": 1})
+    window.flush()
+    time.sleep(0.06)
+    window.tick()
+    assert len(sums) == 2, "a window with nothing new sums nothing"
+
+
+def test_threads_counting_into_a_window_lose_no_event():
+    sums: list[Counter[Hashable]] = []
+    window = Window(lambda counts, seconds: sums.append(counts), every_seconds=0.001)
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            window.tick()
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    threads = [threading.Thread(target=lambda: [window.count("sent") for _ in range(5000)]) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    ticker.join()
+    window.flush()
+    assert sum(c["sent"] for c in sums) == 40000
+    assert len(sums) > 1, "the ticker summed windows while the threads counted"
