@@ -74,7 +74,9 @@ def worker_arguments(p: argparse.ArgumentParser) -> None:
         "destination. Each message is claimed, handled, recorded and only then acked. "
         "Each process records a heartbeat (queues served, its clock) in the database every "
         f"OUTBOX_HEARTBEAT_INTERVAL (default {_HEARTBEAT}), read by `outbox status`, `outbox doctor` "
-        "and the reconciler's no-consumer alert. SIGTERM finishes the messages in hand."
+        "and the reconciler's no-consumer alert. SIGTERM or Ctrl-C finishes the messages in hand "
+        "(for up to the longest lease of MODULE's handlers) and exits 0; a second Ctrl-C exits at "
+        "once (130), leaving their rows claimed until their leases expire."
     )
     add_module(p, "importable module declaring the handlers, e.g. myapp.handlers", required=True)
     p.add_argument("--processes", type=int, default=1, help="worker processes (default 1)")
@@ -177,6 +179,14 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
         relay.parallel,
         cfg.poll_interval_seconds,
         relay.gather_seconds,
+        extra={
+            "namespace": cfg.namespace,
+            "batch_size": relay.batch_size,
+            "connections": relay.parallel,
+            "poll_interval_seconds": cfg.poll_interval_seconds,
+            "gather_seconds": relay.gather_seconds,
+            "_shown": ("poll_interval_seconds", "gather_seconds"),
+        },
     )
     # Beats with the schema range of this code: `outbox features enable` waits for older relays.
     heartbeat = Heartbeat(
