@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -179,3 +180,25 @@ def usage_error(command: str | None, message: str, *, as_json: bool) -> int:
         return fail(message, exits.CONFIG, as_json=True)
     print(usage_line(command, message), file=sys.stderr)
     return exits.CONFIG
+
+
+def warn_if_unknown(conn: Any, destination: str, anyway: str) -> str | None:
+    """Warn (stderr) when no worker seen in the last day serves ``destination`` and no row of it
+    waits, naming the likely one: a typo is paused or limited happily while the real destination
+    goes on. ``anyway``: what was done all the same ("paused anyway: a pause"). The warning, or
+    None."""
+    from ..pauses import known_destinations
+
+    known = known_destinations(conn)
+    if not known or destination in known:
+        return None
+    close = difflib.get_close_matches(destination, sorted(known), n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    warning = (
+        f"warning: no worker seen in the last day serves {destination} and no row of it waits"
+        f"{hint} ({anyway} may come before the destination's first row)"
+    )
+    from .output import err
+
+    err(warning)
+    return warning

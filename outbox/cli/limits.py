@@ -7,9 +7,8 @@ import argparse
 
 from .. import settings
 from . import exits
-from .common import UsageError, checked_destination, connection, describe
+from .common import UsageError, checked_destination, connection, describe, warn_if_unknown
 from .output import err, out, print_json
-from .pauses import warn_if_unknown
 
 
 def arguments(p: argparse.ArgumentParser) -> None:

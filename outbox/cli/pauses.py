@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 from datetime import datetime
-from typing import Any
 
 from .. import settings
 from ..exceptions import ConfigError
 from . import exits
-from .common import UsageError, checked_destination, connection, describe
+from .common import UsageError, checked_destination, connection, describe, warn_if_unknown
 from .output import err, out, print_json
 
 
@@ -76,26 +74,6 @@ def _until(raw: str | None) -> tuple[datetime | None, float | None]:
     if at.tzinfo is None:
         raise ConfigError(f"--until={raw!r} has no UTC offset (e.g. {raw}+00:00)")
     return at, None
-
-
-def warn_if_unknown(conn: Any, destination: str, anyway: str) -> str | None:
-    """Warn (stderr) when no worker seen in the last day serves ``destination`` and no row of it
-    waits, naming the likely one: a typo is paused or limited happily while the real destination
-    goes on. ``anyway``: what was done all the same ("paused anyway: a pause"). The warning, or
-    None."""
-    from ..pauses import known_destinations
-
-    known = known_destinations(conn)
-    if not known or destination in known:
-        return None
-    close = difflib.get_close_matches(destination, sorted(known), n=1)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    warning = (
-        f"warning: no worker seen in the last day serves {destination} and no row of it waits"
-        f"{hint} ({anyway} may come before the destination's first row)"
-    )
-    err(warning)
-    return warning
 
 
 def pause(args: argparse.Namespace, cfg: settings.Settings) -> int:

@@ -79,6 +79,21 @@ def test_a_store_module_importing_another_callers_breaks_the_store_contract(grap
     assert not contract("store").check(graph, verbose=False).kept
 
 
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [
+        ("outbox.cli.limits", "outbox.cli.pauses"),  # one command reaching into another
+        ("outbox.cli.common", "outbox.cli.operator"),  # the shared helpers into a command
+        ("outbox.cli.render", "outbox.cli.output"),  # rendering into where it is printed
+    ],
+)
+def test_an_import_across_the_clis_commands_breaks_the_cli_contract(
+    graph, importer: str, imported: str
+) -> None:
+    graph.add_import(importer=importer, imported=imported)
+    assert not contract("cli").check(graph, verbose=False).kept
+
+
 def test_a_job_importing_the_scheduler_breaks_the_reconciler_contract(graph) -> None:
     graph.add_import(importer="outbox.reconciler.jobs.purge", imported="outbox.reconciler.scheduler")
     assert not contract("reconciler").check(graph, verbose=False).kept
