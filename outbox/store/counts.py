@@ -172,12 +172,12 @@ def rows_by_destination(
             ]
             counted = tuple(s for s in asked if s not in guessed)
     out: dict[str, dict[str, int]] = {}
-    ages: dict[tuple[str, str], float | None] = {}
+    oldest: dict[tuple[str, str], float | None] = {}
     if counted:
         for destination, state, n, age in _fetch(conn, exact_sql(tuple(counted), aged)):
             out.setdefault(destination, dict.fromkeys(asked, 0))[state] = int(n)
             if state in aged:
-                ages[(destination, state)] = float(age) if age is not None else None
+                oldest[(destination, state)] = float(age) if age is not None else None
     estimated: set[tuple[str, str]] = set()
     if guessed:
         destinations = {r[0] for r in _fetch(conn, _DESTINATIONS_SEEN)} | set(out)
@@ -186,4 +186,4 @@ def rows_by_destination(
             for state in guessed:
                 row[state] = _planned_rows(conn, _PAIR_ROWS, {"d": destination, "s": state})
                 estimated.add((destination, state))
-    return RowCounts({d: out[d] for d in sorted(out)}, ages, estimated, asked)
+    return RowCounts({d: out[d] for d in sorted(out)}, oldest, estimated, asked)
