@@ -954,8 +954,9 @@ def _disposing(engine: Engine) -> Callable[[Starlette], contextlib.AbstractAsync
 
 
 def _rate(per_second: float) -> str:
-    """A rate a second: one decimal, two below 1/s (a row a minute is 0.02/s, not 0.0/s)."""
-    return f"{per_second:,.1f}" if per_second >= 1 or per_second == 0 else f"{per_second:.2f}"
+    """A rate a second: one decimal from 1/s, two significant digits below (a row a minute is
+    0.017/s, a row an hour 0.00028/s: never 0.0/s when something was confirmed)."""
+    return f"{per_second:,.1f}" if per_second >= 1 or per_second == 0 else f"{per_second:.2g}"
 
 
 def _pretty(value: Any) -> str:
