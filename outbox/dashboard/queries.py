@@ -1,8 +1,10 @@
-"""What the dashboard reads that the CLI does not: the overview's counts (estimates above a
-threshold), the last hour's throughput and latency (from a sample), search, and the keyset-paged
-lists. Each query is built to stay under the page budget at a million rows in
-``outbox_message``: one branch per state on that state's partial index, the ``purge`` index for
-the last hour, the key prefix and provider-reference indexes of migration 0019.
+"""What the dashboard reads that the CLI does not: the overview's counts (the read model
+``outbox status`` and the metrics share, outbox.store.counts, with estimates above a size), the
+last minute's confirmed rate and the last hour's throughput and latency (from samples), search,
+and the keyset-paged lists. Each query is built to stay under the page budget at a million rows
+in ``outbox_message``: one branch per state on that state's partial index, the ``purge`` index
+for the last minute and the last hour, the key prefix and provider-reference indexes of
+migration 0019.
 """
 
 from __future__ import annotations
