@@ -11,6 +11,13 @@ request) by a logged-in client: median and p95 of the whole request, as a browse
     python bench/dashboard.py                     # 1,000,000 rows, 20 requests a page
     python bench/dashboard.py --rows 200000       # a quicker look
     python bench/dashboard.py --keep              # reuse the filled database next time
+    python bench/dashboard.py --keep --database mydb --skip-pages   # the queries only
+
+Before the pages, the read model's queries are timed in this process, ``--requests`` times each
+after a warm-up: the overview's counts (estimates above a size) on a connection set up as the
+dashboard's (JIT off, statement timeout), the query behind ``outbox status`` (exact counts) in
+its read-only transaction, the reconciler's metrics reading, and ``outbox status --json`` as a
+process (interpreter start included).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +115,68 @@ def row_count(url: str) -> int:
         return int(conn.execute("SELECT count(*) FROM outbox_message").fetchone()[0])  # type: ignore[index]
 
 
+def _timed(fn: Callable[[], object], n: int) -> tuple[float, float]:
+    fn()  # warm-up: plans cached, pages in shared buffers
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1000)
+    times.sort()
+    return statistics.median(times), times[min(len(times) - 1, int(0.95 * len(times)))]
+
+
+def measure_queries(url: str, n: int) -> list[tuple[str, float, float]]:
+    """p50/p95 of the read model's three users, and of ``outbox status --json`` as a process."""
+    from outbox import metrics
+    from outbox.dashboard import app as dashboard_app
+    from outbox.dashboard import queries
+    from outbox.db import make_engine
+    from outbox.ops.inspect import status
+
+    out = []
+    dashboard_engine = make_engine(url)
+    dashboard_app._session_settings(dashboard_engine)
+    ops_engine = make_engine(url)
+    try:
+
+        def overview_counts() -> None:
+            with dashboard_engine.connect() as conn:
+                queries.counts(conn)
+
+        def status_report() -> None:
+            options = {"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
+            with ops_engine.connect().execution_options(**options) as conn, conn.begin():
+                status(conn)
+
+        def metrics_reading() -> None:
+            with connect(url) as conn:
+                metrics.read_database(conn)
+
+        env = {**os.environ, "OUTBOX_DATABASE_URL": url, "PYTHONPATH": str(ROOT)}
+
+        def status_process() -> None:
+            subprocess.run(
+                [sys.executable, "-m", "outbox", "status", "--json"],
+                env=env,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+
+        for name, fn, runs in (
+            ("dashboard: overview counts", overview_counts, n),
+            ("outbox status: ops.inspect.status", status_report, n),
+            ("metrics: read_database", metrics_reading, n),
+            ("outbox status --json (a process)", status_process, max(5, n // 4)),
+        ):
+            median, p95 = _timed(fn, runs)
+            out.append((name, median, p95))
+    finally:
+        dashboard_engine.dispose()
+        ops_engine.dispose()
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,6 +204,10 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--keep", action="store_true", help="keep the database (and reuse a filled one)")
+    parser.add_argument(
+        "--database", default=DATABASE, help=f"the database to (re)create (default {DATABASE})"
+    )
+    parser.add_argument("--skip-pages", action="store_true", help="time the queries only, not the pages")
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")
     parser.add_argument(
@@ -142,7 +216,8 @@ def main() -> int:
     args = parser.parse_args()
 
     with servers(args, "redis://127.0.0.1:6379/14", "outbox-bench-dashboard-") as (admin_url, _redis, where):
-        url = with_database(admin_url, DATABASE)
+        database = args.database
+        url = with_database(admin_url, database)
         reuse = False
         if args.keep:
             try:
@@ -151,13 +226,20 @@ def main() -> int:
                 reuse = False
         if not reuse:
             with connect(admin_url) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
-                conn.execute(f'CREATE DATABASE "{DATABASE}"')
+                conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+                conn.execute(f'CREATE DATABASE "{database}"')
             migrate(url)
             print(f"filling {args.rows:,} rows ({where} PostgreSQL)")
             fill(url, args.rows)
         else:
-            print(f"reusing {args.rows:,} rows in {DATABASE}")
+            print(f"reusing {args.rows:,} rows in {database}")
+        print(f"\n{'query':<44} {'median':>9} {'p95':>9}")
+        for name, median, p95 in measure_queries(url, args.requests):
+            print(f"{name:<44} {median:>7.1f}ms {p95:>7.1f}ms")
+        if args.skip_pages:
+            if not args.keep:
+                drop_database(admin_url, database)
+            return 0
         with connect(url) as conn:
             some = conn.execute(
                 "SELECT (SELECT id FROM outbox_message WHERE state = 'failed' ORDER BY id LIMIT 1), "
@@ -272,7 +354,7 @@ def main() -> int:
                 server.terminate()
                 server.wait(10)
         if not args.keep:
-            drop_database(admin_url, DATABASE)
+            drop_database(admin_url, database)
     return 0
 
 

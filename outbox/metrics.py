@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .ordering import BLOCKED_SUMMARY_SQL
+from .store import counts as store_counts
 from .store.sql import LIVE_DECLARATIONS_SQL
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -244,28 +245,13 @@ def count_relay_failure() -> None:
 
 # -- from the database -----------------------------------------------------------------------------
 
-#: The states counted as gauges, and the instant each one's age is measured from: a pending row
-#: from when it became due (a row waiting out its backoff is not late), a dispatched row from
-#: its publication, an in_flight row from its claim, an unknown row from when it became unknown.
-#: One branch per state, each on its partial index (``WHERE state = …``): a table of millions of
-#: sent rows is not read.
-DATABASE_SQL = """
-SELECT destination, 'pending' AS state, count(*) AS n,
-       EXTRACT(EPOCH FROM now() - min(available_at) FILTER (WHERE available_at <= now())) AS age
-FROM outbox_message WHERE state = 'pending' GROUP BY destination
-UNION ALL
-SELECT destination, 'dispatched', count(*), EXTRACT(EPOCH FROM now() - min(dispatched_at))
-FROM outbox_message WHERE state = 'dispatched' GROUP BY destination
-UNION ALL
-SELECT destination, 'in_flight', count(*), EXTRACT(EPOCH FROM now() - min(claimed_at))
-FROM outbox_message WHERE state = 'in_flight' GROUP BY destination
-UNION ALL
-SELECT destination, 'unknown', count(*), EXTRACT(EPOCH FROM now() - min(unknown_since))
-FROM outbox_message WHERE state = 'unknown' GROUP BY destination
-UNION ALL
-SELECT destination, 'failed', count(*), NULL
-FROM outbox_message WHERE state = 'failed' GROUP BY destination
-"""
+#: The states counted as gauges (the waiting ones) and those whose oldest row's age is exported:
+#: the read model `outbox status` and the dashboard share (outbox.store.counts), exact, one
+#: branch per state on its partial index: a table of millions of sent rows is not read.
+GAUGE_STATES = store_counts.WAITING
+AGE_STATES = store_counts.AGE_STATES
+#: The statement :func:`read_database` counts with (bench/metrics.py times and explains it).
+DATABASE_SQL = store_counts.exact_sql(GAUGE_STATES)
 
 PAUSED_SQL = "SELECT destination FROM outbox_destination WHERE paused_until > now() ORDER BY 1"
 BREAKERS_SQL = "SELECT destination FROM outbox_destination WHERE breaker_opened_at IS NOT NULL ORDER BY 1"
@@ -279,9 +265,6 @@ FROM (SELECT destination, limit_in_flight, limit_per_second FROM outbox_destinat
 FULL JOIN declared ON declared.destination = o.destination
 ORDER BY 1
 """
-
-GAUGE_STATES = ("pending", "dispatched", "in_flight", "unknown", "failed")
-AGE_STATES = ("pending", "dispatched", "in_flight", "unknown")
 
 
 @dataclass
@@ -314,10 +297,13 @@ def read_database(conn: Any) -> DatabaseReading:
     from . import heartbeat
 
     reading = DatabaseReading()
-    for destination, state, n, age in conn.execute(DATABASE_SQL).fetchall():
-        reading.rows[(destination, state)] = int(n)
-        if state in AGE_STATES:
-            reading.ages[(destination, state)] = float(age) if age is not None else None
+    rows = store_counts.rows_by_destination(conn, asked=GAUGE_STATES)
+    for destination, by_state in rows.by_destination.items():
+        for state, n in by_state.items():
+            # Only the states a destination has rows in, as counted: the collector adds zeros.
+            if n:
+                reading.rows[(destination, state)] = n
+    reading.ages = dict(rows.ages)
     gaps = heartbeat.no_consumer(conn.execute(heartbeat.NO_CONSUMER_SQL).fetchall())
     reading.no_consumer = sorted({g.destination for g in gaps})
     reading.paused = [r[0] for r in conn.execute(PAUSED_SQL).fetchall()]

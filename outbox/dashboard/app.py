@@ -38,7 +38,7 @@ from ..ops import actions
 from ..ops import inspect as ops_inspect
 from ..ops.batches import batch_report
 from ..ops.ordering import blocked_keys
-from . import bulk, queries, security, shown
+from . import bulk, chart, queries, security, shown
 from .security import Access
 
 logger = logging.getLogger(__name__)
@@ -127,6 +127,7 @@ class Dashboard:
         self.env.filters["when"] = lambda v: v.strftime("%Y-%m-%d %H:%M:%S") if v else "-"
         self.env.filters["num"] = lambda v: f"{v:,.0f}" if isinstance(v, int | float) else v
         self.env.filters["ms"] = lambda v: "-" if v is None else f"{v * 1000:,.0f} ms"
+        self.env.filters["rate"] = _rate
         self.env.filters["pretty"] = _pretty
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -436,10 +437,14 @@ class Dashboard:
                 from ..ops.ordering import blocked_summary
 
                 counts = queries.counts(conn)
+                hour = queries.last_hour(conn)
                 return {
                     "counts": counts,
                     "totals": counts.totals(),
-                    "hour": queries.last_hour(conn),
+                    "estimates": queries.ESTIMATES,
+                    "recent": queries.recent(conn),
+                    "hour": hour,
+                    "chart": chart.last_hour(hour),
                     "alerts": queries.alerts(conn),
                     "no_consumer": no_consumer(conn.execute(text(NO_CONSUMER_SQL))),
                     "paused": pauses.paused(conn),
@@ -947,6 +952,12 @@ def _disposing(engine: Engine) -> Callable[[Starlette], contextlib.AbstractAsync
             await run_in_threadpool(engine.dispose)
 
     return lifespan
+
+
+def _rate(per_second: float) -> str:
+    """A rate a second: one decimal from 1/s, two significant digits below (a row a minute is
+    0.017/s, a row an hour 0.00028/s: never 0.0/s when something was confirmed)."""
+    return f"{per_second:,.1f}" if per_second >= 1 or per_second == 0 else f"{per_second:.2g}"
 
 
 def _pretty(value: Any) -> str:

@@ -1,118 +1,51 @@
-"""What the dashboard reads that the CLI does not: the overview's counts (estimates above a
-threshold), the last hour's throughput and latency (from a sample), search, and the keyset-paged
-lists. Each query is built to stay under the page budget at a million rows in
-``outbox_message``: one branch per state on that state's partial index, the ``purge`` index for
-the last hour, the key prefix and provider-reference indexes of migration 0019.
+"""What the dashboard reads that the CLI does not: the overview's counts (the read model
+``outbox status`` and the metrics share, outbox.store.counts, with estimates above a size), the
+last minute's confirmed rate and the last hour's throughput and latency (from samples), search,
+and the keyset-paged lists. Each query is built to stay under the page budget at a million rows
+in ``outbox_message``: one branch per state on that state's partial index, the ``purge`` index
+for the last minute and the last hour, the key prefix and provider-reference indexes of
+migration 0019.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, text
 
-from .. import states
 from ..ops.inspect import key_like
 from ..ops.values import seconds
+from ..store import counts as store_counts
 
-#: Above this many rows in the table, terminal counts (sent, cancelled) are the planner's
-#: estimates, marked as such: counting them exactly reads the whole table.
-EXACT_COUNT_ROWS = 200_000
-#: Rows of a non-terminal state counted exactly, per state; above, the planner's estimate.
-EXACT_STATE_ROWS = 100_000
+#: Above this many rows in the table, the settled counts (sent, cancelled) are the planner's
+#: estimates, marked as such: counting them exactly reads the whole table. So is a waiting state
+#: (each on its partial index) that alone holds more than ``state_rows``.
+ESTIMATES = store_counts.Estimates(table_rows=200_000, state_rows=100_000)
 #: Rows read per minute of the last hour for throughput and latency.
 SAMPLE_PER_MINUTE = 40
+#: The window of the overview's "confirmed/s": the last minute. The page refreshes every 10 s, so
+#: a drain, a burst or an outage shows within a refresh or two (300 rows confirmed in one minute
+#: read 5.0/s for the minute after); a minute, not 10 s, so that a few confirmations at a low rate
+#: do not make the figure jump between 0 and something at every refresh. The hour's average is
+#: beside it, and the chart below keeps the hour minute by minute.
+RECENT_SECONDS = 60
+#: Confirmed rows read at most for it; above, the rate is estimated from how long the newest
+#: this many took to be confirmed.
+RECENT_SAMPLE = 2000
 PAGE_ROWS = 50
 BULK_LIMIT = 1000
 
-_NON_TERMINAL = ("pending", "dispatched", "in_flight", "unknown", "failed")
-_TERMINAL = ("sent", "cancelled")
-
-
-def _estimate(connection: Connection, sql: str, params: dict[str, Any]) -> int:
-    """The planner's row estimate for ``sql`` (EXPLAIN, nothing read)."""
-    plan = connection.execute(text(f"EXPLAIN (FORMAT JSON) {sql}"), params).scalar_one()
-    if isinstance(plan, str):
-        plan = json.loads(plan)
-    return int(plan[0]["Plan"]["Plan Rows"])
-
-
-@dataclass
-class Counts:
-    #: destination → state → count
-    by_destination: dict[str, dict[str, int]]
-    #: (destination, state) pairs whose count is an estimate
-    estimated: set[tuple[str, str]] = field(default_factory=set)
-
-    def totals(self) -> dict[str, int]:
-        return {s: sum(c.get(s, 0) for c in self.by_destination.values()) for s in states.ALL}
-
-    def is_estimate(self, destination: str | None, state: str) -> bool:
-        return any(s == state and (destination is None or d == destination) for d, s in self.estimated)
-
-
-_TABLE_ESTIMATE = text(
-    "SELECT GREATEST(reltuples, 0)::bigint FROM pg_class WHERE oid = 'outbox_message'::regclass"
-)
-_EXACT_ALL = text("SELECT destination, state, count(*) FROM outbox_message GROUP BY 1, 2")
-_DESTINATIONS_SEEN = text(
-    """
-SELECT DISTINCT d FROM (
-    SELECT unnest(queues) AS d FROM outbox_process WHERE last_seen_at > now() - interval '1 day'
-    UNION ALL SELECT destination FROM outbox_destination
-    UNION ALL SELECT unnest(most_common_vals::text::text[]) FROM pg_stats
-     WHERE tablename = 'outbox_message' AND attname = 'destination' AND schemaname = current_schema()
-) s WHERE d IS NOT NULL
-"""
-)
+Counts = store_counts.RowCounts
 
 
 def counts(connection: Connection) -> Counts:
-    """Rows by destination and state: exact on a small table; on a big one, the non-terminal
-    states exactly (each on its partial index, unless it alone holds more than
-    :data:`EXACT_STATE_ROWS`) and the terminal ones estimated."""
-    total = int(connection.execute(_TABLE_ESTIMATE).scalar_one() or 0)
-    out: dict[str, dict[str, int]] = {}
-    if total < EXACT_COUNT_ROWS:
-        for d, s, n in connection.execute(_EXACT_ALL):
-            out.setdefault(d, dict.fromkeys(states.ALL, 0))[s] = int(n)
-        return Counts(out)
-    estimated: set[tuple[str, str]] = set()
-    for s in _NON_TERMINAL:
-        state_sql = "SELECT destination FROM outbox_message WHERE state = :s"
-        if _estimate(connection, state_sql, {"s": s}) <= EXACT_STATE_ROWS:
-            rows = connection.execute(
-                text("SELECT destination, count(*) FROM outbox_message WHERE state = :s GROUP BY 1"),
-                {"s": s},
-            ).all()
-            for d, n in rows:
-                out.setdefault(d, dict.fromkeys(states.ALL, 0))[s] = int(n)
-        else:
-            for d in _destinations(connection, out):
-                out.setdefault(d, dict.fromkeys(states.ALL, 0))[s] = _estimate_pair(connection, d, s)
-                estimated.add((d, s))
-    for d in _destinations(connection, out):
-        for s in _TERMINAL:
-            out.setdefault(d, dict.fromkeys(states.ALL, 0))[s] = _estimate_pair(connection, d, s)
-            estimated.add((d, s))
-    return Counts(out, estimated)
-
-
-def _destinations(connection: Connection, known: dict[str, dict[str, int]]) -> list[str]:
-    seen = {r[0] for r in connection.execute(_DESTINATIONS_SEEN)}
-    return sorted(seen | set(known))
-
-
-def _estimate_pair(connection: Connection, destination: str, state: str) -> int:
-    return _estimate(
-        connection,
-        "SELECT 1 FROM outbox_message WHERE destination = :d AND state = :s",
-        {"d": destination, "s": state},
-    )
+    """Rows by destination and state (the read model `outbox status` and the metrics share): exact
+    on a small table; on a big one, the waiting states exactly (each on its partial index,
+    unless it alone holds more than ``ESTIMATES.state_rows``) and the settled ones estimated."""
+    return store_counts.rows_by_destination(connection, ages=(), estimates=ESTIMATES)
 
 
 # -- the last hour -----------------------------------------------------------------------------------
@@ -140,6 +73,43 @@ ORDER BY b.minute, s.completed_at
 
 
 @dataclass
+class Recent:
+    window_seconds: int
+    #: Rows confirmed in the window, as read (at most the sample).
+    confirmed: int
+    per_second: float
+    #: Whether the window held more than the sample: the rate is that of the newest rows.
+    estimated: bool
+
+
+# The newest rows confirmed (sent), on the purge index's completed_at, from the newest back (its
+# predicate repeated in the IN): at most a sample, whatever the rate.
+_RECENT = text(
+    """
+SELECT count(*) AS n, EXTRACT(EPOCH FROM now() - min(completed_at)) AS span
+FROM (SELECT m.completed_at FROM outbox_message m
+      WHERE m.state IN ('sent', 'cancelled') AND m.state = 'sent'
+        AND m.completed_at > now() - :window * interval '1 second'
+      ORDER BY m.completed_at DESC
+      LIMIT :n) s
+"""
+)
+
+
+def recent(connection: Connection, window: int = RECENT_SECONDS, sample: int = RECENT_SAMPLE) -> Recent:
+    """Rows confirmed a second over the last ``window`` seconds: counted when fewer than
+    ``sample``, else the newest ``sample`` rows over the time they took."""
+    r = connection.execute(_RECENT, {"window": window, "n": sample}).one()
+    n = int(r.n)
+    if n < sample:
+        return Recent(window, n, n / window, False)
+    return Recent(window, n, n / max(float(r.span), 0.001), True)
+
+
+_HOUR_START = text("SELECT date_trunc('minute', now()) - interval '59 minutes'")
+
+
+@dataclass
 class Minute:
     minute: datetime
     #: Rows settled that minute: exact when fewer than the sample size, else estimated from how
@@ -154,6 +124,8 @@ class Minute:
 class LastHour:
     minutes: list[Minute]
     sample_per_minute: int
+    #: The first minute of the hour (the last is the current one, under way).
+    start: datetime | None = None
 
     @property
     def settled(self) -> float:
@@ -184,6 +156,7 @@ def _percentile(values: list[float], q: float) -> float:
 def last_hour(connection: Connection, sample: int = SAMPLE_PER_MINUTE) -> LastHour:
     """Rows settled per minute over the last hour, and commit → settled p50/p95 per minute, from
     at most ``sample`` rows a minute."""
+    start = connection.execute(_HOUR_START).scalar_one()
     by_minute: dict[datetime, list[tuple[float, datetime]]] = {}
     for minute, latency, completed in connection.execute(_LAST_HOUR, {"n": sample}):
         by_minute.setdefault(minute, []).append((float(latency), completed))
@@ -199,7 +172,7 @@ def last_hour(connection: Connection, sample: int = SAMPLE_PER_MINUTE) -> LastHo
         minutes.append(
             Minute(minute, settled, estimated, _percentile(latencies, 0.5), _percentile(latencies, 0.95))
         )
-    return LastHour(minutes, sample)
+    return LastHour(minutes, sample, start)
 
 
 # -- reconciler alerts -------------------------------------------------------------------------------

@@ -21,25 +21,13 @@ from ..heartbeat import NoConsumer
 from ..limits import Limit
 from ..ordering import HOLDING_SQL
 from ..pauses import Pause
+from ..store import counts as store_counts
 from ..store.sql import LIMITED_SQL
 from .values import seconds
 
 DEFAULT_LIST_LIMIT = settings.DEFAULT_LIST_LIMIT
 
 # -- status ------------------------------------------------------------------------------------------
-
-# "Oldest pending age" is measured from when the row became due, not from when it was written:
-# a row waiting out its retry backoff is not late, a due row nobody publishes is (stalled relay).
-_STATUS = text(
-    """
-SELECT destination, state, count(*) AS n,
-       EXTRACT(EPOCH FROM now() - min(available_at)
-               FILTER (WHERE state = 'pending' AND available_at <= now())) AS oldest_pending_age
-FROM outbox_message
-GROUP BY destination, state
-ORDER BY destination, state
-"""
-)
 
 
 @dataclass
@@ -99,14 +87,12 @@ def status(connection: Connection) -> StatusReport:
     """Counts by destination and state, the age of the oldest due pending row, and the
     destinations no live worker consumes (from the heartbeats in the database)."""
     generated_at = connection.execute(text("SELECT now()")).scalar_one()
-    counts: dict[str, dict[str, int]] = {}
-    ages: dict[str, float | None] = {}
-    for row in connection.execute(_STATUS):
-        counts.setdefault(row.destination, dict.fromkeys(states.ALL, 0))[row.state] = int(row.n)
-        if row.state == states.PENDING:
-            ages[row.destination] = seconds(row.oldest_pending_age)
-    for d in counts:
-        ages.setdefault(d, None)
+    # Exact: `outbox status` is what an operator trusts to the row. The oldest pending age is
+    # measured from when the row became due, not from when it was written: a row waiting out its
+    # retry backoff is not late, a due row nobody publishes is (stalled relay).
+    rows = store_counts.rows_by_destination(connection, ages=(states.PENDING,))
+    counts = rows.by_destination
+    ages = {d: seconds(rows.age(d, states.PENDING)) for d in counts}
     gaps = heartbeat.no_consumer(connection.execute(text(heartbeat.NO_CONSUMER_SQL)))
     from .ordering import blocked_summary
 

@@ -16,6 +16,8 @@ delivery        the worker's delivery of one message (outbox.consumer)
 recovery        the reconciler's jobs (outbox.reconciler), and settlement (outbox.settlement)
 operator        the operator's commands and the dashboard (outbox.ops, outbox.features, failover)
 processes       every process, about itself: its heartbeat, the database identity it checks
+counts          ``outbox status``, the dashboard's overview, the metrics (outbox.metrics): rows
+                by destination and state, the one read model they share (reads only)
 sql             (what the statements share; no statement of its own)
 ==============  =============================================================================
 
@@ -98,6 +100,10 @@ statement                               writes                              call
 ``operator.set_floor``                  ``outbox_schema_floor``             ``outbox features enable``
 ``operator.drop_floor``                 ``outbox_schema_floor``             ``outbox features enable``
 ``operator.end_dashboard_session``      ``outbox_dashboard_session_end``    the dashboard's sign-out
+``counts.rows_by_destination``          nothing (rows by destination and    ``outbox status`` (exact), the
+                                        state, their oldest's age)          dashboard (estimates above a
+                                                                            size), the reconciler (metrics)
+``counts.exact_sql``                    nothing (the exact statement)       ``rows_by_destination``, metrics
 ======================================  ==================================  ================================
 
 Connections: the application's moves take the caller's SQLAlchemy ``Session``/``Connection``
@@ -109,6 +115,6 @@ Python passes intervals (a lease, a backoff, a wait before the first lookup), ne
 of its own; only the application's own ``available_at``/``deadline`` come from outside.
 """
 
-from . import application, delivery, operator, processes, recovery, relay, sql
+from . import application, counts, delivery, operator, processes, recovery, relay, sql
 
-__all__ = ["application", "delivery", "operator", "processes", "recovery", "relay", "sql"]
+__all__ = ["application", "counts", "delivery", "operator", "processes", "recovery", "relay", "sql"]

@@ -4,12 +4,16 @@ previews, which must follow exactly the CLI's rules (they call the same code).""
 
 from __future__ import annotations
 
+import itertools
 import re
+import time
+from datetime import datetime
 from http.cookies import SimpleCookie
 from typing import Any
+from xml.etree import ElementTree
 
 import pytest
-from helpers import ids_by_state, relay_once, sql
+from helpers import elapse, ids_by_state, relay_once, sql
 from sqlalchemy.orm import Session
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -19,7 +23,7 @@ from starlette.testclient import TestClient
 
 import outbox
 from outbox.consumer import DeliveryResult
-from outbox.dashboard import Access, create_app, hash_password
+from outbox.dashboard import Access, chart, create_app, hash_password, queries
 from outbox.dashboard.security import parse_users
 from outbox.exceptions import ConfigError
 
@@ -457,6 +461,67 @@ def test_overview_counts_and_the_last_hour(
     assert re.search(r"state=sent&amp;destination=billing.charge\">3</a>", page), page
     assert re.search(r"state=dispatched&amp;destination=billing.charge\">2</a>", page)
     assert "confirmed/s" in page and "Nothing confirmed in the last hour" not in page
+
+
+def _confirm(engine: Any, clean: Any, provider: Any, consumer: Any, keys: list[str]) -> list[int]:
+    """The rows written and confirmed now, within one minute of the database's clock (the chart
+    puts each minute's bar at its place)."""
+    declare(provider)
+    rows = [write(engine, key) for key in keys]
+    relay_once(clean)
+    [(second,)] = sql(clean, "SELECT EXTRACT(SECOND FROM clock_timestamp())::float8")
+    if second > 45:
+        time.sleep(60.5 - second)
+    deliverer = consumer()
+    for row in rows:
+        assert deliverer.deliver(row, DEST) is DeliveryResult.SENT
+    return rows
+
+
+def test_the_confirmed_tile_is_the_last_minutes_rate(
+    app: Starlette, engine: Any, clean: Any, provider: Any, consumer: Any
+) -> None:
+    rows = _confirm(engine, clean, provider, consumer, [f"order:8{i:02d}" for i in range(15)])
+    # Three of them confirmed 20 minutes ago: in the hour, not in the last minute.
+    elapse(clean, 20 * 60, rows[:3])
+    page = login(app, "rita").get("/").text
+    tile = re.search(r'id="confirmed-rate"><b>([^<]*)</b> confirmed/s\s*<small>(.*?)</small>', page, re.S)
+    assert tile, page
+    assert float(tile.group(1)) == pytest.approx(12 / 60)
+    assert "last 60 s: 12 rows" in tile.group(2)
+    assert re.search(r"last hour 0\.0042/s", tile.group(2)), tile.group(2)
+    # With a sample smaller than the minute's rows, the rate is that of the newest, marked.
+    with engine.connect() as conn:
+        sampled = queries.recent(conn, sample=5)
+        counted = queries.recent(conn)
+    assert (counted.confirmed, counted.estimated, counted.per_second) == (12, False, 12 / 60)
+    assert sampled.estimated and sampled.confirmed == 5 and sampled.per_second > 12 / 60
+
+
+def test_the_last_hour_chart_has_a_time_axis_and_a_count_axis(
+    app: Starlette, engine: Any, clean: Any, provider: Any, consumer: Any
+) -> None:
+    rows = _confirm(engine, clean, provider, consumer, [f"order:9{i:02d}" for i in range(15)])
+    elapse(clean, 20 * 60, rows[:3])
+    page = login(app, "rita").get("/").text
+    svg = ElementTree.fromstring(re.search(r'<svg class="chart".*?</svg>', page, re.S).group(0))  # type: ignore[union-attr]
+    axes = {g.get("class"): g for g in svg.iter("g")}
+    times = [t.text or "" for t in axes["axis time"].iter("text")]
+    # Every 15 minutes over the hour, then the axis's title with the time zone.
+    assert len(times) == 6 and times[-1].startswith("time ("), times
+    marks = [datetime.strptime(t, "%H:%M") for t in times[:-1]]
+    assert [round((b - a).total_seconds()) % 86400 for a, b in itertools.pairwise(marks)] == [900] * 4
+    counts = [t.text for t in axes["axis count"].iter("text")]
+    # 12 rows at the peak: round steps of 5 up to 15, from 0, and the unit.
+    assert counts == ["0", "5", "10", "15", "rows/min"], counts
+    bars = sorted(float(r.get("x") or 0) for r in svg.iter("rect"))
+    assert len(bars) == 2, bars
+    # Each minute at its place in the hour: 20 minutes (10 units each) apart, the newest last.
+    assert bars[1] - bars[0] == pytest.approx(200)
+    assert bars[1] >= chart.LEFT + 58 * 10
+    heights = {float(r.get("x") or 0): float(r.get("height") or 0) for r in svg.iter("rect")}
+    assert heights[bars[1]] == pytest.approx(12 / 15 * chart.PLOT_HEIGHT)
+    assert heights[bars[0]] == pytest.approx(3 / 15 * chart.PLOT_HEIGHT)
 
 
 # -- mounted in a host application with its own authentication -------------------------------------

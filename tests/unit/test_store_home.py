@@ -90,6 +90,7 @@ def moves() -> dict[str, str]:
         store.recovery,
         store.operator,
         store.processes,
+        store.counts,
     ):
         for name, value in vars(module).items():
             if (
@@ -110,7 +111,7 @@ def store_tables() -> tuple[dict[str, str], dict[str, str]]:
     """The store's two tables (its docstring): the moves of the rows, the writes of the others."""
     doc = store.__doc__ or ""
     split = doc.index("The other tables:")
-    pattern = r"``(application|relay|delivery|recovery|operator|processes)\.([a-z_]+)``"
+    pattern = r"``(application|relay|delivery|recovery|operator|processes|counts)\.([a-z_]+)``"
     rows, others = (
         {name: module for module, name in re.findall(pattern, part)} for part in (doc[:split], doc[split:])
     )
