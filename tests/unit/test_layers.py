@@ -94,6 +94,22 @@ def test_an_import_across_the_clis_commands_breaks_the_cli_contract(
     assert not contract("cli").check(graph, verbose=False).kept
 
 
+@pytest.mark.parametrize(
+    ("contract_id", "importer", "imported"),
+    [
+        ("dashboard", "outbox.dashboard.queries", "outbox.dashboard.app"),  # SQL into the pages
+        ("dashboard", "outbox.dashboard.chart", "outbox.dashboard.security"),  # two parts of a page
+        ("ops", "outbox.ops.inspect", "outbox.ops.actions"),  # reading into acting
+        ("ops", "outbox.ops.values", "outbox.ops.ordering"),  # the values into a report
+    ],
+)
+def test_an_import_pointing_up_inside_a_face_breaks_its_contract(
+    graph, contract_id: str, importer: str, imported: str
+) -> None:
+    graph.add_import(importer=importer, imported=imported)
+    assert not contract(contract_id).check(graph, verbose=False).kept
+
+
 def test_a_job_importing_the_scheduler_breaks_the_reconciler_contract(graph) -> None:
     graph.add_import(importer="outbox.reconciler.jobs.purge", imported="outbox.reconciler.scheduler")
     assert not contract("reconciler").check(graph, verbose=False).kept
