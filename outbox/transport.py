@@ -220,7 +220,11 @@ class Broker(RedisBroker):
         if error is None:
             return None
         if isinstance(error, redis.exceptions.NoScriptError):
-            return self._dispatch("ack")(queue_name, message_id)
+            try:
+                return self._dispatch("ack")(queue_name, message_id)
+            except _FAILOVER_REPLIES as exc:
+                # A replica lacks the script too: loaded, it is refused as a write.
+                raise redis.ConnectionError(f"Redis is not the primary any more ({exc})") from exc
         raise error
 
     @functools.cached_property

@@ -167,6 +167,33 @@ class SentinelDeployment:
             time.sleep(0.1)
         raise AssertionError(f"no replica was promoted within {timeout} s:\n{self.logs()}")
 
+    def swap_behind_their_back(self) -> tuple[int, int]:
+        """Make the replica the primary and the primary its replica, then have the sentinels
+        monitor the new primary: a demotion that leaves the old primary's clients connected, as
+        a partitioned primary that comes back is left, where a Sentinel failover would have
+        killed them. (old primary, new primary)."""
+        old = self.primary_port()
+        assert old is not None
+        (new,) = [p for p in self.nodes if p != old and self.nodes[p].poll() is None]
+        for port, command in ((new, ("REPLICAOF", "NO", "ONE")), (old, ("REPLICAOF", "127.0.0.1", str(new)))):
+            self._ask(port, *command)
+        for port in self.sentinels:
+            self._ask(port, "SENTINEL", "REMOVE", SERVICE)
+            self._ask(port, "SENTINEL", "MONITOR", SERVICE, "127.0.0.1", str(new), "2")
+            self._ask(port, "SENTINEL", "SET", SERVICE, "down-after-milliseconds", str(DOWN_AFTER_MS))
+            self._ask(port, "SENTINEL", "SET", SERVICE, "failover-timeout", str(FAILOVER_TIMEOUT_MS))
+        assert self.primary_port() == new
+        return old, new
+
+    def readonly_errors(self, port: int) -> int:
+        """How many commands the server at ``port`` refused with READONLY (INFO errorstats)."""
+        client = self.client(port)
+        try:
+            stats = client.info("errorstats")
+        finally:
+            client.close()
+        return int(stats.get("errorstat_READONLY", {}).get("count", 0))
+
     def client(self, port: int) -> redis.Redis:
         return redis.Redis(port=port, socket_timeout=5)
 
