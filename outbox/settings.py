@@ -506,5 +506,7 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
             "too (OUTBOX_DATABASE_URL is then the pooler's), or unset OUTBOX_DIRECT_DATABASE_URL"
         )
     if settings.redis_url:
-        check_redis_url(settings.redis_url, "--redis-url" if overrides.get("redis_url") else "OUTBOX_REDIS_URL")
+        check_redis_url(
+            settings.redis_url, "--redis-url" if overrides.get("redis_url") else "OUTBOX_REDIS_URL"
+        )
     return settings

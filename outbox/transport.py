@@ -99,9 +99,7 @@ def _connect_sentinel(spec: SentinelURL, options: dict[str, object]) -> redis.Re
     }
     primary.update(options)
     primary.update(db=spec.db, username=spec.username, password=spec.password)
-    sentinel_kwargs: dict[str, Any] = {
-        k: v for k, v in primary.items() if k.startswith(("socket_", "ssl_"))
-    }
+    sentinel_kwargs: dict[str, Any] = {k: v for k, v in primary.items() if k.startswith(("socket_", "ssl_"))}
     sentinel_kwargs.setdefault("socket_timeout", SENTINEL_SOCKET_TIMEOUT_SECONDS)
     sentinel_kwargs.setdefault("socket_connect_timeout", SENTINEL_SOCKET_TIMEOUT_SECONDS)
     sentinel_kwargs.update(username=spec.sentinel_username, password=spec.sentinel_password)
@@ -124,7 +122,7 @@ class _SentinelClient(redis.Redis):
 
     def close(self) -> None:
         super().close()
-        pool = self.connection_pool
+        pool: Any = self.connection_pool
         pool.disconnect()
         for sentinel in pool.sentinel_manager.sentinels:
             sentinel.close()
@@ -378,47 +376,46 @@ def _send_packed(client: redis.Redis, payload: bytes, replies: int) -> list[redi
     commands are then sent once more on a new connection, which asks the sentinels where the
     primary is now; when they do not know yet, the error is the caller's, as an outage."""
     pool = client.connection_pool
-    try:
-        return _send_packed_once(pool, payload, replies)
-    except redis.ConnectionError:
-        if not isinstance(pool, redis.sentinel.SentinelConnectionPool):
+    again = True
+    while True:
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py < 5.3 requires a command name, which its pools ignore
+            conn = pool.get_connection("HSET")
+
+        def send(conn: Any = conn) -> list[redis.ResponseError | None]:
+            conn.send_packed_command([payload])
+            errors: list[redis.ResponseError | None] = []
+            failover: redis.ResponseError | None = None
+            for _ in range(replies):
+                try:
+                    conn.read_response()
+                except redis.ResponseError as exc:
+                    errors.append(exc)
+                    if isinstance(exc, _FAILOVER_REPLIES):
+                        failover = exc
+                else:
+                    errors.append(None)
+            if failover is not None:
+                raise redis.ConnectionError(f"Redis is not the primary any more ({failover})") from failover
+            return errors
+
+        try:
+            result: list[redis.ResponseError | None] = conn.retry.call_with_retry(
+                send, lambda _exc, conn=conn: conn.disconnect()
+            )
+        except redis.ConnectionError:
+            conn.disconnect()
+            if again and isinstance(pool, redis.sentinel.SentinelConnectionPool):
+                again = False
+                continue
             raise
-    return _send_packed_once(pool, payload, replies)
-
-
-def _send_packed_once(pool: Any, payload: bytes, replies: int) -> list[redis.ResponseError | None]:
-    try:
-        conn = pool.get_connection()
-    except TypeError:  # redis-py < 5.3 requires a command name, which its pools ignore
-        conn = pool.get_connection("HSET")
-
-    def send() -> list[redis.ResponseError | None]:
-        conn.send_packed_command([payload])
-        errors: list[redis.ResponseError | None] = []
-        failover: redis.ResponseError | None = None
-        for _ in range(replies):
-            try:
-                conn.read_response()
-            except redis.ResponseError as exc:
-                errors.append(exc)
-                if isinstance(exc, _FAILOVER_REPLIES):
-                    failover = exc
-            else:
-                errors.append(None)
-        if failover is not None:
-            raise redis.ConnectionError(f"Redis is not the primary any more ({failover})") from failover
-        return errors
-
-    try:
-        result: list[redis.ResponseError | None] = conn.retry.call_with_retry(
-            send, lambda _exc: conn.disconnect()
-        )
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
-    return result
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return result
 
 
 def messages_present(

@@ -199,7 +199,8 @@ class SentinelDeployment:
 
     def logs(self) -> str:
         return "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted(self.directory.glob("*.log"))
+            f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+            for p in sorted(self.directory.glob("*.log"))
         )
 
 

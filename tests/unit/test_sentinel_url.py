@@ -74,7 +74,7 @@ def test_a_bad_sentinel_url_is_refused_with_its_reason(url: str, reason: str) ->
     with pytest.raises(ConfigError) as from_env:
         settings.from_env({"OUTBOX_REDIS_URL": url})
     assert str(from_env.value).startswith("OUTBOX_REDIS_URL: ") and reason in str(from_env.value)
-    with pytest.raises(ConfigError, match="^--redis-url: "):
+    with pytest.raises(ConfigError, match=r"^--redis-url: "):
         settings.from_env({}, redis_url=url)
 
 
@@ -108,10 +108,8 @@ def test_the_client_asks_the_sentinels_with_their_credentials_and_the_primary_wi
         assert (primary["username"], primary["password"], primary["db"]) == ("app", "primary-pw", 4)
         assert primary["socket_timeout"] == 7 and primary["socket_keepalive"] is True
         sentinels = pool.sentinel_manager.sentinels
-        assert [(s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"]) for s in sentinels] == [
-            ("127.0.0.1", 26379),
-            ("127.0.0.1", 26380),
-        ]
+        addresses = [tuple(s.connection_pool.connection_kwargs[k] for k in ("host", "port")) for s in sentinels]
+        assert addresses == [("127.0.0.1", 26379), ("127.0.0.1", 26380)]
         for sentinel in sentinels:
             kwargs = sentinel.connection_pool.connection_kwargs
             assert (kwargs["username"], kwargs["password"]) == ("watch", "sentinel-pw")
