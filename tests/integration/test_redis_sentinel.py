@@ -9,6 +9,7 @@ once it passes the start-up checks."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -21,6 +22,7 @@ from dramatiq.errors import ConnectionClosed
 from sentinel_servers import SentinelDeployment, sentinel_deployment
 
 from outbox import transport
+from outbox.wakes import Wakes
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -162,3 +164,27 @@ def test_a_promoted_primary_is_used_only_once_it_passes_the_start_up_checks(depl
     finally:
         client.close()
         on_replica.close()
+
+
+def test_the_wakes_subscriber_follows_a_failover(deployment) -> None:
+    """The worker's Pub/Sub subscriber (outbox.wakes) reconnects to the promoted replica by
+    itself: a call's end published there after the failover still wakes the held deliveries."""
+    listening = Wakes(deployment.url(), NS).start()
+    sending = Wakes(deployment.url(), NS).start()
+    try:
+        deadline = time.monotonic() + 10
+        while listening.received == 0 and time.monotonic() < deadline:
+            sending.freed(QUEUE)  # until the subscription is in place
+            time.sleep(0.1)
+        assert listening.received >= 1
+        old = deployment.kill_primary()
+        deployment.wait_promoted(old)
+        before = listening.received
+        deadline = time.monotonic() + 20
+        while listening.received == before and time.monotonic() < deadline:
+            sending.freed(QUEUE)
+            time.sleep(0.2)
+        assert listening.received > before
+    finally:
+        listening.stop()
+        sending.stop()
