@@ -108,7 +108,10 @@ def test_the_client_asks_the_sentinels_with_their_credentials_and_the_primary_wi
         assert (primary["username"], primary["password"], primary["db"]) == ("app", "primary-pw", 4)
         assert primary["socket_timeout"] == 7 and primary["socket_keepalive"] is True
         sentinels = pool.sentinel_manager.sentinels
-        addresses = [tuple(s.connection_pool.connection_kwargs[k] for k in ("host", "port")) for s in sentinels]
+        addresses = [
+            (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+            for s in sentinels
+        ]
         assert addresses == [("127.0.0.1", 26379), ("127.0.0.1", 26380)]
         for sentinel in sentinels:
             kwargs = sentinel.connection_pool.connection_kwargs
