@@ -136,6 +136,8 @@ class _PrimaryPool(redis.sentinel.SentinelConnectionPool):
         super().__init__(service_name, sentinel_manager, **kwargs)
         self.check_options: dict[str, Any] = {}
         self.checked: tuple[str, int] | None = None
+        #: The primary last found unsafe: said once, not at every try of every thread.
+        self._refused: tuple[str, int] | None = None
         self._check_lock = threading.Lock()
 
     def check_primary(self, address: tuple[str, int]) -> None:
@@ -155,8 +157,11 @@ class _PrimaryPool(redis.sentinel.SentinelConnectionPool):
                         f"the Redis primary of Sentinel service {self.service_name!r} at "
                         f"{address[0]}:{address[1]} is not used: {'; '.join(problems)}"
                     )
-                    logger.error(message)
+                    if self._refused != address:
+                        self._refused = address
+                        logger.error(message)
                     raise UnsafePrimary(message)
+                self._refused = None
             if self.checked is not None:
                 logger.warning(
                     "Redis failover: the primary of Sentinel service %r is now %s:%s (was %s:%s)",
