@@ -192,9 +192,11 @@ class _PrimarySSLConnection(_PrimaryConnection, redis.connection.SSLConnection):
     pass
 
 
-#: What a primary that a failover demoted (or that is still loading its data) answers: not a
-#: refusal of one command, but "not here, not now".
-_FAILOVER_REPLIES = (redis.exceptions.ReadOnlyError,)
+def _is_failover(error: redis.ResponseError) -> bool:
+    """Whether a reply is a demoted primary's READONLY: not a refusal of one command, but "not
+    here any more". Redis before 7 wraps it in a script's error (``ERR Error running script …
+    -READONLY …``), which redis-py does not recognize."""
+    return isinstance(error, redis.exceptions.ReadOnlyError) or "-READONLY " in str(error)
 
 
 class Broker(RedisBroker):
@@ -225,9 +227,11 @@ class Broker(RedisBroker):
         if isinstance(error, redis.exceptions.NoScriptError):
             try:
                 return self._dispatch("ack")(queue_name, message_id)
-            except _FAILOVER_REPLIES as exc:
+            except redis.ResponseError as exc:
                 # A replica lacks the script too: loaded, it is refused as a write.
-                raise redis.ConnectionError(f"Redis is not the primary any more ({exc})") from exc
+                if _is_failover(exc):
+                    raise redis.ConnectionError(f"Redis is not the primary any more ({exc})") from exc
+                raise
         raise error
 
     @functools.cached_property
@@ -397,7 +401,7 @@ def _send_packed(client: redis.Redis, payload: bytes, replies: int) -> list[redi
                     conn.read_response()
                 except redis.ResponseError as exc:
                     errors.append(exc)
-                    if isinstance(exc, _FAILOVER_REPLIES):
+                    if _is_failover(exc):
                         failover = exc
                 else:
                     errors.append(None)

@@ -185,14 +185,14 @@ class SentinelDeployment:
         assert self.primary_port() == new
         return old, new
 
-    def readonly_errors(self, port: int) -> int:
-        """How many commands the server at ``port`` refused with READONLY (INFO errorstats)."""
+    def error_replies(self, port: int) -> int:
+        """How many commands the server at ``port`` answered with an error (``INFO stats``): on a
+        demoted primary, its READONLY answers (Redis 6 counts a script's as ERR, not READONLY)."""
         client = self.client(port)
         try:
-            stats = client.info("errorstats")
+            return int(client.info("stats").get("total_error_replies", 0))
         finally:
             client.close()
-        return int(stats.get("errorstat_READONLY", {}).get("count", 0))
 
     def client(self, port: int) -> redis.Redis:
         return redis.Redis(port=port, socket_timeout=5)

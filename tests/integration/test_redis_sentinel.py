@@ -58,7 +58,7 @@ def test_a_publish_answered_readonly_goes_to_the_new_primary_not_to_the_refusals
         old, new = deployment.swap_behind_their_back()
         published = transport.publish_group(client, NS, [row(2), row(3)])
         assert published.failed == {} and published.count == 2
-        assert deployment.readonly_errors(old) >= 1
+        assert deployment.error_replies(old) >= 1
         on_new = deployment.client(new)
         try:
             # The first message came over by replication, the others were sent there.
@@ -123,7 +123,7 @@ def test_an_ack_answered_readonly_is_sent_to_the_new_primary(deployment) -> None
         try:
             assert on_new.scard(acks) == 2
             consumer.ack(messages[0])  # no exception: acked on the new primary
-            assert deployment.readonly_errors(old) >= 1
+            assert deployment.error_replies(old) >= 1
             assert on_new.scard(acks) == 1
             assert on_new.hlen(f"{NS}:{QUEUE}.msgs") == 1
         finally:

@@ -140,3 +140,23 @@ def test_a_plain_url_is_redis_py_s_own() -> None:
         assert type(client.connection_pool) is redis.ConnectionPool
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    ("error", "failover"),
+    [
+        (redis.exceptions.ReadOnlyError("You can't write against a read only replica."), True),
+        # Redis 6 wraps a script's READONLY (the worker's ack is a script) in a plain error.
+        (
+            redis.ResponseError(
+                "Error running script (call to f_fdacc359): @user_script:58: @user_script: 58: "
+                "-READONLY You can't write against a read only replica."
+            ),
+            True,
+        ),
+        (redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), False),
+        (redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'."), False),
+    ],
+)
+def test_a_demoted_primarys_answer_is_told_from_a_refusal(error: redis.ResponseError, failover: bool) -> None:
+    assert transport._is_failover(error) is failover
