@@ -533,8 +533,9 @@ class Runner:
             self._acks.put((message, name))
             return False
         except Exception as exc:
-            # Not a lost connection (a read-only replica after a failover, an out-of-memory Redis):
-            # trying again would not help. The message stays fetched until this worker stops.
+            # Not a lost connection (an out-of-memory Redis; a demoted primary's READONLY is one,
+            # outbox.transport): trying again would not help. The message stays fetched until
+            # this worker stops.
             logger.error(
                 "ack of message %s failed (%s: %s); its row is settled, the message is delivered "
                 "again after this worker stops, to an empty claim",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -133,10 +134,123 @@ def libpq_url(url: str) -> str:
 def redact_url(url: str) -> str:
     """Hide the password of a URL before it reaches a log line or an error message.
 
-    Both places libpq reads one from: ``user:password@`` and the ``password=`` query parameter.
+    Both places libpq reads one from: ``user:password@`` and the ``password=`` query parameter;
+    and a Sentinel URL's ``sentinel_password=``.
     """
     url = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
-    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
+    return re.sub(r"([?&](?:sentinel_)?password=)[^&#]*", r"\1***", url, flags=re.IGNORECASE)
+
+
+#: A Redis reached through Redis Sentinel (``redis+sentinel://``; TLS: ``rediss+sentinel://``).
+SENTINEL_SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
+#: A sentinel's port when a URL names a host alone.
+DEFAULT_SENTINEL_PORT = 26379
+_SENTINEL_FORM = "redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
+
+
+@dataclasses.dataclass(frozen=True)
+class SentinelURL:
+    """A ``redis+sentinel://`` URL taken apart (see docs/configuration.md). The user and password
+    before the ``@`` are the primary's (and its replicas'); the sentinels' own are the query
+    options ``sentinel_username`` and ``sentinel_password``."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    sentinel_username: str | None = None
+    sentinel_password: str | None = dataclasses.field(default=None, repr=False)
+    tls: bool = False
+    #: The other query options, as given: redis-py's URL options for the primary's connections
+    #: (``socket_timeout``, ``ssl_cert_reqs``, ...).
+    options: tuple[tuple[str, str], ...] = ()
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.startswith(SENTINEL_SCHEMES)
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """Take a Sentinel URL apart; ConfigError (the URL redacted) when it is not one."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{why}: a Sentinel URL is {_SENTINEL_FORM} (got {redact_url(url)!r})")
+
+    if not is_sentinel_url(url):
+        raise bad(f"the scheme {url.partition('://')[0]!r} is not redis+sentinel or rediss+sentinel")
+    scheme, _, rest = url.partition("://")
+    rest, _, fragment = rest.partition("#")
+    if fragment:
+        raise bad("a fragment (#...) means nothing here")
+    rest, _, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = urllib.parse.unquote(user) or None
+        password = urllib.parse.unquote(secret) if colon else None
+    sentinels: list[tuple[str, int]] = []
+    for entry in hosts.split(","):
+        entry = entry.strip()
+        if not entry:
+            raise bad("a sentinel address is empty")
+        if entry.startswith("["):  # [IPv6]:port
+            host, bracket, tail = entry[1:].partition("]")
+            if not bracket or (tail and not tail.startswith(":")):
+                raise bad(f"the sentinel address {entry!r} is not [IPv6]:PORT")
+            raw_port = tail[1:] if tail else ""
+        else:
+            host, _, raw_port = entry.partition(":")
+        if not host or any(c in host for c in " /?#@"):
+            raise bad(f"the sentinel address {entry!r} has no host name")
+        port = DEFAULT_SENTINEL_PORT
+        if raw_port:
+            try:
+                port = parse_port(raw_port, "port")
+            except ConfigError:
+                raise bad(f"the sentinel address {entry!r} has no TCP port between 1 and 65535") from None
+        sentinels.append((host, port))
+    parts = path.split("/") if slash else []
+    if parts and parts[-1] == "":
+        parts.pop()  # a trailing slash
+    if not parts or not parts[0]:
+        raise bad("no service name (the name the sentinels monitor the primary by, e.g. mymaster)")
+    if len(parts) > 2:
+        raise bad(f"the path {'/' + path!r} has more than a service and a database number")
+    service = urllib.parse.unquote(parts[0])
+    db = 0
+    if len(parts) == 2:
+        if not parts[1].isdigit():
+            raise bad(f"the database {parts[1]!r} is not a whole number")
+        db = int(parts[1])
+    options: list[tuple[str, str]] = []
+    sentinel_username = sentinel_password = None
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise bad("the query is not NAME=VALUE&...") from None
+    for name, value in pairs:
+        if name == "sentinel_username":
+            sentinel_username = value or None
+        elif name == "sentinel_password":
+            sentinel_password = value or None
+        elif name in ("db", "host", "port", "username", "password"):
+            raise bad(f"the query option {name!r} belongs in the URL itself")
+        else:
+            options.append((name, value))
+    return SentinelURL(
+        sentinels=tuple(sentinels),
+        service=service,
+        db=db,
+        username=username,
+        password=password,
+        sentinel_username=sentinel_username,
+        sentinel_password=sentinel_password,
+        tls=scheme == "rediss+sentinel",
+        options=tuple(options),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +379,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_METRICS_PORT": "metrics_port",
 }
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *SENTINEL_SCHEMES)
 #: The one pooler mode supported: a session pooler needs nothing of us, a statement pooler
 #: breaks every multi-statement transaction (the relay's take).
 POOLER_TRANSACTION = "transaction"
@@ -310,6 +424,20 @@ def _parse(field: dataclasses.Field[Any], name: str, raw: str) -> Any:
             return False
         raise ConfigError(f"{name}={raw!r} is not a boolean (use true or false)")
     return raw.strip() or None
+
+
+def check_redis_url(url: str, source: str) -> None:
+    """ConfigError, naming ``source``, unless ``url`` is a Redis URL the processes can use."""
+    if not url.startswith(_REDIS_SCHEMES):
+        raise ConfigError(
+            f"{source}: Redis URL must start with redis://, rediss://, unix://, redis+sentinel:// "
+            f"or rediss+sentinel:// (got {redact_url(url)!r})"
+        )
+    if is_sentinel_url(url):
+        try:
+            parse_sentinel_url(url)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
 
 
 def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -377,10 +505,8 @@ def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Sett
             "OUTBOX_DIRECT_DATABASE_URL is only read with OUTBOX_DATABASE_POOLER=transaction: set that "
             "too (OUTBOX_DATABASE_URL is then the pooler's), or unset OUTBOX_DIRECT_DATABASE_URL"
         )
-    if settings.redis_url and not settings.redis_url.startswith(_REDIS_SCHEMES):
-        source = "--redis-url" if overrides.get("redis_url") else "OUTBOX_REDIS_URL"
-        raise ConfigError(
-            f"{source}: Redis URL must start with redis://, rediss:// or unix:// "
-            f"(got {redact_url(settings.redis_url)!r})"
+    if settings.redis_url:
+        check_redis_url(
+            settings.redis_url, "--redis-url" if overrides.get("redis_url") else "OUTBOX_REDIS_URL"
         )
     return settings

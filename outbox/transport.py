@@ -11,17 +11,21 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import redis
+import redis.sentinel
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import current_millis
 
 from .exceptions import UnsafeBroker
+from .settings import SentinelURL, is_sentinel_url, parse_sentinel_url
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +63,140 @@ def queue_key(namespace: str, destination: str) -> str:
 
 
 def connect(url: str, **options: object) -> redis.Redis:
+    """A client of the Redis at ``url``: ``redis://``, ``rediss://``, ``unix://``, or the primary
+    of a Sentinel service (``redis+sentinel://``, ``rediss+sentinel://``; docs/configuration.md),
+    whose connections ask the sentinels where the primary is each time they connect, so that a
+    client follows a failover without a restart."""
+    if is_sentinel_url(url):
+        return _connect_sentinel(parse_sentinel_url(url), options)
     return redis.Redis.from_url(url, **options)
+
+
+# -- Redis Sentinel ---------------------------------------------------------------------------------
+
+#: The sentinels' socket timeouts unless the caller's are given: asking one where the primary is
+#: is one short command, and a dead one must not hold a reconnect for long.
+SENTINEL_SOCKET_TIMEOUT_SECONDS = 5.0
+
+#: (namespace, allow_evicting) of this process's broker, once its start-up check ran: every new
+#: primary a Sentinel client connects to is checked the same way before it is used.
+_primary_policy: tuple[str, bool] | None = None
+
+
+class UnsafePrimary(redis.ConnectionError):
+    """The primary a failover promoted fails the start-up checks (its eviction policy, or keys
+    of a cache in the namespace): it is not used, as if unreachable, until it passes them."""
+
+
+def _connect_sentinel(spec: SentinelURL, options: dict[str, object]) -> redis.Redis:
+    # The primary's options as redis-py reads them from a URL (socket_timeout=, ssl_cert_reqs=,
+    # ...), the same names a redis:// URL takes; host and port are the sentinels' to say.
+    scheme = "rediss" if spec.tls else "redis"
+    query = urllib.parse.urlencode(spec.options)
+    parsed = redis.connection.parse_url(f"{scheme}://localhost/{spec.db}" + (f"?{query}" if query else ""))
+    primary: dict[str, Any] = {
+        k: v for k, v in parsed.items() if k not in ("host", "port", "path", "connection_class")
+    }
+    primary.update(options)
+    primary.update(db=spec.db, username=spec.username, password=spec.password)
+    sentinel_kwargs: dict[str, Any] = {k: v for k, v in primary.items() if k.startswith(("socket_", "ssl_"))}
+    sentinel_kwargs.setdefault("socket_timeout", SENTINEL_SOCKET_TIMEOUT_SECONDS)
+    sentinel_kwargs.setdefault("socket_connect_timeout", SENTINEL_SOCKET_TIMEOUT_SECONDS)
+    sentinel_kwargs.update(username=spec.sentinel_username, password=spec.sentinel_password)
+    if spec.tls:
+        sentinel_kwargs["ssl"] = True
+    manager = redis.sentinel.Sentinel(list(spec.sentinels), sentinel_kwargs=sentinel_kwargs)
+    pool = _PrimaryPool(
+        spec.service,
+        manager,
+        connection_class=_PrimarySSLConnection if spec.tls else _PrimaryConnection,
+        **primary,
+    )
+    pool.check_options = {**primary, **({"ssl": True} if spec.tls else {})}
+    return _SentinelClient(connection_pool=pool)
+
+
+class _SentinelClient(redis.Redis):
+    """Owns its pool, as a client from a URL does, and the clients of its sentinels: its close
+    closes them all."""
+
+    def close(self) -> None:
+        super().close()
+        pool: Any = self.connection_pool
+        pool.disconnect()
+        for sentinel in pool.sentinel_manager.sentinels:
+            sentinel.close()
+
+
+class _PrimaryPool(redis.sentinel.SentinelConnectionPool):
+    """A Sentinel pool that runs the start-up checks on each new primary before a connection to
+    it is used (and says in the log where the primary now is)."""
+
+    def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
+        super().__init__(service_name, sentinel_manager, **kwargs)
+        self.check_options: dict[str, Any] = {}
+        self.checked: tuple[str, int] | None = None
+        #: The primary last found unsafe: said once, not at every try of every thread.
+        self._refused: tuple[str, int] | None = None
+        self._check_lock = threading.Lock()
+
+    def check_primary(self, address: tuple[str, int]) -> None:
+        with self._check_lock:
+            if self.checked == address:
+                return
+            policy = _primary_policy
+            if policy is not None:
+                namespace, allow_evicting = policy
+                client = redis.Redis(host=address[0], port=int(address[1]), **self.check_options)
+                try:
+                    problems = check_broker_safety(client, namespace, allow_evicting=allow_evicting)
+                finally:
+                    client.close()
+                if problems:
+                    message = (
+                        f"the Redis primary of Sentinel service {self.service_name!r} at "
+                        f"{address[0]}:{address[1]} is not used: {'; '.join(problems)}"
+                    )
+                    if self._refused != address:
+                        self._refused = address
+                        logger.error(message)
+                    raise UnsafePrimary(message)
+                self._refused = None
+            if self.checked is not None:
+                logger.warning(
+                    "Redis failover: the primary of Sentinel service %r is now %s:%s (was %s:%s)",
+                    self.service_name,
+                    address[0],
+                    address[1],
+                    *self.checked,
+                    extra={"sentinel_service": self.service_name},
+                )
+            self.checked = address
+
+
+class _PrimaryConnection(redis.sentinel.SentinelManagedConnection):
+    def connect_to(self, address: tuple[str, int]) -> None:
+        super().connect_to(address)
+        # redis-py >= 5.0.1 hands its connections a proxy of their pool.
+        proxy = self.connection_pool
+        pool = proxy.connection_pool_ref() if hasattr(proxy, "connection_pool_ref") else proxy
+        if isinstance(pool, _PrimaryPool) and pool.checked != address:
+            try:
+                pool.check_primary(address)
+            except BaseException:
+                self.disconnect()
+                raise
+
+
+class _PrimarySSLConnection(_PrimaryConnection, redis.connection.SSLConnection):
+    pass
+
+
+def _is_failover(error: redis.ResponseError) -> bool:
+    """Whether a reply is a demoted primary's READONLY: not a refusal of one command, but "not
+    here any more". Redis before 7 wraps it in a script's error (``ERR Error running script …
+    -READONLY …``), which redis-py does not recognize."""
+    return isinstance(error, redis.exceptions.ReadOnlyError) or "-READONLY " in str(error)
 
 
 class Broker(RedisBroker):
@@ -88,7 +225,13 @@ class Broker(RedisBroker):
         if error is None:
             return None
         if isinstance(error, redis.exceptions.NoScriptError):
-            return self._dispatch("ack")(queue_name, message_id)
+            try:
+                return self._dispatch("ack")(queue_name, message_id)
+            except redis.ResponseError as exc:
+                # A replica lacks the script too: loaded, it is refused as a write.
+                if _is_failover(exc):
+                    raise redis.ConnectionError(f"Redis is not the primary any more ({exc})") from exc
+                raise
         raise error
 
     @functools.cached_property
@@ -234,35 +377,53 @@ def _pack(
 def _send_packed(client: redis.Redis, payload: bytes, replies: int) -> list[redis.ResponseError | None]:
     """Send pre-packed commands on a pooled connection and read every reply, as redis-py's
     pipeline does (same retry policy, connection dropped on a transport error); returns each
-    reply's error (None: it succeeded), read to the last one so that the socket never desyncs."""
+    reply's error (None: it succeeded), read to the last one so that the socket never desyncs.
+
+    A failover is never a reply: a primary that answers READONLY (demoted) raises a
+    ``redis.ConnectionError``, as does one answering LOADING or gone. Through Sentinel the
+    commands are then sent once more on a new connection, which asks the sentinels where the
+    primary is now; when they do not know yet, the error is the caller's, as an outage."""
     pool = client.connection_pool
-    try:
-        conn = pool.get_connection()
-    except TypeError:  # redis-py < 5.3 requires a command name, which its pools ignore
-        conn = pool.get_connection("HSET")
+    again = True
+    while True:
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py < 5.3 requires a command name, which its pools ignore
+            conn = pool.get_connection("HSET")
 
-    def send() -> list[redis.ResponseError | None]:
-        conn.send_packed_command([payload])
-        errors: list[redis.ResponseError | None] = []
-        for _ in range(replies):
-            try:
-                conn.read_response()
-            except redis.ResponseError as exc:
-                errors.append(exc)
-            else:
-                errors.append(None)
-        return errors
+        def send(conn: Any = conn) -> list[redis.ResponseError | None]:
+            conn.send_packed_command([payload])
+            errors: list[redis.ResponseError | None] = []
+            failover: redis.ResponseError | None = None
+            for _ in range(replies):
+                try:
+                    conn.read_response()
+                except redis.ResponseError as exc:
+                    errors.append(exc)
+                    if _is_failover(exc):
+                        failover = exc
+                else:
+                    errors.append(None)
+            if failover is not None:
+                raise redis.ConnectionError(f"Redis is not the primary any more ({failover})") from failover
+            return errors
 
-    try:
-        result: list[redis.ResponseError | None] = conn.retry.call_with_retry(
-            send, lambda _exc: conn.disconnect()
-        )
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        pool.release(conn)
-    return result
+        try:
+            result: list[redis.ResponseError | None] = conn.retry.call_with_retry(
+                send, lambda _exc, conn=conn: conn.disconnect()
+            )
+        except redis.ConnectionError:
+            conn.disconnect()
+            if again and isinstance(pool, redis.sentinel.SentinelConnectionPool):
+                again = False
+                continue
+            raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return result
 
 
 def messages_present(
@@ -445,9 +606,12 @@ def ensure_safe(client: redis.Redis, namespace: str, *, allow_evicting: bool = F
 
 def check_at_start(url: str, namespace: str, *, allow_evicting: bool = False) -> None:
     """The start-up check of every long-running process: :func:`ensure_safe` on a short-lived
-    connection."""
+    connection. Through Sentinel, the same check runs again on each primary a failover
+    promotes, before this process's connections use it (:class:`UnsafePrimary`)."""
+    global _primary_policy
     client = connect(url, socket_connect_timeout=5)
     try:
         ensure_safe(client, namespace, allow_evicting=allow_evicting)
     finally:
         client.close()
+    _primary_policy = (namespace, allow_evicting)

@@ -30,7 +30,7 @@ from .probes import Liveness
 from .runner import Runner
 from .settings import DEFAULT_HEARTBEAT_INTERVAL_SECONDS
 from .signals import Stop
-from .transport import Broker
+from .transport import Broker, connect
 from .wakes import Wakes
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ def build_broker(redis_url: str, namespace: str, handlers: Mapping[str, Handler]
     # No Dramatiq TimeLimit: the deliverer gives each call a total deadline of its own
     # time_limit, and an exception raised into a worker thread at an arbitrary point could land
     # inside a claim or a release, leaving a claim nobody knows about.
-    broker = Broker(url=redis_url, namespace=namespace, middleware=[])
+    # A client of ours, not Dramatiq's from the URL: through Sentinel it follows a failover.
+    broker = Broker(client=connect(redis_url), namespace=namespace, middleware=[])
     for extra in middleware.added():  # the user's (outbox.worker_middleware)
         broker.add_middleware(extra)
     return broker

@@ -84,7 +84,9 @@ def add_shared(parser: argparse.ArgumentParser, flags: frozenset[str]) -> None:
         )
     if REDIS in flags:
         parser.add_argument(
-            "--redis-url", default=argparse.SUPPRESS, help="Redis URL, redis://… (default: $OUTBOX_REDIS_URL)"
+            "--redis-url",
+            default=argparse.SUPPRESS,
+            help="Redis URL, redis://… or redis+sentinel://… (default: $OUTBOX_REDIS_URL)",
         )
         parser.add_argument(
             "--namespace",

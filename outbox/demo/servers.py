@@ -121,7 +121,7 @@ def migrate(engine: Engine) -> str | None:
 
 def delete_namespace(redis_url: str, namespace: str) -> int:
     """Delete the keys of the demo's namespace (and only those) on a Redis of yours."""
-    client = redis.Redis.from_url(redis_url, socket_timeout=5)
+    client = transport.connect(redis_url, socket_timeout=5)
     try:
         return transport.delete_namespace(client, namespace)
     finally:
