@@ -13,78 +13,23 @@ from typing import Any
 
 import pytest
 from helpers import ids_by_state, relay_once, sql
-from sqlalchemy.orm import Session
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
 import outbox
 from outbox.consumer import DeliveryResult
-from outbox.dashboard import Access, create_app, hash_password
+from outbox.dashboard import Access, create_app
 from outbox.dashboard.security import SECURITY_HEADERS
 
-DEST = "billing.charge"
-
-SECRET = "s" * 40
-
-PASSWORDS = {"olga": "operator-pw", "otto": "operator2-pw", "rita": "reader-pw", "pam": "payload-pw"}
-
-HASHES: dict[str, str] = {}
-
-
-def _hash(user: str) -> str:
-    if user not in HASHES:
-        HASHES[user] = hash_password(PASSWORDS[user])
-    return HASHES[user]
-
-
-def users_file(**roles: str) -> str:
-    return "\n".join(f"{name} {role} {_hash(name)}" for name, role in roles.items())
-
-
-@pytest.fixture(scope="module")
-def users_text() -> str:
-    return users_file(olga="operate", otto="operate", rita="read", pam="read+payloads")
-
-
-@pytest.fixture
-def app(clean: Any, engine: Any, users_text: str) -> Starlette:
-    return create_app(engine=engine, secret=SECRET, users=users_text)
-
-
-def _csrf(html: str) -> str:
-    m = re.search(r'name="csrf_token" value="([^"]+)"', html)
-    assert m, "no CSRF token in the page"
-    return m.group(1)
-
-
-def client_for(app: Starlette) -> TestClient:
-    return TestClient(
-        app, base_url="https://testserver", follow_redirects=False, raise_server_exceptions=False
-    )
-
-
-def login(app: Starlette, user: str) -> TestClient:
-    client = client_for(app)
-    page = client.get("/login")
-    assert page.status_code == 200
-    r = client.post(
-        "/login", data={"user": user, "password": PASSWORDS[user], "csrf_token": _csrf(page.text)}
-    )
-    assert r.status_code == 303, r.text
-    return client
-
-
-def write(engine: Any, key: str, payload: dict[str, Any] | None = None, destination: str = DEST) -> int:
-    with Session(engine) as s, s.begin():
-        return outbox.write(
-            s, key=key, step="charge", destination=destination, payload=payload or {"amount_cents": 500}
-        ).id
-
-
-def token_of(client: TestClient) -> str:
-    return _csrf(client.get("/").text)
-
+from .support import (
+    DEST,
+    SECRET,
+    client_for,
+    login,
+    token_of,
+    write,
+)
 
 HUGE = "9" * 25  # past bigint
 

@@ -28,81 +28,18 @@ from outbox.dashboard import Access, create_app, hash_password
 from outbox.dashboard.security import SECURITY_HEADERS
 from outbox.settings import libpq_url
 
-DEST = "billing.charge"
-
-SECRET = "s" * 40
-
-PASSWORDS = {"olga": "operator-pw", "otto": "operator2-pw", "rita": "reader-pw", "pam": "payload-pw"}
-
-HASHES: dict[str, str] = {}
-
-
-def _hash(user: str) -> str:
-    if user not in HASHES:
-        HASHES[user] = hash_password(PASSWORDS[user])
-    return HASHES[user]
-
-
-def users_file(**roles: str) -> str:
-    return "\n".join(f"{name} {role} {_hash(name)}" for name, role in roles.items())
-
-
-@pytest.fixture(scope="module")
-def users_text() -> str:
-    return users_file(olga="operate", otto="operate", rita="read", pam="read+payloads")
-
-
-@pytest.fixture
-def app(clean: Any, engine: Any, users_text: str) -> Starlette:
-    return create_app(engine=engine, secret=SECRET, users=users_text)
-
-
-def _csrf(html: str) -> str:
-    m = re.search(r'name="csrf_token" value="([^"]+)"', html)
-    assert m, "no CSRF token in the page"
-    return m.group(1)
-
-
-def client_for(app: Starlette) -> TestClient:
-    return TestClient(
-        app, base_url="https://testserver", follow_redirects=False, raise_server_exceptions=False
-    )
-
-
-def login(app: Starlette, user: str) -> TestClient:
-    client = client_for(app)
-    page = client.get("/login")
-    assert page.status_code == 200
-    r = client.post(
-        "/login", data={"user": user, "password": PASSWORDS[user], "csrf_token": _csrf(page.text)}
-    )
-    assert r.status_code == 303, r.text
-    return client
-
-
-def declare(provider: Any, **options: Any) -> outbox.Handler:
-    @outbox.handler(DEST, **{"time_limit": 2, "backoff": (1,), "max_attempts": 2, **options})
-    def charge(d: outbox.Delivery) -> outbox.Confirmed:
-        r = d.http.post(
-            f"{provider.url}/charges", json=d.payload, headers={"Idempotency-Key": d.idempotency_key}
-        )
-        if r.status_code == 402:
-            raise outbox.PermanentError("card declined")
-        r.raise_for_status()
-        return outbox.Confirmed(ref=r.json()["id"])
-
-    return charge
-
-
-def write(engine: Any, key: str, payload: dict[str, Any] | None = None, destination: str = DEST) -> int:
-    with Session(engine) as s, s.begin():
-        return outbox.write(
-            s, key=key, step="charge", destination=destination, payload=payload or {"amount_cents": 500}
-        ).id
-
-
-def token_of(client: TestClient) -> str:
-    return _csrf(client.get("/").text)
+from .support import (
+    DEST,
+    PASSWORDS,
+    SECRET,
+    client_for,
+    csrf,
+    declare,
+    login,
+    token_of,
+    users_file,
+    write,
+)
 
 
 def _unknown_row(engine: Any, clean: Any, provider: Any, consumer: Any, key: str) -> int:
@@ -150,7 +87,7 @@ def test_a_removed_or_demoted_user_loses_access_at_once(clean: Any, engine: Any)
     c2.cookies.set("outbox_session", cookie)
     page = c2.get("/")
     assert page.status_code == 200
-    r = c2.post("/preview", data={"action": "cancel", "id": "1", "csrf_token": _csrf(page.text)})
+    r = c2.post("/preview", data={"action": "cancel", "id": "1", "csrf_token": csrf(page.text)})
     assert r.status_code == 403
 
 
@@ -204,7 +141,7 @@ def test_login_csrf_and_unauthenticated_posts_are_refused(app: Starlette) -> Non
     # A pre-login token planted by an attacker is worthless once the victim logs in.
     attacker = client_for(app)
     planted = attacker.get("/login")
-    cookie, token = attacker.cookies.get("outbox_login"), _csrf(planted.text)
+    cookie, token = attacker.cookies.get("outbox_login"), csrf(planted.text)
     victim = client_for(app)
     victim.cookies.set("outbox_login", cookie)
     r = victim.post("/login", data={"user": "olga", "password": PASSWORDS["olga"], "csrf_token": token})
@@ -246,7 +183,7 @@ def test_no_open_redirect_after_login(app: Starlette, nxt: str) -> None:
     page = client.get("/login")
     r = client.post(
         "/login",
-        data={"user": "rita", "password": PASSWORDS["rita"], "csrf_token": _csrf(page.text), "next": nxt},
+        data={"user": "rita", "password": PASSWORDS["rita"], "csrf_token": csrf(page.text), "next": nxt},
     )
     assert r.status_code == 303
     location = r.headers["location"]
@@ -262,7 +199,7 @@ def test_concurrent_guesses_do_not_get_past_the_throttle(app: Starlette) -> None
     clients = []
     for _ in range(attempts):
         c = client_for(app)
-        clients.append((c, _csrf(c.get("/login").text)))
+        clients.append((c, csrf(c.get("/login").text)))
     statuses: list[int] = []
     barrier = threading.Barrier(attempts)
 
@@ -284,7 +221,7 @@ def test_concurrent_guesses_do_not_get_past_the_throttle(app: Starlette) -> None
 # name, even when refused 429: unbounded memory keyed by attacker-chosen names
 def test_the_throttle_does_not_keep_what_unknown_names_send(app: Starlette) -> None:
     client = client_for(app)
-    token = _csrf(client.get("/login").text)
+    token = csrf(client.get("/login").text)
     for i in range(6):
         client.post("/login", data={"user": f"x{i}", "password": "x", "csrf_token": token})
     for i in range(30):
@@ -298,7 +235,7 @@ def test_the_throttle_does_not_keep_what_unknown_names_send(app: Starlette) -> N
 
 def test_the_throttle_holds_for_sequential_guesses_and_other_ips_of_one_name(app: Starlette) -> None:
     client = client_for(app)
-    token = _csrf(client.get("/login").text)
+    token = csrf(client.get("/login").text)
     for i in range(5):
         assert (
             client.post("/login", data={"user": "olga", "password": f"g{i}", "csrf_token": token}).status_code
@@ -306,7 +243,7 @@ def test_the_throttle_holds_for_sequential_guesses_and_other_ips_of_one_name(app
         )
     # Another session (the same client address) and a user name alias do not reset the count.
     other = client_for(app)
-    t2 = _csrf(other.get("/login").text)
+    t2 = csrf(other.get("/login").text)
     assert (
         other.post(
             "/login", data={"user": "olga", "password": PASSWORDS["olga"], "csrf_token": t2}
@@ -321,7 +258,7 @@ def test_the_throttle_holds_for_sequential_guesses_and_other_ips_of_one_name(app
         ).status_code
         == 303
     )
-    t3 = _csrf(other.get("/login").text)
+    t3 = csrf(other.get("/login").text)
     assert (
         other.post(
             "/login", data={"user": "olga", "password": PASSWORDS["olga"], "csrf_token": t3}
@@ -368,7 +305,7 @@ def test_host_mode_csrf_token_of_another_user_is_refused(engine: Any, clean: Any
     app = host_app(engine)
     attacker = client_for(app)
     page = attacker.get("/outbox/", headers={"x-user": "mallory", "x-role": "read"})
-    cookie, token = attacker.cookies.get("outbox_session"), _csrf(page.text)
+    cookie, token = attacker.cookies.get("outbox_session"), csrf(page.text)
     # The operator's browser carries the planted cookie and posts the attacker's form.
     victim = client_for(app)
     r = victim.post(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -23,67 +22,16 @@ from starlette.testclient import TestClient
 import outbox
 from outbox import chains, store
 from outbox.consumer import DeliveryResult
-from outbox.dashboard import Access, create_app, hash_password
+from outbox.dashboard import Access, create_app
 from outbox.ops import actions
 from outbox.settings import libpq_url, normalize_database_url
 
-DEST = "billing.charge"
-
-SECRET = "s" * 40
-
-PASSWORDS = {"olga": "operator-pw", "otto": "operator2-pw", "rita": "reader-pw", "pam": "payload-pw"}
-
-HASHES: dict[str, str] = {}
-
-
-def _hash(user: str) -> str:
-    if user not in HASHES:
-        HASHES[user] = hash_password(PASSWORDS[user])
-    return HASHES[user]
-
-
-def users_file(**roles: str) -> str:
-    return "\n".join(f"{name} {role} {_hash(name)}" for name, role in roles.items())
-
-
-@pytest.fixture(scope="module")
-def users_text() -> str:
-    return users_file(olga="operate", otto="operate", rita="read", pam="read+payloads")
-
-
-@pytest.fixture
-def app(clean: Any, engine: Any, users_text: str) -> Starlette:
-    return create_app(engine=engine, secret=SECRET, users=users_text)
-
-
-def _csrf(html: str) -> str:
-    m = re.search(r'name="csrf_token" value="([^"]+)"', html)
-    assert m, "no CSRF token in the page"
-    return m.group(1)
-
-
-def client_for(app: Starlette) -> TestClient:
-    return TestClient(
-        app, base_url="https://testserver", follow_redirects=False, raise_server_exceptions=False
-    )
-
-
-def login(app: Starlette, user: str) -> TestClient:
-    client = client_for(app)
-    page = client.get("/login")
-    assert page.status_code == 200
-    r = client.post(
-        "/login", data={"user": user, "password": PASSWORDS[user], "csrf_token": _csrf(page.text)}
-    )
-    assert r.status_code == 303, r.text
-    return client
-
-
-def write(engine: Any, key: str, payload: dict[str, Any] | None = None, destination: str = DEST) -> int:
-    with Session(engine) as s, s.begin():
-        return outbox.write(
-            s, key=key, step="charge", destination=destination, payload=payload or {"amount_cents": 500}
-        ).id
+from .support import (
+    DEST,
+    SECRET,
+    login,
+    write,
+)
 
 
 def test_the_overview_lists_an_in_flight_limit(app: Starlette, engine: Any, clean: Any) -> None:
