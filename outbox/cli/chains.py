@@ -93,8 +93,7 @@ def chains(args: argparse.Namespace, cfg: settings.Settings) -> int:
 def _under_way(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from ..ops.progress import chains_under_way
     from ..ops.repair import DEFAULT_STALLED_LIMIT
-    from ..ops.values import age
-    from .render import format_table
+    from .render import render
 
     if args.older_than is not None:
         raise UsageError("--older-than goes with --stalled: the chains under way are listed however long")
@@ -103,29 +102,7 @@ def _under_way(args: argparse.Namespace, cfg: settings.Settings) -> int:
         report = chains_under_way(conn, destination=args.destination, limit=limit)
     if args.json:
         return print_json(report.to_dict())
-    where = f" with a step of {report.destination} waiting" if report.destination else ""
-    if report.keys:
-        rows = [
-            [
-                k["key"],
-                k["step"],
-                k["destination"],
-                k["state"],
-                age(k["age_seconds"]),
-                f"{k['done']}/{k['steps']}",
-            ]
-            for k in report.keys
-        ]
-        out(format_table(["key", "waiting at", "destination", "state", "for", "done"], rows))
-        more = report.under_way - len(report.keys)
-        if more > 0:
-            out(f"… and {more} more (--limit)")
-        out("")
-    threshold = f"{report.stalled_after_seconds / 60:g}m"
-    out(
-        f"{report.under_way} chain(s) under way{where}; {report.stalled} key(s) stopped for {threshold} "
-        "or more (outbox chains --stalled lists them)"
-    )
+    out(render(report))
     return exits.OK
 
 

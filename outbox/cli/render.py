@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # `outbox --help` loads this module: the reports' modules loa
     from ..ops.audit import AuditReport
     from ..ops.batches import BatchReport
     from ..ops.inspect import KeySteps, LedgerDetail, RowDetail, RowList, StatusReport
+    from ..ops.progress import ChainsReport
     from ..ops.repair import RepairPlan, StalledReport
 
 
@@ -392,6 +393,36 @@ def render_key_steps(report: KeySteps) -> str:
     return f"{table}\n\n{verdict}"
 
 
+def render_chains(report: ChainsReport) -> str:
+    """``outbox chains``: the chains under way, one line each, the longest waiting first, then
+    how many are under way and how many keys ``--stalled`` lists."""
+    lines = []
+    if report.keys:
+        rows = [
+            [
+                k["key"],
+                k["step"],
+                k["destination"],
+                k["state"],
+                age(k["age_seconds"]),
+                f"{k['done']}/{k['steps']}",
+            ]
+            for k in report.keys
+        ]
+        lines.append(format_table(["key", "waiting at", "destination", "state", "for", "done"], rows))
+        more = report.under_way - len(report.keys)
+        if more > 0:
+            lines.append(f"… and {more} more (--limit)")
+        lines.append("")
+    where = f" with a step of {report.destination} waiting" if report.destination else ""
+    threshold = f"{report.stalled_after_seconds / 60:g}m"
+    lines.append(
+        f"{report.under_way} chain(s) under way{where}; {report.stalled} key(s) stopped for {threshold} "
+        "or more (outbox chains --stalled lists them)"
+    )
+    return "\n".join(lines)
+
+
 def render_stalled(report: StalledReport) -> str:
     """``outbox chains --stalled``: one line a key, the longest stopped first."""
     rows = [
@@ -461,6 +492,7 @@ _FORMS: dict[str, Any] = {
     "AuditReport": render_audit,
     "KeySteps": render_key_steps,
     "StalledReport": render_stalled,
+    "ChainsReport": render_chains,
     "RepairPlan": render_repair_plan,
     "BatchReport": render_batch,
 }

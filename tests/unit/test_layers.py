@@ -132,6 +132,7 @@ def test_every_report_of_ops_has_a_text_form() -> None:
     import outbox.ops.audit
     import outbox.ops.batches
     import outbox.ops.inspect
+    import outbox.ops.progress
     import outbox.ops.repair
     from outbox.cli.render import _FORMS
 
@@ -140,6 +141,7 @@ def test_every_report_of_ops_has_a_text_form() -> None:
         outbox.ops.audit,
         outbox.ops.batches,
         outbox.ops.inspect,
+        outbox.ops.progress,
         outbox.ops.repair,
     ]
     for name in _FORMS:
