@@ -69,6 +69,10 @@ RELEASE_ALERT_THRESHOLD = 3
 #: How long a worker keeps trying to settle a claim whose reply was lost (reconnect, fence the
 #: claim, release) before it gives up and leaves the row to the lease and the reconciler.
 LOST_CLAIM_RECOVERY_SECONDS = 60.0
+#: ... unless the database answers none of those tries for this long: then the worker stops trying
+#: and hands the message back (DeliveryResult.UNREACHABLE), for a worker that reaches the database.
+#: Long enough for a server restart, so that its lost claims are still released at once.
+LOST_CLAIM_UNREACHABLE_SECONDS = 10.0
 #: How long one delivery statement waits for a row lock (store.sql.LOCK_WAIT_MS).
 LOCK_WAIT_MS = store.sql.LOCK_WAIT_MS
 #: Pauses between those tries: doubling from the first to the last.
@@ -402,6 +406,16 @@ class _Pool:
             self._open -= 1
             self._cond.notify()
 
+    def close_idle(self) -> None:
+        """Close the connections not taken: after the database did not answer, any of them may
+        be dead without knowing it yet, and the first statement on it would be lost."""
+        with self._cond:
+            idle, self.idle = self.idle, []
+            self._open -= len(idle)
+            self._cond.notify_all()
+        for conn in idle:
+            conn.close()
+
 
 class _LockWait:
     """The pauses of one statement that a row lock keeps refusing; says so once it has waited
@@ -715,7 +729,11 @@ class Deliverer:
         """Whether PostgreSQL answers a statement on a claim connection now (clearing
         :attr:`database_down` when it does); the failover guard, which fails closed while it
         cannot check, checks again then too. May wait as long as a connect to an unreachable
-        server does (``OUTBOX_TCP_USER_TIMEOUT``)."""
+        server does (``OUTBOX_TCP_USER_TIMEOUT``). Asked on a new connection: the idle ones are
+        closed first (any may have died with the link), so an answer proves the way is open."""
+        self._put_back("claim_conn")
+        for pool in self._pools.values():
+            pool.close_idle()
         try:
             self._conn("claim_conn").execute("SELECT 1")
         except psycopg.OperationalError:
@@ -1616,8 +1634,10 @@ class Deliverer:
         longer commit), then, if it had committed, release the row: it made no call. No backend
         is ended: through a pooler the claim's backend is not this connection's to know.
         """
-        window_seconds = max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds)
-        give_up_at = time.monotonic() + window_seconds
+        started = time.monotonic()
+        give_up_at = started + max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds)
+        #: Since when no try got an answer (None: the last one did).
+        failing_since: float | None = None
         delay = 0.1
         while True:
             try:
@@ -1626,15 +1646,20 @@ class Deliverer:
             except psycopg.errors.LockNotAvailable:
                 # The claim is running now: its end decides, once it comes.
                 self._put_back("claim_conn")
+                failing_since = None
             except psycopg.OperationalError:
                 self._drop("claim_conn")
-            if time.monotonic() >= give_up_at:
+                if failing_since is None:
+                    failing_since = time.monotonic()
+            now = time.monotonic()
+            silent = failing_since is not None and now - failing_since >= LOST_CLAIM_UNREACHABLE_SECONDS
+            if now >= give_up_at or silent:
                 logger.error(
                     "outbox row %s: the reply to its claim was lost and the claim could not be settled "
                     "(the database did not answer the fence in %.0f s); if it committed, the row expires "
                     "to unknown with no call made (claim token %s)",
                     row_id,
-                    window_seconds,
+                    now - started,
                     token,
                     extra={
                         "outbox_id": row_id,
