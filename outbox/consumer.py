@@ -1640,6 +1640,7 @@ class Deliverer:
         failing_since: float | None = None
         delay = 0.1
         while True:
+            tried_at = time.monotonic()
             try:
                 fenced = store.delivery.fence_lost_claim(self._conn("claim_conn"), row_id=row_id, token=token)
                 break
@@ -1650,7 +1651,7 @@ class Deliverer:
             except psycopg.OperationalError:
                 self._drop("claim_conn")
                 if failing_since is None:
-                    failing_since = time.monotonic()
+                    failing_since = tried_at
             now = time.monotonic()
             silent = failing_since is not None and now - failing_since >= LOST_CLAIM_UNREACHABLE_SECONDS
             if now >= give_up_at or silent:

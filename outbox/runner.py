@@ -492,7 +492,10 @@ class Runner:
                         raise error
                     if item.row_id is not None:
                         if self._unclaimed_while_down(item):
-                            self._hand_back(item.message, item.name)
+                            if item.emitted:  # by the fetch's group claim: the middleware hears the end
+                                self._finish(item.message, item.name, None, threading.Lock(), hand_back=True)
+                            else:
+                                self._hand_back(item.message, item.name)
                             continue
                         if not item.emitted:
                             self.broker.emit_before("process_message", item.message)
@@ -529,8 +532,11 @@ class Runner:
                 raise fetched.error
             if fetched.row_id is not None:
                 if self._unclaimed_while_down(fetched):
-                    once.acquire()
-                    await in_thread(self._hand_back, message, name)
+                    if fetched.emitted:
+                        await in_thread(lambda: self._finish(message, name, None, once, hand_back=True))
+                    else:
+                        once.acquire()
+                        await in_thread(self._hand_back, message, name)
                     return
                 if self.broker.middleware and not fetched.emitted:
                     await in_thread(self.broker.emit_before, "process_message", message)

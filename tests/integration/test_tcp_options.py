@@ -100,7 +100,9 @@ def test_redis_connections_carry_them(redis_url: str, monkeypatch: pytest.Monkey
         conn = client.connection_pool.get_connection()
         try:
             conn.connect()
-            assert options_of(conn._sock.fileno()) == {**DEFAULTS, "user_timeout_ms": 3000}
+            sock = conn._sock
+            assert sock is not None
+            assert options_of(sock.fileno()) == {**DEFAULTS, "user_timeout_ms": 3000}
         finally:
             client.connection_pool.release(conn)
     finally:
