@@ -57,10 +57,11 @@ DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS = 30.0
 #: TCP on every connection to PostgreSQL and Redis (outbox.db, outbox.transport). Without them a
 #: link that drops packets (a host cut off, a firewall forgetting the connection) leaves a socket
 #: waiting for the kernel's retransmissions to give up, about 15 minutes, with a claim, a record
-#: or a fetch stuck on it. An idle connection is probed after 10 s of silence, every 5 s, and is
-#: given up after 3 unanswered probes (25 s); data unacknowledged for 30 s gives it up too, which
-#: also bounds a connect to a host that does not answer. A healthy peer's kernel acknowledges at
-#: once, however long its query or command runs, so none of this cuts a slow statement short.
+#: or a fetch stuck on it. Data unacknowledged for 30 s gives a connection up (a connect to a host
+#: that does not answer included), and so does an idle one whose peer stops answering the
+#: keepalive probes sent from 10 s of silence on, every 5 s (after 3 of them, or, where the user
+#: timeout is set, once it has passed). A healthy peer's kernel acknowledges at once, however long
+#: its query or command runs, so none of this cuts a slow statement short.
 DEFAULT_TCP_KEEPALIVE_IDLE_SECONDS = 10.0
 DEFAULT_TCP_KEEPALIVE_INTERVAL_SECONDS = 5.0
 DEFAULT_TCP_KEEPALIVE_COUNT = 3
