@@ -69,6 +69,10 @@ RELEASE_ALERT_THRESHOLD = 3
 #: How long a worker keeps trying to settle a claim whose reply was lost (reconnect, fence the
 #: claim, release) before it gives up and leaves the row to the lease and the reconciler.
 LOST_CLAIM_RECOVERY_SECONDS = 60.0
+#: ... unless the database answers none of those tries for this long: then the worker stops trying
+#: and hands the message back (DeliveryResult.UNREACHABLE), for a worker that reaches the database.
+#: Long enough for a server restart, so that its lost claims are still released at once.
+LOST_CLAIM_UNREACHABLE_SECONDS = 10.0
 #: How long one delivery statement waits for a row lock (store.sql.LOCK_WAIT_MS).
 LOCK_WAIT_MS = store.sql.LOCK_WAIT_MS
 #: Pauses between those tries: doubling from the first to the last.
@@ -97,6 +101,7 @@ _SUM_NAMES = {
     "held": "held",
     "paused": "paused",
     "halted": "halted",
+    "unreachable": "unreachable",
 }
 _SUM_ALWAYS = ("sent", "retried", "failed")
 #: What the per-run line's message shows already (``order:42:charge -> sent (attempt 1)``): not
@@ -116,6 +121,7 @@ class DeliveryResult(enum.StrEnum):
     HALTED = "halted"  # not claimed: the database is on another history (outbox.failover)
     PAUSED = "paused"  # not claimed: an operator paused the destination (outbox.pauses)
     HELD = "held"  # not claimed: its destination stayed at its in-flight limit (outbox.limits)
+    UNREACHABLE = "unreachable"  # not claimed: PostgreSQL did not answer; the message is handed back
 
 
 _STREAM = frozenset({DeliveryResult.SENT, DeliveryResult.PENDING})
@@ -400,6 +406,16 @@ class _Pool:
             self._open -= 1
             self._cond.notify()
 
+    def close_idle(self) -> None:
+        """Close the connections not taken: after the database did not answer, any of them may
+        be dead without knowing it yet, and the first statement on it would be lost."""
+        with self._cond:
+            idle, self.idle = self.idle, []
+            self._open -= len(idle)
+            self._cond.notify_all()
+        for conn in idle:
+            conn.close()
+
 
 class _LockWait:
     """The pauses of one statement that a row lock keeps refusing; says so once it has waited
@@ -657,6 +673,10 @@ class Deliverer:
         self._all: list[psycopg.Connection[Any]] = []
         self._callers: list[_CallThread] = []
         self._all_lock = threading.Lock()
+        #: Set when PostgreSQL does not answer: a connection could not be opened, or one broke
+        #: under a statement. The worker stops fetching while it is set and hands the messages it
+        #: fetched back unclaimed (outbox.runner); :meth:`database_answers` clears it.
+        self.database_down = threading.Event()
         #: Every run counted by result and destination, summed up at INFO every
         #: :data:`RUN_LOG_SECONDS` (:class:`outbox.logs.Window`; the worker ticks it); failed,
         #: unknown, released and superseded runs are each a WARNING line of their own too.
@@ -676,6 +696,19 @@ class Deliverer:
         return conn
 
     def _open(self, name: str) -> psycopg.Connection[Any]:
+        try:
+            conn = self._connect(name)
+        except psycopg.OperationalError:
+            self.database_down.set()
+            raise
+        tolerate_unloadable(conn)
+        with self._all_lock:
+            self._all.append(conn)
+        if name == "claim_conn" and self.failover_guard is not None:
+            self.failover_guard.check_now()
+        return conn
+
+    def _connect(self, name: str) -> psycopg.Connection[Any]:
         if self.pooled:
             # The delivery statements that take a row lock set their lock wait (and the records
             # their asynchronous commit) inside themselves (store.sql.LOCK_WAIT_SQL).
@@ -690,12 +723,30 @@ class Deliverer:
             if name == "record_conn":
                 options += " -c synchronous_commit=off"
             conn = connect_raw(self.database_url, autocommit=True, options=options)
-        tolerate_unloadable(conn)
-        with self._all_lock:
-            self._all.append(conn)
-        if name == "claim_conn" and self.failover_guard is not None:
-            self.failover_guard.check_now()
         return conn
+
+    def database_answers(self) -> bool:
+        """Whether PostgreSQL answers a statement on a claim connection now (clearing
+        :attr:`database_down` when it does); the failover guard, which fails closed while it
+        cannot check, checks again then too. May wait as long as a connect to an unreachable
+        server does (``OUTBOX_TCP_USER_TIMEOUT``). Asked on a new connection: the idle ones are
+        closed first (any may have died with the link), so an answer proves the way is open."""
+        self._put_back("claim_conn")
+        for pool in self._pools.values():
+            pool.close_idle()
+        try:
+            self._conn("claim_conn").execute("SELECT 1")
+        except psycopg.OperationalError:
+            self._drop("claim_conn")
+            self.database_down.set()
+            return False
+        finally:
+            self._put_back("claim_conn")
+        guard = self.failover_guard
+        if guard is not None and guard.unreachable:
+            guard.check_now()
+        self.database_down.clear()
+        return True
 
     def _waiting_for_locks(
         self, name: str, row_id: int, statement: Callable[[Any], Any]
@@ -744,8 +795,12 @@ class Deliverer:
             )
 
     def _drop(self, name: str) -> None:
+        """Discard this thread's connection of kind ``name`` after an error; a broken one (the
+        server or the link gone) also sets :attr:`database_down`."""
         conn = getattr(self._local, name, None)
         if conn is not None:
+            if conn.broken or conn.closed:
+                self.database_down.set()
             setattr(self._local, name, None)
             self._pools[name].discard(conn)
 
@@ -1031,7 +1086,15 @@ class Deliverer:
         """The claim: the handler, the claimed row and when the claim was sent (this process's
         monotonic clock); or the run's result when there is nothing to call (halted after a
         failover, no handler, the claim's reply lost, the row aged, paused or not claimable)."""
-        if self._halted():
+        try:
+            halted = self._halted()
+        except psycopg.OperationalError:
+            return DeliveryResult.UNREACHABLE
+        if halted and self.failover_guard is not None and self.failover_guard.unreachable:
+            # The guard could not check (it fails closed): not another history, no answer.
+            self.database_down.set()
+            return DeliveryResult.UNREACHABLE
+        if halted:
             # Nothing claimed, nothing written: the row stays `dispatched`, and the reconciler
             # re-queues it once an operator accepted the new database history.
             logger.warning(
@@ -1067,7 +1130,11 @@ class Deliverer:
                     return DeliveryResult.HELD
                 yield _Pause(delay)
                 continue
-            conn = self._conn("claim_conn")
+            try:
+                conn = self._conn("claim_conn")
+            except psycopg.OperationalError:
+                # Not connected, nothing sent: certainly not claimed.
+                return DeliveryResult.UNREACHABLE
             token = uuid.uuid4()
             # The lease is measured on this clock from here, before the claim is sent: a wait
             # for a row lock or for the commit only shortens what is left, whatever the clocks say.
@@ -1567,25 +1634,33 @@ class Deliverer:
         longer commit), then, if it had committed, release the row: it made no call. No backend
         is ended: through a pooler the claim's backend is not this connection's to know.
         """
-        window_seconds = max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds)
-        give_up_at = time.monotonic() + window_seconds
+        started = time.monotonic()
+        give_up_at = started + max(LOST_CLAIM_RECOVERY_SECONDS, handler.lease_seconds)
+        #: Since when no try got an answer (None: the last one did).
+        failing_since: float | None = None
         delay = 0.1
         while True:
+            tried_at = time.monotonic()
             try:
                 fenced = store.delivery.fence_lost_claim(self._conn("claim_conn"), row_id=row_id, token=token)
                 break
             except psycopg.errors.LockNotAvailable:
                 # The claim is running now: its end decides, once it comes.
                 self._put_back("claim_conn")
+                failing_since = None
             except psycopg.OperationalError:
                 self._drop("claim_conn")
-            if time.monotonic() >= give_up_at:
+                if failing_since is None:
+                    failing_since = tried_at
+            now = time.monotonic()
+            silent = failing_since is not None and now - failing_since >= LOST_CLAIM_UNREACHABLE_SECONDS
+            if now >= give_up_at or silent:
                 logger.error(
                     "outbox row %s: the reply to its claim was lost and the claim could not be settled "
                     "(the database did not answer the fence in %.0f s); if it committed, the row expires "
                     "to unknown with no call made (claim token %s)",
                     row_id,
-                    window_seconds,
+                    now - started,
                     token,
                     extra={
                         "outbox_id": row_id,
@@ -1593,7 +1668,11 @@ class Deliverer:
                         "claim_token": str(token),
                     },
                 )
-                return DeliveryResult.EMPTY
+                if not self.database_down.is_set():
+                    return DeliveryResult.EMPTY
+                # No call was made: if the claim did not commit, whoever claims the message next
+                # calls; if it did, that claim finds the row held and does nothing.
+                return DeliveryResult.UNREACHABLE
             yield _Pause(delay)
             delay = min(delay * 2, 2.0)
         if fenced:

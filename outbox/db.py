@@ -10,13 +10,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+import psycopg.conninfo
 import psycopg.types.json
 from psycopg.adapt import Loader
 from psycopg.pq import Format
 from sqlalchemy import Engine, create_engine
 
 from .payloads import Unreadable
-from .settings import libpq_url, normalize_database_url
+from .settings import libpq_url, normalize_database_url, tcp_settings
 
 _NAMED = re.compile(r"%\((\w+)\)s")
 
@@ -60,8 +61,30 @@ class Statement:
         return cursor.execute(self.sql, [params[name] for name in self.names])
 
 
+def tcp_parameters(url: str) -> dict[str, int]:
+    """libpq's TCP keepalive and ``tcp_user_timeout`` parameters from ``OUTBOX_TCP_*``
+    (docs/configuration.md), less those the URL sets itself: the user's win. Without them a
+    connection over a link that silently drops packets hangs until the kernel gives up on its
+    retransmissions, about 15 minutes. libpq ignores them on a Unix socket."""
+    try:
+        given = psycopg.conninfo.conninfo_to_dict(libpq_url(url))
+    except psycopg.Error:
+        given = {}  # the connect itself reports what is wrong with the URL
+    tcp = tcp_settings()
+    wanted = {
+        "keepalives": 1,
+        "keepalives_idle": tcp.keepalive_idle_seconds,
+        "keepalives_interval": tcp.keepalive_interval_seconds,
+        "keepalives_count": tcp.keepalive_count,
+    }
+    if tcp.user_timeout_ms:
+        wanted["tcp_user_timeout"] = tcp.user_timeout_ms
+    return {name: value for name, value in wanted.items() if name not in given}
+
+
 def make_engine(url: str, **options: Any) -> Engine:
     options.setdefault("pool_pre_ping", True)
+    options["connect_args"] = {**tcp_parameters(url), **options.get("connect_args", {})}
     return create_engine(normalize_database_url(url), **options)
 
 
@@ -79,7 +102,7 @@ def connect_raw(
         if "options" in options:
             raise ValueError("connect_raw: no startup options through a pooler (set_config in the statement)")
         options["prepare_threshold"] = None
-    return psycopg.connect(libpq_url(url), autocommit=autocommit, **options)
+    return psycopg.connect(libpq_url(url), autocommit=autocommit, **{**tcp_parameters(url), **options})
 
 
 def _loads(data: str | bytes) -> Any:

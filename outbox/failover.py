@@ -198,6 +198,11 @@ class FailoverGuard:
         self._unchecked = False
         self._lock = threading.Lock()
 
+    @property
+    def unreachable(self) -> bool:
+        """Halted because no check could run (the database did not answer), not for a verdict."""
+        return self._unchecked
+
     def check_now(self) -> bool:
         """One check; returns ``halted``. Fails closed: a check that cannot run is retried once on
         a new connection, and while no check succeeds the guard reports ``halted``.

@@ -94,7 +94,7 @@ DELIVERIES = Counter(
     "Deliveries by destination and outcome: sent, pending (a retry), unknown, failed, "
     "superseded (a newer claim owned the row), empty (nothing to claim), released (claimed, "
     "given back without a call), unhandled, halted, paused (not claimed: the destination is paused or "
-    "its breaker open).",
+    "its breaker open), unreachable (not claimed: PostgreSQL did not answer; the message is handed back).",
     ["destination", "outcome"],
     registry=REGISTRY,
 )

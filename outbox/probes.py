@@ -143,17 +143,15 @@ class Readiness:
         return answer[0] if answer else f"{what}: the check failed"
 
     def _database(self) -> str | None:
-        import psycopg
-
-        from .settings import libpq_url
+        from .db import connect_raw
 
         conn = None
         try:
             with self._connecting:
                 conn = self._conn
                 if conn is None or conn.closed:
-                    conn = self._conn = psycopg.connect(
-                        libpq_url(self.database_url),
+                    conn = self._conn = connect_raw(
+                        self.database_url,
                         autocommit=True,
                         connect_timeout=max(1, int(PROBE_TIMEOUT_SECONDS)),
                         application_name="outbox-probe",

@@ -20,6 +20,12 @@ cost threads. Here:
 - The **ack** comes last, after the record, on the thread that ran the record; then the slot is
   free. A message whose delivery raised is acked too (its row stays where the database has it,
   for the lease and the reconciler), as Dramatiq's ``Worker`` does without its ``Retries``.
+- While **PostgreSQL does not answer** (a connection could not be opened, or broke under a
+  statement: Deliverer.database_down), no queue is fetched, and a message fetched and not
+  claimed is **handed back** to its queue (requeued, not acked) for a worker that reaches the
+  database: acked, it would have waited out ``OUTBOX_REDISPATCH_AFTER``. A message handed back
+  never causes a second call: its row's claim is the guard, whoever takes it next. One thread
+  asks the database every :data:`DATABASE_PROBE_SECONDS` and fetching resumes once it answers.
 
 Dramatiq middleware (``outbox.worker_middleware``) hears ``process_boot`` (from the worker),
 ``worker_thread_boot`` (each delivery thread), ``before/after_process_message`` (on the thread
@@ -46,7 +52,7 @@ from dramatiq.errors import BrokerConnectionError
 from dramatiq.message import Message
 
 from . import aio
-from .consumer import Deliverer, Taken
+from .consumer import Deliverer, DeliveryResult, Taken
 from .handlers import Handler
 from .transport import ACTOR_NAME, queue_key
 
@@ -81,6 +87,8 @@ WAKE_WAITS_PER_PROCESS = 4
 WAKE_SOCKET_SHARE = 0.5
 #: Pause between tries of an ack Redis refused (a connection error), as Dramatiq's worker does.
 ACK_RETRY_SECONDS = 1.0
+#: While PostgreSQL does not answer, the pause between two of the worker's questions to it.
+DATABASE_PROBE_SECONDS = 1.0
 
 
 def destination_slots(concurrency: int, queues: int) -> int:
@@ -211,7 +219,11 @@ class Runner:
         self._blmove = True
         self._wake_waits = threading.BoundedSemaphore(WAKE_WAITS_PER_PROCESS)
         self._wake_limit_seconds = _wake_limit_seconds(broker)
-        self._acks: queue.Queue[tuple[Any, str] | None] = queue.Queue()
+        #: Acks (False) and hand-backs (True) Redis refused, tried again by the ack thread.
+        self._acks: queue.Queue[tuple[Any, str, bool] | None] = queue.Queue()
+        self._probe: threading.Thread | None = None
+        self._probe_lock = threading.Lock()
+        self._database_back = threading.Event()
         self._acker = threading.Thread(target=self._retry_acks, name="outbox-acks", daemon=True)
         self._database: concurrent.futures.ThreadPoolExecutor | None = None
         self.any_sync = any(not handlers[q].is_async for q in self.queues)
@@ -290,6 +302,9 @@ class Runner:
     def _fetch(self, name: str) -> None:
         consumer = self._consumers[name]
         while self._running.is_set():
+            if self.deliverer.database_down.is_set():
+                self._await_database()
+                continue
             try:
                 self.fetch_once(name, consumer)
             except BrokerConnectionError as exc:
@@ -357,6 +372,51 @@ class Runner:
             else:
                 self._work.put(fetched)
         return True
+
+    def _await_database(self) -> None:
+        """A fetch thread's turn while PostgreSQL does not answer: no fetch; the probe thread
+        (started by the first fetch thread here) asks the database, and this waits for it a
+        while, so the worker keeps hearing whether it is stopping."""
+        with self._probe_lock:
+            if self._probe is None or not self._probe.is_alive():
+                self._database_back.clear()
+                self._probe = threading.Thread(
+                    target=self._probe_database, name="outbox-database-probe", daemon=True
+                )
+                self._probe.start()
+        self._database_back.wait(FETCH_WAIT_SECONDS)
+        self.deliverer.runs.tick()
+
+    def _probe_database(self) -> None:
+        """Until PostgreSQL answers (or the worker stops): one WARNING as fetching stops, one INFO
+        as it resumes. On a thread of its own: a connect to a server the network lost waits up to
+        ``OUTBOX_TCP_USER_TIMEOUT``, which neither a fetch thread nor the worker's stop must."""
+        since = time.monotonic()
+        logger.warning(
+            "worker cannot reach PostgreSQL: stopped fetching; messages fetched and not claimed are "
+            "handed back to their queues; fetching resumes when PostgreSQL answers",
+            extra={"database": "unreachable"},
+        )
+        try:
+            while self._running.is_set():
+                if self.deliverer.database_answers():
+                    logger.info(
+                        "worker reaches PostgreSQL again: fetching resumed after %.0f s",
+                        time.monotonic() - since,
+                        extra={"database": "reachable", "seconds": round(time.monotonic() - since, 1)},
+                    )
+                    return
+                self._running_wait(DATABASE_PROBE_SECONDS)
+        except Exception:
+            # Never a worker that stopped fetching for good: the next fetch turn starts another.
+            logger.exception("asking PostgreSQL whether it answers failed")
+        finally:
+            self._database_back.set()
+
+    def _running_wait(self, seconds: float) -> None:
+        until = time.monotonic() + seconds
+        while self._running.is_set() and (left := until - time.monotonic()) > 0:
+            time.sleep(min(left, 0.1))
 
     def _wait_for_message(self, name: str, timeout_seconds: float) -> None:
         """Until queue ``name`` holds a message or ``timeout_seconds`` pass, without taking one:
@@ -426,13 +486,21 @@ class Runner:
         try:
             while (item := self._work.get()) is not None:
                 error = item.error
+                hand_back = False
                 try:
                     if error is not None:
                         raise error
                     if item.row_id is not None:
+                        if self._unclaimed_while_down(item):
+                            if item.emitted:  # by the fetch's group claim: the middleware hears the end
+                                self._finish(item.message, item.name, None, threading.Lock(), hand_back=True)
+                            else:
+                                self._hand_back(item.message, item.name)
+                            continue
                         if not item.emitted:
                             self.broker.emit_before("process_message", item.message)
-                        self.deliverer.deliver(item.row_id, item.name, item.taken)
+                        result = self.deliverer.deliver(item.row_id, item.name, item.taken)
+                        hand_back = result is DeliveryResult.UNREACHABLE
                 except Exception as exc:
                     error = exc
                     logger.exception(
@@ -440,9 +508,14 @@ class Runner:
                         item.message.message_id,
                         extra={"message_id": item.message.message_id, "queue": item.name},
                     )
-                self._finish(item.message, item.name, error, threading.Lock())
+                self._finish(item.message, item.name, error, threading.Lock(), hand_back=hand_back)
         finally:
             self.deliverer.close_thread()
+
+    def _unclaimed_while_down(self, fetched: _Fetched) -> bool:
+        """A message fetched, not claimed by its fetch's group, PostgreSQL not answering: handed
+        back at once rather than waiting out a connect that cannot succeed."""
+        return fetched.taken is None and self.deliverer.database_down.is_set()
 
     async def _run_task(self, fetched: _Fetched) -> None:
         message, name = fetched.message, fetched.name
@@ -458,13 +531,22 @@ class Runner:
             if fetched.error is not None:
                 raise fetched.error
             if fetched.row_id is not None:
+                if self._unclaimed_while_down(fetched):
+                    if fetched.emitted:
+                        await in_thread(lambda: self._finish(message, name, None, once, hand_back=True))
+                    else:
+                        once.acquire()
+                        await in_thread(self._hand_back, message, name)
+                    return
                 if self.broker.middleware and not fetched.emitted:
                     await in_thread(self.broker.emit_before, "process_message", message)
                 await self.deliverer.deliver_async(
                     fetched.row_id,
                     name,
                     in_thread,
-                    lambda _result: self._finish(message, name, None, once),
+                    lambda result: self._finish(
+                        message, name, None, once, hand_back=result is DeliveryResult.UNREACHABLE
+                    ),
                     fetched.taken,
                 )
         except Exception as exc:
@@ -478,9 +560,19 @@ class Runner:
             if not once.locked():
                 await in_thread(self._finish, message, name, error, once)
 
-    def _finish(self, message: Any, name: str, error: BaseException | None, once: threading.Lock) -> None:
+    def _finish(
+        self,
+        message: Any,
+        name: str,
+        error: BaseException | None,
+        once: threading.Lock,
+        *,
+        hand_back: bool = False,
+    ) -> None:
         """After the record: the middleware's after_process_message, then the ack, then the slot
-        is free. Never raises: a delivery thread, or a database thread, goes on to the next."""
+        is free; ``hand_back``: the message goes back to its queue instead of its ack (its row not
+        claimed: PostgreSQL did not answer). Never raises: a delivery thread, or a database
+        thread, goes on to the next."""
         if not once.acquire(blocking=False):
             return
         try:
@@ -495,8 +587,41 @@ class Runner:
                 message.message_id,
                 extra={"message_id": message.message_id, "queue": name},
             )
-        if self._ack(message, name):
+        if hand_back:
+            self._hand_back(message, name)
+        elif self._ack(message, name):
             self.slots.give(name)
+
+    def _hand_back(self, message: Any, name: str) -> None:
+        """Put a message whose row was not claimed back at the tail of its queue (Dramatiq's
+        requeue: out of this worker's fetched set, into the queue), then free its slot; the ack
+        thread tries again while Redis refuses. Never raises."""
+        if self._requeue(message, name):
+            self.slots.give(name)
+
+    def _requeue(self, message: Any, name: str) -> bool:
+        """False when Redis refused it and the ack thread tries again (it frees the slot then)."""
+        try:
+            self._consumers[name].requeue([message])
+        except (BrokerConnectionError, redis.ConnectionError, redis.TimeoutError) as exc:
+            if not self._running.is_set():
+                logger.warning(
+                    "message %s not handed back while stopping (%s): Redis delivers it again once this "
+                    "worker's heartbeat there stops",
+                    message.message_id,
+                    exc,
+                    extra={"message_id": message.message_id, "queue": name},
+                )
+                return True
+            self._acks.put((message, name, True))
+            return False
+        except Exception:
+            logger.exception(
+                "handing message %s back failed: Redis delivers it again once this worker stops",
+                message.message_id,
+                extra={"message_id": message.message_id, "queue": name},
+            )
+        return True
 
     def _ack(self, message: Any, name: str) -> bool:
         """Ack once; False when Redis refused it and the ack thread tries again (it frees the
@@ -530,7 +655,7 @@ class Runner:
                 ACK_RETRY_SECONDS,
                 extra={"message_id": message.message_id, "queue": name},
             )
-            self._acks.put((message, name))
+            self._acks.put((message, name, False))
             return False
         except Exception as exc:
             # Not a lost connection (an out-of-memory Redis; a demoted primary's READONLY is one,
@@ -567,12 +692,15 @@ class Runner:
                 continue
             if item is None:
                 return
-            message, name = item
+            message, name, requeue = item
             while True:
                 try:
-                    self._consumers[name].ack(message)
+                    if requeue:
+                        self._consumers[name].requeue([message])
+                    else:
+                        self._consumers[name].ack(message)
                     break
-                except BrokerConnectionError:
+                except (BrokerConnectionError, redis.ConnectionError, redis.TimeoutError):
                     if not self._running.is_set():
                         break
                     time.sleep(ACK_RETRY_SECONDS)

@@ -6,6 +6,7 @@ Every timing carries its unit in its name and has a documented default and varia
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import urllib.parse
@@ -53,6 +54,18 @@ MAX_CALLS_PER_SECOND = 1_000_000
 PACE_AHEAD_SECONDS = 1.0
 DEFAULT_CLOCK_SKEW_WARN_SECONDS = 2.0
 DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS = 30.0
+#: TCP on every connection to PostgreSQL and Redis (outbox.db, outbox.transport). Without them a
+#: link that drops packets (a host cut off, a firewall forgetting the connection) leaves a socket
+#: waiting for the kernel's retransmissions to give up, about 15 minutes, with a claim, a record
+#: or a fetch stuck on it. Data unacknowledged for 30 s gives a connection up (a connect to a host
+#: that does not answer included), and so does an idle one whose peer stops answering the
+#: keepalive probes sent from 10 s of silence on, every 5 s (after 3 of them, or, where the user
+#: timeout is set, once it has passed). A healthy peer's kernel acknowledges at once, however long
+#: its query or command runs, so none of this cuts a slow statement short.
+DEFAULT_TCP_KEEPALIVE_IDLE_SECONDS = 10.0
+DEFAULT_TCP_KEEPALIVE_INTERVAL_SECONDS = 5.0
+DEFAULT_TCP_KEEPALIVE_COUNT = 3
+DEFAULT_TCP_USER_TIMEOUT_SECONDS = 30.0
 #: Connections an async handler's client keeps to its provider at most, per process and
 #: destination, unless the worker runs more calls at once (httpx's own default is 100).
 DEFAULT_ASYNC_POOL_SIZE = 100
@@ -315,6 +328,14 @@ class Settings:
     #: Relay, worker, reconciler: how often the database identity is compared with the recorded
     #: one (failover detection, outbox.failover); also at start and on every new connection.
     failover_check_interval_seconds: float = DEFAULT_FAILOVER_CHECK_INTERVAL_SECONDS
+    #: Every connection to PostgreSQL and Redis: seconds of silence before an idle connection is
+    #: probed, seconds between probes, unanswered probes before it is given up.
+    tcp_keepalive_idle_seconds: float = DEFAULT_TCP_KEEPALIVE_IDLE_SECONDS
+    tcp_keepalive_interval_seconds: float = DEFAULT_TCP_KEEPALIVE_INTERVAL_SECONDS
+    tcp_keepalive_count: int = DEFAULT_TCP_KEEPALIVE_COUNT
+    #: Every connection to PostgreSQL and Redis: how long sent data may stay unacknowledged (a
+    #: connect included) before the connection is given up; 0: the system's default (minutes).
+    tcp_user_timeout_seconds: float = DEFAULT_TCP_USER_TIMEOUT_SECONDS
     #: Relay, worker, reconciler: TCP port serving /metrics, /healthz and /readyz (outbox.probes);
     #: None: no endpoint.
     metrics_port: int | None = None
@@ -377,6 +398,10 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_CLOCK_SKEW_WARN": "clock_skew_warn_seconds",
     "OUTBOX_FAILOVER_CHECK_INTERVAL": "failover_check_interval_seconds",
     "OUTBOX_METRICS_PORT": "metrics_port",
+    "OUTBOX_TCP_KEEPALIVE_IDLE": "tcp_keepalive_idle_seconds",
+    "OUTBOX_TCP_KEEPALIVE_INTERVAL": "tcp_keepalive_interval_seconds",
+    "OUTBOX_TCP_KEEPALIVE_COUNT": "tcp_keepalive_count",
+    "OUTBOX_TCP_USER_TIMEOUT": "tcp_user_timeout_seconds",
 }
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *SENTINEL_SCHEMES)
@@ -384,7 +409,7 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *SENTINEL_SCHEMES)
 #: breaks every multi-statement transaction (the relay's take).
 POOLER_TRANSACTION = "transaction"
 #: Durations where 0 means "off" rather than a mistake.
-_ZERO_ALLOWED = frozenset({"relay_gather_seconds"})
+_ZERO_ALLOWED = frozenset({"relay_gather_seconds", "tcp_user_timeout_seconds"})
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 
 
@@ -424,6 +449,46 @@ def _parse(field: dataclasses.Field[Any], name: str, raw: str) -> Any:
             return False
         raise ConfigError(f"{name}={raw!r} is not a boolean (use true or false)")
     return raw.strip() or None
+
+
+@dataclasses.dataclass(frozen=True)
+class TcpSettings:
+    """The TCP settings of every connection to PostgreSQL and Redis, in whole units as the
+    sockets take them (the kernel counts keepalive times in seconds)."""
+
+    keepalive_idle_seconds: int
+    keepalive_interval_seconds: int
+    keepalive_count: int
+    #: 0: not set (the system's default).
+    user_timeout_ms: int
+
+
+_TCP_VARIABLES = (
+    "OUTBOX_TCP_KEEPALIVE_IDLE",
+    "OUTBOX_TCP_KEEPALIVE_INTERVAL",
+    "OUTBOX_TCP_KEEPALIVE_COUNT",
+    "OUTBOX_TCP_USER_TIMEOUT",
+)
+
+
+def tcp_settings(environ: Mapping[str, str] | None = None) -> TcpSettings:
+    """``OUTBOX_TCP_*`` as the connections take them. Read where a connection is opened (a
+    URL is all those places are given); a process checks them with the rest at start
+    (:func:`from_env`)."""
+    environ = os.environ if environ is None else environ
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    values: dict[str, Any] = {}
+    for name in _TCP_VARIABLES:
+        raw = environ.get(name)
+        if raw:
+            values[ENVIRONMENT[name]] = _parse(fields[ENVIRONMENT[name]], name, raw)
+    cfg = Settings(**values)
+    return TcpSettings(
+        keepalive_idle_seconds=max(1, math.ceil(cfg.tcp_keepalive_idle_seconds)),
+        keepalive_interval_seconds=max(1, math.ceil(cfg.tcp_keepalive_interval_seconds)),
+        keepalive_count=cfg.tcp_keepalive_count,
+        user_timeout_ms=math.ceil(cfg.tcp_user_timeout_seconds * 1000),
+    )
 
 
 def check_redis_url(url: str, source: str) -> None:

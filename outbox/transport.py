@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.parse
@@ -25,7 +26,7 @@ from dramatiq.brokers.redis import RedisBroker
 from dramatiq.common import current_millis
 
 from .exceptions import UnsafeBroker
-from .settings import SentinelURL, is_sentinel_url, parse_sentinel_url
+from .settings import SentinelURL, is_sentinel_url, parse_sentinel_url, tcp_settings
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,30 @@ def connect(url: str, **options: object) -> redis.Redis:
     client follows a failover without a restart."""
     if is_sentinel_url(url):
         return _connect_sentinel(parse_sentinel_url(url), options)
+    if url.startswith(("redis://", "rediss://")):
+        # A URL's own socket_keepalive wins (redis-py lets the URL's options win over these).
+        options = {**tcp_options(), **options}
     return redis.Redis.from_url(url, **options)
+
+
+def tcp_options() -> dict[str, object]:
+    """TCP keepalives and ``TCP_USER_TIMEOUT`` (from ``OUTBOX_TCP_*``, docs/configuration.md) for a
+    Redis client's TCP connections, as for PostgreSQL's (outbox.db.tcp_parameters): a link that
+    silently drops packets gives a connection up within them, whatever redis-py release (and
+    socket timeout) is installed. Options the platform lacks are left out."""
+    tcp = tcp_settings()
+    wanted = {
+        "TCP_KEEPIDLE": tcp.keepalive_idle_seconds,
+        "TCP_KEEPINTVL": tcp.keepalive_interval_seconds,
+        "TCP_KEEPCNT": tcp.keepalive_count,
+        "TCP_USER_TIMEOUT": tcp.user_timeout_ms,
+    }
+    keepalive = {
+        getattr(socket, name): value
+        for name, value in wanted.items()
+        if hasattr(socket, name) and (value or name != "TCP_USER_TIMEOUT")
+    }
+    return {"socket_keepalive": True, "socket_keepalive_options": keepalive}
 
 
 # -- Redis Sentinel ---------------------------------------------------------------------------------
@@ -97,6 +121,8 @@ def _connect_sentinel(spec: SentinelURL, options: dict[str, object]) -> redis.Re
     primary: dict[str, Any] = {
         k: v for k, v in parsed.items() if k not in ("host", "port", "path", "connection_class")
     }
+    for name, value in tcp_options().items():
+        primary.setdefault(name, value)  # the URL's socket_keepalive wins
     primary.update(options)
     primary.update(db=spec.db, username=spec.username, password=spec.password)
     sentinel_kwargs: dict[str, Any] = {k: v for k, v in primary.items() if k.startswith(("socket_", "ssl_"))}

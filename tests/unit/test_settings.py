@@ -54,6 +54,10 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_CLOCK_SKEW_WARN": ("500ms", 0.5, ["2 seconds", "0"]),
     "OUTBOX_FAILOVER_CHECK_INTERVAL": ("1m", 60.0, ["often", "0"]),
     "OUTBOX_METRICS_PORT": ("9400", 9400, ["http", "0", "65536", "-1", "94.5"]),
+    "OUTBOX_TCP_KEEPALIVE_IDLE": ("20s", 20.0, ["often", "0", "-1"]),
+    "OUTBOX_TCP_KEEPALIVE_INTERVAL": ("2", 2.0, ["often", "0s"]),
+    "OUTBOX_TCP_KEEPALIVE_COUNT": ("5", 5, ["five", "0", "2.5"]),
+    "OUTBOX_TCP_USER_TIMEOUT": ("500ms", 0.5, ["soon", "-1s"]),
 }
 
 
