@@ -180,6 +180,15 @@ class SentinelURL:
     options: tuple[tuple[str, str], ...] = ()
 
 
+def _address(number: int, entry: str) -> str:
+    """A sentinel address for an error message: its text when it can only be a host and port,
+    else its position. A password holding an unencoded / ? or # ends the URL's authority early,
+    and what an "address" then holds is part of that password."""
+    if re.fullmatch(r"[A-Za-z0-9._\-]*(:[0-9]*)?|\[[0-9A-Fa-f:.]*\](:[0-9]*)?", entry):
+        return repr(entry)
+    return f"number {number} (not shown: percent-encode / ? # @ in a password)"
+
+
 def is_sentinel_url(url: str) -> bool:
     return url.startswith(SENTINEL_SCHEMES)
 
@@ -205,25 +214,27 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         username = urllib.parse.unquote(user) or None
         password = urllib.parse.unquote(secret) if colon else None
     sentinels: list[tuple[str, int]] = []
-    for entry in hosts.split(","):
+    for number, entry in enumerate(hosts.split(","), start=1):
         entry = entry.strip()
         if not entry:
             raise bad("a sentinel address is empty")
         if entry.startswith("["):  # [IPv6]:port
             host, bracket, tail = entry[1:].partition("]")
             if not bracket or (tail and not tail.startswith(":")):
-                raise bad(f"the sentinel address {entry!r} is not [IPv6]:PORT")
+                raise bad(f"the sentinel address {_address(number, entry)} is not [IPv6]:PORT")
             raw_port = tail[1:] if tail else ""
         else:
             host, _, raw_port = entry.partition(":")
         if not host or any(c in host for c in " /?#@"):
-            raise bad(f"the sentinel address {entry!r} has no host name")
+            raise bad(f"the sentinel address {_address(number, entry)} has no host name")
         port = DEFAULT_SENTINEL_PORT
         if raw_port:
             try:
                 port = parse_port(raw_port, "port")
             except ConfigError:
-                raise bad(f"the sentinel address {entry!r} has no TCP port between 1 and 65535") from None
+                raise bad(
+                    f"the sentinel address {_address(number, entry)} has no TCP port between 1 and 65535"
+                ) from None
         sentinels.append((host, port))
     parts = path.split("/") if slash else []
     if parts and parts[-1] == "":
@@ -503,6 +514,16 @@ def check_redis_url(url: str, source: str) -> None:
             parse_sentinel_url(url)
         except ConfigError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+    elif not url.startswith("unix://"):
+        try:
+            _ = urllib.parse.urlsplit(url).port
+        except ValueError:
+            # urllib's own message quotes what it read as the port: with an unencoded / ? or #
+            # in the password, part of the password.
+            raise ConfigError(
+                f"{source}: the Redis URL's HOST:PORT cannot be read (percent-encode / ? # @ in a "
+                f"password) (got {redact_url(url)!r})"
+            ) from None
 
 
 def from_env(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

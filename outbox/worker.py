@@ -195,6 +195,14 @@ def _stopping(stop: threading.Event, in_hand: int, grace_seconds: float, *, supe
     )
 
 
+def force_before_start(stop: Stop) -> None:
+    """Until the worker runs, nothing is in hand: the same signal a second time exits at once
+    (a start-up check waiting on a database or Redis that never answers cannot hold a stop),
+    with the supervised child's rule (only a second SIGINT) as when it runs."""
+    supervised = os.environ.get(SUPERVISOR_ENV) == str(os.getppid())
+    stop.force = _force(lambda: 0, only_sigint=supervised)
+
+
 def _force(in_hand: Callable[[], int], *, only_sigint: bool) -> Callable[[str], None]:
     def force(signal_name: str) -> None:
         if only_sigint and signal_name != "SIGINT":
@@ -282,7 +290,10 @@ def supervise(
 
     def spawn() -> subprocess.Popen[bytes]:
         env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
-        child = subprocess.Popen([sys.executable, "-m", "outbox", *argv], env=env)
+        # -P: `-m` would put the working directory first on sys.path, where an application's
+        # `redis.py` or `outbox/` would replace the modules outbox imports; MODULE is still found
+        # there, last (outbox.usermodules), as in the supervisor.
+        child = subprocess.Popen([sys.executable, "-P", "-m", "outbox", *argv], env=env)
         if on_start is not None:
             on_start(child.pid)
         return child

@@ -206,10 +206,13 @@ def relay(args: argparse.Namespace, cfg: settings.Settings) -> int:
 def worker(args: argparse.Namespace, cfg: settings.Settings) -> int:
     from .. import transport
     from ..migrate import check_database
-    from ..worker import run_worker, supervise
+    from ..worker import force_before_start, run_worker, supervise
 
-    # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill.
+    # First, so that a SIGTERM during the start-up checks is a clean stop, not a kill; and a
+    # second one exits at once, whatever a check waits for.
     stop = stop_event_on_signals()
+    force_before_start(stop)
+    force_before_start(stop)
     database_url = cfg.require_database_url()
     hot_database_url = cfg.require_hot_database_url()
     redis_url = cfg.require_redis_url()

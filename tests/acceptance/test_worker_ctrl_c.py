@@ -9,6 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,3 +166,62 @@ def test_a_supervisor_and_its_processes_signalled_together_stop_cleanly(clean, e
     assert len(children) == 2, procs.logs()
     assert len(said(procs, worker, "outbox worker stopped")) == 3
     assert states(clean) == {"sent": 2}, "each child finished its call"
+
+
+def test_a_second_ctrl_c_during_the_start_up_checks_exits_at_once(procs, tmp_path):
+    # A PostgreSQL that accepts the connection and never answers (a frozen host, a hung pooler):
+    # the start-up check waits on it for ever, and a stop must not.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        port = silent.getsockname()[1]
+        worker = procs.worker(OUTBOX_DATABASE_URL=f"postgresql://outbox@127.0.0.1:{port}/outbox")
+        time.sleep(2)  # imported, and waiting on the database
+        assert worker.poll() is None, procs.logs()
+        os.kill(worker.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert worker.poll() is None, "the first Ctrl-C is a clean stop, after the check"
+        os.kill(worker.pid, signal.SIGINT)
+        assert worker.wait(10) == 130, procs.logs()
+        assert "received SIGINT again: outbox worker exiting now, 0 messages left in hand" in procs.log_of(
+            worker
+        )
+    finally:
+        silent.close()
+
+
+def test_the_processes_of_a_supervisor_do_not_import_the_applications_files_named_like_a_library(
+    procs, tmp_path
+):
+    # Run from the application's directory, which holds its handler module and, by chance, files
+    # named like modules outbox imports: only MODULE is imported from there.
+    app = tmp_path / "app"
+    (app / "myapp").mkdir(parents=True)
+    (app / "myapp" / "__init__.py").write_text("")
+    (app / "myapp" / "handlers.py").write_text(
+        "import outbox\n\n\n@outbox.handler('shadow.test')\n"
+        "def charge(d: outbox.Delivery) -> outbox.Confirmed:\n    return outbox.Confirmed(ref='x')\n"
+    )
+    for shadow in ("redis.py", "httpx.py", "psycopg.py"):
+        (app / shadow).write_text("raise SystemExit(77)\n")
+    log_path = tmp_path / "supervisor.log"
+    with open(log_path, "wb") as log:
+        worker = subprocess.Popen(
+            [str(Path(sys.executable).with_name("outbox")), "worker", "myapp.handlers", "--processes", "2"],
+            cwd=app,
+            env=procs.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    procs.running.append(worker)
+    try:
+        wait_for(
+            lambda: log_path.read_text().count("outbox worker started") == 2,
+            60,
+            f"two processes started\n{log_path.read_text()}",
+        )
+        assert "exited with 77" not in log_path.read_text()
+    finally:
+        os.kill(worker.pid, signal.SIGTERM)
+        assert worker.wait(30) == 0, log_path.read_text()

@@ -94,6 +94,25 @@ def test_no_password_reaches_an_error_or_a_redacted_url() -> None:
     assert "s3cret" not in repr(parsed) and "t0psecret" not in repr(parsed)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        # A password holding an unencoded / ? or # ends the authority early: what is then read as
+        # an address, or a port, is part of it.
+        "redis+sentinel://:TopSecretPw/x@127.0.0.1:26379/svc/8",
+        "redis+sentinel://admin:TopSecretPw?x@127.0.0.1:26379/svc",
+        "redis+sentinel://admin:TopSecretPw#x@127.0.0.1:26379/svc",
+        "redis://:TopSecretPw/x@127.0.0.1:6379/8",
+        "rediss://admin:TopSecretPw?x@127.0.0.1:6379/8",
+    ],
+)
+def test_a_password_that_breaks_the_url_is_not_in_its_refusal(url: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        settings.from_env({"OUTBOX_REDIS_URL": url})
+    assert "TopSecret" not in str(refused.value)
+    assert "OUTBOX_REDIS_URL" in str(refused.value)
+
+
 def test_the_client_asks_the_sentinels_with_their_credentials_and_the_primary_with_its_own() -> None:
     client = transport.connect(
         "redis+sentinel://app:primary-pw@127.0.0.1:26379,127.0.0.1:26380/mymaster/4"
