@@ -703,6 +703,9 @@ class Deliverer:
             raise
         tolerate_unloadable(conn)
         with self._all_lock:
+            # The closed ones go (dropped, or closed idle while the database did not answer): a
+            # worker that reconnected for hours keeps only what it holds.
+            self._all = [c for c in self._all if not c.closed]
             self._all.append(conn)
         if name == "claim_conn" and self.failover_guard is not None:
             self.failover_guard.check_now()

@@ -71,7 +71,10 @@ class Services:
             OUTBOX_DATABASE_URL=self.database_url,
             OUTBOX_REDIS_URL=self.redis_url,
             OUTBOX_NAMESPACE=self.namespace,
-            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")]),
+            # No empty entry: one stands for the working directory.
+            PYTHONPATH=os.pathsep.join(
+                p for p in [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")] if p
+            ),
         )
         env.pop("OUTBOX_FAILPOINTS", None)
         env.update(extra)

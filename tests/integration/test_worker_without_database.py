@@ -182,3 +182,14 @@ def test_a_worker_cut_off_from_postgres_hands_its_messages_back_and_resumes(
         assert [r.levelno for r in resumed] == [logging.INFO]
     stats = provider.stats()
     assert stats["double_charged"] == [] and stats["charges"] == 11
+
+
+def test_a_worker_that_reconnects_again_and_again_keeps_only_the_connections_it_holds(clean, consumer):
+    deliverer = consumer()
+    for _ in range(50):
+        # As the probe does while the database does not answer: idle connections closed, a new
+        # claim connection opened and given back.
+        assert deliverer.database_answers()
+    held = [c for c in deliverer._all if not c.closed]
+    assert len(held) <= 2, len(held)
+    assert len(deliverer._all) <= 3, len(deliverer._all)
