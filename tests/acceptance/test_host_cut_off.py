@@ -46,13 +46,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import httpx
 import pytest
 from helpers import sql
-from sqlalchemy.orm import Session
 
-import outbox
 from outbox.consumer import LOST_CLAIM_UNREACHABLE_SECONDS
-from outbox.db import make_engine
 
 from .support import Processes, states
+from .test_chaos_postgres import write_orders
 
 pytestmark = [
     pytest.mark.slow,
@@ -379,23 +377,6 @@ class HostProcesses(Processes):
         self.running.append(proc)
         self.log_files[proc.pid] = path
         return proc
-
-
-def write_orders(database_url: str, n: int) -> list[str]:
-    engine = make_engine(database_url)
-    try:
-        with Session(engine) as s, s.begin():
-            for i in range(n):
-                outbox.write(
-                    s,
-                    key=f"order:{i}",
-                    step="charge",
-                    destination="payments.charge",
-                    payload={"amount_cents": 1000 + i, "currency": "EUR"},
-                )
-    finally:
-        engine.dispose()
-    return [f"order:{i}:charge" for i in range(n)]
 
 
 #: Attempts recorded after a newer claim of their row was made, other than as superseded: a late
