@@ -4,6 +4,7 @@ to PostgreSQL or through a pooler in transaction mode."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -62,10 +63,12 @@ class Statement:
 
 
 def tcp_parameters(url: str) -> dict[str, int]:
-    """libpq's TCP keepalive and ``tcp_user_timeout`` parameters from ``OUTBOX_TCP_*``
-    (docs/configuration.md), less those the URL sets itself: the user's win. Without them a
-    connection over a link that silently drops packets hangs until the kernel gives up on its
-    retransmissions, about 15 minutes. libpq ignores them on a Unix socket."""
+    """libpq's TCP keepalive and ``tcp_user_timeout`` parameters from ``OUTBOX_TCP_*``, and its
+    ``connect_timeout`` from ``OUTBOX_CONNECT_TIMEOUT`` (docs/configuration.md), less those the URL
+    sets itself (and ``connect_timeout`` when ``PGCONNECT_TIMEOUT`` is set): the user's win.
+    Without them a connection over a link that silently drops packets hangs until the kernel
+    gives up on its retransmissions, about 15 minutes, and a connect to a server that accepts
+    and never answers hangs for ever. libpq ignores the TCP ones on a Unix socket."""
     try:
         given = psycopg.conninfo.conninfo_to_dict(libpq_url(url))
     except psycopg.Error:
@@ -79,6 +82,8 @@ def tcp_parameters(url: str) -> dict[str, int]:
     }
     if tcp.user_timeout_ms:
         wanted["tcp_user_timeout"] = tcp.user_timeout_ms
+    if tcp.connect_timeout_seconds and not os.environ.get("PGCONNECT_TIMEOUT"):
+        wanted["connect_timeout"] = tcp.connect_timeout_seconds
     return {name: value for name, value in wanted.items() if name not in given}
 
 

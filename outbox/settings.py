@@ -66,6 +66,11 @@ DEFAULT_TCP_KEEPALIVE_IDLE_SECONDS = 10.0
 DEFAULT_TCP_KEEPALIVE_INTERVAL_SECONDS = 5.0
 DEFAULT_TCP_KEEPALIVE_COUNT = 3
 DEFAULT_TCP_USER_TIMEOUT_SECONDS = 30.0
+#: Opening a connection to PostgreSQL (TCP, TLS, authentication, the server's first answer) gives
+#: up after this: a peer that accepts TCP and never answers keeps its keepalives answered by the
+#: kernel, so neither of the above ends that wait. Generous beside a healthy server's start-up
+#: (milliseconds; seconds when it forks under load).
+DEFAULT_CONNECT_TIMEOUT_SECONDS = 15.0
 #: Connections an async handler's client keeps to its provider at most, per process and
 #: destination, unless the worker runs more calls at once (httpx's own default is 100).
 DEFAULT_ASYNC_POOL_SIZE = 100
@@ -347,6 +352,9 @@ class Settings:
     #: Every connection to PostgreSQL and Redis: how long sent data may stay unacknowledged (a
     #: connect included) before the connection is given up; 0: the system's default (minutes).
     tcp_user_timeout_seconds: float = DEFAULT_TCP_USER_TIMEOUT_SECONDS
+    #: Every connection to PostgreSQL: how long opening it may take (libpq's connect_timeout);
+    #: 0: no limit.
+    connect_timeout_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS
     #: Relay, worker, reconciler: TCP port serving /metrics, /healthz and /readyz (outbox.probes);
     #: None: no endpoint.
     metrics_port: int | None = None
@@ -413,6 +421,7 @@ ENVIRONMENT: dict[str, str] = {
     "OUTBOX_TCP_KEEPALIVE_INTERVAL": "tcp_keepalive_interval_seconds",
     "OUTBOX_TCP_KEEPALIVE_COUNT": "tcp_keepalive_count",
     "OUTBOX_TCP_USER_TIMEOUT": "tcp_user_timeout_seconds",
+    "OUTBOX_CONNECT_TIMEOUT": "connect_timeout_seconds",
 }
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *SENTINEL_SCHEMES)
@@ -420,7 +429,7 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "unix://", *SENTINEL_SCHEMES)
 #: breaks every multi-statement transaction (the relay's take).
 POOLER_TRANSACTION = "transaction"
 #: Durations where 0 means "off" rather than a mistake.
-_ZERO_ALLOWED = frozenset({"relay_gather_seconds", "tcp_user_timeout_seconds"})
+_ZERO_ALLOWED = frozenset({"relay_gather_seconds", "tcp_user_timeout_seconds", "connect_timeout_seconds"})
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 
 
@@ -472,6 +481,8 @@ class TcpSettings:
     keepalive_count: int
     #: 0: not set (the system's default).
     user_timeout_ms: int
+    #: libpq's connect_timeout for PostgreSQL connections (whole seconds; 0: no limit).
+    connect_timeout_seconds: int = 0
 
 
 _TCP_VARIABLES = (
@@ -479,6 +490,7 @@ _TCP_VARIABLES = (
     "OUTBOX_TCP_KEEPALIVE_INTERVAL",
     "OUTBOX_TCP_KEEPALIVE_COUNT",
     "OUTBOX_TCP_USER_TIMEOUT",
+    "OUTBOX_CONNECT_TIMEOUT",
 )
 
 
@@ -499,6 +511,10 @@ def tcp_settings(environ: Mapping[str, str] | None = None) -> TcpSettings:
         keepalive_interval_seconds=max(1, math.ceil(cfg.tcp_keepalive_interval_seconds)),
         keepalive_count=cfg.tcp_keepalive_count,
         user_timeout_ms=math.ceil(cfg.tcp_user_timeout_seconds * 1000),
+        # libpq counts whole seconds and takes 1 as 2.
+        connect_timeout_seconds=(
+            max(2, math.ceil(cfg.connect_timeout_seconds)) if cfg.connect_timeout_seconds else 0
+        ),
     )
 
 

@@ -170,7 +170,7 @@ def test_a_supervisor_and_its_processes_signalled_together_stop_cleanly(clean, e
 
 def test_a_second_ctrl_c_during_the_start_up_checks_exits_at_once(procs, tmp_path):
     # A PostgreSQL that accepts the connection and never answers (a frozen host, a hung pooler):
-    # the start-up check waits on it for ever, and a stop must not.
+    # the start-up check waits on it up to OUTBOX_CONNECT_TIMEOUT (15 s), and a stop must not.
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
@@ -187,6 +187,25 @@ def test_a_second_ctrl_c_during_the_start_up_checks_exits_at_once(procs, tmp_pat
         assert "received SIGINT again: outbox worker exiting now, 0 messages left in hand" in procs.log_of(
             worker
         )
+    finally:
+        silent.close()
+
+
+def test_a_database_that_accepts_and_never_answers_is_given_up_after_the_connect_timeout(procs):
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        worker = procs.worker(
+            OUTBOX_DATABASE_URL=f"postgresql://outbox@127.0.0.1:{port}/outbox", OUTBOX_CONNECT_TIMEOUT="2s"
+        )
+        code = worker.wait(30)
+        waited = time.monotonic() - started
+        assert code not in (0, None), procs.logs()
+        assert "timeout expired" in procs.log_of(worker), procs.logs()
+        assert waited < 20, f"gave up after {waited:.1f} s"
     finally:
         silent.close()
 

@@ -5,11 +5,14 @@ an option the user's URL sets stays the user's. Read back from the kernel with g
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+import psycopg
 import pytest
+import sqlalchemy.exc
 
 from outbox import transport
 from outbox.db import connect_raw, make_engine
@@ -60,6 +63,8 @@ def _no_tcp_variables(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         "OUTBOX_TCP_KEEPALIVE_INTERVAL",
         "OUTBOX_TCP_KEEPALIVE_COUNT",
         "OUTBOX_TCP_USER_TIMEOUT",
+        "OUTBOX_CONNECT_TIMEOUT",
+        "PGCONNECT_TIMEOUT",
     ):
         monkeypatch.delenv(name, raising=False)
     yield
@@ -107,3 +112,35 @@ def test_redis_connections_carry_them(redis_url: str, monkeypatch: pytest.Monkey
             client.connection_pool.release(conn)
     finally:
         client.close()
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A PostgreSQL that accepts connections and never answers (a frozen host, a hung pooler):
+    the kernel answers TCP and its keepalives, so only the connect timeout ends the wait."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        yield silent.getsockname()[1]
+    finally:
+        silent.close()
+
+
+def test_a_connect_to_a_server_that_never_answers_gives_up(
+    silent_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OUTBOX_CONNECT_TIMEOUT", "2s")
+    url = f"postgresql://outbox@127.0.0.1:{silent_port}/outbox"
+    started = time.monotonic()
+    with pytest.raises(psycopg.OperationalError, match="timeout expired"):
+        connect_raw(url, autocommit=True)
+    assert 1.5 < time.monotonic() - started < 10
+    engine = make_engine(url, pool_pre_ping=False)
+    try:
+        started = time.monotonic()
+        with pytest.raises(sqlalchemy.exc.OperationalError, match="timeout expired"):
+            engine.connect()
+        assert 1.5 < time.monotonic() - started < 10
+    finally:
+        engine.dispose()

@@ -58,6 +58,7 @@ VARIABLES: dict[str, tuple[str, Any, list[str]]] = {
     "OUTBOX_TCP_KEEPALIVE_INTERVAL": ("2", 2.0, ["often", "0s"]),
     "OUTBOX_TCP_KEEPALIVE_COUNT": ("5", 5, ["five", "0", "2.5"]),
     "OUTBOX_TCP_USER_TIMEOUT": ("500ms", 0.5, ["soon", "-1s"]),
+    "OUTBOX_CONNECT_TIMEOUT": ("20s", 20.0, ["soon", "-1s"]),
 }
 
 

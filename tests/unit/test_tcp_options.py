@@ -18,7 +18,11 @@ URL = "postgresql://app@db.example:5432/shop"
 def test_defaults() -> None:
     tcp = settings.tcp_settings({})
     assert tcp == settings.TcpSettings(
-        keepalive_idle_seconds=10, keepalive_interval_seconds=5, keepalive_count=3, user_timeout_ms=30_000
+        keepalive_idle_seconds=10,
+        keepalive_interval_seconds=5,
+        keepalive_count=3,
+        user_timeout_ms=30_000,
+        connect_timeout_seconds=15,
     )
 
 
@@ -29,11 +33,16 @@ def test_the_variables_in_whole_units_as_sockets_take_them() -> None:
             "OUTBOX_TCP_KEEPALIVE_INTERVAL": "1.5",
             "OUTBOX_TCP_KEEPALIVE_COUNT": "4",
             "OUTBOX_TCP_USER_TIMEOUT": "2.5s",
+            "OUTBOX_CONNECT_TIMEOUT": "4.2s",
         }
     )
     # Keepalive times are whole seconds in the kernel: rounded up, never to 0.
     assert tcp == settings.TcpSettings(
-        keepalive_idle_seconds=60, keepalive_interval_seconds=2, keepalive_count=4, user_timeout_ms=2500
+        keepalive_idle_seconds=60,
+        keepalive_interval_seconds=2,
+        keepalive_count=4,
+        user_timeout_ms=2500,
+        connect_timeout_seconds=5,
     )
     assert settings.tcp_settings({"OUTBOX_TCP_KEEPALIVE_IDLE": "200ms"}).keepalive_idle_seconds == 1
 
@@ -45,6 +54,7 @@ def test_a_zero_user_timeout_leaves_the_systems_default() -> None:
 
 
 def test_libpq_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
     monkeypatch.setenv("OUTBOX_TCP_USER_TIMEOUT", "7s")
     assert tcp_parameters(URL) == {
         "keepalives": 1,
@@ -52,9 +62,28 @@ def test_libpq_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
         "keepalives_interval": 5,
         "keepalives_count": 3,
         "tcp_user_timeout": 7000,
+        "connect_timeout": 15,
     }
     monkeypatch.setenv("OUTBOX_TCP_USER_TIMEOUT", "0")
     assert "tcp_user_timeout" not in tcp_parameters(URL)
+
+
+def test_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    # libpq takes whole seconds and 1 as 2: what it is given is what it does.
+    monkeypatch.setenv("OUTBOX_CONNECT_TIMEOUT", "500ms")
+    assert tcp_parameters(URL)["connect_timeout"] == 2
+    monkeypatch.setenv("OUTBOX_CONNECT_TIMEOUT", "0")
+    assert "connect_timeout" not in tcp_parameters(URL)
+    monkeypatch.setenv("OUTBOX_CONNECT_TIMEOUT", "20s")
+    # The URL's own, or libpq's environment variable, wins.
+    assert "connect_timeout" not in tcp_parameters(URL + "?connect_timeout=60")
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "60")
+    assert "connect_timeout" not in tcp_parameters(URL)
+    monkeypatch.delenv("PGCONNECT_TIMEOUT")
+    assert tcp_parameters(URL)["connect_timeout"] == 20
+    with pytest.raises(ConfigError, match="OUTBOX_CONNECT_TIMEOUT"):
+        settings.tcp_settings({"OUTBOX_CONNECT_TIMEOUT": "-1"})
 
 
 @pytest.mark.parametrize(
