@@ -38,6 +38,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import re
 import shlex
@@ -1083,7 +1084,7 @@ def test_shell_blocks_parse(block: Block) -> None:
             # kubectl exec POD -- outbox …: the outbox command is parsed; the files applied exist.
             if "--" in rest and rest[rest.index("--") + 1 : rest.index("--") + 2] == ["outbox"]:
                 _parse_outbox(block.where, rest[rest.index("--") + 2 :])
-            for flag, value in zip(rest, rest[1:], strict=False):
+            for flag, value in itertools.pairwise(rest):
                 if flag == "-f":
                     assert (ROOT / value).is_file(), f"{block.where}: kubectl -f {value}: no such file"
         elif command == "make":

@@ -208,7 +208,8 @@ def core_documents() -> list[Doc]:
     "doc", core_documents(), ids=[f"{d['kind']}/{d['metadata']['name']}" for d in core_documents()]
 )
 def test_core_kinds_validate_against_the_kubernetes_schemas(doc: Doc) -> None:
-    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    # It answers with the release whose schemas it used: this one, not an older fallback.
+    assert kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True) == KUBERNETES_VERSION
 
 
 def test_the_validation_refuses_an_unknown_field_and_a_wrong_type(docs: list[Doc]) -> None:
@@ -263,9 +264,15 @@ def _mutated_scaledobject(change: Callable[[Doc], None]) -> Doc:
     [
         pytest.param(lambda d: d["spec"].update(pollingInterwal=15), id="a misspelled field"),
         pytest.param(lambda d: d["spec"]["scaleTargetRef"].pop("name"), id="no target"),
-        pytest.param(lambda d: d["spec"]["triggers"][0]["metadata"].update(threshold=16), id="a number in metadata"),
-        pytest.param(lambda d: d["spec"]["triggers"][0]["metadata"].pop("query"), id="a trigger without its query"),
-        pytest.param(lambda d: d["spec"]["triggers"][0]["metadata"].update(treshold="16"), id="an unknown key"),
+        pytest.param(
+            lambda d: d["spec"]["triggers"][0]["metadata"].update(threshold=16), id="a number in metadata"
+        ),
+        pytest.param(
+            lambda d: d["spec"]["triggers"][0]["metadata"].pop("query"), id="a trigger without its query"
+        ),
+        pytest.param(
+            lambda d: d["spec"]["triggers"][0]["metadata"].update(treshold="16"), id="an unknown key"
+        ),
         pytest.param(lambda d: d["spec"]["triggers"][0].update(metricType="Value"), id="fallback with Value"),
         pytest.param(lambda d: d["spec"]["fallback"].pop("replicas"), id="fallback without replicas"),
     ],
@@ -303,7 +310,9 @@ def variables_problems(docs: list[Doc]) -> list[str]:
             problems.append(f"{doc['metadata']['name']}: {exc}")
         if env.get(LOG_FORMAT_ENV, "text") not in LOG_FORMATS:
             problems.append(f"{doc['metadata']['name']}: {LOG_FORMAT_ENV}={env[LOG_FORMAT_ENV]}")
-        for required in ("OUTBOX_DATABASE_URL",) + (("OUTBOX_REDIS_URL",) if component(doc) in PROBED else ()):
+        for required in ("OUTBOX_DATABASE_URL",) + (
+            ("OUTBOX_REDIS_URL",) if component(doc) in PROBED else ()
+        ):
             if required not in env:
                 problems.append(f"{doc['metadata']['name']}: no {required}")
     return problems
@@ -439,7 +448,11 @@ def budgets_problems(docs: list[Doc]) -> list[str]:
     deployments = of_kind(docs, "Deployment")
     for budget in of_kind(docs, "PodDisruptionBudget"):
         name = budget["metadata"]["name"]
-        matched = [d for d in deployments if _selects(budget["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+        matched = [
+            d
+            for d in deployments
+            if _selects(budget["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
+        ]
         if len(matched) != 1:
             problems.append(f"PodDisruptionBudget/{name} selects {len(matched)} Deployments")
             continue
@@ -448,7 +461,9 @@ def budgets_problems(docs: list[Doc]) -> list[str]:
         replicas = target["spec"].get("replicas")
         least = budget["spec"].get("minAvailable")
         if isinstance(least, int) and (replicas is None or least >= replicas):
-            problems.append(f"PodDisruptionBudget/{name}: minAvailable {least} of {replicas} replicas blocks every drain")
+            problems.append(
+                f"PodDisruptionBudget/{name}: minAvailable {least} of {replicas} replicas blocks every drain"
+            )
         if budget["spec"].get("maxUnavailable") == 0:
             problems.append(f"PodDisruptionBudget/{name}: maxUnavailable 0 blocks every drain")
     for part in PROBED:
@@ -490,9 +505,13 @@ def security_problems(docs: list[Doc]) -> list[str]:
                 problems.append(f"{name}/{c['name']}: privileged")
             if own.get("readOnlyRootFilesystem") is not True:
                 problems.append(f"{name}/{c['name']}: its root filesystem is writable")
-            if "ALL" not in own.get("capabilities", {}).get("drop", []) or own.get("capabilities", {}).get("add"):
+            if "ALL" not in own.get("capabilities", {}).get("drop", []) or own.get("capabilities", {}).get(
+                "add"
+            ):
                 problems.append(f"{name}/{c['name']}: capabilities are not all dropped")
-            tmp = [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/tmp" and m["name"] in empty_dirs]
+            tmp = [
+                m for m in c.get("volumeMounts", []) if m["mountPath"] == "/tmp" and m["name"] in empty_dirs
+            ]
             if not tmp:
                 problems.append(f"{name}/{c['name']}: no writable /tmp (an emptyDir) on its read-only root")
     return problems
@@ -546,7 +565,9 @@ def services_problems(docs: list[Doc]) -> list[str]:
             if s["spec"]["selector"] == doc["spec"]["selector"]["matchLabels"]
         ]
         if not any(re.fullmatch(jobs.group(1), s) for s in scraped):
-            problems.append(f"the {part}'s Service {scraped} is not a job OutboxProcessDown watches ({jobs.group(1)})")
+            problems.append(
+                f"the {part}'s Service {scraped} is not a job OutboxProcessDown watches ({jobs.group(1)})"
+            )
     return problems
 
 
@@ -561,16 +582,22 @@ def scaling_problems(docs: list[Doc]) -> list[str]:
             d for d in of_kind(docs, "Deployment") if d["metadata"]["name"] == spec["scaleTargetRef"]["name"]
         ]
         if len(target) != 1 or component(target[0]) != "worker":
-            problems.append(f"ScaledObject/{scaled['metadata']['name']}: its target is not the worker Deployment")
+            problems.append(
+                f"ScaledObject/{scaled['metadata']['name']}: its target is not the worker Deployment"
+            )
             continue
         if "replicas" in target[0]["spec"]:
-            problems.append(f"{target[0]['metadata']['name']}: sets replicas, which every apply resets under KEDA")
+            problems.append(
+                f"{target[0]['metadata']['name']}: sets replicas, which every apply resets under KEDA"
+            )
         for trigger in spec["triggers"]:
             if trigger["type"] != "prometheus":
                 continue
             names = queried(trigger["metadata"]["query"])
             if not names or not names <= exported():
-                problems.append(f"the query asks series the code does not export: {sorted(names - exported())}")
+                problems.append(
+                    f"the query asks series the code does not export: {sorted(names - exported())}"
+                )
         lowest = spec.get("minReplicaCount", 0)
         queries = [t["metadata"]["query"] for t in spec["triggers"] if t["type"] == "prometheus"]
         if lowest < 1 and not any(counts_pending(q) for q in queries):
@@ -584,7 +611,10 @@ def scaling_problems(docs: list[Doc]) -> list[str]:
             wake = spec.get("pollingInterval", 30) + cfg.reconcile_interval_seconds + WAKE_FROM_ZERO_SECONDS
             for alert, after in (
                 ("the reconciler's", cfg.no_consumer_cycles * cfg.reconcile_interval_seconds),
-                ("OutboxDestinationWithoutConsumer", settings.parse_seconds(_rule("OutboxDestinationWithoutConsumer")["for"], "for")),
+                (
+                    "OutboxDestinationWithoutConsumer",
+                    settings.parse_seconds(_rule("OutboxDestinationWithoutConsumer")["for"], "for"),
+                ),
             ):
                 if after <= wake:
                     problems.append(
@@ -616,7 +646,9 @@ def secrets_problems(docs: list[Doc]) -> list[str]:
     for secret in of_kind(docs, "Secret"):
         name = secret["metadata"]["name"]
         if secret.get("data"):
-            problems.append(f"Secret/{name}: base64 data hides what is committed; use stringData placeholders")
+            problems.append(
+                f"Secret/{name}: base64 data hides what is committed; use stringData placeholders"
+            )
         for key, value in secret_values(secret).items():
             if PLACEHOLDER not in value:
                 problems.append(f"Secret/{name}: {key} holds a value that is not a {PLACEHOLDER} placeholder")
@@ -703,19 +735,47 @@ BREAKAGES: list[tuple[str, str, Callable[[list[Doc]], None]]] = [
         "no database",
         lambda d: named(d, "Secret", "outbox-secrets")["stringData"].pop("OUTBOX_DATABASE_URL"),
     ),
-    ("commands", "a flag the CLI lacks", lambda d: container(workload(d, "worker"))["command"].append("--threds")),
-    ("commands", "the wrong subcommand", lambda d: container(workload(d, "reconciler")).update(command=["outbox", "relay"])),
-    ("commands", "a module that does not exist", lambda d: container(workload(d, "worker"))["command"].__setitem__(2, "examples.shop.handler")),
+    (
+        "commands",
+        "a flag the CLI lacks",
+        lambda d: container(workload(d, "worker"))["command"].append("--threds"),
+    ),
+    (
+        "commands",
+        "the wrong subcommand",
+        lambda d: container(workload(d, "reconciler")).update(command=["outbox", "relay"]),
+    ),
+    (
+        "commands",
+        "a module that does not exist",
+        lambda d: container(workload(d, "worker"))["command"].__setitem__(2, "examples.shop.handler"),
+    ),
     ("probes", "another metrics port", lambda d: _config(d).update(OUTBOX_METRICS_PORT="9500")),
-    ("probes", "readiness on /healthz", lambda d: _probe(d, "relay", "readinessProbe").update(path="/healthz")),
+    (
+        "probes",
+        "readiness on /healthz",
+        lambda d: _probe(d, "relay", "readinessProbe").update(path="/healthz"),
+    ),
     ("probes", "liveness on /readyz", lambda d: _probe(d, "worker", "livenessProbe").update(path="/readyz")),
     ("probes", "an unnamed port", lambda d: _probe(d, "reconciler", "startupProbe").update(port="http")),
     ("probes", "no startup probe", lambda d: container(workload(d, "relay")).pop("startupProbe")),
-    ("probes", "the dashboard on another port", lambda d: _probe(d, "dashboard", "livenessProbe").update(port=8080)),
-    ("grace", "less than the lease", lambda d: pod(workload(d, "worker")).update(terminationGracePeriodSeconds=30)),
+    (
+        "probes",
+        "the dashboard on another port",
+        lambda d: _probe(d, "dashboard", "livenessProbe").update(port=8080),
+    ),
+    (
+        "grace",
+        "less than the lease",
+        lambda d: pod(workload(d, "worker")).update(terminationGracePeriodSeconds=30),
+    ),
     ("grace", "the default wait", lambda d: pod(workload(d, "worker")).pop("terminationGracePeriodSeconds")),
     ("grace", "a longer time_limit", lambda d: _env(d, "worker", "SHOP_TIME_LIMIT", "20")),
-    ("grace", "a reconciler cut short", lambda d: pod(workload(d, "reconciler")).update(terminationGracePeriodSeconds=15)),
+    (
+        "grace",
+        "a reconciler cut short",
+        lambda d: pod(workload(d, "reconciler")).update(terminationGracePeriodSeconds=15),
+    ),
     (
         "budgets",
         "a selector that misses",
@@ -723,29 +783,69 @@ BREAKAGES: list[tuple[str, str, Callable[[list[Doc]], None]]] = [
             {"app.kubernetes.io/component": "relays"}
         ),
     ),
-    ("budgets", "a budget blocking drains", lambda d: named(d, "PodDisruptionBudget", "outbox-relay")["spec"].update(minAvailable=2)),
-    ("budgets", "no budget for the worker", lambda d: d.remove(named(d, "PodDisruptionBudget", "outbox-worker"))),
+    (
+        "budgets",
+        "a budget blocking drains",
+        lambda d: named(d, "PodDisruptionBudget", "outbox-relay")["spec"].update(minAvailable=2),
+    ),
+    (
+        "budgets",
+        "no budget for the worker",
+        lambda d: d.remove(named(d, "PodDisruptionBudget", "outbox-worker")),
+    ),
     ("security", "root", lambda d: pod(workload(d, "relay"))["securityContext"].update(runAsUser=0)),
-    ("security", "a user by name only", lambda d: pod(workload(d, "migrate"))["securityContext"].pop("runAsUser")),
+    (
+        "security",
+        "a user by name only",
+        lambda d: pod(workload(d, "migrate"))["securityContext"].pop("runAsUser"),
+    ),
     ("security", "a writable root", lambda d: _security(d, "worker").pop("readOnlyRootFilesystem")),
     ("security", "no /tmp", lambda d: container(workload(d, "worker"))["volumeMounts"].clear()),
-    ("security", "privilege escalation", lambda d: _security(d, "dashboard").update(allowPrivilegeEscalation=True)),
-    ("security", "a capability kept", lambda d: _security(d, "reconciler")["capabilities"].update(add=["NET_RAW"])),
+    (
+        "security",
+        "privilege escalation",
+        lambda d: _security(d, "dashboard").update(allowPrivilegeEscalation=True),
+    ),
+    (
+        "security",
+        "a capability kept",
+        lambda d: _security(d, "reconciler")["capabilities"].update(add=["NET_RAW"]),
+    ),
     ("security", "service links", lambda d: pod(workload(d, "relay")).pop("enableServiceLinks")),
     ("security", "no seccomp", lambda d: pod(workload(d, "worker"))["securityContext"].pop("seccompProfile")),
     ("resources", "no memory limit", lambda d: container(workload(d, "worker"))["resources"].pop("limits")),
     ("images", "a second image", lambda d: container(workload(d, "relay")).update(image="outbox:other")),
-    ("services", "a name that sets a variable", lambda d: named(d, "Service", "outbox-relay")["metadata"].update(name="outbox-metrics")),
-    ("services", "a job the alert misses", lambda d: named(d, "Service", "outbox-worker")["metadata"].update(name="outbox-workers")),
+    (
+        "services",
+        "a name that sets a variable",
+        lambda d: named(d, "Service", "outbox-relay")["metadata"].update(name="outbox-metrics"),
+    ),
+    (
+        "services",
+        "a job the alert misses",
+        lambda d: named(d, "Service", "outbox-worker")["metadata"].update(name="outbox-workers"),
+    ),
     ("scaling", "another target", lambda d: _scaled(d)["scaleTargetRef"].update(name="outbox-relay")),
-    ("scaling", "a series nobody exports", lambda d: _scaled(d)["triggers"][0]["metadata"].update(query="sum(outbox_backlog)")),
+    (
+        "scaling",
+        "a series nobody exports",
+        lambda d: _scaled(d)["triggers"][0]["metadata"].update(query="sum(outbox_backlog)"),
+    ),
     ("scaling", "scale to zero", lambda d: _scaled(d).update(minReplicaCount=0)),
     ("scaling", "replicas under KEDA", lambda d: workload(d, "worker")["spec"].update(replicas=3)),
-    ("secrets", "a real password", lambda d: named(d, "Secret", "outbox-secrets")["stringData"].update(OUTBOX_REDIS_URL="redis://:hunter2@redis:6379/0")),
+    (
+        "secrets",
+        "a real password",
+        lambda d: named(d, "Secret", "outbox-secrets")["stringData"].update(
+            OUTBOX_REDIS_URL="redis://:hunter2@redis:6379/0"
+        ),
+    ),
     (
         "secrets",
         "a dashboard secret that works",
-        lambda d: named(d, "Secret", "outbox-dashboard")["stringData"].update(OUTBOX_DASHBOARD_SECRET=PLACEHOLDER * 4),
+        lambda d: named(d, "Secret", "outbox-dashboard")["stringData"].update(
+            OUTBOX_DASHBOARD_SECRET=PLACEHOLDER * 4
+        ),
     ),
     (
         "secrets",
@@ -760,7 +860,9 @@ BREAKAGES: list[tuple[str, str, Callable[[list[Doc]], None]]] = [
 @pytest.mark.parametrize(
     ("check", "breakage", "breaks"), BREAKAGES, ids=[f"{c}: {b}" for c, b, _ in BREAKAGES]
 )
-def test_each_check_refuses_a_broken_copy(check: str, breakage: str, breaks: Callable[[list[Doc]], None]) -> None:
+def test_each_check_refuses_a_broken_copy(
+    check: str, breakage: str, breaks: Callable[[list[Doc]], None]
+) -> None:
     docs = load()
     breaks(docs)
     assert CHECKS[check](docs), f"the {check} check let {breakage} through"
@@ -855,7 +957,13 @@ def test_the_backlog_query_counts_what_workers_can_move(tmp_path: Path) -> None:
             {
                 "interval": "1m",
                 "input_series": inputs,
-                "promql_expr_test": [{"expr": "outbox:worker_backlog", "eval_time": "5m", "exp_samples": [{"labels": "outbox:worker_backlog", "value": 16}]}],
+                "promql_expr_test": [
+                    {
+                        "expr": "outbox:worker_backlog",
+                        "eval_time": "5m",
+                        "exp_samples": [{"labels": "outbox:worker_backlog", "value": 16}],
+                    }
+                ],
             },
             {
                 "interval": "1m",
