@@ -45,9 +45,9 @@ from .test_deploy import RULES, exported, queried
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 SCALEDOBJECT_SCHEMA = K8S / "schema" / "scaledobject-keda-v1alpha1.json"
-#: The Kubernetes release whose schemas the core kinds are validated against: the oldest release
-#: still in the providers' support windows when these manifests were written. Every field used
-#: here (PodDisruptionBudget's unhealthyPodEvictionPolicy included) is served by it.
+#: The Kubernetes release whose schemas the core kinds are validated against (the package ships
+#: 1.25 to 1.37): old enough for most clusters, new enough for every field used here
+#: (PodDisruptionBudget's unhealthyPodEvictionPolicy is on by default from 1.27).
 KUBERNETES_VERSION = "1.30"
 #: What each component runs: `outbox SUBCOMMAND`.
 SUBCOMMANDS = {
