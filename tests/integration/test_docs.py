@@ -14,8 +14,9 @@
   run there with pytest, in a subprocess, against a database the plugin makes on the test server.
 * ``pycon`` blocks are doctests (their output and tracebacks are compared).
 * ``sh`` / ``console`` blocks: each ``outbox …`` command line is parsed by the real argument
-  parser, including the subcommands other modules plug in; ``OUTBOX_*`` assignments must name a
-  real variable with a valid value; ``make`` targets must exist.
+  parser, including the subcommands other modules plug in (``kubectl exec … -- outbox …`` too);
+  ``OUTBOX_*`` assignments must name a real variable with a valid value; ``make`` targets and the
+  files of ``kubectl -f`` must exist.
 * ``sql`` blocks run in a transaction that is rolled back; state literals must be real states.
 * ``yaml`` blocks are compose services: their ``outbox`` commands are parsed as above, their
   ``OUTBOX_*`` variables checked.
@@ -37,6 +38,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import re
 import shlex
@@ -1078,6 +1080,13 @@ def test_shell_blocks_parse(block: Block) -> None:
         elif command == "docker" and "outbox" in rest:
             # docker compose exec|run SERVICE outbox …
             _parse_outbox(block.where, rest[rest.index("outbox") + 1 :])
+        elif command == "kubectl":
+            # kubectl exec POD -- outbox …: the outbox command is parsed; the files applied exist.
+            if "--" in rest and rest[rest.index("--") + 1 : rest.index("--") + 2] == ["outbox"]:
+                _parse_outbox(block.where, rest[rest.index("--") + 2 :])
+            for flag, value in itertools.pairwise(rest):
+                if flag == "-f":
+                    assert (ROOT / value).is_file(), f"{block.where}: kubectl -f {value}: no such file"
         elif command == "make":
             missing = set(rest) - _make_targets()
             assert not missing, f"{block.where}: no Makefile target {sorted(missing)}"
