@@ -510,6 +510,7 @@ class Interval:
     claim: tuple[float, float]
     take: tuple[float, float]
     purge_stmt_p99_ms: float
+    drop_stmt_p99_ms: float
     purge_busy_s: float
     purged: int
     ledger_in: int
@@ -650,6 +651,7 @@ class Meter:
             claim=(_ms(d["claim"], 0.5), _ms(d["claim"], 0.99)),
             take=(_ms(d["take"], 0.5), _ms(d["take"], 0.99)),
             purge_stmt_p99_ms=_ms(d["purge"], 0.99),
+            drop_stmt_p99_ms=_ms(d["ledger_drop"], 0.99),
             purge_busy_s=busy,
             purged=st["outbox_message"]["del"] - sb["outbox_message"]["del"],
             ledger_in=st["outbox_key_ledger"]["ins"] - sb["outbox_key_ledger"]["ins"],
@@ -705,7 +707,7 @@ def bytes_report(conn: psycopg.Connection[Any], sample_rows: int = 100_000) -> l
                 (table,),
             ).fetchone()  # type: ignore[misc]
             out.append(
-                f"  heap: live tuples {tl / max(tc, 1):,.0f} B each (+4 B line pointer), "
+                f"  heap (pgstattuple_approx): live tuples ~{tl / max(tc, 1):,.0f} B each, "
                 f"dead {dl / per:,.0f} B/row, free space {fs / per:,.0f} B/row "
                 f"({fs / max(heap, 1):.0%} of the heap)"
             )
@@ -883,6 +885,7 @@ def summarize(
         ("take p99 ms", lambda i: i.take[1]),
         ("purge rows/s", lambda i: i.purged / i.seconds),
         ("purge statement p99 ms", lambda i: i.purge_stmt_p99_ms),
+        ("ledger drop statement p99 ms", lambda i: i.drop_stmt_p99_ms),
         ("WAL B per row in", lambda i: i.wal / max(i.deliveries + i.filled, 1)),
         ("machine CPU %", lambda i: i.cpu * 100),
     ):
