@@ -475,6 +475,13 @@ def budgets_problems(docs: list[Doc]) -> list[str]:
     return problems
 
 
+def image_uid() -> int:
+    """The uid the Dockerfile gives its user."""
+    found = re.search(r"useradd\b.*--uid (\d+)", (ROOT / "Dockerfile").read_text())
+    assert found, "the Dockerfile creates no user with a fixed uid"
+    return int(found.group(1))
+
+
 def security_problems(docs: list[Doc]) -> list[str]:
     """Every pod runs as a non-root user by number (the image's USER is a name, which the kubelet
     cannot check), under RuntimeDefault seccomp, without a service account token or the Service
@@ -488,6 +495,11 @@ def security_problems(docs: list[Doc]) -> list[str]:
             problems.append(f"{name}: runAsNonRoot is not true")
         if not isinstance(context.get("runAsUser"), int) or context["runAsUser"] <= 0:
             problems.append(f"{name}: runAsUser {context.get('runAsUser')!r} is not a non-root uid")
+        elif context["runAsUser"] != image_uid():
+            # Another uid than the image's user still runs, owning none of the image's files.
+            problems.append(
+                f"{name}: runAsUser {context['runAsUser']} is not the Dockerfile's user ({image_uid()})"
+            )
         if context.get("seccompProfile", {}).get("type") != "RuntimeDefault":
             problems.append(f"{name}: no RuntimeDefault seccomp profile")
         if spec.get("automountServiceAccountToken") is not False:
@@ -794,6 +806,11 @@ BREAKAGES: list[tuple[str, str, Callable[[list[Doc]], None]]] = [
         lambda d: d.remove(named(d, "PodDisruptionBudget", "outbox-worker")),
     ),
     ("security", "root", lambda d: pod(workload(d, "relay"))["securityContext"].update(runAsUser=0)),
+    (
+        "security",
+        "another uid than the image's",
+        lambda d: pod(workload(d, "worker"))["securityContext"].update(runAsUser=10002),
+    ),
     (
         "security",
         "a user by name only",
