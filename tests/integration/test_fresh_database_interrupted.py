@@ -23,11 +23,16 @@ def _databases(url: str, prefix: str) -> list[str]:
         return [r[0] for r in rows]
 
 
-def _interrupt_during_create(url: str, prefix: str, main: int, seen: threading.Event) -> None:
+def _interrupt_during_create(
+    url: str, prefix: str, main: int, ready: threading.Event, seen: threading.Event
+) -> None:
     # SIGINT to the main thread the moment the server runs this prefix's CREATE DATABASE.
     pattern = f'CREATE DATABASE "{prefix}_%'
     deadline = time.monotonic() + 20
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        # Watching before the creation starts: a watcher still connecting on a loaded machine
+        # missed a quick CREATE DATABASE, and no interrupt came.
+        ready.set()
         while time.monotonic() < deadline:
             if conn.execute("SELECT 1 FROM pg_stat_activity WHERE query LIKE %s", (pattern,)).fetchone():
                 seen.set()
@@ -38,13 +43,14 @@ def _interrupt_during_create(url: str, prefix: str, main: int, seen: threading.E
 
 def test_an_interrupt_during_create_database_leaves_no_database(services) -> None:
     prefix = f"interrupted_{uuid.uuid4().hex[:6]}"
-    seen = threading.Event()
+    ready, seen = threading.Event(), threading.Event()
     watcher = threading.Thread(
         target=_interrupt_during_create,
-        args=(services.database_url, prefix, threading.main_thread().ident, seen),
+        args=(services.database_url, prefix, threading.main_thread().ident, ready, seen),
         daemon=True,
     )
     watcher.start()
+    assert ready.wait(20), "the watcher could not connect"
     try:
         with pytest.raises(KeyboardInterrupt):
             with fresh_database(services.database_url, prefix=prefix):
