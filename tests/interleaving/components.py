@@ -183,6 +183,12 @@ def is_claim(query: Any) -> bool:
     return "in_flight" in text and "attempts + 1" in text
 
 
+def is_record(query: Any) -> bool:
+    """The record of a claim's outcome (outbox.store.delivery.record): it marks a late one."""
+    text = query if isinstance(query, str) else repr(query)
+    return "'superseded:' ||" in text
+
+
 class WatchedConnection:
     """A worker's psycopg connection: times each claim, and loses the reply of a committed claim
     when its process is armed to (the connection breaks after the server committed; with
@@ -199,6 +205,8 @@ class WatchedConnection:
         return getattr(self._conn, name)
 
     def run_statement(self, statement: Any, params: Any, real: Any) -> Any:
+        if is_record(statement.sql):
+            return self._record(statement, params, real)
         if not is_claim(statement.sql):
             return real(statement, self._conn, params)
         run = current_run()
@@ -233,6 +241,18 @@ class WatchedConnection:
             run.proc.lose_next_claim_reply = run.proc.cut_at_next_claim = False
             if cut:
                 self._world.on_cut_at_claim(run.proc)
+            self._conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly (simulated)")
+        return cursor
+
+    def _record(self, statement: Any, params: Any, real: Any) -> Any:
+        """A record; with ``cut_at_next_record`` armed, its process is cut off from PostgreSQL as
+        the reply is on its way (the record committed): the worker tries it again."""
+        cursor = real(statement, self._conn, params)
+        run = current_run()
+        if run is not None and run.proc.cut_at_next_record:
+            run.proc.cut_at_next_record = False
+            self._world.on_cut_at_record(run.proc, params.get("id"))
             self._conn.close()
             raise psycopg.OperationalError("server closed the connection unexpectedly (simulated)")
         return cursor
@@ -503,6 +523,7 @@ class WorkerProcess:
         self.lose_next_claim_reply = False
         self.late_next_claim = False
         self.cut_at_next_claim = False
+        self.cut_at_next_record = False
         self.broker = RedisBroker(
             url=redis_url,
             namespace=namespace,

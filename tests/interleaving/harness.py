@@ -462,6 +462,14 @@ class World:
         """The cut armed for ``proc``'s next claim, as the claim's reply is on its way."""
         self._cut(proc, self.cut_for.pop(proc.name, 1.0), "as the reply to its claim was on its way")
 
+    def on_cut_at_record(self, proc: c.WorkerProcess, row_id: int | None) -> None:
+        """The cut armed for ``proc``'s next record, as the record's reply is on its way."""
+        self._cut(
+            proc,
+            self.cut_for.pop(proc.name, 1.0),
+            f"as the reply to its record of row {row_id} was on its way",
+        )
+
     def _cut(self, proc: c.WorkerProcess, seconds: float, how: str = "") -> None:
         forwarder = self.forwarders.get(proc.name)
         if forwarder is None:
@@ -880,18 +888,25 @@ class World:
         candidates = [
             p
             for p in self.procs
-            if p.alive and p.name in self.forwarders and p.name not in self.cuts and not p.cut_at_next_claim
+            if p.alive
+            and p.name in self.forwarders
+            and p.name not in self.cuts
+            and not (p.cut_at_next_claim or p.cut_at_next_record)
         ]
         if not candidates:
             return
         proc = self.rng.choice(candidates)
         seconds = self.rng.choice([0.5, 1.0, 2.0, 4.0])
-        if self.rng.random() < 0.3:
-            self.cut_for[proc.name] = seconds
-            proc.cut_at_next_claim = True
-            self.log(f"fault: {proc.name} will be cut off from PostgreSQL as its next claim commits")
-        else:
+        when = self.rng.choices(["now", "claim", "record"], [0.6, 0.25, 0.15])[0]
+        if when == "now":
             self._cut(proc, seconds)
+            return
+        self.cut_for[proc.name] = seconds
+        if when == "claim":
+            proc.cut_at_next_claim = True
+        else:
+            proc.cut_at_next_record = True
+        self.log(f"fault: {proc.name} will be cut off from PostgreSQL as its next {when} commits")
 
     def step_pg_reachable(self) -> None:
         now = time.monotonic()
@@ -1253,7 +1268,7 @@ class World:
         )
         self.step_unblock(all_=True)
         for proc in self.procs:
-            proc.cut_at_next_claim = False
+            proc.cut_at_next_claim = proc.cut_at_next_record = False
         for name in sorted(self.cuts):
             self._restore(name)
         # The runbook: the provider is back, the operator resumes every paused destination (once
