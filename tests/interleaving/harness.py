@@ -33,6 +33,7 @@ from sqlalchemy.pool import NullPool
 import outbox
 from outbox.chains import NOT_COMPUTED
 from outbox.db import make_engine
+from outbox.ordering import HOLDING_SQL
 from outbox.settings import libpq_url
 from outbox.transport import delete_namespace
 
@@ -299,8 +300,10 @@ class Run(Parkable):
 
     def _hand_back(self, message: Any, row_id: int | None) -> None:
         self.checkpoint("before_hand_back")
+        # Numbered before the requeue: a fetch of the message back in its queue comes after it.
+        seq = self.world.next_seq()
         self.proc.hand_back(message)
-        self.world.on_hand_back(self, message, row_id)
+        self.world.on_hand_back(self, message, row_id, seq)
 
 
 class RelayRun(Parkable):
@@ -392,7 +395,7 @@ class World:
         self.forwarders: dict[str, Forwarder] = {}
         #: Worker processes cut off now: since when, and until when at least (monotonic).
         self.cuts: dict[str, tuple[float, float]] = {}
-        #: How long the cut armed to come with a process's next claim lasts.
+        #: How long the cut armed to come with a process's next claim or record lasts.
         self.cut_for: dict[str, float] = {}
         self._cuts_lock = threading.Lock()
         self.probes: dict[str, threading.Thread] = {}
@@ -507,11 +510,14 @@ class World:
                 )
             )
 
-    def on_hand_back(self, run: Run, message: Any, row_id: int | None) -> None:
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def on_hand_back(self, run: Run, message: Any, row_id: int | None, seq: int) -> None:
         mid = message.options.get("redis_message_id")
         self.handed_back.append(
             {
-                "seq": next(self._seq),
+                "seq": seq,
                 "fetched": run.fetched_seq,
                 "run": run.name,
                 "row_id": row_id,
@@ -884,7 +890,8 @@ class World:
 
     def step_pg_unreachable(self) -> None:
         """A worker process cut off from PostgreSQL (its sessions closed, its connects refused)
-        for a while: now, or as the reply to its next claim is on its way (the claim committed)."""
+        for a while: now, or as the reply to its next claim or record is on its way (the
+        statement committed)."""
         candidates = [
             p
             for p in self.procs
@@ -1294,6 +1301,8 @@ class World:
                 self.step_relay()
             if self.relay_run is not None:
                 self.relay_run.thread.join(5.0)
+            for name in sorted(self.cuts):
+                self._restore(name)  # armed by a run that read its flag as quiescence cleared it
             while any(p.alive and not p.fetching for p in self.procs):
                 before = [p.name for p in self.procs if p.alive and not p.fetching]
                 self.step_probe(wait=10.0)
@@ -1607,6 +1616,23 @@ class World:
         row_ids = sorted({r for f in findings for r in f.row_ids})
         for row_id in row_ids[:6]:
             lines.append(f"--- row {row_id}")
+            for r in self.sql(
+                "SELECT state, destination, ordering_key, attempts, releases, "
+                "round(extract(epoch FROM available_at - now())::numeric, 1), dispatched_at IS NOT NULL, "
+                "priority, fairness_key, batch_id FROM outbox_message WHERE id = %s",
+                (row_id,),
+            ):
+                lines.append(
+                    f"  now: {r[0]} on {r[1]}, ordering key {r[2]}, attempts {r[3]}, releases {r[4]}, "
+                    f"due in {r[5]} s, dispatched {r[6]}, priority {r[7]}, fairness {r[8]}, batch {r[9]}"
+                )
+            for holder, state, error in self.sql(
+                f"SELECT e.id, e.state, e.last_error FROM outbox_message m JOIN outbox_message e "
+                f"ON e.ordering_key = m.ordering_key AND e.id < m.id "
+                f"WHERE m.id = %s AND e.state NOT IN ('sent', 'cancelled') AND {HOLDING_SQL} ORDER BY e.id",
+                (row_id,),
+            ):
+                lines.append(f"  held back by row {holder} of its ordering key ({state}: {error})")
             for r in self.sql(
                 "SELECT attempt, started_at, finished_at, outcome, http_status, claim_token "
                 "FROM outbox_attempt WHERE message_id = %s ORDER BY id",
