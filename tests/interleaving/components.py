@@ -70,9 +70,9 @@ class Crash(BaseException):
 # -- per-thread context: which run a thread belongs to, and its process's clock ------------------
 
 _local = threading.local()
-#: The run too, as a context variable: an async handler's coroutine runs on the event loop's
+#: The run too, as a context variable: an async delivery's coroutine runs on the event loop's
 #: thread, in a copy of the context of the run's thread that submitted it. Read only to attribute
-#: the provider's calls (Tracker): a checkpoint on the loop's thread would park the whole loop.
+#: deliveries to runs (``delivery_for``): a checkpoint on the loop's thread would park the loop.
 _context_run: contextvars.ContextVar[Any] = contextvars.ContextVar("oxil_run", default=None)
 
 
@@ -87,7 +87,7 @@ def current_run() -> Any:
 
 
 def calling_run() -> Any:
-    """The run a provider call belongs to: the thread's, or the coroutine's (an async handler)."""
+    """The run a delivery belongs to: the thread's, or the coroutine's (an async delivery)."""
     return current_run() or _context_run.get()
 
 
@@ -141,6 +141,16 @@ def install_hooks(monkeypatch: pytest.MonkeyPatch, world: Any) -> None:
         return WatchedConnection(real_connect(url, **options), world)
 
     monkeypatch.setattr(consumer_module, "connect_raw", connect, raising=False)
+    real_delivery_for = consumer_module.delivery_for
+
+    def delivery_for(claimed: Any, *args: Any, **kwargs: Any) -> Any:
+        # Built on the run's thread (or its coroutine) before the call; the call itself runs on a
+        # thread of the Deliverer's, which belongs to no run: the handler finds its run by it.
+        delivery = real_delivery_for(claimed, *args, **kwargs)
+        world.tracker.on_delivery(calling_run(), delivery)
+        return delivery
+
+    monkeypatch.setattr(consumer_module, "delivery_for", delivery_for)
     # A claim whose reply was lost is settled (fenced, released) by its worker unless the
     # database stays silent this long; then its message is handed back (DeliveryResult.UNREACHABLE).
     # 10 s in the product, for a server restart; scaled down as the leases are, so that a cut of a

@@ -114,14 +114,22 @@ class Tracker:
         self.in_progress: Counter[str] = Counter()
         self.last_started: dict[str, float] = {}
         self.calls: list[tuple[int, int, str]] = []  # (row id, attempt, worker)
-        #: Calls started by each run (an async handler's too: its coroutine carries its run).
+        #: Calls started by each run. A sync handler's call runs on a thread of the Deliverer's,
+        #: an async one's on the event loop: the run is found by the delivery it was given.
         self.calls_by_run: Counter[int] = Counter()
+        self._runs_by_delivery: dict[tuple[int, int], Any] = {}
         #: > 0: the provider takes this long to execute a charge, longer than the client waits.
         self.processing_seconds = 0.0
 
+    def on_delivery(self, run: Any, d: Any) -> None:
+        """A delivery built for a claim of ``run`` (one claim holds a row's attempt at a time)."""
+        if run is not None:
+            with self._lock:
+                self._runs_by_delivery[(d.id, d.attempt)] = run
+
     def post_started(self, d: Any) -> None:
-        run = c.calling_run()
         with self._lock:
+            run = self._runs_by_delivery.get((d.id, d.attempt))
             self.in_progress[d.idempotency_key] += 1
             self.last_started[d.idempotency_key] = time.monotonic()
             self.calls.append((d.id, d.attempt, run.proc.name if run else "?"))
