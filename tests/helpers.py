@@ -1,11 +1,13 @@
 """Helpers shared by the test tiers: one-shot SQL, waiting on a condition, reading what the
-relay queued, a free port, an in-process worker, and a lookup on the provider simulator."""
+relay queued, a free port, an in-process worker, a lookup on the provider simulator, and a TCP
+forwarder to PostgreSQL that a test can cut."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import redis
@@ -206,3 +209,83 @@ def run_user_project(directory: Path, **env: str) -> tuple[int, str]:
         [*argv, str(directory)], cwd=directory, env=environ, capture_output=True, text=True, timeout=240
     )
     return proc.returncode, proc.stdout + proc.stderr
+
+
+class Forwarder:
+    """127.0.0.1:PORT forwarded to the test's PostgreSQL (TCP); ``cut()`` closes every
+    connection and refuses new ones until ``restore()``: the processes using ``url`` lose their
+    sessions and cannot open new ones (their server ends the sessions as it reads the close).
+    Packets silently dropped, the realistic cut, is tests/acceptance/test_host_cut_off.py."""
+
+    def __init__(self, database_url: str) -> None:
+        parts = urlsplit(database_url)
+        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 5432)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        port = self.sock.getsockname()[1]
+        userinfo, at, _ = parts.netloc.rpartition("@")
+        self.url = urlunsplit((parts.scheme, f"{userinfo}{at}127.0.0.1:{port}", parts.path, parts.query, ""))
+        self.cut_off = threading.Event()
+        self.connections = 0
+        self._open: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="forwarder", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def possible(database_url: str) -> bool:
+        """Whether ``database_url`` reaches its server over TCP (a Unix socket cannot be cut here)."""
+        parts = urlsplit(database_url)
+        return bool(parts.hostname) and "host=" not in parts.query
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            if self.cut_off.is_set():
+                client.close()
+                continue
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self.connections += 1
+                self._open = [s for s in self._open if s.fileno() != -1] + [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), name="forwarder-pump", daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        # Each socket is the source of one pump: closed by it, once nothing reads it any more.
+        src.close()
+
+    def cut(self) -> None:
+        self.cut_off.set()
+        with self._lock:
+            socks, self._open = self._open, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def restore(self) -> None:
+        self.cut_off.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.cut()
+        self.sock.close()

@@ -7,18 +7,23 @@ is tests/acceptance/test_host_cut_off.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import redis
-from helpers import destination_states, relay_once, sql, unacked, wait_for, worker_thread, write_rows
+from helpers import (
+    Forwarder,
+    destination_states,
+    relay_once,
+    sql,
+    unacked,
+    wait_for,
+    worker_thread,
+    write_rows,
+)
 
 import outbox
 from outbox import metrics
@@ -27,74 +32,9 @@ from outbox.consumer import LOST_CLAIM_UNREACHABLE_SECONDS
 DEST = "payments.charge"
 
 
-class Forwarder:
-    """127.0.0.1:PORT forwarded to the test's PostgreSQL (TCP); ``cut()`` closes every
-    connection and refuses new ones until ``restore()``."""
-
-    def __init__(self, database_url: str) -> None:
-        parts = urlsplit(database_url)
-        self.upstream = (parts.hostname or "127.0.0.1", parts.port or 5432)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.1)
-        port = self.sock.getsockname()[1]
-        userinfo, at, _ = parts.netloc.rpartition("@")
-        self.url = urlunsplit((parts.scheme, f"{userinfo}{at}127.0.0.1:{port}", parts.path, parts.query, ""))
-        self.cut_off = threading.Event()
-        self.connections = 0
-        self._open: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            if self.cut_off.is_set():
-                client.close()
-                continue
-            server = socket.create_connection(self.upstream)
-            with self._lock:
-                self.connections += 1
-                self._open += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        self.cut_off.set()
-        with self._lock:
-            socks, self._open = self._open, []
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-    def restore(self) -> None:
-        self.cut_off.clear()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.cut()
-        self.sock.close()
-
-
 @pytest.fixture
 def forwarder(clean: Any) -> Iterator[Forwarder]:
-    parts = urlsplit(clean.database_url)
-    if not parts.hostname or "host=" in parts.query:
+    if not Forwarder.possible(clean.database_url):
         pytest.skip("the test PostgreSQL is reached over a Unix socket here: no TCP to cut")
     f = Forwarder(clean.database_url)
     yield f

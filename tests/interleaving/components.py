@@ -14,7 +14,14 @@ The harness only adds observation points around them:
   its broker message is never acked).
 - a per-thread clock offset on the product modules that read the local clock;
 - a wrapper on the worker's raw connections that measures how long a claim took (lock waits) and
-  can lose the reply of a committed claim (issue 9, class 8).
+  can lose the reply of a committed claim (issue 9, class 8), or cut its process off from
+  PostgreSQL as that reply is on its way (``pg_unreachable``).
+
+What the worker's loop (``outbox.runner.Runner``) does with a delivery's result is mirrored on
+:class:`WorkerProcess` (the Runner's methods need its fetch, delivery and ack threads): no fetch
+while ``Deliverer.database_down`` is set, a message fetched and not claimed then, or whose delivery
+answered ``DeliveryResult.UNREACHABLE``, handed back through the process's Dramatiq consumer
+(``requeue``) instead of acked, and ``Deliverer.database_answers`` as the probe.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import dataclasses
 import inspect
 import threading
@@ -44,7 +52,7 @@ from sqlalchemy.orm import Session
 import outbox
 from outbox import aio, limits, ops, outcomes, pauses, runner, store
 from outbox import transport as outbox_transport
-from outbox.consumer import Deliverer
+from outbox.consumer import Deliverer, DeliveryResult
 from outbox.exceptions import ConfigError
 from outbox.handlers import Handler
 from outbox.reconciler import Reconciler
@@ -62,15 +70,25 @@ class Crash(BaseException):
 # -- per-thread context: which run a thread belongs to, and its process's clock ------------------
 
 _local = threading.local()
+#: The run too, as a context variable: an async delivery's coroutine runs on the event loop's
+#: thread, in a copy of the context of the run's thread that submitted it. Read only to attribute
+#: deliveries to runs (``delivery_for``): a checkpoint on the loop's thread would park the loop.
+_context_run: contextvars.ContextVar[Any] = contextvars.ContextVar("oxil_run", default=None)
 
 
 def bind_thread(*, run: Any = None, clock_offset: float = 0.0) -> None:
     _local.run = run
     _local.clock_offset = clock_offset
+    _context_run.set(run)
 
 
 def current_run() -> Any:
     return getattr(_local, "run", None)
+
+
+def calling_run() -> Any:
+    """The run a delivery belongs to: the thread's, or the coroutine's (an async delivery)."""
+    return current_run() or _context_run.get()
 
 
 def checkpoint(name: str) -> None:
@@ -123,6 +141,21 @@ def install_hooks(monkeypatch: pytest.MonkeyPatch, world: Any) -> None:
         return WatchedConnection(real_connect(url, **options), world)
 
     monkeypatch.setattr(consumer_module, "connect_raw", connect, raising=False)
+    real_delivery_for = consumer_module.delivery_for
+
+    def delivery_for(claimed: Any, *args: Any, **kwargs: Any) -> Any:
+        # Built on the run's thread (or its coroutine) before the call; the call itself runs on a
+        # thread of the Deliverer's, which belongs to no run: the handler finds its run by it.
+        delivery = real_delivery_for(claimed, *args, **kwargs)
+        world.tracker.on_delivery(calling_run(), delivery)
+        return delivery
+
+    monkeypatch.setattr(consumer_module, "delivery_for", delivery_for)
+    # A claim whose reply was lost is settled (fenced, released) by its worker unless the
+    # database stays silent this long; then its message is handed back (DeliveryResult.UNREACHABLE).
+    # 10 s in the product, for a server restart; scaled down as the leases are, so that a cut of a
+    # few seconds reaches that hand-back within a schedule.
+    monkeypatch.setattr(consumer_module, "LOST_CLAIM_UNREACHABLE_SECONDS", LOST_CLAIM_UNREACHABLE_SECONDS)
     # The hot statements (the claim among them) run on a cursor of their own, not through
     # Connection.execute: watched there too, or the claim's faults would never fire.
     from outbox import db as outbox_db
@@ -151,16 +184,28 @@ def install_hooks(monkeypatch: pytest.MonkeyPatch, world: Any) -> None:
 # -- the worker's connections --------------------------------------------------------------------
 
 
+#: The harness's LOST_CLAIM_UNREACHABLE_SECONDS (outbox.consumer's, scaled down).
+LOST_CLAIM_UNREACHABLE_SECONDS = 1.0
+
+
 def is_claim(query: Any) -> bool:
     text = query if isinstance(query, str) else repr(query)
     return "in_flight" in text and "attempts + 1" in text
 
 
+def is_record(query: Any) -> bool:
+    """The record of a claim's outcome (outbox.store.delivery.record): it marks a late one."""
+    text = query if isinstance(query, str) else repr(query)
+    return "'superseded:' ||" in text
+
+
 class WatchedConnection:
     """A worker's psycopg connection: times each claim, and loses the reply of a committed claim
-    when its process is armed to (the connection breaks after the server committed), or loses
+    when its process is armed to (the connection breaks after the server committed; with
+    ``cut_at_next_claim`` its process is cut off from PostgreSQL at that moment), or loses
     a claim before it ran (``late_claim``: as if queued in a pooler, it runs later, when the
-    harness says, on a connection of its own)."""
+    harness says, on a connection of its own). A claim whose connection broke under it (a cut, a
+    terminated backend) is reported too: it may have committed."""
 
     def __init__(self, conn: psycopg.Connection[Any], world: Any) -> None:
         self._conn = conn
@@ -170,6 +215,8 @@ class WatchedConnection:
         return getattr(self._conn, name)
 
     def run_statement(self, statement: Any, params: Any, real: Any) -> Any:
+        if is_record(statement.sql):
+            return self._record(statement, params, real)
         if not is_claim(statement.sql):
             return real(statement, self._conn, params)
         run = current_run()
@@ -185,13 +232,37 @@ class WatchedConnection:
             self._conn.close()
             raise psycopg.OperationalError("server closed the connection unexpectedly (simulated pooler)")
         started = time.monotonic()
-        cursor = real(statement, self._conn, params)
+        rows = group if group is not None else [(row_id, token)]
+        try:
+            cursor = real(statement, self._conn, params)
+        except psycopg.OperationalError:
+            if self._conn.broken or self._conn.closed:
+                for one_id, one_token in rows:
+                    self._world.on_claim(
+                        run, one_id, one_token, time.monotonic() - started, lost=True, broke=True
+                    )
+            raise
         waited = time.monotonic() - started
-        lose = run is not None and run.proc.lose_next_claim_reply
-        for one_id, one_token in group if group is not None else [(row_id, token)]:
+        cut = run is not None and run.proc.cut_at_next_claim
+        lose = run is not None and (run.proc.lose_next_claim_reply or cut)
+        for one_id, one_token in rows:
             self._world.on_claim(run, one_id, one_token, waited, lost=lose)
         if lose:
-            run.proc.lose_next_claim_reply = False
+            run.proc.lose_next_claim_reply = run.proc.cut_at_next_claim = False
+            if cut:
+                self._world.on_cut_at_claim(run.proc)
+            self._conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly (simulated)")
+        return cursor
+
+    def _record(self, statement: Any, params: Any, real: Any) -> Any:
+        """A record; with ``cut_at_next_record`` armed, its process is cut off from PostgreSQL as
+        the reply is on its way (the record committed): the worker tries it again."""
+        cursor = real(statement, self._conn, params)
+        run = current_run()
+        if run is not None and run.proc.cut_at_next_record:
+            run.proc.cut_at_next_record = False
+            self._world.on_cut_at_record(run.proc, params.get("id"))
             self._conn.close()
             raise psycopg.OperationalError("server closed the connection unexpectedly (simulated)")
         return cursor
@@ -440,7 +511,8 @@ def idempotency_key(key: str, step: str) -> str:
 
 class WorkerProcess:
     """One ``outbox worker`` process with one thread: its own Dramatiq broker identity (heartbeat,
-    un-acked set), its own database connections and its own clock offset."""
+    un-acked set), its own database connections (``database_url``: through its own forwarder
+    when the harness may cut it off) and its own clock offset."""
 
     def __init__(
         self,
@@ -460,6 +532,8 @@ class WorkerProcess:
         self.alive = True
         self.lose_next_claim_reply = False
         self.late_next_claim = False
+        self.cut_at_next_claim = False
+        self.cut_at_next_record = False
         self.broker = RedisBroker(
             url=redis_url,
             namespace=namespace,
@@ -474,6 +548,32 @@ class WorkerProcess:
         self.queues = sorted(handlers)
         for queue in self.queues:
             self.broker.declare_queue(queue)
+        # Dramatiq's consumers, as the Runner holds them: it fetches past them, and hands
+        # messages back through them.
+        self.consumers = {queue: self.broker.consume(queue_name=queue, prefetch=1) for queue in self.queues}
+
+    @property
+    def fetching(self) -> bool:
+        """Runner._fetch: no fetch while PostgreSQL does not answer (until the probe says it does)."""
+        return not self.consumer.database_down.is_set()
+
+    def unclaimed_while_down(self, taken: Any) -> bool:
+        """Runner._unclaimed_while_down: a message its fetch's group did not claim, PostgreSQL not
+        answering: handed back without a delivery."""
+        return taken is None and self.consumer.database_down.is_set()
+
+    @staticmethod
+    def hands_back(result: Any) -> bool:
+        """Runner._finish's ``hand_back``: the delivery's answer that its row was not claimed."""
+        return result is DeliveryResult.UNREACHABLE
+
+    def hand_back(self, message: Message[Any]) -> None:
+        """Runner._requeue: back at the tail of its queue, out of this process's un-acked set."""
+        self.consumers[message.queue_name].requeue([message])
+
+    def probe(self) -> bool:
+        """Runner._probe_database's question: True (and fetching again) once PostgreSQL answers."""
+        return self.consumer.database_answers()
 
     def heartbeat(self) -> None:
         for queue in self.queues:
@@ -491,8 +591,9 @@ class WorkerProcess:
         ids = [row_id for m in messages if (row_id := runner.row_id_of(m, m.queue_name)) is not None]
         return self.consumer.claim_group(ids, messages[0].queue_name)
 
-    def process(self, message: Message[Any], taken: Any = None) -> None:
-        """What the worker's loop (outbox.runner) does with a message, the ack excepted: a sync
+    def process(self, message: Message[Any], taken: Any = None) -> DeliveryResult | None:
+        """What the worker's loop (outbox.runner) does with a message, the ack excepted (its
+        result says whether the message is acked or handed back; None: not ours): a sync
         handler's delivery on this thread, an async handler's as a task on the event loop whose
         claim and record steps run where the loop is (the product runs them on a database
         thread; here they run in turn, as the model schedules them)."""
@@ -501,16 +602,15 @@ class WorkerProcess:
             queue = message.queue_name
             row_id = runner.row_id_of(message, queue)
             if row_id is None:
-                return
+                return None
             handler = self.handlers.get(queue)
             if handler is not None and handler.is_async:
-                self._deliver_async(row_id, queue, taken)
-            else:
-                self.consumer.deliver(row_id, queue, taken)
+                return self._deliver_async(row_id, queue, taken)
+            return self.consumer.deliver(row_id, queue, taken)
         finally:
             self.broker.emit_after("process_message", message)
 
-    def _deliver_async(self, row_id: int, queue: str, taken: Any = None) -> None:
+    def _deliver_async(self, row_id: int, queue: str, taken: Any = None) -> DeliveryResult:
         """deliver_async as the runner drives it, its claim and record steps on a thread of their
         own (the product's database threads) bound to this run: its checkpoints park there, its
         crashes end the delivery, and it keeps this worker's clock."""
@@ -526,7 +626,7 @@ class WorkerProcess:
                 # A row the group claimed runs its pre-flight on the loop, whose thread belongs to
                 # no run: its after_claim point is taken here, where nothing has happened since.
                 checkpoint("after_claim")
-            aio.run(self.consumer.deliver_async(row_id, queue, in_thread, taken=taken))
+            return aio.run(self.consumer.deliver_async(row_id, queue, in_thread, taken=taken))
 
     def ack(self, message: Message[Any]) -> None:
         self.broker.do_ack(message.queue_name, message.options["redis_message_id"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import random
 import threading
@@ -25,12 +26,14 @@ from typing import Any
 import psycopg
 import pytest
 import redis
+from helpers import Forwarder
 from sqlalchemy import Engine
 from sqlalchemy.pool import NullPool
 
 import outbox
 from outbox.chains import NOT_COMPUTED
 from outbox.db import make_engine
+from outbox.ordering import HOLDING_SQL
 from outbox.settings import libpq_url
 from outbox.transport import delete_namespace
 
@@ -45,6 +48,7 @@ FAULTS = frozenset(
         "relay_stall",  # the relay parks between its Redis push and its COMMIT
         "clock",  # worker and reconciler processes run with a clock offset
         "pg_drop",  # pg_terminate_backend of a component's backend
+        "pg_unreachable",  # a worker process cut off from PostgreSQL for a while (its forwarder)
         "lost_reply",  # a committed claim's reply never reaches the worker
         "late_claim",  # a claim lost before it ran (queued in a pooler) runs later, or never
         "redis_flush",  # every key of the broker namespace is deleted
@@ -68,6 +72,7 @@ CRASH_POINTS = frozenset(
         "after_call",
         "after_record",
         "before_ack",
+        "before_hand_back",
     }
 )
 
@@ -109,15 +114,31 @@ class Tracker:
         self.in_progress: Counter[str] = Counter()
         self.last_started: dict[str, float] = {}
         self.calls: list[tuple[int, int, str]] = []  # (row id, attempt, worker)
+        #: Calls started by each run. A sync handler's call runs on a thread of the Deliverer's,
+        #: an async one's on the event loop: the run is found by the delivery it was given.
+        self.calls_by_run: Counter[int] = Counter()
+        self._runs_by_delivery: dict[tuple[int, int], Any] = {}
         #: > 0: the provider takes this long to execute a charge, longer than the client waits.
         self.processing_seconds = 0.0
 
+    def on_delivery(self, run: Any, d: Any) -> None:
+        """A delivery built for a claim of ``run`` (one claim holds a row's attempt at a time)."""
+        if run is not None:
+            with self._lock:
+                self._runs_by_delivery[(d.id, d.attempt)] = run
+
     def post_started(self, d: Any) -> None:
-        run = c.current_run()
         with self._lock:
+            run = self._runs_by_delivery.get((d.id, d.attempt))
             self.in_progress[d.idempotency_key] += 1
             self.last_started[d.idempotency_key] = time.monotonic()
             self.calls.append((d.id, d.attempt, run.proc.name if run else "?"))
+            if run is not None:
+                self.calls_by_run[id(run)] += 1
+
+    def calls_of(self, run: Any) -> int:
+        with self._lock:
+            return self.calls_by_run[id(run)]
 
     def post_ended(self, d: Any) -> None:
         with self._lock:
@@ -214,7 +235,9 @@ class Parkable:
 class Run(Parkable):
     """The deliveries of one fetch by one worker process: fetched → (a group claim of its rows,
     when it fetched several) → for each message in turn the product's actor (claim unless the
-    group took it, call, record) → ack, parked at checkpoints."""
+    group took it, call, record) → ack, parked at checkpoints. As the worker's loop does
+    (outbox.runner): a message its group did not claim while its process's PostgreSQL does not
+    answer, or whose delivery answered ``unreachable``, is handed back to its queue, not acked."""
 
     park_points = PARK_POINTS
     random_crash_points = CRASH_POINTS
@@ -227,6 +250,8 @@ class Run(Parkable):
         self.proc = proc
         self.messages = messages
         self.row_id = ids[0]
+        #: When its messages were fetched (World's sequence).
+        self.fetched_seq = 0
 
     def main(self) -> None:
         c.bind_thread(run=self, clock_offset=self.proc.clock_offset)
@@ -249,12 +274,25 @@ class Run(Parkable):
                 self.checkpoint("after_group_claim")
             for message in self.messages:
                 row_id = message.args[0] if message.args else None
+                got = taken.pop(row_id, None)
+                if self.proc.unclaimed_while_down(got):
+                    self.world.log(
+                        f"{self.name}: row {row_id} not claimed, PostgreSQL does not answer", row_id
+                    )
+                    self._hand_back(message, row_id)
+                    continue
+                calls = self.world.tracker.calls_of(self)
+                result = None
                 try:
-                    self.proc.process(message, taken.pop(row_id, None))
+                    result = self.proc.process(message, got)
                 except c.Crash:
                     raise
                 except Exception as exc:
                     self.world.log(f"{self.name}: actor raised {type(exc).__name__}: {exc}", row_id)
+                if self.proc.hands_back(result):
+                    self.world.on_unreachable(self, row_id, self.world.tracker.calls_of(self) - calls)
+                    self._hand_back(message, row_id)
+                    continue
                 self.checkpoint("before_ack")
                 self.proc.ack(message)
         except c.Crash:
@@ -267,6 +305,13 @@ class Run(Parkable):
             # threads are a fixed pool), or a long schedule runs the server out of connections.
             with contextlib.suppress(Exception):
                 self.proc.consumer.close_thread()
+
+    def _hand_back(self, message: Any, row_id: int | None) -> None:
+        self.checkpoint("before_hand_back")
+        # Numbered before the requeue: a fetch of the message back in its queue comes after it.
+        seq = self.world.next_seq()
+        self.proc.hand_back(message)
+        self.world.on_hand_back(self, message, row_id, seq)
 
 
 class RelayRun(Parkable):
@@ -352,6 +397,22 @@ class World:
         #: batch name -> (members, then, catch, the member ids its first transaction wrote)
         self.batches: dict[str, tuple[list[tuple[str, dict[str, Any]]], Any, Any, list[int]]] = {}
         self.batch_retries: list[Finding] = []
+        #: pg_unreachable: each worker process reaches PostgreSQL through a forwarder of its own,
+        #: which a cut closes (every session ended, every connect refused) until it is restored.
+        self.can_cut = "pg_unreachable" in cfg.faults and Forwarder.possible(database_url)
+        self.forwarders: dict[str, Forwarder] = {}
+        #: Worker processes cut off now: since when, and until when at least (monotonic).
+        self.cuts: dict[str, tuple[float, float]] = {}
+        #: How long the cut armed to come with a process's next claim or record lasts.
+        self.cut_for: dict[str, float] = {}
+        self._cuts_lock = threading.Lock()
+        self.probes: dict[str, threading.Thread] = {}
+        #: Ordering of fetches, hand-backs and flushes (a sequence, not a clock).
+        self._seq = itertools.count()
+        self.fetched_at: dict[str, list[int]] = {}
+        self.handed_back: list[dict[str, Any]] = []
+        self.flushed_at: list[int] = []
+        self.hand_back_findings: list[Finding] = []
         self._next_proc = 1
         self._next_key = 1
         self._stop = threading.Event()
@@ -373,13 +434,21 @@ class World:
             self.events.append((time.monotonic() - self.started, text, row_id))
 
     def on_claim(
-        self, run: Run | None, row_id: Any, token: uuid.UUID | None, waited: float, *, lost: bool
+        self,
+        run: Run | None,
+        row_id: Any,
+        token: uuid.UUID | None,
+        waited: float,
+        *,
+        lost: bool,
+        broke: bool = False,
     ) -> None:
         info = {
             "row_id": row_id,
             "token": token,
             "waited": waited,
             "worker": run.proc.name if run else "?",
+            "run": run,
             "offset": run.proc.clock_offset if run else 0.0,
             "lost": lost,
         }
@@ -387,11 +456,83 @@ class World:
             self.claims[token] = info
         if lost:
             self.lost_claims.append(info)
+        if broke:
+            # A cut or a terminated backend under the claim: it may have committed or not.
+            shown = f"broke after {waited:.2f} s (the connection was lost: it may have committed)"
+        else:
+            shown = f"returned after {waited:.2f} s" + (
+                " (reply lost: the connection broke after the commit)" if lost else ""
+            )
         self.log(
-            f"{info['worker']}: claim of row {row_id} returned after {waited:.2f} s"
-            + (" (reply lost: the connection broke after the commit)" if lost else ""),
-            row_id if isinstance(row_id, int) else None,
+            f"{info['worker']}: claim of row {row_id} {shown}", row_id if isinstance(row_id, int) else None
         )
+
+    # -- pg_unreachable: a worker process cut off from PostgreSQL, and what its loop does ----------
+
+    def on_cut_at_claim(self, proc: c.WorkerProcess) -> None:
+        """The cut armed for ``proc``'s next claim, as the claim's reply is on its way."""
+        self._cut(proc, self.cut_for.pop(proc.name, 1.0), "as the reply to its claim was on its way")
+
+    def on_cut_at_record(self, proc: c.WorkerProcess, row_id: int | None) -> None:
+        """The cut armed for ``proc``'s next record, as the record's reply is on its way."""
+        self._cut(
+            proc,
+            self.cut_for.pop(proc.name, 1.0),
+            f"as the reply to its record of row {row_id} was on its way",
+        )
+
+    def _cut(self, proc: c.WorkerProcess, seconds: float, how: str = "") -> None:
+        forwarder = self.forwarders.get(proc.name)
+        if forwarder is None:
+            return
+        with self._cuts_lock:
+            now = time.monotonic()
+            self.cuts[proc.name] = (now, now + seconds)
+        forwarder.cut()
+        self.log(
+            f"fault: {proc.name} cut off from PostgreSQL{' ' + how if how else ''} (at least {seconds} s)"
+        )
+
+    def _restore(self, name: str) -> None:
+        with self._cuts_lock:
+            since, _ = self.cuts.pop(name)
+        self.forwarders[name].restore()
+        self.log(f"fault over: {name} reaches PostgreSQL again after {time.monotonic() - since:.1f} s")
+
+    def on_unreachable(self, run: Run, row_id: int | None, calls: int) -> None:
+        """A delivery answered ``unreachable``: its row not claimed, or its claim's reply lost and
+        not settled before the database stayed silent LOST_CLAIM_UNREACHABLE_SECONDS. Its lost
+        claims may then expire into unknown (docs/production.md, "A host cut off"); no call may
+        have been made, or handing the message back calls twice."""
+        self.log(f"{run.name}: delivery of row {row_id} answered unreachable", row_id)
+        for info in self.lost_claims:
+            if info.get("run") is run and info["row_id"] == row_id:
+                info["unreachable"] = True
+        if calls:
+            self.hand_back_findings.append(
+                Finding(
+                    "handed back after a call",
+                    f"row {row_id}: {run.name}'s delivery answered unreachable (its message handed "
+                    f"back for another delivery) after it started {calls} call(s) to the provider",
+                    [row_id] if row_id is not None else [],
+                )
+            )
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def on_hand_back(self, run: Run, message: Any, row_id: int | None, seq: int) -> None:
+        mid = message.options.get("redis_message_id")
+        self.handed_back.append(
+            {
+                "seq": seq,
+                "fetched": run.fetched_seq,
+                "run": run.name,
+                "row_id": row_id,
+                "mid": mid,
+            }
+        )
+        self.log(f"{run.name}: the message of row {row_id} handed back to its queue", row_id)
 
     def on_late_claim(
         self, run: Run, row_id: Any, token: uuid.UUID | None, send: Callable[[psycopg.Connection[Any]], Any]
@@ -612,10 +753,11 @@ class World:
         self._start_worker(self._offset())
 
     def _start_worker(self, offset: float) -> c.WorkerProcess:
+        forwarder = Forwarder(self.database_url) if self.can_cut else None
         proc = c.WorkerProcess(
             self,
             self._next_proc,
-            database_url=self.database_url,
+            database_url=forwarder.url if forwarder is not None else self.database_url,
             redis_url=self.redis_url,
             namespace=self.namespace,
             handlers=self.handlers,
@@ -623,6 +765,8 @@ class World:
             heartbeat_timeout_ms=self.cfg.heartbeat_timeout_ms,
         )
         self._next_proc += 1
+        if forwarder is not None:
+            self.forwarders[proc.name] = forwarder
         self.procs.append(proc)
         self.log(f"{proc.name}: started (clock offset {offset:+.1f} s)")
         return proc
@@ -632,7 +776,8 @@ class World:
         return [p for p in self.procs if p.alive and p.name not in busy]
 
     def step_fetch(self, *, free: bool = False) -> Run | None:
-        idle = self._idle_procs()
+        # A process whose PostgreSQL does not answer fetches nothing until its probe says it does.
+        idle = [p for p in self._idle_procs() if p.fetching]
         if not idle:
             return None
         proc = self.rng.choice(idle)
@@ -648,6 +793,9 @@ class World:
             run = Run(self, proc, messages, random.Random(self.rng.random()))
             run.free = free
             self.runs.append(run)
+            run.fetched_seq = next(self._seq)
+            for m in messages:
+                self.fetched_at.setdefault(m.options.get("redis_message_id"), []).append(run.fetched_seq)
             ids = [m.args[0] if m.args else None for m in messages]
             self.log(f"{proc.name}: fetched the messages of rows {ids} from {queue}", run.row_id)
             run.thread.start()
@@ -748,7 +896,58 @@ class World:
         )
         self.log(f"fault: pg_terminate_backend of {target} ({len(rows)} backend(s))")
 
+    def step_pg_unreachable(self) -> None:
+        """A worker process cut off from PostgreSQL (its sessions closed, its connects refused)
+        for a while: now, or as the reply to its next claim or record is on its way (the
+        statement committed)."""
+        candidates = [
+            p
+            for p in self.procs
+            if p.alive
+            and p.name in self.forwarders
+            and p.name not in self.cuts
+            and not (p.cut_at_next_claim or p.cut_at_next_record)
+        ]
+        if not candidates:
+            return
+        proc = self.rng.choice(candidates)
+        seconds = self.rng.choice([0.5, 1.0, 2.0, 4.0])
+        when = self.rng.choices(["now", "claim", "record"], [0.6, 0.25, 0.15])[0]
+        if when == "now":
+            self._cut(proc, seconds)
+            return
+        self.cut_for[proc.name] = seconds
+        if when == "claim":
+            proc.cut_at_next_claim = True
+        else:
+            proc.cut_at_next_record = True
+        self.log(f"fault: {proc.name} will be cut off from PostgreSQL as its next {when} commits")
+
+    def step_pg_reachable(self) -> None:
+        now = time.monotonic()
+        for name, (_, until) in sorted(self.cuts.items()):
+            if now >= until and self.rng.random() < 0.7:
+                self._restore(name)
+
+    def step_probe(self, *, wait: float | None = None) -> None:
+        """The worker's probe (Runner._probe_database): a process whose PostgreSQL did not answer
+        asks it again; once it answers, the process fetches again."""
+        down = [p for p in self.procs if p.alive and not p.fetching]
+        probing = {n for n, t in self.probes.items() if t.is_alive()}
+        down = [p for p in down if p.name not in probing]
+        if not down:
+            return
+        proc = self.rng.choice(down)
+
+        def probe() -> str:
+            return "PostgreSQL answers: fetching again" if proc.probe() else "PostgreSQL does not answer"
+
+        thread = self._thread(f"{proc.name} probe", probe, offset=proc.clock_offset)
+        self.probes[proc.name] = thread
+        thread.join(self._wait() if wait is None else wait)
+
     def step_redis_flush(self) -> None:
+        self.flushed_at.append(next(self._seq))
         deleted = delete_namespace(self.redis, self.namespace)
         self.log(f"fault: Redis flushed ({deleted} keys of the namespace)")
 
@@ -991,6 +1190,10 @@ class World:
             steps += [(1, self.step_block), (1, self.step_unblock)]
         if "pg_drop" in f:
             steps.append((0.4, self.step_pg_drop))
+        if self.can_cut:
+            steps += [(0.4, self.step_pg_unreachable), (1, self.step_pg_reachable)]
+        # Not a fault: a process that lost a connection (a cut, a terminated backend) asks.
+        steps.append((1.5, self.step_probe))
         if "late_claim" in f:
             steps.append((0.8, self.step_late_claim))
         if "redis_flush" in f:
@@ -1079,6 +1282,10 @@ class World:
             retry_after="",
         )
         self.step_unblock(all_=True)
+        for proc in self.procs:
+            proc.cut_at_next_claim = proc.cut_at_next_record = False
+        for name in sorted(self.cuts):
+            self._restore(name)
         # The runbook: the provider is back, the operator resumes every paused destination (once
         # the pauses under way have committed).
         for thread in self.side_threads:
@@ -1102,6 +1309,13 @@ class World:
                 self.step_relay()
             if self.relay_run is not None:
                 self.relay_run.thread.join(5.0)
+            for name in sorted(self.cuts):
+                self._restore(name)  # armed by a run that read its flag as quiescence cleared it
+            while any(p.alive and not p.fetching for p in self.procs):
+                before = [p.name for p in self.procs if p.alive and not p.fetching]
+                self.step_probe(wait=10.0)
+                if [p.name for p in self.procs if p.alive and not p.fetching] == before:
+                    break
             while True:
                 run = self.step_fetch(free=True)
                 if run is None:
@@ -1221,6 +1435,7 @@ class World:
                         )
                     )
         findings += self._check_chains(effects)
+        findings += self._check_hand_backs()
         findings += self._check_batches()
         findings += self._check_invalid_payloads(effects)
         findings += self._check_ordering(effects)
@@ -1234,6 +1449,10 @@ class World:
                 # died before a row's turn left it claimed, as a crash after any claim does (its
                 # lease, then the lookup). A single claim is fenced before any crash point.
                 continue
+            if claim.get("unreachable"):
+                # Its worker could not reach PostgreSQL to settle it and handed the message back:
+                # documented (docs/production.md, "A host cut off"): the row waits for its lease.
+                continue
             outcome = self.sql("SELECT outcome FROM outbox_attempt WHERE claim_token = %s", (token,))
             if outcome and outcome[0][0] == "lease_expired":
                 findings.append(
@@ -1245,6 +1464,33 @@ class World:
                         [claim["row_id"]],
                     )
                 )
+        return findings
+
+    def _check_hand_backs(self) -> list[Finding]:
+        """pg_unreachable: a delivery that answered unreachable made no call (found as it
+        answered), and every message handed back went back to its queue: some process fetched it
+        again (unless Redis was flushed since), rather than it waiting in the un-acked set of a
+        live worker or being lost, leaving its row to the re-dispatch. A Redis flush while it
+        was out deleted it (its requeue finds no body to put back): the re-dispatch's case."""
+        findings = list(self.hand_back_findings)
+        for h in self.handed_back:
+            if any(at > h["seq"] for at in self.fetched_at.get(h["mid"], ())):
+                continue
+            if any(at > h["fetched"] for at in self.flushed_at):
+                continue  # its body was deleted while it was out: there was nothing to hand back
+            findings.append(
+                Finding(
+                    "handed back, never fetched again",
+                    f"row {h['row_id']}: {h['run']} handed its message {h['mid']} back; no process "
+                    "fetched it again",
+                    [h["row_id"]] if h["row_id"] is not None else [],
+                )
+            )
+        if self.handed_back:
+            again = sum(
+                any(at > h["seq"] for at in self.fetched_at.get(h["mid"], ())) for h in self.handed_back
+            )
+            self.log(f"hand-backs: {len(self.handed_back)}, fetched again {again}")
         return findings
 
     def _check_ordering(self, effects: dict[str, int]) -> list[Finding]:
@@ -1379,6 +1625,23 @@ class World:
         for row_id in row_ids[:6]:
             lines.append(f"--- row {row_id}")
             for r in self.sql(
+                "SELECT state, destination, ordering_key, attempts, releases, "
+                "round(extract(epoch FROM available_at - now())::numeric, 1), dispatched_at IS NOT NULL, "
+                "priority, fairness_key, batch_id FROM outbox_message WHERE id = %s",
+                (row_id,),
+            ):
+                lines.append(
+                    f"  now: {r[0]} on {r[1]}, ordering key {r[2]}, attempts {r[3]}, releases {r[4]}, "
+                    f"due in {r[5]} s, dispatched {r[6]}, priority {r[7]}, fairness {r[8]}, batch {r[9]}"
+                )
+            for holder, state, error in self.sql(
+                f"SELECT e.id, e.state, e.last_error FROM outbox_message m JOIN outbox_message e "
+                f"ON e.ordering_key = m.ordering_key AND e.id < m.id "
+                f"WHERE m.id = %s AND e.state NOT IN ('sent', 'cancelled') AND {HOLDING_SQL} ORDER BY e.id",
+                (row_id,),
+            ):
+                lines.append(f"  held back by row {holder} of its ordering key ({state}: {error})")
+            for r in self.sql(
                 "SELECT attempt, started_at, finished_at, outcome, http_status, claim_token "
                 "FROM outbox_attempt WHERE message_id = %s ORDER BY id",
                 (row_id,),
@@ -1418,6 +1681,8 @@ class World:
                 thread.join(5.0)
         for proc in self.procs:
             proc.stop()
+        for forwarder in self.forwarders.values():
+            forwarder.close()
         with contextlib.suppress(Exception):
             self.reconciler.close()
         if self.relay is not None:
