@@ -49,6 +49,9 @@ def test_an_interrupt_during_create_database_leaves_no_database(services) -> Non
         args=(services.database_url, prefix, threading.main_thread().ident, ready, seen),
         daemon=True,
     )
+    # Python's own Ctrl-C, whatever this process inherited: a run started in the background by a
+    # shell without job control ignores SIGINT, and the interrupt would never come.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     watcher.start()
     assert ready.wait(20), "the watcher could not connect"
     try:
@@ -59,6 +62,7 @@ def test_an_interrupt_during_create_database_leaves_no_database(services) -> Non
         assert _databases(services.database_url, prefix) == []
     finally:
         watcher.join(timeout=20)
+        signal.signal(signal.SIGINT, previous)
         with psycopg.connect(libpq_url(services.database_url), autocommit=True) as conn:
             for name in _databases(services.database_url, prefix):
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
