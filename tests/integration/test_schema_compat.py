@@ -52,8 +52,8 @@ VERSIONS = Path(str(resources.files("outbox.migrations"))) / "versions"
 #: range 0007 and newer) is the release before 0008; 13b453f (issue 13 parts 1-2) the release
 #: before 0010; ffe982d (issue 13) the release before 0012; v0.29 the release before 0022; v0.32
 #: the release before 0025 (test_previous_release_beside ran it against the limits and the gate).
-PREVIOUS_RELEASE_TAG = "v0.33"
-PREVIOUS_RELEASE = "c559d2f"
+PREVIOUS_RELEASE_TAG = "v0.37"
+PREVIOUS_RELEASE = "353278b"
 
 #: The oldest code the database's floor lets start (migration 0022: code that knows the breaker,
 #: 0010): its relay and worker run beside this code in test_previous_release_beside.py.
