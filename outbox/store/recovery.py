@@ -367,6 +367,7 @@ WITH gone AS (
           AND (batch_id IS NULL
                OR EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = batch_id AND b.finished_at IS NOT NULL))
           AND completed_at < now() - %(retention)s * interval '1 second'
+          AND completed_at >= COALESCE(CAST(%(after)s AS timestamptz), '-infinity')
           AND completed_at < COALESCE(
               (SELECT min(xact_start) FROM pg_stat_activity
                WHERE datname = current_database() AND backend_type = 'client backend'
@@ -407,7 +408,7 @@ ledgered AS (
         provider_ref = EXCLUDED.provider_ref
     RETURNING 1
 )
-SELECT count(*) FROM ledgered
+SELECT (SELECT count(*) FROM ledgered), (SELECT max(completed_at) FROM gone)
 """
 
 
@@ -661,13 +662,31 @@ def write_next_steps(
     return Recorded("sent", int(row[0]), row[1]) if row is not None else None
 
 
-def purge(conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int) -> int:
+@dataclass(frozen=True)
+class Swept:
+    """What one purge or drop statement removed: how many, and the newest ``completed_at`` among
+    them (None when none), the ``after`` of the caller's next statement."""
+
+    count: int
+    newest: datetime | None
+
+
+def purge(
+    conn: psycopg.Connection[Any], *, retention_seconds: float, limit: int, after: datetime | None = None
+) -> Swept:
     """``sent``/``cancelled`` rows completed more than ``retention_seconds`` ago (and before the
-    oldest open client transaction began) leave the table for the key ledger, at most ``limit``;
-    how many moved. Needs a role that sees every session's ``xact_start`` (superuser or
-    ``pg_read_all_stats``): the caller checks."""
-    row = conn.execute(_PURGE, {"retention": float(retention_seconds), "limit": limit}).fetchone()
-    return int(row[0]) if row else 0
+    oldest open client transaction began) leave the table for the key ledger, at most ``limit``,
+    oldest first. Needs a role that sees every session's ``xact_start`` (superuser or
+    ``pg_read_all_stats``): the caller checks.
+
+    ``after``: only rows completed at or after it (None: any). The rows an earlier statement
+    removed stay in the ``completed_at`` index as dead entries until a vacuum; the scan starts
+    past them instead of stepping over every one. It only narrows the statement: a row it leaves
+    out is purged by a later statement without it, never early."""
+    row = conn.execute(
+        _PURGE, {"retention": float(retention_seconds), "limit": limit, "after": after}
+    ).fetchone()
+    return Swept(int(row[0]), row[1]) if row else Swept(0, None)
 
 
 def mark_alerted(conn: psycopg.Connection[Any], *, row_id: int, state: str) -> bool:
@@ -732,23 +751,32 @@ def clear_destination_alert(
 # then/catch row, e.g. one failed and waiting for a human): outbox.batch answers a retry of its
 # transaction with the old batch, whose members must then answer with their old rows.
 _DROP_LEDGER = """
-DELETE FROM outbox_key_ledger
-WHERE (key, step) IN (
-    SELECT l.key, l.step FROM outbox_key_ledger l
-    WHERE l.completed_at < now() - %(horizon)s * interval '1 second'
-      AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = l.batch_id)
-    ORDER BY l.completed_at
-    LIMIT %(limit)s
+WITH dropped AS (
+    DELETE FROM outbox_key_ledger
+    WHERE (key, step) IN (
+        SELECT l.key, l.step FROM outbox_key_ledger l
+        WHERE l.completed_at < now() - %(horizon)s * interval '1 second'
+          AND l.completed_at >= COALESCE(CAST(%(after)s AS timestamptz), '-infinity')
+          AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = l.batch_id)
+        ORDER BY l.completed_at
+        LIMIT %(limit)s
+    )
+    AND completed_at < now() - %(horizon)s * interval '1 second'
+    AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = outbox_key_ledger.batch_id)
+    RETURNING completed_at
 )
-AND completed_at < now() - %(horizon)s * interval '1 second'
-AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = outbox_key_ledger.batch_id)
+SELECT count(*), max(completed_at) FROM dropped
 """
 
 
-def drop_ledger(conn: psycopg.Connection[Any], *, horizon_seconds: float, limit: int) -> int:
+def drop_ledger(
+    conn: psycopg.Connection[Any], *, horizon_seconds: float, limit: int, after: datetime | None = None
+) -> Swept:
     """Drop up to ``limit`` key-ledger entries older than ``horizon_seconds`` (never a batch
-    member's while its batch is kept): how many. After that, the key is new to ``write``."""
-    return conn.execute(_DROP_LEDGER, {"horizon": horizon_seconds, "limit": limit}).rowcount
+    member's while its batch is kept), oldest first. After that, the key is new to ``write``.
+    ``after``: as :func:`purge`'s."""
+    row = conn.execute(_DROP_LEDGER, {"horizon": horizon_seconds, "limit": limit, "after": after}).fetchone()
+    return Swept(int(row[0]), row[1]) if row else Swept(0, None)
 
 
 # == destinations without a consumer (outbox_no_consumer), and old heartbeats (outbox_process) ===

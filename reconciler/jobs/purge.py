@@ -5,8 +5,10 @@ the ledger horizon."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, ClassVar
 
 import psycopg
@@ -30,6 +32,33 @@ LEDGER_DROP_BATCH = 5000
 BATCH_PURGE_PAGE = PURGE_BATCH
 
 
+#: Seconds a reconciler resumes its purge and ledger drop where its previous statements ended
+#: before it starts once more from the oldest row: the longest a row left behind (its chain
+#: repaired, its batch finished after newer rows went) waits past its retention or horizon.
+FLOOR_RESET_SECONDS = 600.0
+
+
+@dataclass
+class Floors:
+    """Where this process's purge and ledger drop resume: the newest ``completed_at`` each has
+    removed. Deleted rows stay in the ``completed_at`` indexes as dead entries until a vacuum, and
+    an oldest-first scan from the start steps over every one of them: on a ledger vacuumed at
+    autovacuum's default 20 %, millions a statement. A floor only narrows a statement, so a row
+    it leaves out goes at the next reset, never early; every ``FLOOR_RESET_SECONDS`` the floors
+    go back to the oldest row."""
+
+    message: datetime | None = None
+    ledger: datetime | None = None
+    reset_at: float = field(default_factory=lambda: time.monotonic() + FLOOR_RESET_SECONDS)
+
+    def expire(self, now: float | None = None) -> None:
+        """Back to the oldest row once ``FLOOR_RESET_SECONDS`` have passed since the last reset."""
+        now = time.monotonic() if now is None else now
+        if now >= self.reset_at:
+            self.message = self.ledger = None
+            self.reset_at = now + FLOOR_RESET_SECONDS
+
+
 def _batches(run: Callable[[], int], max_batches: int, batch: int) -> tuple[int, int]:
     total = batches = 0
     for _ in range(max_batches):
@@ -49,6 +78,7 @@ def purge(
     retention_seconds: float,
     ledger_horizon_seconds: float | None = None,
     max_batches: int = DEFAULT_PURGE_MAX_BATCHES,
+    floors: Floors | None = None,
 ) -> dict[str, int]:
     """Move `sent` and `cancelled` rows completed more than ``retention_seconds`` ago into the key
     ledger (their attempt rows cascade), at most ``max_batches`` batches of 1000 per run; `failed`
@@ -60,11 +90,24 @@ def purge(
 
     A role that is neither superuser nor a member of ``pg_read_all_stats`` (or ``pg_monitor``)
     cannot see other roles' open transactions, so it cannot hold rows back for them: the purge
-    then moves nothing, logs an error and counts ``skipped_no_stats_privilege``."""
+    then moves nothing, logs an error and counts ``skipped_no_stats_privilege``.
+
+    ``floors``: where the previous run's statements ended (:class:`Floors`), kept by the caller
+    between runs; None starts from the oldest row every time."""
     require_autocommit(conn, "purge")
+    if floors is not None:
+        floors.expire()
 
     def move() -> int:
-        return store.recovery.purge(conn, retention_seconds=retention_seconds, limit=PURGE_BATCH)
+        swept = store.recovery.purge(
+            conn,
+            retention_seconds=retention_seconds,
+            limit=PURGE_BATCH,
+            after=floors.message if floors is not None else None,
+        )
+        if floors is not None and swept.newest is not None:
+            floors.message = swept.newest
+        return swept.count
 
     counts: dict[str, int] = {}
     if can_see_all_transactions(conn):
@@ -97,17 +140,22 @@ def purge(
         # Never shorter than the retention: an entry must outlive the row it stands for.
         horizon = max(float(ledger_horizon_seconds), float(retention_seconds))
 
-        def drop_ledger() -> int:
-            dropped, _ = _batches(
-                lambda: store.recovery.drop_ledger(conn, horizon_seconds=horizon, limit=LEDGER_DROP_BATCH),
-                max_batches,
-                LEDGER_DROP_BATCH,
-            )
+        def drop_ledger(resume: bool) -> int:
+            def one() -> int:
+                after = floors.ledger if resume and floors is not None else None
+                swept = store.recovery.drop_ledger(
+                    conn, horizon_seconds=horizon, limit=LEDGER_DROP_BATCH, after=after
+                )
+                if resume and floors is not None and swept.newest is not None:
+                    floors.ledger = swept.newest
+                return swept.count
+
+            dropped, _ = _batches(one, max_batches, LEDGER_DROP_BATCH)
             return dropped
 
-        dropped = drop_ledger()
+        dropped = drop_ledger(resume=True)
         # After the ledger: a batch waits for its then/catch row's entry to go; its members'
-        # entries, held by it, go right after it.
+        # entries, held by it, go right after it, from the oldest: they may lie behind the floor.
         gone, _ = _batches(
             lambda: store.recovery.drop_batches(conn, horizon_seconds=horizon, limit=BATCH_PURGE_PAGE),
             max_batches,
@@ -115,7 +163,7 @@ def purge(
         )
         if gone:
             counts["batches_dropped"] = gone
-            dropped += drop_ledger()
+            dropped += drop_ledger(resume=False)
         if dropped:
             counts["ledger_dropped"] = dropped
     return counts
@@ -133,6 +181,7 @@ class PurgeConfig:
 class Purge:
     name: ClassVar[str] = "purge"
     config: PurgeConfig
+    floors: Floors = field(default_factory=Floors, compare=False)
 
     def run_once(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
         return purge(
@@ -140,4 +189,5 @@ class Purge:
             retention_seconds=self.config.retention_seconds,
             ledger_horizon_seconds=self.config.ledger_horizon_seconds,
             max_batches=self.config.max_batches,
+            floors=self.floors,
         )

@@ -329,7 +329,7 @@ def test_purge_in_progress_while_the_writer_inserts(clean, engine, isolation) ->
 
     with psycopg.connect(libpq_url(clean.database_url)) as purger:
         moved = store.recovery.purge(purger, retention_seconds=RETENTION, limit=purge_job.PURGE_BATCH)
-        assert moved == 1
+        assert moved.count == 1
         thread = threading.Thread(target=writer)
         thread.start()
         # Either the writer is done (it did not wait) or it waits on the purge's lock: both are

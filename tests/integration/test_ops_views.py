@@ -101,7 +101,7 @@ def test_show_key_lists_every_step_with_its_milestones_and_where_it_stopped(clea
             "UPDATE outbox_message SET completed_at = completed_at - interval '1 hour' WHERE id = %s",
             (first,),
         )
-        assert store.recovery.purge(conn, retention_seconds=60, limit=10) == 1
+        assert store.recovery.purge(conn, retention_seconds=60, limit=10).count == 1
     code, out, _ = run(clean, capsys, "show", "invoice:7", "--json")
     purged = json.loads(out)["steps"][0]
     assert purged["step"] == "issue" and purged["purged"] and purged["provider_ref"] == "inv_1"

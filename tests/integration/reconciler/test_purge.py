@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 
 from helpers import elapse
 from sqlalchemy.orm import Session
 
 import outbox
-from outbox.reconciler.jobs.purge import purge
+from outbox import store
+from outbox.reconciler.jobs.purge import FLOOR_RESET_SECONDS, Floors, purge
 
 from .support import (
     settle,
@@ -46,3 +48,108 @@ def test_purge_deletes_old_terminal_rows_in_bounded_batches(clean, engine, db):
     # The purged row's attempt row went with it; the kept rows' own claims remain.
     fenced = db.execute("SELECT message_id FROM outbox_attempt ORDER BY message_id").fetchall()
     assert fenced == [(ids[1],), (ids[2],)]
+
+
+# -- where the statements resume (Floors) -----------------------------------------------------------
+
+
+def _old_sent_rows(db, prefix: str, count: int, hours: float) -> None:
+    db.execute(
+        """
+        INSERT INTO outbox_message (key, step, destination, payload, state, provider_ref, completed_at)
+        SELECT %(prefix)s || g, 'charge', 'payments.charge', '{}', 'sent', 'ch_' || g,
+               now() - %(hours)s * interval '1 hour' + g * interval '1 millisecond'
+        FROM generate_series(1, %(count)s) AS g
+        """,
+        {"prefix": prefix, "count": count, "hours": hours},
+    )
+
+
+def test_a_floor_only_delays_a_row_behind_it_until_the_reset(clean, db):
+    floors = Floors()
+    _old_sent_rows(db, "newer:", 30, hours=2)
+    assert purge(db, retention_seconds=3600, floors=floors) == {"purged": 30, "batches": 1}
+    assert floors.message is not None
+    # A row completed before the floor (a chain repaired, a batch finished late): the floor leaves
+    # it where it is, and the next run after a reset takes it.
+    _old_sent_rows(db, "behind:", 1, hours=3)
+    assert purge(db, retention_seconds=3600, floors=floors) == {}
+    assert db.execute("SELECT count(*) FROM outbox_message WHERE key = 'behind:1'").fetchone()[0] == 1
+    floors.expire(floors.reset_at)
+    assert floors.message is None
+    assert purge(db, retention_seconds=3600, floors=floors) == {"purged": 1, "batches": 1}
+    assert db.execute("SELECT count(*) FROM outbox_key_ledger WHERE key = 'behind:1'").fetchone()[0] == 1
+
+
+def test_a_floor_never_purges_early(clean, db):
+    floors = Floors()
+    _old_sent_rows(db, "old:", 10, hours=2)
+    _old_sent_rows(db, "young:", 10, hours=0.5)
+    assert purge(db, retention_seconds=3600, floors=floors) == {"purged": 10, "batches": 1}
+    assert purge(db, retention_seconds=3600, floors=floors) == {}
+    left = db.execute("SELECT count(*) FROM outbox_message WHERE key LIKE 'young:%'").fetchone()[0]
+    assert left == 10
+
+
+def _ledger_entries(db, prefix: str, count: int, hours: float) -> None:
+    db.execute(
+        """
+        INSERT INTO outbox_key_ledger (message_id, completed_at, attempts, confirmed, ambiguous, key, step,
+                                       destination, payload_hash, state, provider_ref)
+        SELECT g, now() - %(hours)s * interval '1 hour' + g * interval '1 millisecond', 1, 1, false,
+               %(prefix)s || g, 'charge', 'payments.charge', sha256('x'), 'sent', 'ch_' || g
+        FROM generate_series(1, %(count)s) AS g
+        """,
+        {"prefix": prefix, "count": count, "hours": hours},
+    )
+
+
+def _scan_buffers(db, after) -> int:
+    """Buffers the ledger drop's oldest-first scan of the completed_at index touched (index and
+    heap pages), in a transaction rolled back."""
+    db.execute("BEGIN")
+    try:
+        (plan,) = db.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + store.recovery._DROP_LEDGER,
+            {"horizon": 3600.0, "limit": 100, "after": after},
+        ).fetchone()
+    finally:
+        db.execute("ROLLBACK")
+
+    def scans(node):
+        if node.get("Index Name") == "outbox_key_ledger_completed_idx":
+            yield node
+        for child in node.get("Plans", ()):
+            yield from scans(child)
+
+    (scan,) = list(scans(plan[0]["Plan"]))
+    return int(scan["Shared Hit Blocks"]) + int(scan["Shared Read Blocks"])
+
+
+def test_the_ledger_drop_resumes_past_the_entries_it_deleted(clean, db):
+    """Entries a drop deleted stay in the completed_at index until a vacuum: without the floor,
+    the next drop steps over every one of them; with it, it starts where the last one ended."""
+    floors = Floors()
+    _ledger_entries(db, "gone:", 20_000, hours=5)
+    counts = purge(db, retention_seconds=60, ledger_horizon_seconds=3600, floors=floors)
+    assert counts["ledger_dropped"] == 20_000
+    assert floors.ledger is not None
+    _ledger_entries(db, "next:", 100, hours=2)
+    from_the_oldest = _scan_buffers(db, None)
+    from_the_floor = _scan_buffers(db, floors.ledger)
+    # 20,000 dead entries fill some 50 index pages; 100 live ones one or two (2 vs 56 measured).
+    assert from_the_floor * 5 < from_the_oldest, (from_the_floor, from_the_oldest)
+    dropped = purge(db, retention_seconds=60, ledger_horizon_seconds=3600, floors=floors)
+    assert dropped == {"ledger_dropped": 100}
+    assert db.execute("SELECT count(*) FROM outbox_key_ledger").fetchone()[0] == 0
+
+
+def test_floors_reset_after_their_interval():
+    floors = Floors()
+    floors.message = floors.ledger = datetime.now(UTC)
+    floors.expire(floors.reset_at - 1)
+    assert floors.message is not None and floors.ledger is not None
+    at = floors.reset_at
+    floors.expire(at)
+    assert floors.message is None and floors.ledger is None
+    assert floors.reset_at == at + FLOOR_RESET_SECONDS
