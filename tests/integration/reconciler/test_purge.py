@@ -148,6 +148,45 @@ def test_the_ledger_drop_resumes_past_the_entries_it_deleted(clean, db):
     assert db.execute("SELECT count(*) FROM outbox_key_ledger").fetchone()[0] == 0
 
 
+def _scans_buffers(db, after) -> int:
+    """Buffers every scan of the completed_at index in the ledger drop touched (index and heap
+    pages), the DELETE's re-check included, in a transaction rolled back."""
+    db.execute("BEGIN")
+    try:
+        (plan,) = db.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + store.recovery._DROP_LEDGER,
+            {"horizon": 3600.0, "limit": 5000, "after": after},
+        ).fetchone()
+    finally:
+        db.execute("ROLLBACK")
+
+    def scans(node):
+        if node.get("Index Name") == "outbox_key_ledger_completed_idx":
+            yield node
+        for child in node.get("Plans", ()):
+            yield from scans(child)
+
+    return sum(int(n["Shared Hit Blocks"]) + int(n["Shared Read Blocks"]) for n in scans(plan[0]["Plan"]))
+
+
+def test_the_ledger_drop_with_a_backlog_resumes_past_its_dead_entries_in_every_scan(clean, db):
+    """With more due entries than one statement drops, the DELETE's own re-check of the horizon
+    reads the completed_at index as well: it must start at the floor too, or it still steps over
+    every dead entry from the oldest."""
+    floors = Floors()
+    _ledger_entries(db, "gone:", 100_000, hours=10)
+    while purge(db, retention_seconds=60, ledger_horizon_seconds=3600, floors=floors).get("ledger_dropped"):
+        pass
+    _ledger_entries(db, "due:", 6000, hours=5)
+    _ledger_entries(db, "young:", 50_000, hours=0.9)
+    db.execute("ANALYZE outbox_key_ledger")
+    _scans_buffers(db, None)
+    from_the_oldest = _scans_buffers(db, None)
+    from_the_floor = _scans_buffers(db, floors.ledger)
+    # 100,000 dead entries fill some 270 index pages; 6000 due ones some 120 (index and heap).
+    assert from_the_floor * 2 < from_the_oldest, (from_the_floor, from_the_oldest)
+
+
 def test_floors_reset_after_their_interval():
     floors = Floors()
     floors.message = floors.ledger = datetime.now(UTC)
