@@ -408,7 +408,7 @@ ledgered AS (
         provider_ref = EXCLUDED.provider_ref
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM ledgered), (SELECT max(completed_at) FROM gone)
+SELECT (SELECT count(*) FROM ledgered), (SELECT max(completed_at) FROM gone WHERE isfinite(completed_at))
 """
 
 
@@ -768,7 +768,8 @@ WITH dropped AS (
     AND NOT EXISTS (SELECT 1 FROM outbox_batch b WHERE b.id = outbox_key_ledger.batch_id)
     RETURNING completed_at
 )
-SELECT count(*), max(completed_at) FROM dropped
+-- A hand-written infinite time would not come back as a Python datetime: no floor from it.
+SELECT count(*), max(completed_at) FILTER (WHERE isfinite(completed_at)) FROM dropped
 """
 
 

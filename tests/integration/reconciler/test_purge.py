@@ -196,3 +196,17 @@ def test_floors_reset_after_their_interval():
     floors.expire(at)
     assert floors.message is None and floors.ledger is None
     assert floors.reset_at == at + FLOOR_RESET_SECONDS
+
+
+def test_a_row_completed_at_minus_infinity_is_purged_without_a_floor(clean, db):
+    """Only hand-written SQL makes one; it goes like any other, and sets no floor."""
+    floors = Floors()
+    _old_sent_rows(db, "inf:", 1, hours=2)
+    db.execute("UPDATE outbox_message SET completed_at = '-infinity' WHERE key = 'inf:1'")
+    assert purge(db, retention_seconds=3600, floors=floors) == {"purged": 1, "batches": 1}
+    assert floors.message is None
+    db.execute("UPDATE outbox_key_ledger SET completed_at = '-infinity' WHERE key = 'inf:1'")
+    assert purge(db, retention_seconds=3600, ledger_horizon_seconds=3600, floors=floors) == {
+        "ledger_dropped": 1
+    }
+    assert floors.ledger is None
