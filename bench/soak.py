@@ -103,6 +103,7 @@ PRODUCTION_SETTINGS = {
     "outbox_message": "autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_threshold = 1000, "
     "autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 1",
     "outbox_attempt": "autovacuum_vacuum_scale_factor = 0.05, autovacuum_vacuum_insert_scale_factor = 0.05",
+    "outbox_key_ledger": "autovacuum_vacuum_scale_factor = 0.02",
 }
 TARGET = 0.10  # last tenth within 10 % of the first
 
