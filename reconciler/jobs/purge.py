@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import psycopg
 
@@ -51,12 +51,33 @@ class Floors:
     ledger: datetime | None = None
     reset_at: float = field(default_factory=lambda: time.monotonic() + FLOOR_RESET_SECONDS)
 
+    def sweep(
+        self,
+        which: Literal["message", "ledger"],
+        statement: Callable[[datetime | None], store.recovery.Swept],
+    ) -> int:
+        """Run ``statement`` from floor ``which`` and move that floor to the newest row it removed:
+        how many it removed."""
+        swept = statement(getattr(self, which))
+        if swept.newest is not None:
+            setattr(self, which, swept.newest)
+        return swept.count
+
     def expire(self, now: float | None = None) -> None:
         """Back to the oldest row once ``FLOOR_RESET_SECONDS`` have passed since the last reset."""
         now = time.monotonic() if now is None else now
         if now >= self.reset_at:
             self.message = self.ledger = None
             self.reset_at = now + FLOOR_RESET_SECONDS
+
+
+def _sweep(
+    floors: Floors | None,
+    which: Literal["message", "ledger"],
+    statement: Callable[[datetime | None], store.recovery.Swept],
+) -> int:
+    """``statement`` from the floor when there are floors, else from the oldest row."""
+    return floors.sweep(which, statement) if floors is not None else statement(None).count
 
 
 def _batches(run: Callable[[], int], max_batches: int, batch: int) -> tuple[int, int]:
@@ -99,15 +120,13 @@ def purge(
         floors.expire()
 
     def move() -> int:
-        swept = store.recovery.purge(
-            conn,
-            retention_seconds=retention_seconds,
-            limit=PURGE_BATCH,
-            after=floors.message if floors is not None else None,
+        return _sweep(
+            floors,
+            "message",
+            lambda after: store.recovery.purge(
+                conn, retention_seconds=retention_seconds, limit=PURGE_BATCH, after=after
+            ),
         )
-        if floors is not None and swept.newest is not None:
-            floors.message = swept.newest
-        return swept.count
 
     counts: dict[str, int] = {}
     if can_see_all_transactions(conn):
@@ -141,16 +160,17 @@ def purge(
         horizon = max(float(ledger_horizon_seconds), float(retention_seconds))
 
         def drop_ledger(resume: bool) -> int:
-            def one() -> int:
-                after = floors.ledger if resume and floors is not None else None
-                swept = store.recovery.drop_ledger(
-                    conn, horizon_seconds=horizon, limit=LEDGER_DROP_BATCH, after=after
-                )
-                if resume and floors is not None and swept.newest is not None:
-                    floors.ledger = swept.newest
-                return swept.count
-
-            dropped, _ = _batches(one, max_batches, LEDGER_DROP_BATCH)
+            dropped, _ = _batches(
+                lambda: _sweep(
+                    floors if resume else None,
+                    "ledger",
+                    lambda after: store.recovery.drop_ledger(
+                        conn, horizon_seconds=horizon, limit=LEDGER_DROP_BATCH, after=after
+                    ),
+                ),
+                max_batches,
+                LEDGER_DROP_BATCH,
+            )
             return dropped
 
         dropped = drop_ledger(resume=True)
